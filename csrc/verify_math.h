@@ -1,0 +1,112 @@
+// Per-element math of DIVERSED verification, shared by the CPU and CUDA kernels.
+//
+// Every function here is __host__ __device__ and free of torch, so the CPU build (and therefore the CPU test suite)
+// exercises exactly the arithmetic the GPU runs. The arithmetic model is fixed so that the native kernels and the
+// pure-PyTorch reference agree bit for bit on identical uniforms:
+//   * probabilities and weights are loaded as float32 and sanitised (NaN, negative or infinite mass counts as zero);
+//   * nu = (w * p) + ((1 - w) * q) in float32 without fused multiply-add (the build passes -ffp-contract=off / --fmad=false);
+//   * the accept test u * q < nu is evaluated in float64, where it is exact;
+//   * residual mass max(0, p - q) is formed in float32 and accumulated in float64.
+#pragma once
+
+#include <cstdint>
+#include <cfloat>
+
+#if defined(__CUDACC__) || defined(__HIPCC__)
+#define DX_HD __host__ __device__ __forceinline__
+#else
+#define DX_HD inline
+#endif
+
+namespace diversed {
+
+// Probability mass that is NaN, negative or infinite counts as zero (only reachable with check_inputs=False).
+DX_HD float sanitize_mass(float x) { return (x >= 0.0f && x <= FLT_MAX) ? x : 0.0f; }
+
+// The weight on the target; NaN falls back to 1 (plain speculative decoding, the conservative choice).
+DX_HD float sanitize_weight(float w) {
+  if (!(w == w)) return 1.0f;
+  return w < 0.0f ? 0.0f : (w > 1.0f ? 1.0f : w);
+}
+
+// nu(x) = w p(x) + (1 - w) q(x): written as two products and a sum so the rounding matches torch's elementwise ops.
+DX_HD float mix_mass(float w, float p, float q) {
+  float target_part = w * p;
+  float draft_part = (1.0f - w) * q;
+  return target_part + draft_part;
+}
+
+// Accept the drafted token iff u * q(x) < nu(x); exact in double because u, q and nu are float32 values.
+DX_HD bool accept_draft(double u, float q, float nu) { return u * static_cast<double>(q) < static_cast<double>(nu); }
+
+// min(1, nu / q): the probability that the accept test passes. A token the draft could not have sampled (q = 0)
+// passes whenever nu > 0.
+DX_HD float accept_probability(float nu, float q) {
+  if (q > 0.0f) {
+    float ratio = nu / q;
+    return ratio < 1.0f ? ratio : 1.0f;
+  }
+  return nu > 0.0f ? 1.0f : 0.0f;
+}
+
+// Residual mass max(0, p - q) at the first rejection; w cancels after normalisation for every w > 0.
+DX_HD float residual_mass(float p, float q) {
+  float r = p - q;
+  return r > 0.0f ? r : 0.0f;
+}
+
+// Greedy comparison: strictly larger wins, so ties keep the lowest token id.
+DX_HD bool better_candidate(float value, int64_t index, float best_value, int64_t best_index) {
+  return value > best_value || (value == best_value && index < best_index);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Counter-based random numbers: Philox4x32-10 (Salmon et al., SC'11), keyed by the seed, counted by
+// (position, row key, offset). The Python reference implements the same function with int64 tensor arithmetic.
+constexpr uint32_t kPhiloxM0 = 0xD2511F53u;
+constexpr uint32_t kPhiloxM1 = 0xCD9E8D57u;
+constexpr uint32_t kPhiloxW0 = 0x9E3779B9u;
+constexpr uint32_t kPhiloxW1 = 0xBB67AE85u;
+constexpr int kPhiloxRounds = 10;
+
+DX_HD void mul_hi_lo(uint32_t a, uint32_t b, uint32_t* hi, uint32_t* lo) {
+  uint64_t product = static_cast<uint64_t>(a) * static_cast<uint64_t>(b);
+  *hi = static_cast<uint32_t>(product >> 32);
+  *lo = static_cast<uint32_t>(product);
+}
+
+// Returns the first 32-bit word of Philox4x32-10 for the given counter and key.
+DX_HD uint32_t philox_first_word(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3, uint32_t k0, uint32_t k1) {
+  for (int round = 0; round < kPhiloxRounds; ++round) {
+    uint32_t hi0, lo0, hi1, lo1;
+    mul_hi_lo(kPhiloxM0, c0, &hi0, &lo0);
+    mul_hi_lo(kPhiloxM1, c2, &hi1, &lo1);
+    uint32_t n0 = hi1 ^ c1 ^ k0;
+    uint32_t n2 = hi0 ^ c3 ^ k1;
+    c0 = n0;
+    c1 = lo1;
+    c2 = n2;
+    c3 = lo0;
+    k0 += kPhiloxW0;
+    k1 += kPhiloxW1;
+  }
+  return c0;
+}
+
+// A uniform in [0, 1) with 24 random bits: exactly representable in float32 and float64.
+DX_HD double philox_uniform(int64_t seed, int64_t offset, int64_t row_key, int64_t position) {
+  uint64_t s = static_cast<uint64_t>(seed);
+  uint64_t o = static_cast<uint64_t>(offset);
+  uint32_t word = philox_first_word(static_cast<uint32_t>(position), static_cast<uint32_t>(row_key),
+                                    static_cast<uint32_t>(o), static_cast<uint32_t>(o >> 32),
+                                    static_cast<uint32_t>(s), static_cast<uint32_t>(s >> 32));
+  return static_cast<double>(word >> 8) * (1.0 / 16777216.0);
+}
+
+// Uniforms outside [0, 1) (only reachable with check_inputs=False) are clamped into it; NaN becomes 0.
+DX_HD double sanitize_uniform(double u) {
+  if (!(u >= 0.0)) return 0.0;
+  return u < 1.0 ? u : 0.99999999999999989;  // largest double below 1
+}
+
+}  // namespace diversed

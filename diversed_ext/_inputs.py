@@ -1,0 +1,255 @@
+"""Validation and normalisation of verify arguments, shared by the native ops and the references.
+
+Structural checks (types, ranks, shapes, dtypes, devices) cost nothing and always run. Checks of values (token ids,
+probabilities, weights, uniforms, draft lengths) read tensors back to the host, so they run only with
+``check_inputs=True``; without them the kernels stay memory-safe by construction (see csrc/verify_math.h).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from numbers import Integral, Real
+from typing import Optional, Union
+
+import torch
+
+PROB_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+TOKEN_DTYPES = (torch.int32, torch.int64)
+SEED_RANGE = 2**63
+
+WeightLike = Union[float, torch.Tensor]
+SeedLike = Union[int, torch.Tensor, None]
+
+
+@dataclass
+class VerifyArgs:
+    """Arguments in the exact layout the ``diversed::verify_*`` ops expect."""
+
+    draft_tokens: torch.Tensor  # int64 [B, K]
+    draft: torch.Tensor  # [B, K, V] probabilities or logits, contiguous
+    target: torch.Tensor  # [B, K+1, V], same dtype
+    weight: torch.Tensor  # float32 [B, K]
+    num_draft: torch.Tensor  # int64 [B]
+    greedy: torch.Tensor  # bool [B]
+    uniforms: Optional[torch.Tensor]  # float64 [B, K+1] or None (then Philox with seeds)
+    seeds: torch.Tensor  # int64 [B]
+    offset: int
+    per_row_seed: bool
+
+
+def _require_tensor(value, name: str) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    return value
+
+
+def _require_rank(tensor: torch.Tensor, rank: int, name: str, layout: str) -> None:
+    if tensor.dim() != rank:
+        raise ValueError(f"{name} must have {rank} dimensions {layout}, got shape {tuple(tensor.shape)}")
+
+
+def _require_device(tensor: torch.Tensor, device: torch.device, name: str) -> None:
+    if tensor.device != device:
+        raise ValueError(f"{name} is on {tensor.device} but the probabilities are on {device}; put them on one device")
+
+
+def _check_distribution_values(tensor: torch.Tensor, name: str) -> None:
+    """One pass (aminmax) finds NaN, negative and infinite entries."""
+    if tensor.numel() == 0:
+        return
+    low, high = torch.aminmax(tensor)
+    low, high = float(low), float(high)
+    if low != low or high != high:
+        raise ValueError(f"{name} contains NaN")
+    if low < 0:
+        raise ValueError(f"{name} contains negative probabilities (minimum {low})")
+    if high == float("inf"):
+        raise ValueError(f"{name} contains infinite values")
+
+
+def check_distributions(draft: torch.Tensor, target: torch.Tensor, draft_name: str, target_name: str,
+                        kind: str) -> tuple[int, int, int]:
+    """Types, ranks, dtypes, devices and B/K/V agreement of the draft and target tensors; returns (B, K, V)."""
+    _require_tensor(draft, draft_name)
+    _require_tensor(target, target_name)
+    for tensor, name in ((draft, draft_name), (target, target_name)):
+        if not tensor.is_floating_point():
+            raise TypeError(f"{name} must hold floating-point {kind}, got dtype {tensor.dtype}")
+        if tensor.dtype not in PROB_DTYPES:
+            raise TypeError(f"{name} must be float32, bfloat16 or float16, got {tensor.dtype}")
+    _require_rank(draft, 3, draft_name, "[B, K, V]")
+    _require_rank(target, 3, target_name, "[B, K+1, V]")
+    if draft.dtype != target.dtype:
+        raise TypeError(f"{draft_name} ({draft.dtype}) and {target_name} ({target.dtype}) must have the same dtype")
+    _require_device(target, draft.device, target_name)
+    batch, num_positions, vocab = draft.shape
+    if vocab == 0 or target.shape[2] == 0:
+        raise ValueError(f"vocabulary size V must be positive, got {draft_name} shape {tuple(draft.shape)}")
+    if target.shape[0] != batch:
+        raise ValueError(f"{target_name} has batch size {target.shape[0]} but {draft_name} has {batch}")
+    if target.shape[1] != num_positions + 1:
+        raise ValueError(f"{target_name} must have K+1 = {num_positions + 1} positions (K from {draft_name}), "
+                         f"got {target.shape[1]}")
+    if target.shape[2] != vocab:
+        raise ValueError(f"{target_name} has vocabulary size {target.shape[2]} but {draft_name} has {vocab}")
+    return batch, num_positions, vocab
+
+
+def normalize_weight(weight: WeightLike, batch: int, num_positions: int, device: torch.device,
+                     check_inputs: bool) -> torch.Tensor:
+    """A float, [B] or [B, K] weight on the target, as contiguous float32 [B, K]."""
+    if isinstance(weight, bool) or not isinstance(weight, (Real, torch.Tensor)):
+        raise TypeError(f"weight must be a float or a tensor of shape [B] or [B, K], got {type(weight).__name__}")
+    if not isinstance(weight, torch.Tensor):
+        value = float(weight)
+        if not 0.0 <= value <= 1.0:
+            raise ValueError(f"weight must lie in [0, 1], got {value}")
+        return torch.full((batch, num_positions), value, dtype=torch.float32, device=device)
+    if not weight.is_floating_point():
+        raise TypeError(f"weight must be a floating-point tensor, got dtype {weight.dtype}")
+    _require_device(weight, device, "weight")
+    if weight.dim() == 0:
+        weight = weight.reshape(1, 1)
+    elif weight.dim() == 1:
+        if weight.shape[0] != batch:
+            raise ValueError(f"weight of shape [B] must have B = {batch} entries, got {weight.shape[0]}")
+        weight = weight.unsqueeze(1)
+    elif weight.dim() == 2:
+        if tuple(weight.shape) != (batch, num_positions):
+            raise ValueError(f"weight of shape [B, K] must be [{batch}, {num_positions}], got {tuple(weight.shape)}")
+    else:
+        raise ValueError(f"weight must be a float or a tensor of shape [B] or [B, K], got shape {tuple(weight.shape)}")
+    weight = weight.to(torch.float32).expand(batch, num_positions).contiguous()
+    if check_inputs and weight.numel() > 0:
+        if bool(torch.isnan(weight).any()):
+            raise ValueError("weight contains NaN")
+        low, high = float(weight.min()), float(weight.max())
+        if low < 0.0 or high > 1.0:
+            raise ValueError(f"weight must lie in [0, 1], got values in [{low}, {high}]")
+    return weight
+
+
+def normalize_tokens(draft_tokens, batch: int, num_positions: int, device: torch.device) -> torch.Tensor:
+    _require_tensor(draft_tokens, "draft_tokens")
+    if draft_tokens.dtype not in TOKEN_DTYPES:
+        raise TypeError(f"draft_tokens must be int32 or int64, got {draft_tokens.dtype}")
+    _require_rank(draft_tokens, 2, "draft_tokens", "[B, K]")
+    if tuple(draft_tokens.shape) != (batch, num_positions):
+        raise ValueError(f"draft_tokens must be [B, K] = [{batch}, {num_positions}], got {tuple(draft_tokens.shape)}")
+    _require_device(draft_tokens, device, "draft_tokens")
+    return draft_tokens.to(torch.int64).contiguous()
+
+
+def normalize_num_draft(num_draft, batch: int, num_positions: int, device: torch.device,
+                        check_inputs: bool) -> torch.Tensor:
+    if num_draft is None:
+        return torch.full((batch,), num_positions, dtype=torch.int64, device=device)
+    _require_tensor(num_draft, "num_draft")
+    if num_draft.is_floating_point() or num_draft.is_complex() or num_draft.dtype == torch.bool:
+        raise TypeError(f"num_draft must be an integer tensor, got {num_draft.dtype}")
+    if tuple(num_draft.shape) != (batch,):
+        raise ValueError(f"num_draft must have shape [B] = [{batch}], got {tuple(num_draft.shape)}")
+    _require_device(num_draft, device, "num_draft")
+    num_draft = num_draft.to(torch.int64).contiguous()
+    if check_inputs and batch > 0:
+        low, high = int(num_draft.min()), int(num_draft.max())
+        if low < 0 or high > num_positions:
+            raise ValueError(f"num_draft must lie in [0, K] = [0, {num_positions}], got values in [{low}, {high}]")
+    return num_draft
+
+
+def check_token_ids(draft_tokens: torch.Tensor, num_draft: torch.Tensor, vocab: int) -> None:
+    """Token ids at drafted positions (i < num_draft) must lie in [0, V); padding past num_draft is ignored."""
+    if draft_tokens.numel() == 0:
+        return
+    drafted = torch.arange(draft_tokens.shape[1], device=draft_tokens.device) < num_draft.unsqueeze(1)
+    bad = drafted & ((draft_tokens < 0) | (draft_tokens >= vocab))
+    if bool(bad.any()):
+        row, position = (int(i) for i in bad.nonzero()[0])
+        raise ValueError(f"draft_tokens[{row}, {position}] = {int(draft_tokens[row, position])} is outside [0, V) "
+                         f"with V = {vocab}")
+
+
+def normalize_greedy(greedy, batch: int, device: torch.device) -> torch.Tensor:
+    if greedy is None:
+        return torch.zeros(batch, dtype=torch.bool, device=device)
+    if isinstance(greedy, bool):
+        return torch.full((batch,), greedy, dtype=torch.bool, device=device)
+    _require_tensor(greedy, "greedy")
+    if greedy.dtype != torch.bool:
+        raise TypeError(f"greedy must be a bool tensor of shape [B], got dtype {greedy.dtype}")
+    if tuple(greedy.shape) != (batch,):
+        raise ValueError(f"greedy must have shape [B] = [{batch}], got {tuple(greedy.shape)}")
+    _require_device(greedy, device, "greedy")
+    return greedy.contiguous()
+
+
+def normalize_uniforms(uniforms, batch: int, num_positions: int, device: torch.device,
+                       check_inputs: bool) -> Optional[torch.Tensor]:
+    if uniforms is None:
+        return None
+    _require_tensor(uniforms, "uniforms")
+    if not uniforms.is_floating_point():
+        raise TypeError(f"uniforms must be a floating-point tensor, got dtype {uniforms.dtype}")
+    if tuple(uniforms.shape) != (batch, num_positions + 1):
+        raise ValueError(f"uniforms must have shape [B, K+1] = [{batch}, {num_positions + 1}], "
+                         f"got {tuple(uniforms.shape)}")
+    _require_device(uniforms, device, "uniforms")
+    uniforms = uniforms.to(torch.float64).contiguous()
+    if check_inputs and uniforms.numel() > 0:
+        if bool(torch.isnan(uniforms).any()):
+            raise ValueError("uniforms contains NaN")
+        low, high = float(uniforms.min()), float(uniforms.max())
+        if low < 0.0 or high >= 1.0:
+            raise ValueError(f"uniforms must lie in [0, 1), got values in [{low}, {high}]")
+    return uniforms
+
+
+def normalize_seed(seed: SeedLike, batch: int, device: torch.device, check_inputs: bool) -> tuple[torch.Tensor, bool]:
+    """Seeds as int64 [B] and whether they are per row. No seed: one is drawn from torch's default generator."""
+    if seed is None:
+        drawn = torch.randint(0, SEED_RANGE - 1, (1,), dtype=torch.int64)
+        return drawn.expand(batch).to(device).contiguous(), False
+    if isinstance(seed, bool) or not isinstance(seed, (Integral, torch.Tensor)):
+        raise TypeError(f"seed must be an int or an int64 tensor of shape [B], got {type(seed).__name__}")
+    if not isinstance(seed, torch.Tensor):
+        if not -SEED_RANGE <= int(seed) < 2 * SEED_RANGE:
+            raise ValueError(f"seed must fit in 64 bits, got {seed}")
+        value = int(seed) - 2 * SEED_RANGE if int(seed) >= SEED_RANGE else int(seed)
+        return torch.full((batch,), value, dtype=torch.int64, device=device), False
+    if seed.dtype not in TOKEN_DTYPES:
+        raise TypeError(f"seed tensor must be int32 or int64, got {seed.dtype}")
+    if tuple(seed.shape) != (batch,):
+        raise ValueError(f"seed tensor must have shape [B] = [{batch}], got {tuple(seed.shape)}")
+    return seed.to(device=device, dtype=torch.int64).contiguous(), True
+
+
+def normalize_offset(offset) -> int:
+    if isinstance(offset, bool) or not isinstance(offset, Integral):
+        raise TypeError(f"offset must be an int, got {type(offset).__name__}")
+    if not 0 <= int(offset) < SEED_RANGE:
+        raise ValueError(f"offset must lie in [0, 2**63), got {offset}")
+    return int(offset)
+
+
+def prepare_verify(draft_tokens, draft, target, weight, *, num_draft, greedy, uniforms, seed, offset,
+                   check_inputs: bool, draft_name: str, target_name: str, kind: str) -> VerifyArgs:
+    """Validate and normalise every verify argument (probabilities or logits alike)."""
+    batch, num_positions, vocab = check_distributions(draft, target, draft_name, target_name, kind)
+    device = draft.device
+    tokens = normalize_tokens(draft_tokens, batch, num_positions, device)
+    weight_t = normalize_weight(weight, batch, num_positions, device, check_inputs)
+    num_draft_t = normalize_num_draft(num_draft, batch, num_positions, device, check_inputs)
+    greedy_t = normalize_greedy(greedy, batch, device)
+    uniforms_t = normalize_uniforms(uniforms, batch, num_positions, device, check_inputs)
+    if uniforms is not None and seed is not None:
+        raise ValueError("pass either uniforms or seed, not both: explicit uniforms replace the generator")
+    seeds_t, per_row_seed = normalize_seed(seed, batch, device, check_inputs)
+    offset_i = normalize_offset(offset)
+    if check_inputs:
+        check_token_ids(tokens, num_draft_t, vocab)
+        if kind == "probabilities":
+            _check_distribution_values(draft, draft_name)
+            _check_distribution_values(target, target_name)
+    return VerifyArgs(tokens, draft.contiguous(), target.contiguous(), weight_t, num_draft_t, greedy_t, uniforms_t,
+                      seeds_t, offset_i, per_row_seed)

@@ -1,0 +1,26 @@
+"""Loads the native library and registers the fake (meta) kernels of the ``diversed`` ops.
+
+The fake kernels give output shapes and dtypes without data, which is what ``torch.compile`` and
+``torch.library.opcheck`` need.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _C  # noqa: F401  (loading the library registers the schemas and the CPU/CUDA kernels)
+
+
+def cuda_kernels_registered() -> bool:
+    """True when this build registered a CUDA kernel for ``diversed::verify_probs``."""
+    return torch._C._dispatch_has_kernel_for_dispatch_key("diversed::verify_probs", "CUDA")
+
+
+@torch.library.register_fake("diversed::verify_probs")
+def _verify_probs_fake(draft_tokens, draft_probs, target_probs, weight, num_draft, greedy, uniforms, seeds, offset,
+                       per_row_seed):
+    batch, num_positions, _ = draft_probs.shape
+    tokens = draft_probs.new_empty((batch, num_positions + 1), dtype=torch.int64)
+    num_accepted = draft_probs.new_empty((batch,), dtype=torch.int32)
+    accept_prob = draft_probs.new_empty((batch, num_positions), dtype=torch.float32)
+    return tokens, num_accepted, accept_prob

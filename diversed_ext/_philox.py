@@ -1,0 +1,60 @@
+"""Philox4x32-10 in plain PyTorch integer arithmetic: the counter-based generator of the native kernels.
+
+The kernels draw the uniform for (row, position) as the first word of Philox4x32-10 with counter
+(position, row_key, offset_lo, offset_hi) and key (seed_lo, seed_hi), keeping its top 24 bits: u = (word >> 8) / 2**24.
+``row_key`` is the row index when one seed serves the whole batch and 0 with per-row seeds, so that a request's draw
+depends only on its own seed. This module reproduces that bit for bit (it is tested against the kernels), which lets the
+reference verifier and the native one be compared with seeds as well as with explicit uniforms.
+"""
+
+from __future__ import annotations
+
+import torch
+
+PHILOX_M0 = 0xD2511F53
+PHILOX_M1 = 0xCD9E8D57
+PHILOX_W0 = 0x9E3779B9
+PHILOX_W1 = 0xBB67AE85
+PHILOX_ROUNDS = 10
+UNIFORM_BITS = 24
+_MASK32 = 0xFFFFFFFF
+_MASK16 = 0xFFFF
+
+
+def _mul_hi_lo(constant: int, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """32x32 -> 64-bit product split in halves, without overflowing int64 (the constant is split in 16-bit halves)."""
+    low_product = value * (constant & _MASK16)
+    high_product = value * (constant >> 16) + (low_product >> 16)
+    hi = high_product >> 16
+    lo = ((high_product & _MASK16) << 16) | (low_product & _MASK16)
+    return hi & _MASK32, lo & _MASK32
+
+
+def philox_uniforms(seeds: torch.Tensor, offset: int, num_positions: int, per_row_seed: bool) -> torch.Tensor:
+    """Uniforms [B, num_positions] float64 in [0, 1), identical to the native kernels' draws.
+
+    Args:
+        seeds: int64 [B], one seed per row (a shared seed is simply repeated).
+        offset: step counter; successive decoding steps pass successive offsets to draw fresh numbers.
+        num_positions: positions per row (K + 1 for a verify call).
+        per_row_seed: True when each row has its own seed (the row index then stays out of the counter).
+    """
+    device = seeds.device
+    batch = seeds.shape[0]
+    seeds = seeds.to(torch.int64)
+    shape = (batch, num_positions)
+    c0 = torch.arange(num_positions, device=device, dtype=torch.int64).expand(shape)
+    rows = torch.zeros(batch, dtype=torch.int64, device=device) if per_row_seed else torch.arange(batch, device=device)
+    c1 = (rows & _MASK32).unsqueeze(1).expand(shape)
+    offset = int(offset) & 0xFFFFFFFFFFFFFFFF
+    c2 = torch.full(shape, offset & _MASK32, dtype=torch.int64, device=device)
+    c3 = torch.full(shape, offset >> 32, dtype=torch.int64, device=device)
+    k0 = (seeds & _MASK32).unsqueeze(1).expand(shape)
+    k1 = ((seeds >> 32) & _MASK32).unsqueeze(1).expand(shape)
+    for _ in range(PHILOX_ROUNDS):
+        hi0, lo0 = _mul_hi_lo(PHILOX_M0, c0)
+        hi1, lo1 = _mul_hi_lo(PHILOX_M1, c2)
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+        k0 = (k0 + PHILOX_W0) & _MASK32
+        k1 = (k1 + PHILOX_W1) & _MASK32
+    return (c0 >> (32 - UNIFORM_BITS)).to(torch.float64) / float(1 << UNIFORM_BITS)

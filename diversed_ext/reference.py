@@ -1,0 +1,109 @@
+"""Pure-PyTorch DIVERSED verification: the same contract as the native ops, written the way a user would write it.
+
+It is the correctness oracle of the test suite and the baseline of every benchmark. It follows the arithmetic model of
+csrc/verify_math.h (float32 mixture without fused multiply-add, float64 accept test and cumulative sums), so on identical
+uniforms it returns the same tokens as the kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._inputs import prepare_verify
+from ._philox import philox_uniforms
+from .types import VerifyResult
+
+FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
+def _sanitize_mass(values: torch.Tensor) -> torch.Tensor:
+    """NaN, negative and infinite mass count as zero (reachable only with check_inputs=False)."""
+    return torch.where((values >= 0) & (values <= FLOAT32_MAX), values, torch.zeros_like(values))
+
+
+def _sanitize_weight(weight: torch.Tensor) -> torch.Tensor:
+    return torch.where(torch.isnan(weight), torch.ones_like(weight), weight.clamp(0.0, 1.0))
+
+
+def inverse_cdf_sample(mass: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """min{v : sum_{j<=v} mass_j > u * sum_j mass_j} per row, guarded so the id always has positive mass.
+
+    Args:
+        mass: [B, V] non-negative float32 (unnormalised).
+        uniform: [B] float64 in [0, 1).
+    Returns int64 [B]; rows with no mass give 0.
+    """
+    cdf = mass.to(torch.float64).cumsum(-1)
+    threshold = (uniform * cdf[:, -1]).unsqueeze(1)
+    chosen = torch.searchsorted(cdf, threshold, right=True).squeeze(1)
+    vocab_ids = torch.arange(mass.shape[1], device=mass.device)
+    last_positive = torch.where(mass > 0, vocab_ids, -1).amax(-1).clamp_min(0)
+    chosen = chosen.clamp_max(mass.shape[1] - 1)
+    chosen_mass = mass.gather(1, chosen.unsqueeze(1)).squeeze(1)
+    return torch.where(chosen_mass > 0, chosen, last_positive)
+
+
+def reference_core(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor,
+                   weight: torch.Tensor, num_draft: torch.Tensor, greedy: torch.Tensor,
+                   uniforms: torch.Tensor) -> VerifyResult:
+    """Verification on normalised arguments (see diversed_ext._inputs.VerifyArgs) with explicit float64 uniforms."""
+    batch, num_positions, vocab = draft_probs.shape
+    rows = torch.arange(batch, device=draft_probs.device)
+    positions = torch.arange(num_positions, device=draft_probs.device)
+    weight = _sanitize_weight(weight)
+
+    drafted = positions.unsqueeze(0) < num_draft.unsqueeze(1)
+    valid = (draft_tokens >= 0) & (draft_tokens < vocab) & drafted
+    safe_tokens = draft_tokens.clamp(0, vocab - 1).unsqueeze(-1)
+    q_token = _sanitize_mass(draft_probs.gather(2, safe_tokens).squeeze(-1).float())
+    p_token = _sanitize_mass(target_probs[:, :num_positions].gather(2, safe_tokens).squeeze(-1).float())
+    nu_token = weight * p_token + (1 - weight) * q_token
+
+    ratio = torch.where(q_token > 0, (nu_token / q_token).clamp(max=1.0), (nu_token > 0).float())
+    accept_sampled = uniforms[:, :num_positions] * q_token.double() < nu_token.double()
+
+    # Greedy rows compare against argmax nu at every position (first index wins ties).
+    nu_full = weight.unsqueeze(-1) * target_probs[:, :num_positions].float() \
+        + (1 - weight).unsqueeze(-1) * draft_probs.float()
+    greedy_choice = nu_full.argmax(-1)
+    accept_greedy = draft_tokens == greedy_choice
+
+    accepted = torch.where(greedy.unsqueeze(1), accept_greedy, accept_sampled) & valid
+    accept_prob = torch.where(greedy.unsqueeze(1), accepted.float(), ratio) * valid
+    num_accepted = accepted.long().cumprod(1).sum(1)
+
+    # The final token: residual at the first rejection, else the bonus from target row num_draft.
+    rejected = num_accepted < num_draft
+    draft_position = num_accepted.clamp(max=max(num_positions - 1, 0))
+    p_row = _sanitize_mass(target_probs[rows, num_accepted].float())
+    if num_positions > 0:
+        q_row = _sanitize_mass(draft_probs[rows, draft_position].float())
+        w_row = weight[rows, draft_position]
+        greedy_at_rejection = greedy_choice[rows, draft_position]
+    else:
+        q_row = torch.zeros_like(p_row)
+        w_row = torch.ones(batch, device=p_row.device)
+        greedy_at_rejection = torch.zeros(batch, dtype=torch.int64, device=p_row.device)
+    residual = (p_row - q_row).clamp_min(0.0)
+    use_residual = rejected & (w_row > 0) & (residual.sum(-1) > 0)
+    mass = torch.where(use_residual.unsqueeze(1), residual, p_row)
+    sampled = inverse_cdf_sample(mass, uniforms[:, num_positions])
+    greedy_final = torch.where(rejected, greedy_at_rejection, p_row.argmax(-1))
+    final = torch.where(greedy, greedy_final, sampled)
+
+    tokens = torch.where(positions.unsqueeze(0) < num_accepted.unsqueeze(1), draft_tokens, -1)
+    tokens = torch.cat([tokens, torch.full((batch, 1), -1, dtype=torch.int64, device=tokens.device)], dim=1)
+    tokens = tokens.scatter(1, num_accepted.unsqueeze(1), final.unsqueeze(1))
+    return VerifyResult(tokens, num_accepted.to(torch.int32), accept_prob)
+
+
+def verify_reference(draft_tokens, draft_probs, target_probs, weight, *, num_draft=None, greedy=None, uniforms=None,
+                     seed=None, offset=0, check_inputs=True) -> VerifyResult:
+    """Reference implementation of :func:`diversed_ext.verify` in plain PyTorch (same arguments, same result)."""
+    args = prepare_verify(draft_tokens, draft_probs, target_probs, weight, num_draft=num_draft, greedy=greedy,
+                          uniforms=uniforms, seed=seed, offset=offset, check_inputs=check_inputs,
+                          draft_name="draft_probs", target_name="target_probs", kind="probabilities")
+    if args.uniforms is None:
+        args.uniforms = philox_uniforms(args.seeds, args.offset, args.draft.shape[1] + 1, args.per_row_seed)
+    return reference_core(args.draft_tokens, args.draft, args.target, args.weight, args.num_draft, args.greedy,
+                          args.uniforms)

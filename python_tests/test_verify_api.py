@@ -1,0 +1,218 @@
+"""Seeds, bad inputs, robustness without checks, custom-op registration, torch.compile and the GIL."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+import diversed_ext as dx
+from conftest import random_problem
+
+
+def problem(batch=3, num_positions=2, vocab=11, seed=0):
+    return random_problem(batch, num_positions, vocab, seed=seed)
+
+
+# ----------------------------------------------------------------------------------------------------------- seeds
+def test_seed_reproduces_and_offset_changes_the_draw():
+    tokens, draft, target = problem(64, 4, 50)
+    first = dx.verify(tokens, draft, target, 0.5, seed=17, offset=3)
+    again = dx.verify(tokens, draft, target, 0.5, seed=17, offset=3)
+    moved = dx.verify(tokens, draft, target, 0.5, seed=17, offset=4)
+    assert torch.equal(first.tokens, again.tokens)
+    assert not torch.equal(first.tokens, moved.tokens)
+
+
+def test_manual_seed_makes_unseeded_calls_repeatable():
+    tokens, draft, target = problem(64, 4, 50)
+    torch.manual_seed(5)
+    first = dx.verify(tokens, draft, target, 0.5)
+    torch.manual_seed(5)
+    again = dx.verify(tokens, draft, target, 0.5)
+    assert torch.equal(first.tokens, again.tokens)
+
+
+def test_per_row_seed_is_independent_of_batch_neighbours():
+    tokens, draft, target = problem(8, 4, 40, seed=1)
+    seeds = torch.arange(100, 108, dtype=torch.int64)
+    batched = dx.verify(tokens, draft, target, 0.5, seed=seeds, offset=9)
+    other_tokens, other_draft, other_target = problem(8, 4, 40, seed=2)
+    for row in range(8):
+        # Put row `row` at index 5 of a batch of unrelated requests.
+        mixed_tokens, mixed_draft, mixed_target = other_tokens.clone(), other_draft.clone(), other_target.clone()
+        mixed_tokens[5], mixed_draft[5], mixed_target[5] = tokens[row], draft[row], target[row]
+        mixed_seeds = torch.arange(900, 908, dtype=torch.int64)
+        mixed_seeds[5] = seeds[row]
+        alone = dx.verify(mixed_tokens, mixed_draft, mixed_target, 0.5, seed=mixed_seeds, offset=9)
+        assert torch.equal(alone.tokens[5], batched.tokens[row])
+
+
+def test_philox_uniforms_are_uniform_and_distinct():
+    uniforms = dx.philox_uniforms(torch.tensor([1, 2], dtype=torch.int64), 0, 50_000, per_row_seed=True)
+    assert uniforms.min() >= 0 and uniforms.max() < 1
+    assert abs(uniforms.mean().item() - 0.5) < 0.01
+    assert not torch.equal(uniforms[0], uniforms[1])
+
+
+# ------------------------------------------------------------------------------------------------------ bad inputs
+def bad_input_cases():
+    tokens, draft, target = problem()
+    cases = {
+        "draft_probs not a tensor": ((tokens, draft.tolist(), target, 0.5), {}, TypeError, "draft_probs"),
+        "integer draft_probs": ((tokens, draft.long(), target, 0.5), {}, TypeError, "draft_probs"),
+        "float64 target": ((tokens, draft, target.double(), 0.5), {}, TypeError, "target_probs"),
+        "dtype mismatch": ((tokens, draft.half(), target, 0.5), {}, TypeError, "same dtype"),
+        "draft rank": ((tokens, draft[0], target, 0.5), {}, ValueError, "draft_probs"),
+        "target rank": ((tokens, draft, target[0], 0.5), {}, ValueError, "target_probs"),
+        "batch mismatch": ((tokens, draft, target[:2], 0.5), {}, ValueError, "batch"),
+        "K mismatch": ((tokens, draft, target[:, :2], 0.5), {}, ValueError, "K\\+1"),
+        "V mismatch": ((tokens, draft, target[..., :5], 0.5), {}, ValueError, "vocabulary"),
+        "V zero": ((tokens, draft[..., :0], target[..., :0], 0.5), {}, ValueError, "V must be positive"),
+        "float tokens": ((tokens.float(), draft, target, 0.5), {}, TypeError, "draft_tokens"),
+        "token shape": ((tokens[:, :1], draft, target, 0.5), {}, ValueError, "draft_tokens"),
+        "token id too large": ((tokens.clone().fill_(11), draft, target, 0.5), {}, ValueError, "draft_tokens"),
+        "negative token id": ((tokens.clone().fill_(-1), draft, target, 0.5), {}, ValueError, "draft_tokens"),
+        "negative prob": ((tokens, draft - 1, target, 0.5), {}, ValueError, "draft_probs.*negative"),
+        "NaN prob": ((tokens, draft, target.clone().fill_(float("nan")), 0.5), {}, ValueError, "target_probs.*NaN"),
+        "inf prob": ((tokens, draft, target.clone().fill_(float("inf")), 0.5), {}, ValueError, "target_probs.*infinite"),
+        "weight above 1": ((tokens, draft, target, 1.5), {}, ValueError, "weight"),
+        "weight tensor below 0": ((tokens, draft, target, torch.full((3,), -0.1)), {}, ValueError, "weight"),
+        "weight NaN": ((tokens, draft, target, torch.full((3, 2), float("nan"))), {}, ValueError, "weight.*NaN"),
+        "weight shape": ((tokens, draft, target, torch.full((4,), 0.5)), {}, ValueError, "weight"),
+        "weight type": ((tokens, draft, target, "0.5"), {}, TypeError, "weight"),
+        "integer weight tensor": ((tokens, draft, target, torch.ones(3, dtype=torch.int64)), {}, TypeError, "weight"),
+        "num_draft above K": ((tokens, draft, target, 0.5), {"num_draft": torch.tensor([0, 3, 1])}, ValueError,
+                              "num_draft"),
+        "num_draft negative": ((tokens, draft, target, 0.5), {"num_draft": torch.tensor([0, -1, 1])}, ValueError,
+                               "num_draft"),
+        "num_draft float": ((tokens, draft, target, 0.5), {"num_draft": torch.ones(3)}, TypeError, "num_draft"),
+        "greedy dtype": ((tokens, draft, target, 0.5), {"greedy": torch.ones(3)}, TypeError, "greedy"),
+        "greedy shape": ((tokens, draft, target, 0.5), {"greedy": torch.ones(2, dtype=torch.bool)}, ValueError,
+                         "greedy"),
+        "uniform equal to 1": ((tokens, draft, target, 0.5), {"uniforms": torch.ones(3, 3)}, ValueError, "uniforms"),
+        "uniform NaN": ((tokens, draft, target, 0.5), {"uniforms": torch.full((3, 3), float("nan"))}, ValueError,
+                        "uniforms.*NaN"),
+        "uniform shape": ((tokens, draft, target, 0.5), {"uniforms": torch.zeros(3, 2)}, ValueError, "uniforms"),
+        "uniforms and seed": ((tokens, draft, target, 0.5), {"uniforms": torch.zeros(3, 3), "seed": 1}, ValueError,
+                              "seed"),
+        "seed type": ((tokens, draft, target, 0.5), {"seed": 1.5}, TypeError, "seed"),
+        "seed shape": ((tokens, draft, target, 0.5), {"seed": torch.ones(2, dtype=torch.int64)}, ValueError, "seed"),
+        "offset negative": ((tokens, draft, target, 0.5), {"offset": -1}, ValueError, "offset"),
+        "offset type": ((tokens, draft, target, 0.5), {"offset": 1.0}, TypeError, "offset"),
+    }
+    return cases
+
+
+@pytest.mark.parametrize("verifier", [dx.verify, dx.verify_reference], ids=["native", "reference"])
+@pytest.mark.parametrize("case", list(bad_input_cases()))
+def test_bad_input_raises_naming_the_argument(verifier, case):
+    args, kwargs, error, pattern = bad_input_cases()[case]
+    with pytest.raises(error, match=pattern):
+        verifier(*args, **kwargs)
+
+
+def test_meta_device_mismatch_is_reported():
+    tokens, draft, target = problem()
+    with pytest.raises(ValueError, match="target_probs.*device"):
+        dx.verify(tokens, draft, target.to("meta"), 0.5)
+
+
+# ------------------------------------------------------------------------------------- robustness without checks
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_poisoned_inputs_never_escape_the_vocabulary(dtype):
+    batch, num_positions, vocab = 64, 4, 37
+    generator = torch.Generator().manual_seed(0)
+    draft = torch.rand(batch, num_positions, vocab, generator=generator)
+    target = torch.rand(batch, num_positions + 1, vocab, generator=generator)
+    poison = torch.tensor([float("nan"), float("inf"), -1.0, -float("inf"), 0.0])
+    for tensor in (draft, target):
+        mask = torch.rand(tensor.shape, generator=generator) < 0.3
+        tensor[mask] = poison[torch.randint(0, 5, (int(mask.sum()),), generator=generator)]
+    target[0] = float("nan")  # a row with no valid mass at all
+    draft[1] = 0.0
+    tokens = torch.randint(-50, 80, (batch, num_positions), generator=generator)
+    weight = torch.rand(batch, num_positions, generator=generator) * 3 - 1
+    weight[2] = float("nan")
+    uniforms = torch.rand(batch, num_positions + 1, generator=generator, dtype=torch.float64) * 4 - 2
+    uniforms[3] = float("nan")
+    num_draft = torch.randint(-3, 9, (batch,), generator=generator)
+    greedy = torch.rand(batch, generator=generator) < 0.3
+    for kwargs in ({"uniforms": uniforms}, {"seed": 3}):
+        result = dx.verify(tokens, draft.to(dtype), target.to(dtype), weight, num_draft=num_draft, greedy=greedy,
+                           check_inputs=False, **kwargs)
+        emitted = torch.arange(num_positions + 1) <= result.num_accepted.unsqueeze(1).long()
+        assert torch.all((result.tokens[emitted] >= 0) & (result.tokens[emitted] < vocab))
+        assert torch.all(result.tokens[~emitted] == -1)
+        assert torch.all((result.num_accepted >= 0) & (result.num_accepted <= num_positions))
+        assert torch.all((result.accept_prob >= 0) & (result.accept_prob <= 1))
+
+
+def test_out_of_range_ids_count_as_rejected_without_checks():
+    tokens, draft, target = problem(4, 2, 9)
+    tokens[:, 0] = torch.tensor([-1, 9, 1000, -(2**40)])
+    result = dx.verify(tokens, draft, target, 0.0, check_inputs=False, seed=1)
+    assert torch.all(result.num_accepted == 0)
+    assert torch.all(result.accept_prob[:, 0] == 0)
+
+
+# ------------------------------------------------------------------------------------------- custom op machinery
+def normalized_args(batch=4, num_positions=3, vocab=20, dtype=torch.float32):
+    tokens, draft, target = random_problem(batch, num_positions, vocab, seed=3, dtype=dtype)
+    return (tokens, draft, target, torch.full((batch, num_positions), 0.5), torch.full((batch,), num_positions),
+            torch.tensor([False, True, False, False])[:batch], None, torch.arange(batch, dtype=torch.int64), 5, True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_opcheck(dtype):
+    torch.library.opcheck(torch.ops.diversed.verify_probs.default, normalized_args(dtype=dtype))
+    args = list(normalized_args(dtype=dtype))
+    args[6] = torch.rand(4, 4, dtype=torch.float64)
+    torch.library.opcheck(torch.ops.diversed.verify_probs.default, tuple(args))
+
+
+def test_torch_compile_fullgraph_traces_verify():
+    tokens, draft, target = problem(4, 3, 30)
+    uniforms = torch.rand(4, 4, dtype=torch.float64)
+
+    def step(tokens, draft, target, weight, uniforms):
+        return dx.verify(tokens, draft, target, weight, uniforms=uniforms, check_inputs=False)
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    weight = torch.rand(4, 3)
+    expected = step(tokens, draft, target, weight, uniforms)
+    got = compiled(tokens, draft, target, weight, uniforms)
+    assert torch.equal(expected.tokens, got.tokens)
+    assert torch.equal(expected.num_accepted, got.num_accepted)
+
+
+def test_cpu_kernel_registered():
+    assert torch._C._dispatch_has_kernel_for_dispatch_key("diversed::verify_probs", "CPU")
+
+
+def test_native_call_releases_the_gil():
+    # A large greedy batch keeps the kernel busy; a Python thread must make progress meanwhile.
+    tokens, draft, target = random_problem(8, 8, 200_000, seed=0)
+    greedy = torch.ones(8, dtype=torch.bool)
+    ticks = []
+    done = threading.Event()
+
+    def count_ticks():
+        while not done.is_set():
+            ticks.append(time.perf_counter())
+            time.sleep(0.001)
+
+    def timed_call():
+        start = time.perf_counter()
+        dx.verify(tokens, draft, target, 0.5, greedy=greedy, check_inputs=False, seed=0)
+        return start, time.perf_counter()
+
+    timed_call()  # warm-up
+    counter = threading.Thread(target=count_ticks)
+    counter.start()
+    start, end = timed_call()
+    done.set()
+    counter.join()
+    inside = [t for t in ticks if start < t < end]
+    assert end - start > 0.005, "the call was too short to observe"
+    assert len(inside) >= 2, f"no Python progress during a {end - start:.3f}s native call: the GIL was held"

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Creates a virtual environment and builds diversed_ext into it.
+#   scripts/setup.sh cpu   -> .venv       torch 2.13.0 (CPU build): CPU kernels
+#   scripts/setup.sh cuda  -> .venv-cuda  torch 2.14.1 (CUDA 13.0 build): CPU and CUDA kernels, DIVERSED_CUDA=1
+# Idempotent: an existing environment is reused and the extension rebuilt.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+flavor="${1:-cpu}"
+case "$flavor" in
+  cpu)  venv=.venv;      torch_spec="torch==2.13.0"; cuda_flag=0 ;;
+  cuda) venv=.venv-cuda; torch_spec="torch==2.14.1"; cuda_flag=1 ;;
+  *) echo "usage: scripts/setup.sh cpu|cuda" >&2; exit 2 ;;
+esac
+python3 -m venv "$venv"
+"$venv/bin/python" -m pip install -q --upgrade pip setuptools wheel ninja
+# torch first, from its own line: the extension is built against exactly this torch (no build isolation).
+"$venv/bin/python" -m pip install -q "$torch_spec"
+"$venv/bin/python" -m pip install -q -r requirements.txt
+# A clean build directory, so the CPU and CUDA flavours never share objects.
+rm -rf build
+DIVERSED_CUDA=$cuda_flag "$venv/bin/python" -m pip install -q --no-build-isolation --no-deps .
+"$venv/bin/python" -c "import diversed_ext as dx; print('diversed_ext', dx.__version__, 'CUDA kernels:', dx.cuda_kernels_registered())"
