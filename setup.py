@@ -76,7 +76,10 @@ def _extensions():
 
     sources = ["csrc/ops.cpp", *sorted(glob.glob("csrc/cpu/*.cpp"))]
     # No fused multiply-add: the kernels must round like torch's separate elementwise ops (csrc/verify_math.h).
-    cxx_flags = ["-O3", "-ffp-contract=off", "-fopenmp" if sys.platform.startswith("linux") else ""]
+    # -fno-trapping-math changes no value, only FP exception flags, and lets gcc vectorise the selects of the
+    # vocabulary loops (sanitising, max(0, p - q)); without it those loops stay scalar and branchy (3x slower).
+    cxx_flags = ["-O3", "-ffp-contract=off", "-fno-trapping-math",
+                 "-fopenmp" if sys.platform.startswith("linux") else ""]
     cxx_flags = [flag for flag in cxx_flags if flag]
     if with_cuda:
         sources += sorted(glob.glob("csrc/cuda/*.cu"))

@@ -21,7 +21,11 @@
 namespace diversed {
 
 // Probability mass that is NaN, negative or infinite counts as zero (only reachable with check_inputs=False).
-DX_HD float sanitize_mass(float x) { return (x >= 0.0f && x <= FLT_MAX) ? x : 0.0f; }
+// Written as two selects (no short-circuit branch) so loops over the vocabulary vectorise.
+DX_HD float sanitize_mass(float x) {
+  float non_negative = x >= 0.0f ? x : 0.0f;  // NaN compares false
+  return non_negative <= FLT_MAX ? non_negative : 0.0f;
+}
 
 // The weight on the target; NaN falls back to 1 (plain speculative decoding, the conservative choice).
 DX_HD float sanitize_weight(float w) {

@@ -24,6 +24,7 @@ namespace {
 constexpr int64_t kChunkElements = 8192;  // vocabulary elements summed by one task in phase 2
 constexpr int64_t kMaxChunks = 32;        // bounds the per-row scratch whatever V is
 constexpr int kLanes = 8;                 // independent float64 accumulators, so the sum loop vectorises
+constexpr int64_t kScanBlock = 256;       // phase 3 skips whole blocks of this size before scanning element-wise
 
 template <typename scalar_t>
 inline float load_mass(const scalar_t* row, int64_t index) {
@@ -73,19 +74,39 @@ double chunk_mass(const scalar_t* target_row, const scalar_t* draft_row, int64_t
 }
 
 // Inverse CDF inside [begin, end) starting from `prefix`: the first index whose running sum exceeds `threshold`.
-// Falls back to the last index with positive mass, so the result always has positive mass when the range has any.
+// Blocks of kScanBlock are skipped with a vectorised sum; only the block holding the threshold is scanned one
+// element at a time. Falls back to the last index with positive mass, so the result always has positive mass when
+// the range has any (the block sums and the element-wise running sum may round differently).
 template <typename scalar_t>
 int64_t scan_chunk(const scalar_t* target_row, const scalar_t* draft_row, int64_t begin, int64_t end, double prefix,
                    double threshold) {
-  int64_t last_positive = -1;
   double running = prefix;
-  for (int64_t v = begin; v < end; ++v) {
-    float p = load_mass(target_row, v);
-    float mass = draft_row ? residual_mass(p, load_mass(draft_row, v)) : p;
-    if (mass > 0.0f) {
-      running += static_cast<double>(mass);
-      last_positive = v;
-      if (running > threshold) return v;
+  int64_t last_positive = -1;
+  int64_t last_nonempty_block = -1;
+  for (int64_t block = begin; block < end; block += kScanBlock) {
+    const int64_t block_end = std::min(end, block + kScanBlock);
+    const double block_total = chunk_mass(target_row, draft_row, block, block_end);
+    if (!(block_total > 0.0)) continue;
+    last_nonempty_block = block;
+    if (running + block_total <= threshold) {
+      running += block_total;
+      continue;
+    }
+    for (int64_t v = block; v < block_end; ++v) {
+      const float p = load_mass(target_row, v);
+      const float mass = draft_row ? residual_mass(p, load_mass(draft_row, v)) : p;
+      if (mass > 0.0f) {
+        running += static_cast<double>(mass);
+        last_positive = v;
+        if (running > threshold) return v;
+      }
+    }
+  }
+  if (last_positive < 0 && last_nonempty_block >= 0) {
+    const int64_t block_end = std::min(end, last_nonempty_block + kScanBlock);
+    for (int64_t v = last_nonempty_block; v < block_end; ++v) {
+      const float p = load_mass(target_row, v);
+      if ((draft_row ? residual_mass(p, load_mass(draft_row, v)) : p) > 0.0f) last_positive = v;
     }
   }
   return last_positive;
