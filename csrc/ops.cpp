@@ -19,4 +19,14 @@ TORCH_LIBRARY(diversed, m) {
   m.def(
       "verify_probs(Tensor draft_tokens, Tensor draft_probs, Tensor target_probs, Tensor weight, Tensor num_draft, "
       "Tensor greedy, Tensor? uniforms, Tensor seeds, int offset, bool per_row_seed) -> (Tensor, Tensor, Tensor)");
+  // Logits path: temperature float32 [B] (0 marks a greedy row), target_logits [B, K+1, V].
+  m.def(
+      "verify_logits(Tensor draft_tokens, Tensor draft_logits, Tensor target_logits, Tensor weight, Tensor num_draft, "
+      "Tensor temperature, Tensor? uniforms, Tensor seeds, int offset, bool per_row_seed) -> (Tensor, Tensor, Tensor)");
+  // Per position of [B, T, V] pairs: (p(y), q(y), TV(p, q), log p(y), log q(y)), each float32 [B, T].
+  m.def(
+      "token_stats(Tensor draft, Tensor target, Tensor tokens, Tensor temperature, bool from_logits) "
+      "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  // nu = w p + (1 - w) q as float32 [B, K, V]; target [B, K or more, V].
+  m.def("mix(Tensor draft, Tensor target, Tensor weight, Tensor temperature, bool from_logits) -> Tensor");
 }

@@ -114,3 +114,60 @@ DX_HD double sanitize_uniform(double u) {
 }
 
 }  // namespace diversed
+
+// ---------------------------------------------------------------------------------------------------------------
+// Softmax from logits without materialising probabilities.
+namespace diversed {
+
+constexpr float kLog2e = 1.44269504088896341f;
+constexpr float kLn2High = 0.693145751953125f;  // ln 2 split in two so n * ln2 is exact for |n| <= 126
+constexpr float kLn2Low = 1.42860676533018704e-06f;
+constexpr float kExpUnderflow = -87.33654f;     // exp of anything below is under FLT_MIN: flushed to 0
+constexpr float kRoundingShift = 12582912.0f;   // 1.5 * 2^23: adding and subtracting it rounds to the nearest integer
+
+DX_HD float float_from_bits(int32_t bits) {
+#if defined(__CUDA_ARCH__)
+  return __int_as_float(bits);
+#else
+  return __builtin_bit_cast(float, bits);
+#endif
+}
+
+// exp(x) for x <= 0, the only range softmax needs (x = logit - row max). Cody-Waite reduction and a degree-7 Taylor
+// polynomial: relative error about 1e-7. Branch-free (selects only), so vocabulary loops vectorise on the CPU, and the
+// CUDA kernels evaluate the very same expression. exp(-inf) = 0; NaN stays NaN (callers sanitise the mass).
+DX_HD float exp_nonpositive(float x) {
+  float clamped = x < kExpUnderflow ? kExpUnderflow : x;
+  clamped = clamped > 0.0f ? 0.0f : clamped;
+  const float shifted = clamped * kLog2e + kRoundingShift;
+  const float n = shifted - kRoundingShift;
+  float r = clamped - n * kLn2High;
+  r = r - n * kLn2Low;
+  float poly = 1.0f / 5040.0f;
+  poly = poly * r + 1.0f / 720.0f;
+  poly = poly * r + 1.0f / 120.0f;
+  poly = poly * r + 1.0f / 24.0f;
+  poly = poly * r + 1.0f / 6.0f;
+  poly = poly * r + 0.5f;
+  poly = poly * r + 1.0f;
+  poly = poly * r + 1.0f;
+  const float scale = float_from_bits((static_cast<int32_t>(n) + 127) << 23);
+  const float result = poly * scale;
+  return x < kExpUnderflow ? 0.0f : result;  // NaN compares false and stays NaN
+}
+
+// Normaliser of one softmax row of scaled logits s_v = logit_v * inverse_temperature: its max and 1 / sum exp(s - max).
+struct SoftmaxStats {
+  float max;
+  float inverse_sum;
+};
+
+// Probability of one entry given the row's normaliser; sanitised, so a row without finite logits has no mass.
+DX_HD float softmax_mass(float logit, float inverse_temperature, SoftmaxStats stats) {
+  return sanitize_mass(exp_nonpositive(logit * inverse_temperature - stats.max) * stats.inverse_sum);
+}
+
+// Temperature 0 marks a greedy row; its distributions are the untempered softmax (temperature 1).
+DX_HD float inverse_temperature_of(float temperature) { return temperature > 0.0f ? 1.0f / temperature : 1.0f; }
+
+}  // namespace diversed

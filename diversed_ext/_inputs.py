@@ -248,8 +248,70 @@ def prepare_verify(draft_tokens, draft, target, weight, *, num_draft, greedy, un
     offset_i = normalize_offset(offset)
     if check_inputs:
         check_token_ids(tokens, num_draft_t, vocab)
-        if kind == "probabilities":
-            _check_distribution_values(draft, draft_name)
-            _check_distribution_values(target, target_name)
+        check_values(draft, draft_name, from_logits=kind == "logits")
+        check_values(target, target_name, from_logits=kind == "logits")
     return VerifyArgs(tokens, draft.contiguous(), target.contiguous(), weight_t, num_draft_t, greedy_t, uniforms_t,
                       seeds_t, offset_i, per_row_seed)
+
+
+def _check_logit_values(tensor: torch.Tensor, name: str) -> None:
+    """Logits may be -inf (masked vocabulary) but not NaN or +inf, and every row needs one finite entry."""
+    if tensor.numel() == 0:
+        return
+    if bool(torch.isnan(tensor).any()):
+        raise ValueError(f"{name} contains NaN")
+    row_max = tensor.amax(-1)
+    if bool((row_max == float("inf")).any()):
+        raise ValueError(f"{name} contains +inf")
+    if bool((row_max == float("-inf")).any()):
+        raise ValueError(f"{name} has a row whose logits are all -inf (no token is possible)")
+
+
+def normalize_temperature(temperature, batch: int, device: torch.device, check_inputs: bool) -> torch.Tensor:
+    """A float or [B] temperature as contiguous float32 [B]; 0 marks a greedy row."""
+    if isinstance(temperature, bool) or not isinstance(temperature, (Real, torch.Tensor)):
+        raise TypeError(f"temperature must be a float or a tensor of shape [B], got {type(temperature).__name__}")
+    if not isinstance(temperature, torch.Tensor):
+        value = float(temperature)
+        if not value >= 0.0 or value == float("inf"):
+            raise ValueError(f"temperature must be finite and >= 0 (0 means greedy), got {value}")
+        return torch.full((batch,), value, dtype=torch.float32, device=device)
+    if not temperature.is_floating_point():
+        raise TypeError(f"temperature must be a floating-point tensor, got dtype {temperature.dtype}")
+    _require_device(temperature, device, "temperature")
+    if temperature.dim() == 0:
+        temperature = temperature.reshape(1).expand(batch)
+    if tuple(temperature.shape) != (batch,):
+        raise ValueError(f"temperature must be a float or have shape [B] = [{batch}], got {tuple(temperature.shape)}")
+    temperature = temperature.to(torch.float32).contiguous()
+    if check_inputs and batch > 0:
+        if bool(torch.isnan(temperature).any()):
+            raise ValueError("temperature contains NaN")
+        if bool((temperature < 0).any()) or bool(torch.isinf(temperature).any()):
+            raise ValueError(f"temperature must be finite and >= 0, got minimum {float(temperature.min())}")
+    return temperature
+
+
+def check_values(tensor: torch.Tensor, name: str, from_logits: bool) -> None:
+    """Value checks of a probability or logit tensor (one or two passes, one host sync)."""
+    if from_logits:
+        _check_logit_values(tensor, name)
+    else:
+        _check_distribution_values(tensor, name)
+
+
+def normalize_stat_tokens(tokens, batch: int, length: int, vocab: int, device: torch.device,
+                          check_inputs: bool) -> torch.Tensor:
+    """Tokens [B, T] of token_stats: every id must lie in [0, V)."""
+    _require_tensor(tokens, "tokens")
+    if tokens.dtype not in TOKEN_DTYPES:
+        raise TypeError(f"tokens must be int32 or int64, got {tokens.dtype}")
+    if tuple(tokens.shape) != (batch, length):
+        raise ValueError(f"tokens must be [B, T] = [{batch}, {length}], got {tuple(tokens.shape)}")
+    _require_device(tokens, device, "tokens")
+    tokens = tokens.to(torch.int64).contiguous()
+    if check_inputs and tokens.numel() > 0:
+        low, high = int(tokens.min()), int(tokens.max())
+        if low < 0 or high >= vocab:
+            raise ValueError(f"tokens must lie in [0, V) with V = {vocab}, got values in [{low}, {high}]")
+    return tokens

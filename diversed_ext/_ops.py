@@ -24,3 +24,21 @@ def _verify_probs_fake(draft_tokens, draft_probs, target_probs, weight, num_draf
     num_accepted = draft_probs.new_empty((batch,), dtype=torch.int32)
     accept_prob = draft_probs.new_empty((batch, num_positions), dtype=torch.float32)
     return tokens, num_accepted, accept_prob
+
+
+@torch.library.register_fake("diversed::verify_logits")
+def _verify_logits_fake(draft_tokens, draft_logits, target_logits, weight, num_draft, temperature, uniforms, seeds,
+                        offset, per_row_seed):
+    return _verify_probs_fake(draft_tokens, draft_logits, target_logits, weight, num_draft, None, uniforms, seeds,
+                              offset, per_row_seed)
+
+
+@torch.library.register_fake("diversed::token_stats")
+def _token_stats_fake(draft, target, tokens, temperature, from_logits):
+    batch, length, _ = draft.shape
+    return tuple(draft.new_empty((batch, length), dtype=torch.float32) for _ in range(5))
+
+
+@torch.library.register_fake("diversed::mix")
+def _mix_fake(draft, target, weight, temperature, from_logits):
+    return draft.new_empty(draft.shape, dtype=torch.float32)

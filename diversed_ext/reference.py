@@ -107,3 +107,68 @@ def verify_reference(draft_tokens, draft_probs, target_probs, weight, *, num_dra
         args.uniforms = philox_uniforms(args.seeds, args.offset, args.draft.shape[1] + 1, args.per_row_seed)
     return reference_core(args.draft_tokens, args.draft, args.target, args.weight, args.num_draft, args.greedy,
                           args.uniforms)
+
+
+def _tempered_softmax(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """softmax(logits / T) per row in float32; T = 0 (greedy rows) uses T = 1. Rows without a finite logit -> 0."""
+    effective = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
+    probs = (logits.float() / effective.view(-1, *([1] * (logits.dim() - 1)))).softmax(-1)
+    return torch.nan_to_num(probs, nan=0.0)
+
+
+def verify_logits_reference(draft_tokens, draft_logits, target_logits, weight, *, temperature=1.0, num_draft=None,
+                            uniforms=None, seed=None, offset=0, check_inputs=True) -> VerifyResult:
+    """Reference of :func:`diversed_ext.verify_logits`: softmax everything, then verify on probabilities."""
+    from ._inputs import normalize_temperature
+
+    args = prepare_verify(draft_tokens, draft_logits, target_logits, weight, num_draft=num_draft, greedy=None,
+                          uniforms=uniforms, seed=seed, offset=offset, check_inputs=check_inputs,
+                          draft_name="draft_logits", target_name="target_logits", kind="logits")
+    temperature_t = normalize_temperature(temperature, args.draft.shape[0], args.draft.device, check_inputs)
+    if args.uniforms is None:
+        args.uniforms = philox_uniforms(args.seeds, args.offset, args.draft.shape[1] + 1, args.per_row_seed)
+    return reference_core(args.draft_tokens, _tempered_softmax(args.draft, temperature_t),
+                          _tempered_softmax(args.target, temperature_t), args.weight, args.num_draft,
+                          ~(temperature_t > 0), args.uniforms)
+
+
+def token_stats_reference(draft, target, tokens, *, from_logits=False, temperature=1.0, check_inputs=True):
+    """Reference of :func:`diversed_ext.token_stats` (materialises the probabilities)."""
+    from .logits import TokenStats, _prepare_pair
+    from ._inputs import normalize_stat_tokens
+
+    batch, length, vocab, temperature_t = _prepare_pair(draft, target, from_logits=from_logits,
+                                                        temperature=temperature, check_inputs=check_inputs,
+                                                        same_positions=True)
+    tokens_t = normalize_stat_tokens(tokens, batch, length, vocab, draft.device, check_inputs).unsqueeze(-1)
+    if from_logits:
+        effective = torch.where(temperature_t > 0, temperature_t, torch.ones_like(temperature_t)).view(-1, 1, 1)
+        target_logprobs = (target.float() / effective).log_softmax(-1)
+        draft_logprobs = (draft.float() / effective).log_softmax(-1)
+        target_probs, draft_probs = target_logprobs.exp(), draft_logprobs.exp()
+        target_logprob = target_logprobs.gather(-1, tokens_t).squeeze(-1)
+        draft_logprob = draft_logprobs.gather(-1, tokens_t).squeeze(-1)
+    else:
+        target_probs, draft_probs = _sanitize_mass(target.float()), _sanitize_mass(draft.float())
+        target_logprob = target_probs.gather(-1, tokens_t).squeeze(-1).log()
+        draft_logprob = draft_probs.gather(-1, tokens_t).squeeze(-1).log()
+    total_variation = 0.5 * (target_probs.double() - draft_probs.double()).abs().sum(-1)
+    return TokenStats(target_probs.gather(-1, tokens_t).squeeze(-1), draft_probs.gather(-1, tokens_t).squeeze(-1),
+                      total_variation.float(), target_logprob, draft_logprob)
+
+
+def mix_reference(draft, target, weight, *, from_logits=False, temperature=1.0, check_inputs=True) -> torch.Tensor:
+    """Reference of :func:`diversed_ext.mix`."""
+    from .logits import _prepare_pair
+    from ._inputs import normalize_weight
+
+    batch, positions, _, temperature_t = _prepare_pair(draft, target, from_logits=from_logits,
+                                                       temperature=temperature, check_inputs=check_inputs,
+                                                       same_positions=False)
+    weight_t = _sanitize_weight(normalize_weight(weight, batch, positions, draft.device, check_inputs)).unsqueeze(-1)
+    target = target[:, :positions]
+    if from_logits:
+        draft_probs, target_probs = _tempered_softmax(draft, temperature_t), _tempered_softmax(target, temperature_t)
+    else:
+        draft_probs, target_probs = _sanitize_mass(draft.float()), _sanitize_mass(target.float())
+    return weight_t * target_probs + (1 - weight_t) * draft_probs

@@ -1,0 +1,202 @@
+"""verify_logits, token_stats and mix: native against the references, statistics, edges and bad inputs."""
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+import diversed_ext as dx
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def random_logits(batch, num_positions, vocab, seed=0, scale=3.0, dtype=torch.float32):
+    generator = torch.Generator().manual_seed(seed)
+    draft = torch.randn(batch, num_positions, vocab, generator=generator) * scale
+    target = torch.randn(batch, num_positions + 1, vocab, generator=generator) * scale
+    draft_probs = draft.softmax(-1)
+    if num_positions:
+        tokens = torch.multinomial(draft_probs.reshape(-1, vocab), 1, generator=generator).reshape(batch, num_positions)
+    else:
+        tokens = torch.zeros(batch, 0, dtype=torch.int64)
+    return tokens, draft.to(dtype), target.to(dtype)
+
+
+def assert_verify_close(native, reference):
+    assert torch.equal(native.tokens, reference.tokens)
+    assert torch.equal(native.num_accepted, reference.num_accepted)
+    torch.testing.assert_close(native.accept_prob, reference.accept_prob, rtol=2e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vocab", [1, 7, 33, 1000, 8195])
+@pytest.mark.parametrize("num_positions", [0, 1, 4])
+def test_verify_logits_matches_reference(dtype, vocab, num_positions):
+    batch = 6
+    tokens, draft, target = random_logits(batch, num_positions, vocab, seed=vocab + num_positions, dtype=dtype)
+    generator = torch.Generator().manual_seed(3)
+    uniforms = torch.rand(batch, num_positions + 1, generator=generator, dtype=torch.float64)
+    weight = torch.rand(batch, num_positions, generator=generator)
+    num_draft = torch.randint(0, num_positions + 1, (batch,), generator=generator)
+    temperature = torch.tensor([1.0, 0.5, 2.0, 0.0, 1.3, 0.0])
+    kwargs = dict(temperature=temperature, num_draft=num_draft, uniforms=uniforms)
+    assert_verify_close(dx.verify_logits(tokens, draft, target, weight, **kwargs),
+                        dx.verify_logits_reference(tokens, draft, target, weight, **kwargs))
+
+
+def test_verify_logits_equals_verify_on_softmax():
+    tokens, draft, target = random_logits(8, 3, 300, seed=2)
+    for temperature in (0.5, 1.0, 2.0):
+        with_logits = dx.verify_logits(tokens, draft, target, 0.6, temperature=temperature, seed=4, offset=1)
+        with_probs = dx.verify(tokens, (draft / temperature).softmax(-1), (target / temperature).softmax(-1), 0.6,
+                               seed=4, offset=1)
+        assert torch.equal(with_logits.tokens, with_probs.tokens)
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
+def test_verify_logits_samples_the_mixture(temperature):
+    vocab, samples, weight = 8, 40_000, 0.4
+    generator = torch.Generator().manual_seed(int(temperature * 10))
+    draft_logits = torch.randn(vocab, generator=generator) * 1.5
+    target_logits = torch.randn(vocab, generator=generator) * 1.5
+    draft = (draft_logits / temperature).softmax(-1)
+    target = (target_logits / temperature).softmax(-1)
+    tokens = torch.multinomial(draft, samples, replacement=True, generator=generator).reshape(-1, 1)
+    result = dx.verify_logits(tokens, draft_logits.expand(samples, 1, vocab).contiguous(),
+                              target_logits.expand(samples, 2, vocab).contiguous(), weight, temperature=temperature,
+                              seed=5)
+    counts = torch.bincount(result.tokens[:, 0], minlength=vocab).double()
+    mixture = (weight * target + (1 - weight) * draft).double()
+    assert chisquare(counts.numpy(), (mixture / mixture.sum() * samples).numpy()).pvalue > 1e-4
+
+
+def test_greedy_rows_from_zero_temperature():
+    tokens, draft, target = random_logits(4, 3, 50, seed=6)
+    greedy_tokens = (0.5 * target[:, :3].softmax(-1) + 0.5 * draft.softmax(-1)).argmax(-1)
+    result = dx.verify_logits(greedy_tokens, draft, target, 0.5, temperature=0.0)
+    assert torch.all(result.num_accepted == 3)
+    assert torch.equal(result.tokens[:, 3], target[:, 3].argmax(-1))
+
+
+def test_masked_and_huge_logits():
+    tokens, draft, target = random_logits(6, 3, 500, seed=7, scale=1e4)
+    draft[:, :, 400:] = float("-inf")
+    target[:, :, 450:] = float("-inf")
+    tokens = tokens.clamp(max=399)
+    draft[0, 0, tokens[0, 0]] = 1e4  # make sure the drafted tokens are not masked out
+    uniforms = torch.rand(6, 4, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    native = dx.verify_logits(tokens, draft, target, 0.5, uniforms=uniforms)
+    reference = dx.verify_logits_reference(tokens, draft, target, 0.5, uniforms=uniforms)
+    assert_verify_close(native, reference)
+    emitted = native.tokens[native.tokens >= 0]
+    assert torch.all(emitted < 450)
+
+
+@pytest.mark.parametrize("from_logits", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_token_stats_against_float64(from_logits, dtype):
+    batch, length, vocab = 3, 17, 1003
+    generator = torch.Generator().manual_seed(8)
+    draft = (torch.randn(batch, length, vocab, generator=generator) * 2).to(dtype)
+    target = (torch.randn(batch, length, vocab, generator=generator) * 2).to(dtype)
+    if not from_logits:
+        draft, target = draft.float().softmax(-1).to(dtype), target.float().softmax(-1).to(dtype)
+    tokens = torch.randint(0, vocab, (batch, length), generator=generator)
+    temperature = torch.tensor([1.0, 0.7, 0.0])
+    stats = dx.token_stats(draft, target, tokens, from_logits=from_logits, temperature=temperature)
+    effective = torch.tensor([1.0, 0.7, 1.0], dtype=torch.float64).view(-1, 1, 1)
+    if from_logits:
+        p64, q64 = (target.double() / effective).softmax(-1), (draft.double() / effective).softmax(-1)
+    else:
+        p64, q64 = target.double(), draft.double()
+    index = tokens.unsqueeze(-1)
+    torch.testing.assert_close(stats.target_prob.double(), p64.gather(-1, index).squeeze(-1), rtol=1e-5, atol=1e-9)
+    torch.testing.assert_close(stats.draft_prob.double(), q64.gather(-1, index).squeeze(-1), rtol=1e-5, atol=1e-9)
+    torch.testing.assert_close(stats.total_variation.double(), 0.5 * (p64 - q64).abs().sum(-1), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(stats.target_logprob.double(), p64.gather(-1, index).squeeze(-1).log(), rtol=1e-5,
+                               atol=1e-5)
+    reference = dx.token_stats_reference(draft, target, tokens, from_logits=from_logits, temperature=temperature)
+    for native_field, reference_field in zip(stats, reference):
+        torch.testing.assert_close(native_field, reference_field, rtol=1e-5, atol=1e-6)
+
+
+def test_token_stats_logprob_survives_underflow():
+    draft = torch.zeros(1, 1, 4)
+    target = torch.tensor([[[0.0, -200.0, -300.0, 0.0]]])
+    stats = dx.token_stats(draft, target, torch.tensor([[2]]), from_logits=True)
+    assert stats.target_prob.item() == 0.0
+    assert abs(stats.target_logprob.item() - (-300.0 - torch.logsumexp(target, -1).item())) < 1e-3
+
+
+@pytest.mark.parametrize("from_logits", [False, True])
+def test_mix_matches_reference(from_logits):
+    tokens, draft, target = random_logits(3, 4, 777, seed=9)
+    if not from_logits:
+        draft, target = draft.softmax(-1), target.softmax(-1)
+    weight = torch.rand(3, 4, generator=torch.Generator().manual_seed(2))
+    mixed = dx.mix(draft, target, weight, from_logits=from_logits, temperature=0.8)
+    reference = dx.mix_reference(draft, target, weight, from_logits=from_logits, temperature=0.8)
+    torch.testing.assert_close(mixed, reference, rtol=2e-5, atol=1e-7)
+    torch.testing.assert_close(mixed.sum(-1), torch.ones(3, 4), rtol=1e-5, atol=1e-5)
+
+
+def test_logits_opcheck_and_compile():
+    tokens, draft, target = random_logits(3, 2, 40, seed=1)
+    args = (tokens, draft, target, torch.full((3, 2), 0.5), torch.full((3,), 2), torch.tensor([1.0, 0.0, 0.5]),
+            None, torch.arange(3), 0, True)
+    torch.library.opcheck(torch.ops.diversed.verify_logits.default, args)
+    torch.library.opcheck(torch.ops.diversed.token_stats.default,
+                          (draft, target[:, :2].contiguous(), tokens, torch.ones(3), True))
+    torch.library.opcheck(torch.ops.diversed.mix.default, (draft, target, torch.full((3, 2), 0.5), torch.ones(3), True))
+
+    def step(tokens, draft, target):
+        return dx.verify_logits(tokens, draft, target, 0.5, temperature=0.7, seed=3, check_inputs=False)
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    assert torch.equal(compiled(tokens, draft, target).tokens, step(tokens, draft, target).tokens)
+
+
+def test_poisoned_logits_without_checks_stay_in_range():
+    tokens, draft, target = random_logits(32, 4, 37, seed=3)
+    generator = torch.Generator().manual_seed(0)
+    for tensor in (draft, target):
+        mask = torch.rand(tensor.shape, generator=generator) < 0.2
+        tensor[mask] = float("nan")
+    target[0] = float("-inf")
+    tokens[:, 1] = torch.randint(-40, 80, (32,), generator=generator)
+    result = dx.verify_logits(tokens, draft, target, 0.5, temperature=torch.rand(32, generator=generator),
+                              check_inputs=False, seed=1)
+    emitted = torch.arange(5) <= result.num_accepted.unsqueeze(1).long()
+    assert torch.all((result.tokens[emitted] >= 0) & (result.tokens[emitted] < 37))
+
+
+def bad_logit_cases():
+    tokens, draft, target = random_logits(2, 2, 9)
+    nan_draft = draft.clone()
+    nan_draft[0, 0, 0] = float("nan")
+    masked = target.clone()
+    masked[1, 2] = float("-inf")
+    return {
+        "NaN logits": (lambda: dx.verify_logits(tokens, nan_draft, target, 0.5), ValueError, "draft_logits.*NaN"),
+        "+inf logits": (lambda: dx.verify_logits(tokens, draft, target.clone().fill_(float("inf")), 0.5), ValueError,
+                        "target_logits.*inf"),
+        "all masked row": (lambda: dx.verify_logits(tokens, draft, masked, 0.5), ValueError, "target_logits.*-inf"),
+        "negative temperature": (lambda: dx.verify_logits(tokens, draft, target, 0.5, temperature=-1.0), ValueError,
+                                 "temperature"),
+        "NaN temperature": (lambda: dx.verify_logits(tokens, draft, target, 0.5, temperature=torch.tensor(
+            [float("nan"), 1.0])), ValueError, "temperature"),
+        "temperature shape": (lambda: dx.verify_logits(tokens, draft, target, 0.5, temperature=torch.ones(3)),
+                              ValueError, "temperature"),
+        "integer logits": (lambda: dx.verify_logits(tokens, draft.long(), target.long(), 0.5), TypeError,
+                           "draft_logits"),
+        "stats tokens out of range": (lambda: dx.token_stats(draft, target[:, :2], tokens + 9, from_logits=True), ValueError, "tokens"),
+        "stats position mismatch": (lambda: dx.token_stats(draft, target, tokens), ValueError, "target"),
+        "mix weight": (lambda: dx.mix(draft.softmax(-1), target.softmax(-1), 2.0), ValueError, "weight"),
+        "mix negative probs": (lambda: dx.mix(draft, target, 0.5), ValueError, "negative"),
+    }
+
+
+@pytest.mark.parametrize("case", list(bad_logit_cases()))
+def test_bad_logit_inputs(case):
+    call, error, pattern = bad_logit_cases()[case]
+    with pytest.raises(error, match=pattern):
+        call()
