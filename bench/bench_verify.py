@@ -7,6 +7,10 @@ kernel must read. Uses CUDA when a GPU is present (pass --device cpu to force th
     python bench/bench_verify.py                 # full grid, CSV in bench/results/
     python bench/bench_verify.py --quick         # a few configurations
     python bench/bench_verify.py --ops verify --batch 8 --draft 4 --vocab 49152 --dtype float32
+
+Columns: fused (serving configuration, check_inputs=False), fused with checks, reference, speed-up, effective GB/s
+over the bytes the fused kernel must read, and for the logits ops the time of one torch.logsumexp over the same
+tensors (a single streaming read) with the fused kernel's ratio to it.
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ class OpBench:
     reference: Callable[[Problem], object]
     fused_checked: Callable[[Problem], object] | None
     bytes_read: Callable[[int, int, int, int], int]  # (B, K, V, element size) -> bytes the fused kernel must read
+    streaming: Callable[[Problem], object] | None = None  # one plain streaming read of the same inputs
 
 
 def make_problem(batch, num_positions, vocab, dtype, device, seed=0) -> Problem:
@@ -74,6 +79,23 @@ def _verify_bytes(batch, num_positions, vocab, element_size):
     return batch * 2 * vocab * element_size
 
 
+def _all_rows_bytes(batch, num_positions, vocab, element_size):
+    # Logits need every row's normaliser: draft [B, K, V] and target [B, K+1, V] are read whole.
+    return batch * (2 * num_positions + 1) * vocab * element_size
+
+
+def _pair_bytes(batch, num_positions, vocab, element_size):
+    return batch * 2 * num_positions * vocab * element_size
+
+
+def _stream_logits(pr: Problem):
+    return torch.logsumexp(pr.draft_logits, -1), torch.logsumexp(pr.target_logits, -1)
+
+
+def _stats_tokens(pr: Problem):
+    return pr.draft_tokens
+
+
 OPS = {
     "verify": OpBench(
         "verify",
@@ -83,7 +105,37 @@ OPS = {
         fused_checked=lambda pr: dx.verify(pr.draft_tokens, pr.draft_probs, pr.target_probs, WEIGHT, seed=0),
         bytes_read=_verify_bytes,
     ),
+    "verify_logits": OpBench(
+        "verify_logits",
+        fused=lambda pr: dx.verify_logits(pr.draft_tokens, pr.draft_logits, pr.target_logits, WEIGHT, seed=0,
+                                          check_inputs=False),
+        reference=lambda pr: dx.verify_logits_reference(pr.draft_tokens, pr.draft_logits, pr.target_logits, WEIGHT,
+                                                        seed=0, check_inputs=False),
+        fused_checked=lambda pr: dx.verify_logits(pr.draft_tokens, pr.draft_logits, pr.target_logits, WEIGHT, seed=0),
+        bytes_read=_all_rows_bytes,
+        streaming=_stream_logits,
+    ),
+    "token_stats": OpBench(
+        "token_stats",
+        fused=lambda pr: dx.token_stats(pr.draft_logits, pr.target_logits[:, :-1], pr.draft_tokens, from_logits=True,
+                                        check_inputs=False),
+        reference=lambda pr: dx.token_stats_reference(pr.draft_logits, pr.target_logits[:, :-1], pr.draft_tokens,
+                                                      from_logits=True, check_inputs=False),
+        fused_checked=None,
+        bytes_read=_pair_bytes,
+        streaming=lambda pr: (torch.logsumexp(pr.draft_logits, -1), torch.logsumexp(pr.target_logits[:, :-1], -1)),
+    ),
+    "mix": OpBench(
+        "mix",
+        fused=lambda pr: dx.mix(pr.draft_logits, pr.target_logits, WEIGHT, from_logits=True, check_inputs=False),
+        reference=lambda pr: dx.mix_reference(pr.draft_logits, pr.target_logits, WEIGHT, from_logits=True,
+                                              check_inputs=False),
+        fused_checked=None,
+        bytes_read=_pair_bytes,
+    ),
 }
+# token_stats is meant for whole sequences: its own configuration, T = 256 positions, joins the quick grid.
+STATS_CONFIG = (8, 256, 49152)
 
 
 def median_seconds(function: Callable[[], object], device: torch.device) -> float:
@@ -108,6 +160,8 @@ def run(args) -> list[dict]:
     device = torch.device(args.device)
     grid = QUICK_GRID if args.quick else list(itertools.product(args.batch, args.draft, args.vocab))
     configs = list(itertools.product(args.ops, grid, args.dtype))
+    if "token_stats" in args.ops and (args.quick or args.stats_sequence):
+        configs += [("token_stats", STATS_CONFIG, dtype) for dtype in args.dtype]
     rows = []
     for op_name, (batch, num_positions, vocab), dtype_name in tqdm(configs, desc="bench", unit="config",
                                                                    file=sys.stderr):
@@ -117,11 +171,13 @@ def run(args) -> list[dict]:
         fused_s = median_seconds(lambda: op.fused(problem), device)
         reference_s = median_seconds(lambda: op.reference(problem), device)
         checked_s = median_seconds(lambda: op.fused_checked(problem), device) if op.fused_checked else float("nan")
+        stream_s = median_seconds(lambda: op.streaming(problem), device) if op.streaming else float("nan")
         bytes_read = op.bytes_read(batch, num_positions, vocab, problem.draft_probs.element_size())
         rows.append({
             "op": op_name, "device": device.type, "B": batch, "K": num_positions, "V": vocab, "dtype": dtype_name,
             "fused_us": fused_s * 1e6, "fused_checked_us": checked_s * 1e6, "reference_us": reference_s * 1e6,
             "speedup": reference_s / fused_s, "fused_GBps": bytes_read / fused_s / 1e9,
+            "stream_us": stream_s * 1e6, "fused_over_stream": fused_s / stream_s,
         })
         del problem
     return rows
@@ -129,13 +185,13 @@ def run(args) -> list[dict]:
 
 def print_table(rows: list[dict]) -> None:
     header = (f"{'op':<14}{'B':>4}{'K':>3}{'V':>8} {'dtype':<9}{'fused us':>11}{'+checks us':>12}"
-              f"{'reference us':>14}{'speedup':>9}{'fused GB/s':>12}")
+              f"{'reference us':>14}{'speedup':>9}{'fused GB/s':>12}{'stream us':>11}{'fused/stream':>13}")
     print(header)
     print("-" * len(header))
     for row in rows:
         print(f"{row['op']:<14}{row['B']:>4}{row['K']:>3}{row['V']:>8} {row['dtype']:<9}{row['fused_us']:>11.1f}"
               f"{row['fused_checked_us']:>12.1f}{row['reference_us']:>14.1f}{row['speedup']:>8.1f}x"
-              f"{row['fused_GBps']:>12.2f}")
+              f"{row['fused_GBps']:>12.2f}{row['stream_us']:>11.1f}{row['fused_over_stream']:>12.2f}x")
     speedups = [row["speedup"] for row in rows]
     print(f"\nspeed-up over the reference: min {min(speedups):.1f}x, median {statistics.median(speedups):.1f}x, "
           f"max {max(speedups):.1f}x over {len(rows)} configurations "
@@ -160,6 +216,8 @@ def parse_args(argv=None):
     parser.add_argument("--dtype", nargs="+", default=list(DTYPES), choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--quick", action="store_true", help="three representative shapes instead of the full grid")
+    parser.add_argument("--stats-sequence", action="store_true",
+                        help="also time token_stats on whole sequences (B=8, T=256, V=49152); on by default with --quick")
     parser.add_argument("--csv", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                                       "bench_verify.csv"))
     return parser.parse_args(argv)

@@ -11,6 +11,7 @@
 #include <cmath>
 #include <memory>
 
+#include "../poison.h"
 #include "cpu_kernels.h"
 
 namespace diversed {
@@ -119,6 +120,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_logits_cpu(
   auto num_accepted = at::empty({B}, draft_tokens.options().dtype(at::kInt));
   auto accept_prob = at::empty({B, K}, draft_tokens.options().dtype(at::kFloat));
   if (B == 0) return {tokens, num_accepted, accept_prob};
+  poison_outputs(tokens, num_accepted, accept_prob);
   TemperaturePlan temperatures = plan_temperatures(temperature, B);
   const int64_t* num_draft_ptr = num_draft.data_ptr<int64_t>();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, draft_logits.scalar_type(), "verify_logits_cpu", [&] {
@@ -180,6 +182,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> token_sta
   at::Tensor total_variation = at::empty({B, T}, options);
   at::Tensor target_logprob = at::empty({B, T}, options), draft_logprob = at::empty({B, T}, options);
   if (B * T == 0) return {target_prob, draft_prob, total_variation, target_logprob, draft_logprob};
+  poison_outputs(target_prob, draft_prob, total_variation, target_logprob, draft_logprob);
   TemperaturePlan temperatures = plan_temperatures(temperature, B);
   const int64_t* token_ptr = tokens.data_ptr<int64_t>();
   float *p_out = target_prob.data_ptr<float>(), *q_out = draft_prob.data_ptr<float>();
@@ -227,6 +230,7 @@ at::Tensor mix_cpu(const at::Tensor& draft, const at::Tensor& target, const at::
   check_float_vector(temperature, B, op, "temperature");
   at::Tensor mixture = at::empty({B, K, V}, draft.options().dtype(at::kFloat));
   if (B * K == 0) return mixture;
+  poison_outputs(mixture);
   TemperaturePlan temperatures = plan_temperatures(temperature, B);
   const float* weight_ptr = weight.data_ptr<float>();
   float* out = mixture.data_ptr<float>();
