@@ -200,3 +200,27 @@ def test_bad_logit_inputs(case):
     call, error, pattern = bad_logit_cases()[case]
     with pytest.raises(error, match=pattern):
         call()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cpu_builds_agree_bit_for_bit(dtype, monkeypatch):
+    """The baseline and AVX2 builds of the CPU kernels perform the same operations in the same order."""
+    tokens, draft, target = random_logits(5, 3, 4099, seed=12, dtype=dtype)
+    weight = torch.rand(5, 3, generator=torch.Generator().manual_seed(1))
+
+    def run_all():
+        return (dx.verify_logits(tokens, draft, target, weight, temperature=0.8, seed=2),
+                dx.verify(tokens, draft.float().softmax(-1).to(dtype), target.float().softmax(-1).to(dtype), weight,
+                          seed=2),
+                dx.token_stats(draft, target[:, :3], tokens, from_logits=True),
+                dx.mix(draft, target, weight, from_logits=True))
+
+    monkeypatch.setenv("DIVERSED_CPU_CAPABILITY", "baseline")
+    baseline = run_all()
+    monkeypatch.delenv("DIVERSED_CPU_CAPABILITY")
+    default = run_all()
+    for base_result, default_result in zip(baseline, default):
+        base_fields = base_result if isinstance(base_result, tuple) else (base_result,)
+        default_fields = default_result if isinstance(default_result, tuple) else (default_result,)
+        for base_field, default_field in zip(base_fields, default_fields):
+            assert torch.equal(base_field, default_field)

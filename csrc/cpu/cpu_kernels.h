@@ -1,14 +1,25 @@
-// Generic CPU building blocks of the fused ops, written once over "row" policies:
+// The CPU kernels, written once and compiled once per instruction set (kernels_baseline.cpp, kernels_avx2.cpp) inside
+// the namespace diversed::cpu::DIVERSED_CPU_CAPABILITY; cpu_dispatch.h picks one at run time. Both builds perform the
+// same operations in the same order (no FMA, fixed accumulator lanes), so their results are bitwise identical.
+//
+// Building blocks are written over "row" policies:
 //   ProbRow<scalar_t>   a row of probabilities (mass = the sanitised value);
 //   LogitRow<scalar_t>  a row of logits with its softmax normaliser (mass = softmax probability, computed on the fly).
 // Each policy exposes `float mass(int64_t v)`; the loops below read a row once per pass, never store a [V] temporary,
 // and keep 8 independent accumulators so gcc vectorises them.
-#pragma once
+#ifndef DIVERSED_CPU_CAPABILITY
+#error "define DIVERSED_CPU_CAPABILITY before including cpu_kernels.h (see kernels_baseline.cpp)"
+#endif
 
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
 
 #include <algorithm>
+#include <cfloat>
+#include <cmath>
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <vector>
 
@@ -16,16 +27,28 @@
 
 namespace diversed {
 namespace cpu {
+namespace DIVERSED_CPU_CAPABILITY {
 
 constexpr int kLanes = 8;                 // independent accumulators per reduction
 constexpr int64_t kChunkElements = 8192;  // vocabulary elements per parallel task
 constexpr int64_t kMaxChunks = 32;        // bounds per-row scratch whatever V is
 constexpr int64_t kScanBlock = 256;       // the inverse CDF skips whole blocks before scanning element-wise
 
+// Element loads as float32. bfloat16 is the top half of a float32, so a shift converts it exactly; written on the raw
+// bits because c10::BFloat16's conversion operator keeps gcc from vectorising the vocabulary loops.
+template <typename scalar_t>
+inline float load_float(const scalar_t* values, int64_t v) {
+  return static_cast<float>(values[v]);
+}
+template <>
+inline float load_float<c10::BFloat16>(const c10::BFloat16* values, int64_t v) {
+  return float_from_bits(static_cast<int32_t>(static_cast<uint32_t>(values[v].x) << 16));
+}
+
 template <typename scalar_t>
 struct ProbRow {
   const scalar_t* values;
-  float mass(int64_t v) const { return sanitize_mass(static_cast<float>(values[v])); }
+  float mass(int64_t v) const { return sanitize_mass(load_float(values, v)); }
 };
 
 template <typename scalar_t>
@@ -33,37 +56,50 @@ struct LogitRow {
   const scalar_t* values;
   float inverse_temperature;
   SoftmaxStats stats;
-  float mass(int64_t v) const { return softmax_mass(static_cast<float>(values[v]), inverse_temperature, stats); }
+  float mass(int64_t v) const { return softmax_mass(load_float(values, v), inverse_temperature, stats); }
 };
 
-// Softmax normaliser of logits[0, vocab) scaled by inverse_temperature: a max pass, then a sum-exp pass (the row is
-// in cache by then).
+constexpr int kSoftmaxLanes = 16;         // float lanes of the sum-exp pass: two AVX2 registers
+constexpr int64_t kSoftmaxBlock = 512;    // float partial sums are flushed to float64 after this many elements
+
+// Max of the scaled logits, in independent lanes (NaN compares false and is skipped).
 template <typename scalar_t>
-SoftmaxStats softmax_stats(const scalar_t* logits, int64_t vocab, float inverse_temperature) {
+float scaled_row_max(const scalar_t* logits, int64_t vocab, float inverse_temperature) {
   float lane_max[kLanes];
   for (int l = 0; l < kLanes; ++l) lane_max[l] = -INFINITY;
   int64_t v = 0;
   for (; v + kLanes <= vocab; v += kLanes)
     for (int l = 0; l < kLanes; ++l) {
-      const float s = static_cast<float>(logits[v + l]) * inverse_temperature;
+      const float s = load_float(logits, v + l) * inverse_temperature;
       lane_max[l] = s > lane_max[l] ? s : lane_max[l];
     }
   for (; v < vocab; ++v) {
-    const float s = static_cast<float>(logits[v]) * inverse_temperature;
+    const float s = load_float(logits, v) * inverse_temperature;
     lane_max[0] = s > lane_max[0] ? s : lane_max[0];
   }
   float row_max = lane_max[0];
   for (int l = 1; l < kLanes; ++l) row_max = lane_max[l] > row_max ? lane_max[l] : row_max;
+  return row_max;
+}
 
-  double lane_sum[kLanes] = {0.0};
-  v = 0;
-  for (; v + kLanes <= vocab; v += kLanes)
-    for (int l = 0; l < kLanes; ++l)
-      lane_sum[l] += static_cast<double>(exp_nonpositive(static_cast<float>(logits[v + l]) * inverse_temperature - row_max));
-  for (; v < vocab; ++v)
-    lane_sum[0] += static_cast<double>(exp_nonpositive(static_cast<float>(logits[v]) * inverse_temperature - row_max));
+// Softmax normaliser of logits[0, vocab) scaled by inverse_temperature: a max pass, then a sum-exp pass over the
+// row, which is in cache by then. Partial sums are float (as torch's softmax), flushed to float64 every block.
+template <typename scalar_t>
+SoftmaxStats softmax_stats(const scalar_t* logits, int64_t vocab, float inverse_temperature) {
+  const float row_max = scaled_row_max(logits, vocab, inverse_temperature);
+  // No finite logit (all -inf or NaN): every mass is 0.
+  if (!(row_max > -INFINITY)) return SoftmaxStats{-INFINITY, 0.0f};
   double total = 0.0;
-  for (int l = 0; l < kLanes; ++l) total += lane_sum[l];
+  for (int64_t block = 0; block < vocab; block += kSoftmaxBlock) {
+    const int64_t block_end = std::min(vocab, block + kSoftmaxBlock);
+    float lanes[kSoftmaxLanes] = {0.0f};
+    int64_t v = block;
+    for (; v + kSoftmaxLanes <= block_end; v += kSoftmaxLanes)
+      for (int l = 0; l < kSoftmaxLanes; ++l)
+        lanes[l] += exp_nonpositive(load_float(logits, v + l) * inverse_temperature - row_max);
+    for (; v < block_end; ++v) lanes[0] += exp_nonpositive(load_float(logits, v) * inverse_temperature - row_max);
+    for (int l = 0; l < kSoftmaxLanes; ++l) total += static_cast<double>(lanes[l]);
+  }
   return SoftmaxStats{row_max, static_cast<float>(1.0 / total)};
 }
 
@@ -308,5 +344,222 @@ void run_verify(const VerifyProblem& problem, const Rows& rows) {
   });
 }
 
+// ------------------------------------------------------------------------------------------ op launchers
+// Called by the op wrappers (verify_cpu.cpp, logits_cpu.cpp) after validation and allocation; see cpu_dispatch.h.
+
+// Rows of draft probabilities [B, K, V] and target probabilities [B, K+1, V].
+template <typename scalar_t>
+struct ProbRows {
+  const scalar_t* draft_probs;
+  const scalar_t* target_probs;
+  int64_t num_positions, vocab;
+
+  ProbRow<scalar_t> draft(int64_t row, int64_t position) const {
+    return {draft_probs + (row * num_positions + position) * vocab};
+  }
+  ProbRow<scalar_t> target(int64_t row, int64_t position) const {
+    return {target_probs + (row * (num_positions + 1) + position) * vocab};
+  }
+};
+
+// Rows of draft logits [B, K, V] and target logits [B, Kt, V] with their normalisers.
+template <typename scalar_t>
+struct LogitRows {
+  const scalar_t* draft_logits;
+  const scalar_t* target_logits;
+  int64_t draft_positions, target_positions, vocab;
+  const float* inverse_temperature;  // [B]
+  const SoftmaxStats* draft_stats;   // [B * draft_positions]
+  const SoftmaxStats* target_stats;  // [B * target_positions]
+
+  LogitRow<scalar_t> draft(int64_t row, int64_t position) const {
+    const int64_t index = row * draft_positions + position;
+    return {draft_logits + index * vocab, inverse_temperature[row], draft_stats[index]};
+  }
+  LogitRow<scalar_t> target(int64_t row, int64_t position) const {
+    const int64_t index = row * target_positions + position;
+    return {target_logits + index * vocab, inverse_temperature[row], target_stats[index]};
+  }
+};
+
+// Normalisers of the rows the caller needs (row_needed(row, position, is_target)), in parallel over rows.
+template <typename scalar_t, typename Needed>
+void compute_softmax_stats(const scalar_t* draft_logits, const scalar_t* target_logits, int64_t batch,
+                           int64_t draft_positions, int64_t target_positions, int64_t vocab,
+                           const float* inverse_temperature, std::vector<SoftmaxStats>& draft_stats,
+                           std::vector<SoftmaxStats>& target_stats, Needed row_needed) {
+  const int64_t rows_per_batch = draft_positions + target_positions;
+  draft_stats.assign(batch * draft_positions, SoftmaxStats{0.0f, 0.0f});
+  target_stats.assign(batch * target_positions, SoftmaxStats{0.0f, 0.0f});
+  at::parallel_for(0, batch * rows_per_batch, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t row = task / rows_per_batch;
+      const int64_t slot = task % rows_per_batch;
+      const bool is_target = slot >= draft_positions;
+      const int64_t position = is_target ? slot - draft_positions : slot;
+      if (!row_needed(row, position, is_target)) continue;
+      if (is_target) {
+        const int64_t index = row * target_positions + position;
+        target_stats[index] = softmax_stats(target_logits + index * vocab, vocab, inverse_temperature[row]);
+      } else {
+        const int64_t index = row * draft_positions + position;
+        draft_stats[index] = softmax_stats(draft_logits + index * vocab, vocab, inverse_temperature[row]);
+      }
+    }
+  });
+}
+
+// Temperatures as the kernels use them: 1 / T, and greedy where T = 0 (NaN and negatives count as greedy too).
+struct TemperaturePlan {
+  std::vector<float> inverse;
+  std::unique_ptr<bool[]> greedy;
+};
+
+TemperaturePlan plan_temperatures(const at::Tensor& temperature, int64_t batch) {
+  TemperaturePlan plan;
+  plan.inverse.resize(batch);
+  plan.greedy.reset(new bool[batch]);
+  const float* values = temperature.data_ptr<float>();
+  for (int64_t row = 0; row < batch; ++row) {
+    plan.greedy[row] = !(values[row] > 0.0f);
+    plan.inverse[row] = inverse_temperature_of(values[row]);
+  }
+  return plan;
+}
+
+// Per position: p(y), q(y), TV(p, q) = 0.5 sum |p - q|, log p(y), log q(y).
+template <typename Row>
+void token_stats_row(const Row& target, const Row& draft, int64_t vocab, int64_t token, float* target_prob,
+                     float* draft_prob, float* total_variation) {
+  double lanes[kLanes] = {0.0};
+  int64_t v = 0;
+  for (; v + kLanes <= vocab; v += kLanes)
+    for (int l = 0; l < kLanes; ++l) lanes[l] += static_cast<double>(std::fabs(target.mass(v + l) - draft.mass(v + l)));
+  for (; v < vocab; ++v) lanes[0] += static_cast<double>(std::fabs(target.mass(v) - draft.mass(v)));
+  double sum = 0.0;
+  for (int l = 0; l < kLanes; ++l) sum += lanes[l];
+  *total_variation = static_cast<float>(0.5 * sum);
+  const bool valid = token >= 0 && token < vocab;
+  *target_prob = valid ? target.mass(token) : 0.0f;
+  *draft_prob = valid ? draft.mass(token) : 0.0f;
+}
+
+// log softmax(y) = s_y - max - log(sum); exact for tiny probabilities whose mass underflows to 0.
+template <typename scalar_t>
+float log_softmax_at(const LogitRow<scalar_t>& row, int64_t token) {
+  const float scaled = load_float(row.values, token) * row.inverse_temperature;
+  const double value = static_cast<double>(scaled) - row.stats.max + std::log(static_cast<double>(row.stats.inverse_sum));
+  return value == value ? static_cast<float>(value) : -INFINITY;
+}
+
+template <typename Row>
+void mix_row(const Row& target, const Row& draft, float weight, int64_t vocab, float* __restrict__ out) {
+  for (int64_t v = 0; v < vocab; ++v) out[v] = mix_mass(weight, target.mass(v), draft.mass(v));
+}
+
+void verify_probs(const at::Tensor& draft_tokens, const at::Tensor& draft_probs, const at::Tensor& target_probs,
+                  const at::Tensor& weight, const at::Tensor& num_draft, const at::Tensor& greedy,
+                  const c10::optional<at::Tensor>& uniforms, const at::Tensor& seeds, int64_t offset,
+                  bool per_row_seed, at::Tensor& tokens, at::Tensor& num_accepted, at::Tensor& accept_prob) {
+  const int64_t B = draft_probs.size(0), K = draft_probs.size(1), V = draft_probs.size(2);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, draft_probs.scalar_type(), "verify_probs_cpu", [&] {
+    ProbRows<scalar_t> rows{draft_probs.data_ptr<scalar_t>(), target_probs.data_ptr<scalar_t>(), K, V};
+    VerifyProblem problem{B, K, V, draft_tokens.data_ptr<int64_t>(), weight.data_ptr<float>(),
+                          num_draft.data_ptr<int64_t>(), greedy.data_ptr<bool>(),
+                          uniforms.has_value() ? uniforms->data_ptr<double>() : nullptr, seeds.data_ptr<int64_t>(),
+                          offset, per_row_seed, tokens.data_ptr<int64_t>(), num_accepted.data_ptr<int32_t>(),
+                          accept_prob.data_ptr<float>()};
+    run_verify(problem, rows);
+  });
+}
+
+void verify_logits(const at::Tensor& draft_tokens, const at::Tensor& draft_logits, const at::Tensor& target_logits,
+                   const at::Tensor& weight, const at::Tensor& num_draft, const at::Tensor& temperature,
+                   const c10::optional<at::Tensor>& uniforms, const at::Tensor& seeds, int64_t offset,
+                   bool per_row_seed, at::Tensor& tokens, at::Tensor& num_accepted, at::Tensor& accept_prob) {
+  const int64_t B = draft_logits.size(0), K = draft_logits.size(1), V = draft_logits.size(2);
+  TemperaturePlan temperatures = plan_temperatures(temperature, B);
+  const int64_t* num_draft_ptr = num_draft.data_ptr<int64_t>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, draft_logits.scalar_type(), "verify_logits_cpu", [&] {
+    std::vector<SoftmaxStats> draft_stats, target_stats;
+    auto drafted = [&](int64_t row) { return std::min(std::max<int64_t>(num_draft_ptr[row], 0), K); };
+    compute_softmax_stats(draft_logits.data_ptr<scalar_t>(), target_logits.data_ptr<scalar_t>(), B, K, K + 1, V,
+                          temperatures.inverse.data(), draft_stats, target_stats,
+                          [&](int64_t row, int64_t position, bool is_target) {
+                            return is_target ? position <= drafted(row) : position < drafted(row);
+                          });
+    LogitRows<scalar_t> rows{draft_logits.data_ptr<scalar_t>(), target_logits.data_ptr<scalar_t>(), K, K + 1, V,
+                             temperatures.inverse.data(), draft_stats.data(), target_stats.data()};
+    VerifyProblem problem{B, K, V, draft_tokens.data_ptr<int64_t>(), weight.data_ptr<float>(), num_draft_ptr,
+                          temperatures.greedy.get(), uniforms.has_value() ? uniforms->data_ptr<double>() : nullptr,
+                          seeds.data_ptr<int64_t>(), offset, per_row_seed, tokens.data_ptr<int64_t>(),
+                          num_accepted.data_ptr<int32_t>(), accept_prob.data_ptr<float>()};
+    run_verify(problem, rows);
+  });
+}
+
+void token_stats(const at::Tensor& draft, const at::Tensor& target, const at::Tensor& tokens,
+                 const at::Tensor& temperature, bool from_logits, at::Tensor& target_prob, at::Tensor& draft_prob,
+                 at::Tensor& total_variation, at::Tensor& target_logprob, at::Tensor& draft_logprob) {
+  const int64_t B = draft.size(0), T = draft.size(1), V = draft.size(2);
+  TemperaturePlan temperatures = plan_temperatures(temperature, B);
+  const int64_t* token_ptr = tokens.data_ptr<int64_t>();
+  float *p_out = target_prob.data_ptr<float>(), *q_out = draft_prob.data_ptr<float>();
+  float *tv_out = total_variation.data_ptr<float>();
+  float *logp_out = target_logprob.data_ptr<float>(), *logq_out = draft_logprob.data_ptr<float>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, draft.scalar_type(), "token_stats_cpu", [&] {
+    const scalar_t* draft_ptr = draft.data_ptr<scalar_t>();
+    const scalar_t* target_ptr = target.data_ptr<scalar_t>();
+    at::parallel_for(0, B * T, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t index = begin; index < end; ++index) {
+        const int64_t row = index / T, token = token_ptr[index];
+        const bool valid = token >= 0 && token < V;
+        if (from_logits) {
+          const float inverse_t = temperatures.inverse[row];
+          LogitRow<scalar_t> p_row{target_ptr + index * V, inverse_t, softmax_stats(target_ptr + index * V, V, inverse_t)};
+          LogitRow<scalar_t> q_row{draft_ptr + index * V, inverse_t, softmax_stats(draft_ptr + index * V, V, inverse_t)};
+          token_stats_row(p_row, q_row, V, token, p_out + index, q_out + index, tv_out + index);
+          logp_out[index] = valid ? log_softmax_at(p_row, token) : -INFINITY;
+          logq_out[index] = valid ? log_softmax_at(q_row, token) : -INFINITY;
+        } else {
+          ProbRow<scalar_t> p_row{target_ptr + index * V}, q_row{draft_ptr + index * V};
+          token_stats_row(p_row, q_row, V, token, p_out + index, q_out + index, tv_out + index);
+          logp_out[index] = std::log(p_out[index]);
+          logq_out[index] = std::log(q_out[index]);
+        }
+      }
+    });
+  });
+}
+
+void mix(const at::Tensor& draft, const at::Tensor& target, const at::Tensor& weight, const at::Tensor& temperature,
+         bool from_logits, at::Tensor& mixture) {
+  const int64_t B = draft.size(0), K = draft.size(1), V = draft.size(2), Kt = target.size(1);
+  TemperaturePlan temperatures = plan_temperatures(temperature, B);
+  const float* weight_ptr = weight.data_ptr<float>();
+  float* out = mixture.data_ptr<float>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, draft.scalar_type(), "mix_cpu", [&] {
+    const scalar_t* draft_ptr = draft.data_ptr<scalar_t>();
+    const scalar_t* target_ptr = target.data_ptr<scalar_t>();
+    at::parallel_for(0, B * K, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t index = begin; index < end; ++index) {
+        const int64_t row = index / K, position = index % K;
+        const scalar_t* draft_row = draft_ptr + index * V;
+        const scalar_t* target_row = target_ptr + (row * Kt + position) * V;
+        const float w = sanitize_weight(weight_ptr[index]);
+        if (from_logits) {
+          const float inverse_t = temperatures.inverse[row];
+          LogitRow<scalar_t> p_row{target_row, inverse_t, softmax_stats(target_row, V, inverse_t)};
+          LogitRow<scalar_t> q_row{draft_row, inverse_t, softmax_stats(draft_row, V, inverse_t)};
+          mix_row(p_row, q_row, w, V, out + index * V);
+        } else {
+          mix_row(ProbRow<scalar_t>{target_row}, ProbRow<scalar_t>{draft_row}, w, V, out + index * V);
+        }
+      }
+    });
+  });
+}
+
+}  // namespace DIVERSED_CPU_CAPABILITY
 }  // namespace cpu
 }  // namespace diversed

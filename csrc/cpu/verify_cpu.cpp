@@ -5,32 +5,16 @@
 //   2. per (row, vocabulary chunk) (parallel, so a single request still uses every core): residual or bonus mass;
 //   3. per row: inverse-CDF sample inside the one chunk, and the one block, that holds the threshold.
 // No [B, K, V] temporary; extra memory is O(B) plus a bounded number of chunk sums per row.
-#include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include "../poison.h"
-#include "cpu_kernels.h"
+#include "cpu_dispatch.h"
 
 namespace diversed {
 namespace cpu {
 namespace {
-
-// Rows of draft probabilities [B, K, V] and target probabilities [B, K+1, V].
-template <typename scalar_t>
-struct ProbRows {
-  const scalar_t* draft_probs;
-  const scalar_t* target_probs;
-  int64_t num_positions, vocab;
-
-  ProbRow<scalar_t> draft(int64_t row, int64_t position) const {
-    return {draft_probs + (row * num_positions + position) * vocab};
-  }
-  ProbRow<scalar_t> target(int64_t row, int64_t position) const {
-    return {target_probs + (row * (num_positions + 1) + position) * vocab};
-  }
-};
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_probs_cpu(
     const at::Tensor& draft_tokens, const at::Tensor& draft_probs, const at::Tensor& target_probs,
@@ -64,15 +48,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_probs_cpu(
   auto accept_prob = at::empty({B, K}, draft_tokens.options().dtype(at::kFloat));
   if (B == 0) return {tokens, num_accepted, accept_prob};
   poison_outputs(tokens, num_accepted, accept_prob);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, draft_probs.scalar_type(), "verify_probs_cpu", [&] {
-    ProbRows<scalar_t> rows{draft_probs.data_ptr<scalar_t>(), target_probs.data_ptr<scalar_t>(), K, V};
-    VerifyProblem problem{B, K, V, draft_tokens.data_ptr<int64_t>(), weight.data_ptr<float>(),
-                          num_draft.data_ptr<int64_t>(), greedy.data_ptr<bool>(),
-                          uniforms.has_value() ? uniforms->data_ptr<double>() : nullptr, seeds.data_ptr<int64_t>(),
-                          offset, per_row_seed, tokens.data_ptr<int64_t>(), num_accepted.data_ptr<int32_t>(),
-                          accept_prob.data_ptr<float>()};
-    run_verify(problem, rows);
-  });
+  DIVERSED_CPU_CALL(verify_probs, draft_tokens, draft_probs, target_probs, weight, num_draft, greedy, uniforms,
+                    seeds, offset, per_row_seed, tokens, num_accepted, accept_prob);
   return {tokens, num_accepted, accept_prob};
 }
 
