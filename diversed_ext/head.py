@@ -1,0 +1,153 @@
+"""The DIVERSED ensemble head: a per-token weight on the target, predicted from both models' last hidden states.
+
+    w_t = sigmoid(head([LayerNorm(h_draft_t) ; LayerNorm(h_target_t)]))
+
+The output layer starts at zero with bias logit(init_weight), so an untrained head returns exactly ``init_weight``
+everywhere (0.5 is the midpoint of the static ensembles; 1.0 would be standard speculative decoding). Heads are saved
+as ``head.safetensors`` plus ``head.json`` (sizes, init weight and the names of the model pair they were trained for),
+and loading one against another pair or other hidden sizes is an error.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+import torch
+from torch import nn
+
+CONFIG_NAME = "head.json"
+WEIGHTS_NAME = "head.safetensors"
+FORMAT_NAME = "diversed_ext.EnsembleHead"
+FORMAT_VERSION = 1
+WEIGHT_EPSILON = 1e-6  # init_weight is kept inside (0, 1) so its logit is finite
+
+
+@dataclass
+class HeadConfig:
+    """What a saved head needs to be rebuilt and checked against a model pair."""
+
+    draft_hidden: int
+    target_hidden: int
+    hidden: Optional[int] = None
+    init_weight: float = 0.5
+    pair: dict = field(default_factory=dict)  # {"target": name, "draft": name}; empty when unknown
+
+
+class EnsembleHead(nn.Module):
+    """Maps (draft hidden state, target hidden state) to the weight w in (0, 1) on the target.
+
+    Args:
+        draft_hidden: hidden size of the draft model.
+        target_hidden: hidden size of the target model.
+        hidden: width of one hidden layer (GELU); None for a linear head.
+        init_weight: the weight every token gets before training, in (0, 1].
+        pair: optional {"target": name, "draft": name}, recorded when saving and checked when loading.
+    """
+
+    def __init__(self, draft_hidden: int, target_hidden: int, *, hidden: Optional[int] = None,
+                 init_weight: float = 0.5, pair: Optional[dict] = None):
+        super().__init__()
+        for name, value in (("draft_hidden", draft_hidden), ("target_hidden", target_hidden)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if hidden is not None and (isinstance(hidden, bool) or not isinstance(hidden, int) or hidden <= 0):
+            raise ValueError(f"hidden must be None or a positive int, got {hidden!r}")
+        if not 0.0 < float(init_weight) <= 1.0:
+            raise ValueError(f"init_weight must lie in (0, 1], got {init_weight}")
+        self.config = HeadConfig(draft_hidden, target_hidden, hidden, float(init_weight), dict(pair or {}))
+        self.draft_norm = nn.LayerNorm(draft_hidden)
+        self.target_norm = nn.LayerNorm(target_hidden)
+        features = draft_hidden + target_hidden
+        layers: list[nn.Module] = []
+        if hidden is not None:
+            layers += [nn.Linear(features, hidden), nn.GELU()]
+            features = hidden
+        self.body = nn.Sequential(*layers)
+        self.output = nn.Linear(features, 1)
+        self.reset_output(init_weight)
+
+    def reset_output(self, init_weight: float) -> None:
+        """Zero the output layer and set its bias so that every token gets ``init_weight``."""
+        clipped = min(max(float(init_weight), WEIGHT_EPSILON), 1.0 - WEIGHT_EPSILON)
+        with torch.no_grad():
+            self.output.weight.zero_()
+            self.output.bias.fill_(math.log(clipped / (1.0 - clipped)))
+
+    def forward(self, draft_hidden_states: torch.Tensor, target_hidden_states: torch.Tensor) -> torch.Tensor:
+        """Weights on the target, shape ``draft_hidden_states.shape[:-1]``, in (0, 1)."""
+        if draft_hidden_states.shape[-1] != self.config.draft_hidden:
+            raise ValueError(f"draft_hidden_states has hidden size {draft_hidden_states.shape[-1]}, the head expects "
+                             f"{self.config.draft_hidden}")
+        if target_hidden_states.shape[-1] != self.config.target_hidden:
+            raise ValueError(f"target_hidden_states has hidden size {target_hidden_states.shape[-1]}, the head "
+                             f"expects {self.config.target_hidden}")
+        if draft_hidden_states.shape[:-1] != target_hidden_states.shape[:-1]:
+            raise ValueError(f"draft_hidden_states {tuple(draft_hidden_states.shape)} and target_hidden_states "
+                             f"{tuple(target_hidden_states.shape)} must agree on every dimension but the last")
+        dtype = self.output.weight.dtype
+        features = torch.cat([self.draft_norm(draft_hidden_states.to(dtype)),
+                              self.target_norm(target_hidden_states.to(dtype))], dim=-1)
+        return torch.sigmoid(self.output(self.body(features))).squeeze(-1)
+
+    # ------------------------------------------------------------------------------------------------ persistence
+    def save(self, directory: str) -> None:
+        """Write head.safetensors and head.json into ``directory`` (created if needed), atomically per file."""
+        from safetensors.torch import save_file
+
+        os.makedirs(directory, exist_ok=True)
+        tensors = {name: tensor.detach().cpu().contiguous() for name, tensor in self.state_dict().items()}
+        weights_path = os.path.join(directory, WEIGHTS_NAME)
+        save_file(tensors, weights_path + ".tmp")
+        os.replace(weights_path + ".tmp", weights_path)
+        config = {"format": FORMAT_NAME, "version": FORMAT_VERSION, **asdict(self.config)}
+        config_path = os.path.join(directory, CONFIG_NAME)
+        with open(config_path + ".tmp", "w") as handle:
+            json.dump(config, handle, indent=2)
+        os.replace(config_path + ".tmp", config_path)
+
+    @classmethod
+    def load(cls, directory: str, *, pair: Optional[dict] = None, draft_hidden: Optional[int] = None,
+             target_hidden: Optional[int] = None, map_location: str = "cpu") -> "EnsembleHead":
+        """Load a saved head, checking it against the model pair and hidden sizes it is about to serve.
+
+        Args:
+            directory: folder written by :meth:`save`.
+            pair: {"target": name, "draft": name} of the models in use; a head saved for another pair is refused.
+            draft_hidden / target_hidden: hidden sizes of the models in use; a mismatch is refused.
+        """
+        from safetensors.torch import load_file
+
+        config_path = os.path.join(directory, CONFIG_NAME)
+        weights_path = os.path.join(directory, WEIGHTS_NAME)
+        for path in (config_path, weights_path):
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"no ensemble head at {directory!r}: missing {os.path.basename(path)}")
+        with open(config_path) as handle:
+            stored = json.load(handle)
+        if stored.get("format") != FORMAT_NAME or stored.get("version") != FORMAT_VERSION:
+            raise ValueError(f"{config_path} is not a {FORMAT_NAME} v{FORMAT_VERSION} config")
+        config = HeadConfig(**{key: stored[key] for key in HeadConfig.__dataclass_fields__ if key in stored})
+        _check_matches(config, pair, draft_hidden, target_hidden, directory)
+        head = cls(config.draft_hidden, config.target_hidden, hidden=config.hidden, init_weight=config.init_weight,
+                   pair=config.pair)
+        head.load_state_dict(load_file(weights_path, device=map_location))
+        return head
+
+
+def _check_matches(config: HeadConfig, pair: Optional[dict], draft_hidden: Optional[int],
+                   target_hidden: Optional[int], directory: str) -> None:
+    if draft_hidden is not None and draft_hidden != config.draft_hidden:
+        raise ValueError(f"the head at {directory!r} expects draft hidden size {config.draft_hidden}, "
+                         f"the draft model has {draft_hidden}")
+    if target_hidden is not None and target_hidden != config.target_hidden:
+        raise ValueError(f"the head at {directory!r} expects target hidden size {config.target_hidden}, "
+                         f"the target model has {target_hidden}")
+    if pair and config.pair:
+        for role in ("target", "draft"):
+            if role in pair and role in config.pair and pair[role] != config.pair[role]:
+                raise ValueError(f"the head at {directory!r} was trained for {role} {config.pair[role]!r}, "
+                                 f"not {pair[role]!r}")
