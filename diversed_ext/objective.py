@@ -1,0 +1,97 @@
+"""The DIVERSED training objective (REINFORCE++ style), free of models so it can be tested exactly.
+
+For a batch of N sequences with rewards r_n, per-token weights w_t = head(h_draft_t, h_target_t) and, at each
+generated token y_t, the target and draft probabilities p_t(y_t), q_t(y_t) and TV_t = TV(p_t, q_t):
+
+    A_n   = (r_n - mean(r)) / (std(r) + eps)                                  advantage normalised over the batch
+    loss  = (1/N) sum_n [ -A_n * sum_t log nu_t(y_t)  -  lambda * sum_t (1 - w_t * TV_t) ]
+    log nu_t(y_t) = logaddexp(log w_t + log p_t(y_t), log(1 - w_t) + log q_t(y_t))
+
+The first term is the policy gradient of the task reward through the mixture the tokens were sampled from; the second
+rewards acceptance: the expected acceptance rate at position t is 1 - w_t TV_t, so the regulariser pushes w down where
+the models disagree. (The authors' released code flips this sign and so pushes acceptance down; SPEC §1.) Only the head
+receives gradients: p, q and TV are constants.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+ADVANTAGE_EPSILON = 1e-6
+WEIGHT_CLAMP = 1e-6  # keeps log w and log(1 - w) finite at the ends of (0, 1)
+
+
+def normalized_advantages(rewards: torch.Tensor) -> torch.Tensor:
+    """(r - mean) / (std + eps) over the batch; all-equal rewards give zero advantages (no policy signal)."""
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards must be 1-D [N], got shape {tuple(rewards.shape)}")
+    rewards = rewards.double()
+    if rewards.numel() < 2:
+        return torch.zeros_like(rewards)
+    centered = rewards - rewards.mean()
+    return centered / (rewards.std(unbiased=False) + ADVANTAGE_EPSILON)
+
+
+def log_mixture_prob(weights: torch.Tensor, target_logprob: torch.Tensor, draft_logprob: torch.Tensor) -> torch.Tensor:
+    """log(w p + (1 - w) q) from log p and log q, stable where either probability underflows."""
+    weights = weights.clamp(WEIGHT_CLAMP, 1.0 - WEIGHT_CLAMP)
+    return torch.logaddexp(weights.log() + target_logprob, torch.log1p(-weights) + draft_logprob)
+
+
+@dataclass
+class ObjectiveTerms:
+    """The loss and what it is made of, for logging."""
+
+    loss: torch.Tensor  # scalar, differentiable in the weights
+    policy_term: torch.Tensor  # -(1/N) sum_n A_n sum_t log nu
+    acceptance_term: torch.Tensor  # -(lambda/N) sum_n sum_t (1 - w TV)
+    mean_weight: torch.Tensor
+    expected_acceptance: torch.Tensor  # mean over tokens of 1 - w TV
+    advantages: torch.Tensor
+
+
+def diversed_objective(weights: torch.Tensor, target_logprob: torch.Tensor, draft_logprob: torch.Tensor,
+                       total_variation: torch.Tensor, rewards: torch.Tensor, mask: Optional[torch.Tensor] = None,
+                       acceptance_coef: float = 0.1) -> ObjectiveTerms:
+    """The DIVERSED loss for a batch of N generated sequences of up to T tokens.
+
+    Args:
+        weights: [N, T] head outputs w_t in (0, 1) (requires grad).
+        target_logprob, draft_logprob, total_variation: [N, T] from :func:`diversed_ext.token_stats` at the
+            generated tokens.
+        rewards: [N] sequence rewards.
+        mask: [N, T] bool, True at generated tokens (padding excluded); None means every position counts.
+        acceptance_coef: lambda >= 0, the weight of the acceptance regulariser.
+    """
+    if acceptance_coef < 0:
+        raise ValueError(f"acceptance_coef must be >= 0 (it rewards acceptance), got {acceptance_coef}")
+    shape = weights.shape
+    for name, tensor in (("target_logprob", target_logprob), ("draft_logprob", draft_logprob),
+                         ("total_variation", total_variation)):
+        if tensor.shape != shape:
+            raise ValueError(f"{name} must have the weights' shape {tuple(shape)}, got {tuple(tensor.shape)}")
+    if rewards.shape != shape[:1]:
+        raise ValueError(f"rewards must have shape [N] = [{shape[0]}], got {tuple(rewards.shape)}")
+    mask = torch.ones(shape, dtype=torch.bool, device=weights.device) if mask is None else mask.bool()
+    if mask.shape != shape:
+        raise ValueError(f"mask must have the weights' shape {tuple(shape)}, got {tuple(mask.shape)}")
+
+    advantages = normalized_advantages(rewards).to(weights.dtype)
+    log_nu = log_mixture_prob(weights, target_logprob.to(weights.dtype), draft_logprob.to(weights.dtype))
+    sequence_log_nu = torch.where(mask, log_nu, torch.zeros_like(log_nu)).sum(-1)
+    acceptance = torch.where(mask, 1.0 - weights * total_variation.to(weights.dtype), torch.zeros_like(weights))
+    num_sequences = shape[0]
+    policy_term = -(advantages * sequence_log_nu).sum() / num_sequences
+    acceptance_term = -acceptance_coef * acceptance.sum() / num_sequences
+    num_tokens = mask.sum().clamp_min(1)
+    return ObjectiveTerms(
+        loss=policy_term + acceptance_term,
+        policy_term=policy_term.detach(),
+        acceptance_term=acceptance_term.detach(),
+        mean_weight=(torch.where(mask, weights, torch.zeros_like(weights)).sum() / num_tokens).detach(),
+        expected_acceptance=(acceptance.sum() / num_tokens).detach(),
+        advantages=advantages.detach(),
+    )

@@ -1,0 +1,88 @@
+"""The training objective: advantages, the stable mixture log-likelihood, gradients and the regulariser's sign."""
+
+import math
+
+import pytest
+import torch
+
+from diversed_ext.objective import diversed_objective, log_mixture_prob, normalized_advantages
+
+
+def random_terms(num_sequences=4, length=6, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    weights = torch.rand(num_sequences, length, generator=generator, dtype=torch.float64) * 0.9 + 0.05
+    target_logprob = -torch.rand(num_sequences, length, generator=generator, dtype=torch.float64) * 4
+    draft_logprob = -torch.rand(num_sequences, length, generator=generator, dtype=torch.float64) * 4
+    total_variation = torch.rand(num_sequences, length, generator=generator, dtype=torch.float64)
+    rewards = torch.rand(num_sequences, generator=generator, dtype=torch.float64)
+    mask = torch.rand(num_sequences, length, generator=generator) < 0.8
+    return weights, target_logprob, draft_logprob, total_variation, rewards, mask
+
+
+def test_advantages_are_normalised():
+    advantages = normalized_advantages(torch.tensor([1.0, 2.0, 3.0, 6.0]))
+    assert abs(advantages.mean().item()) < 1e-9
+    assert abs(advantages.std(unbiased=False).item() - 1) < 1e-5
+    assert torch.all(normalized_advantages(torch.tensor([2.0, 2.0, 2.0])) == 0)
+
+
+def test_log_mixture_prob_matches_direct_formula_and_survives_underflow():
+    weights = torch.tensor([0.2, 0.7], dtype=torch.float64)
+    log_p, log_q = torch.tensor([-1.0, -2.0], dtype=torch.float64), torch.tensor([-3.0, -0.5], dtype=torch.float64)
+    direct = (weights * log_p.exp() + (1 - weights) * log_q.exp()).log()
+    torch.testing.assert_close(log_mixture_prob(weights, log_p, log_q), direct)
+    tiny = log_mixture_prob(torch.tensor([0.5]), torch.tensor([-2000.0]), torch.tensor([-2001.0]))
+    assert math.isfinite(tiny.item()) and abs(tiny.item() - (-2000.0 + math.log(0.5 + 0.5 * math.exp(-1)))) < 1e-3
+
+
+@pytest.mark.parametrize("coef", [0.0, 0.3])
+def test_gradient_matches_finite_differences(coef):
+    weights, log_p, log_q, tv, rewards, mask = random_terms()
+    weights.requires_grad_(True)
+    terms = diversed_objective(weights, log_p, log_q, tv, rewards, mask, acceptance_coef=coef)
+    (gradient,) = torch.autograd.grad(terms.loss, weights)
+    step = 1e-6
+    numeric = torch.zeros_like(weights)
+    for index in range(weights.numel()):
+        delta = torch.zeros_like(weights).view(-1)
+        delta[index] = step
+        delta = delta.view_as(weights)
+        plus = diversed_objective(weights.detach() + delta, log_p, log_q, tv, rewards, mask, coef).loss
+        minus = diversed_objective(weights.detach() - delta, log_p, log_q, tv, rewards, mask, coef).loss
+        numeric.view(-1)[index] = (plus - minus) / (2 * step)
+    torch.testing.assert_close(gradient, numeric, rtol=1e-5, atol=1e-7)
+    assert torch.all(gradient[~mask] == 0)
+
+
+def test_regulariser_pushes_weights_down_where_models_disagree():
+    # Equal rewards: no policy signal, only the acceptance term; its gradient must lower w (more acceptance).
+    weights, log_p, log_q, tv, _, _ = random_terms()
+    weights.requires_grad_(True)
+    terms = diversed_objective(weights, log_p, log_q, tv, torch.ones(4, dtype=torch.float64), acceptance_coef=1.0)
+    (gradient,) = torch.autograd.grad(terms.loss, weights)
+    torch.testing.assert_close(gradient, tv / 4)  # d/dw of -(1/N) sum (1 - w TV) = TV / N > 0: descent lowers w
+    assert terms.expected_acceptance.item() > 0
+
+
+def test_policy_term_follows_the_better_sequence():
+    # Sequence 0 (rewarded) has tokens the target likes; descent must raise w on it.
+    weights = torch.full((2, 3), 0.5, dtype=torch.float64, requires_grad=True)
+    log_p = torch.log(torch.tensor([[0.9] * 3, [0.1] * 3], dtype=torch.float64))
+    log_q = torch.log(torch.tensor([[0.1] * 3, [0.9] * 3], dtype=torch.float64))
+    terms = diversed_objective(weights, log_p, log_q, torch.zeros(2, 3, dtype=torch.float64),
+                               torch.tensor([1.0, 0.0], dtype=torch.float64), acceptance_coef=0.0)
+    (gradient,) = torch.autograd.grad(terms.loss, weights)
+    assert torch.all(gradient[0] < 0)  # descent raises w where target-favoured tokens were rewarded
+    assert torch.all(gradient[1] < 0)  # and where draft-favoured tokens were penalised
+
+
+def test_bad_arguments():
+    weights, log_p, log_q, tv, rewards, mask = random_terms()
+    with pytest.raises(ValueError, match="acceptance_coef"):
+        diversed_objective(weights, log_p, log_q, tv, rewards, mask, acceptance_coef=-0.1)
+    with pytest.raises(ValueError, match="total_variation"):
+        diversed_objective(weights, log_p, log_q, tv[:, :2], rewards, mask)
+    with pytest.raises(ValueError, match="rewards"):
+        diversed_objective(weights, log_p, log_q, tv, rewards[:2], mask)
+    with pytest.raises(ValueError, match="rewards must be 1-D"):
+        normalized_advantages(torch.ones(2, 2))
