@@ -1,0 +1,90 @@
+"""One teacher-forced pass of both models over generated sequences: what the trainer needs per generated token.
+
+For a prompt x and a completion y_1..y_T, both models read x + y once (no cache, no sampling). At the position that
+predicts y_t this gives the last hidden states h_draft_t and h_target_t (the head's inputs, exactly those it saw
+while decoding) and the logits, from which :func:`diversed_ext.token_stats` takes p_t(y_t), q_t(y_t), their log
+probabilities and TV(p_t, q_t) in one pass over the vocabulary, without materialising probabilities.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from .logits import token_stats
+
+
+@dataclass
+class TokenBatch:
+    """Per-token quantities of N sequences, right-padded to the longest completion T."""
+
+    draft_hidden: torch.Tensor  # [N, T, Hd]
+    target_hidden: torch.Tensor  # [N, T, Ht]
+    target_logprob: torch.Tensor  # [N, T]
+    draft_logprob: torch.Tensor  # [N, T]
+    total_variation: torch.Tensor  # [N, T]
+    mask: torch.Tensor  # [N, T] bool, True at real completion tokens
+
+
+def _last_hidden_and_logits(model, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    output = model(input_ids=input_ids, output_hidden_states=True, use_cache=False)
+    return output.hidden_states[-1], output.logits
+
+
+@torch.no_grad()
+def teacher_forced_tokens(target, draft, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
+                          temperature: float = 1.0) -> TokenBatch:
+    """Hidden states and token statistics for every completion token (one forward pass per model and sequence).
+
+    Args:
+        target, draft: Hugging Face causal LMs sharing a tokenizer.
+        prompts: N prompt token lists (non-empty).
+        completions: N completion token lists (possibly empty).
+        temperature: the sampling temperature the completions were drawn at (0 counts as 1).
+    """
+    if len(prompts) != len(completions):
+        raise ValueError(f"prompts ({len(prompts)}) and completions ({len(completions)}) must pair up")
+    device = next(target.parameters()).device
+    longest = max([len(completion) for completion in completions] + [1])
+    rows = []
+    for prompt, completion in zip(prompts, completions):
+        if len(prompt) == 0:
+            raise ValueError("every prompt needs at least one token")
+        rows.append(_sequence_tokens(target, draft, list(prompt), list(completion), temperature, device))
+    return TokenBatch(*(_pad_stack([row[field] for row in rows], longest) for field in range(6)))
+
+
+def _sequence_tokens(target, draft, prompt: list[int], completion: list[int], temperature: float,
+                     device: torch.device) -> tuple:
+    length = len(completion)
+    if length == 0:
+        return _empty_row(target, draft)
+    input_ids = torch.tensor([prompt + completion[:-1]], device=device)
+    target_hidden, target_logits = _last_hidden_and_logits(target, input_ids)
+    draft_hidden, draft_logits = _last_hidden_and_logits(draft, input_ids.to(next(draft.parameters()).device))
+    positions = slice(len(prompt) - 1, len(prompt) - 1 + length)
+    target_logits = target_logits[:, positions].float()
+    draft_logits = draft_logits[:, positions].float().to(target_logits.device)
+    tokens = torch.tensor([completion], device=target_logits.device)
+    stats = token_stats(draft_logits.contiguous(), target_logits.contiguous(), tokens, from_logits=True,
+                        temperature=temperature if temperature > 0 else 1.0, check_inputs=False)
+    return (draft_hidden[0, positions].float(), target_hidden[0, positions].float(), stats.target_logprob[0],
+            stats.draft_logprob[0], stats.total_variation[0], torch.ones(length, dtype=torch.bool))
+
+
+def _empty_row(target, draft) -> tuple:
+    draft_size, target_size = draft.config.hidden_size, target.config.hidden_size
+    empty = torch.zeros(0)
+    return (torch.zeros(0, draft_size), torch.zeros(0, target_size), empty, empty, empty,
+            torch.zeros(0, dtype=torch.bool))
+
+
+def _pad_stack(tensors: list[torch.Tensor], length: int) -> torch.Tensor:
+    padded = []
+    for tensor in tensors:
+        tensor = tensor.cpu()
+        pad_shape = (length - tensor.shape[0],) + tuple(tensor.shape[1:])
+        padded.append(torch.cat([tensor, torch.zeros(pad_shape, dtype=tensor.dtype)], dim=0))
+    return torch.stack(padded)

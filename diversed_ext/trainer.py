@@ -1,0 +1,313 @@
+"""Training the DIVERSED ensemble head with sequence-level reinforcement learning (REINFORCE++ style).
+
+One step:
+  1. take a batch of prompts from this rank's shard (deterministic in the seed and the step);
+  2. roll out completions by speculative decoding with the current head: the tokens follow nu, as in deployment;
+  3. reward each completion: the task reward plus ``fidelity_coef`` times its fidelity (mean target log-probability
+     per generated token, SPEC §4);
+  4. one teacher-forced pass of both models gives hidden states, log p(y), log q(y) and TV per token;
+  5. loss = diversed_objective(...) (diversed_ext/objective.py): policy gradient with batch-normalised advantages plus
+     the acceptance regulariser; only the head trains (AdamW, gradient clipping, linear warm-up then cosine decay).
+
+Checkpoints (head, optimiser, scheduler, step, RNG states) are written atomically; ``resume=True`` continues exactly
+where the last one stopped. Under ``torchrun`` the head is wrapped in DistributedDataParallel (gloo on CPU, nccl on
+GPU) and prompts are sharded over ranks. Progress goes to a tqdm bar, a jsonl log and a training-curve PNG.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+from tqdm import tqdm
+
+from .head import EnsembleHead
+from .objective import diversed_objective
+from .teacher_forcing import teacher_forced_tokens
+
+CHECKPOINT_NAME = "checkpoint.pt"
+LOG_NAME = "train_log.jsonl"
+CURVE_NAME = "training_curve.png"
+
+# (prompt token ids, rollout seed) -> completion token ids
+Rollout = Callable[[Sequence[int], int], Sequence[int]]
+# (example, completion text) -> task reward
+RewardFn = Callable[[Any, str], float]
+
+
+@dataclass
+class TrainerConfig:
+    """Hyper-parameters of a training run (saved inside every checkpoint)."""
+
+    output_dir: str
+    steps: int = 50
+    batch_size: int = 8
+    learning_rate: float = 3e-3
+    weight_decay: float = 0.0
+    warmup_steps: int = 5
+    grad_clip: float = 1.0
+    acceptance_coef: float = 0.05
+    fidelity_coef: float = 0.0
+    temperature: float = 1.0
+    seed: int = 0
+    checkpoint_every: int = 10
+
+    def validate(self) -> None:
+        positive = {"steps": self.steps, "batch_size": self.batch_size, "learning_rate": self.learning_rate,
+                    "checkpoint_every": self.checkpoint_every, "grad_clip": self.grad_clip}
+        for name, value in positive.items():
+            if not value > 0:
+                raise ValueError(f"{name} must be positive, got {value}")
+        for name in ("warmup_steps", "acceptance_coef", "fidelity_coef", "weight_decay", "temperature"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+
+
+def warmup_cosine(step: int, warmup_steps: int, total_steps: int) -> float:
+    """Learning-rate multiplier: linear warm-up to 1, then cosine decay to 0 at total_steps."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+def _distributed() -> tuple[int, int]:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
+class Trainer:
+    """Trains an :class:`EnsembleHead` for a draft/target pair on a list of prompts.
+
+    Args:
+        target, draft: the Hugging Face causal LMs (frozen).
+        head: the head to train (its parameters are the only ones updated).
+        prompts: token ids of every training prompt (all ranks pass the same list; each takes its shard).
+        examples: the task examples the prompts came from, passed to ``reward``.
+        reward: (example, completion text) -> task reward.
+        decode: completion token ids -> text (the tokenizer's decode).
+        rollout: (prompt ids, seed) -> completion ids, sampled with the current head (see :func:`speculative_rollout`).
+        config: :class:`TrainerConfig`.
+    """
+
+    def __init__(self, target, draft, head: EnsembleHead, prompts: Sequence[Sequence[int]], examples: Sequence[Any],
+                 reward: RewardFn, decode: Callable[[Sequence[int]], str], rollout: Rollout, config: TrainerConfig):
+        config.validate()
+        if len(prompts) != len(examples) or not prompts:
+            raise ValueError(f"prompts ({len(prompts)}) and examples ({len(examples)}) must be equal and non-empty")
+        self.target, self.draft, self.head = target, draft, head
+        self.examples, self.reward, self.decode, self.rollout, self.config = examples, reward, decode, rollout, config
+        self.prompts = [list(prompt) for prompt in prompts]
+        self.rank, self.world_size = _distributed()
+        self.shard = list(range(self.rank, len(self.prompts), self.world_size))
+        if not self.shard:
+            raise ValueError(f"rank {self.rank} has no prompts: {len(self.prompts)} prompts for {self.world_size} ranks")
+        for parameter in list(target.parameters()) + list(draft.parameters()):
+            parameter.requires_grad_(False)
+        self.model = head
+        if self.world_size > 1:
+            self.model = torch.nn.parallel.DistributedDataParallel(head)
+        self.optimizer = torch.optim.AdamW(head.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: warmup_cosine(step, config.warmup_steps, config.steps))
+        self.step = 0
+        self.history: list[dict] = []
+
+    # ----------------------------------------------------------------------------------------------- one step
+    def _batch_indices(self) -> list[int]:
+        generator = random.Random(hash((self.config.seed, self.step, self.rank)) & 0xFFFFFFFF)
+        return [self.shard[generator.randrange(len(self.shard))] for _ in range(self.config.batch_size)]
+
+    def _rollout_seed(self, slot: int) -> int:
+        return (self.config.seed * 1_000_003 + self.step * 10_007 + self.rank * 101 + slot) & 0x7FFFFFFF
+
+    def train_step(self) -> dict:
+        """Roll out, reward, and update the head once; returns the logged metrics."""
+        indices = self._batch_indices()
+        self.head.eval()
+        with torch.no_grad():
+            completions = [list(self.rollout(self.prompts[index], self._rollout_seed(slot)))
+                           for slot, index in enumerate(indices)]
+        tokens = teacher_forced_tokens(self.target, self.draft, [self.prompts[i] for i in indices], completions,
+                                       self.config.temperature)
+        task_rewards = torch.tensor([float(self.reward(self.examples[index], self.decode(completion)))
+                                     for index, completion in zip(indices, completions)], dtype=torch.float64)
+        fidelity = _masked_mean(tokens.target_logprob, tokens.mask)
+        rewards = task_rewards + self.config.fidelity_coef * fidelity
+
+        self.head.train()
+        weights = self.model(tokens.draft_hidden, tokens.target_hidden)
+        terms = diversed_objective(weights, tokens.target_logprob, tokens.draft_logprob, tokens.total_variation,
+                                   rewards.to(weights.dtype), tokens.mask, self.config.acceptance_coef)
+        self.optimizer.zero_grad(set_to_none=True)
+        terms.loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.head.parameters(), self.config.grad_clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.step += 1
+        record = {"step": self.step, "loss": terms.loss.item(), "task_reward": task_rewards.mean().item(),
+                  "fidelity": fidelity.mean().item(), "mean_weight": terms.mean_weight.item(),
+                  "expected_acceptance": terms.expected_acceptance.item(), "grad_norm": float(grad_norm),
+                  "learning_rate": self.scheduler.get_last_lr()[0],
+                  "tokens": int(tokens.mask.sum())}
+        self.history.append(record)
+        return record
+
+    # ------------------------------------------------------------------------------------------------ the run
+    def train(self, *, resume: bool = False, progress: bool = True, stop_after: Optional[int] = None) -> list[dict]:
+        """Run until ``config.steps``, checkpointing every ``checkpoint_every`` steps and at the end.
+
+        Args:
+            resume: continue from the checkpoint in ``output_dir`` if there is one.
+            progress: show a progress bar (rank 0).
+            stop_after: stop (with a checkpoint) once this step is reached, as an interrupted run would; the
+                learning-rate schedule still spans ``config.steps``.
+        """
+        if resume:
+            self.load_checkpoint()
+        last_step = self.config.steps if stop_after is None else min(self.config.steps, stop_after)
+        is_main = self.rank == 0
+        bar = tqdm(total=self.config.steps, initial=self.step, desc="train head", unit="step",
+                   disable=not (progress and is_main))
+        while self.step < last_step:
+            record = self.train_step()
+            if is_main:
+                self._append_log(record)
+            bar.set_postfix(w=f"{record['mean_weight']:.3f}", acc=f"{record['expected_acceptance']:.3f}",
+                            reward=f"{record['task_reward']:.2f}")
+            bar.update(1)
+            if self.step % self.config.checkpoint_every == 0 or self.step == last_step:
+                self.save_checkpoint()
+        bar.close()
+        if is_main and self.step == self.config.steps:
+            self.head.save(os.path.join(self.config.output_dir, "head"))
+            plot_training_curve(self._read_log(), os.path.join(self.config.output_dir, CURVE_NAME))
+        return self.history
+
+    # ---------------------------------------------------------------------------------------------- persistence
+    def checkpoint_path(self) -> str:
+        return os.path.join(self.config.output_dir, CHECKPOINT_NAME)
+
+    def save_checkpoint(self) -> None:
+        """Write head, optimiser, scheduler, step and RNG states atomically (rank 0 only)."""
+        if self.rank != 0:
+            return
+        os.makedirs(self.config.output_dir, exist_ok=True)
+        state = {"head": self.head.state_dict(), "optimizer": self.optimizer.state_dict(),
+                 "scheduler": self.scheduler.state_dict(), "step": self.step, "history": self.history,
+                 "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+                 "config": asdict(self.config)}
+        path = self.checkpoint_path()
+        torch.save(state, path + ".tmp")
+        os.replace(path + ".tmp", path)
+
+    def load_checkpoint(self) -> bool:
+        """Restore the last checkpoint if there is one; returns whether one was found."""
+        path = self.checkpoint_path()
+        if not os.path.isfile(path):
+            return False
+        state = torch.load(path, map_location="cpu", weights_only=False)
+        self.head.load_state_dict(state["head"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.step, self.history = state["step"], list(state["history"])
+        torch.set_rng_state(state["rng"]["torch"])
+        random.setstate(state["rng"]["python"])
+        self._truncate_log(self.step)
+        return True
+
+    def _log_path(self) -> str:
+        return os.path.join(self.config.output_dir, LOG_NAME)
+
+    def _append_log(self, record: dict) -> None:
+        os.makedirs(self.config.output_dir, exist_ok=True)
+        with open(self._log_path(), "a") as handle:
+            handle.write(json.dumps(record) + "\n")
+
+    def _read_log(self) -> list[dict]:
+        if not os.path.isfile(self._log_path()):
+            return []
+        with open(self._log_path()) as handle:
+            return [json.loads(line) for line in handle if line.strip()]
+
+    def _truncate_log(self, step: int) -> None:
+        """After a resume, drop log lines written past the checkpoint (they will be written again)."""
+        if self.rank != 0:
+            return
+        kept = [record for record in self._read_log() if record["step"] <= step]
+        os.makedirs(self.config.output_dir, exist_ok=True)
+        with open(self._log_path(), "w") as handle:
+            handle.writelines(json.dumps(record) + "\n" for record in kept)
+
+
+def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    counts = mask.sum(-1).clamp_min(1)
+    return torch.where(mask, values, torch.zeros_like(values)).sum(-1).double() / counts
+
+
+def plot_training_curve(records: list[dict], path: str) -> Optional[str]:
+    """Mean weight, expected acceptance, task reward and fidelity against the step, as a PNG."""
+    if not records:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [record["step"] for record in records]
+    figure, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    axes[0].plot(steps, [r["mean_weight"] for r in records], label="mean w (on target)")
+    axes[0].plot(steps, [r["expected_acceptance"] for r in records], label="expected acceptance 1 - w TV")
+    axes[0].set_ylim(0, 1)
+    axes[0].legend()
+    axes[1].plot(steps, [r["task_reward"] for r in records], color="tab:green")
+    axes[1].set_title("task reward (batch mean)")
+    axes[2].plot(steps, [r["fidelity"] for r in records], color="tab:red")
+    axes[2].set_title("fidelity: mean target log-prob / token")
+    for axis in axes:
+        axis.set_xlabel("step")
+        axis.grid(alpha=0.3)
+    figure.tight_layout()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path
+
+
+def mixture_rollout(target, draft, head: EnsembleHead, *, max_new_tokens: int, temperature: float = 1.0,
+                    eos_token_id: Optional[int] = None) -> Rollout:
+    """A rollout that samples nu = w p + (1 - w) q token by token with full forward passes.
+
+    The same distribution as the speculative loop (which only makes it cheaper), so it is the reference rollout of
+    the tests and a fallback for models the speculative decoder does not support.
+    """
+
+    @torch.no_grad()
+    def rollout(prompt: Sequence[int], seed: int) -> list[int]:
+        generator = torch.Generator().manual_seed(int(seed))
+        sequence = list(prompt)
+        for _ in range(max_new_tokens):
+            input_ids = torch.tensor([sequence])
+            target_hidden, target_logits = _last_position(target, input_ids)
+            draft_hidden, draft_logits = _last_position(draft, input_ids)
+            weight = head(draft_hidden, target_hidden)
+            scale = temperature if temperature > 0 else 1.0
+            mixture = weight * (target_logits / scale).softmax(-1) + (1 - weight) * (draft_logits / scale).softmax(-1)
+            token = int(mixture.argmax()) if temperature == 0 else int(torch.multinomial(mixture, 1, generator=generator))
+            sequence.append(token)
+            if eos_token_id is not None and token == eos_token_id:
+                break
+        return sequence[len(prompt):]
+
+    return rollout
+
+
+def _last_position(model, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    output = model(input_ids=input_ids, output_hidden_states=True, use_cache=False)
+    return output.hidden_states[-1][0, -1].float(), output.logits[0, -1].float()

@@ -1,0 +1,124 @@
+"""Trainer: the head moves the right way on synthetic pairs, resume is exact, and 2-process DDP runs on CPU."""
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+from diversed_ext.head import EnsembleHead  # noqa: E402
+from diversed_ext.teacher_forcing import teacher_forced_tokens  # noqa: E402
+from diversed_ext.trainer import Trainer, TrainerConfig, mixture_rollout, warmup_cosine  # noqa: E402
+
+VOCAB = 24
+
+
+def tiny_llama(seed: int) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8)  # sharper distributions: the pair disagrees clearly
+    return model
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return tiny_llama(0), tiny_llama(1)
+
+
+def prompts_and_examples(count=6):
+    generator = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, VOCAB, (3,), generator=generator).tolist() for _ in range(count)]
+    return prompts, list(range(count))
+
+
+def make_trainer(pair, tmp_path, reward, steps=4, **overrides):
+    target, draft = pair
+    head = EnsembleHead(16, 16, init_weight=0.5)
+    prompts, examples = prompts_and_examples()
+    settings = dict(output_dir=str(tmp_path), steps=steps, batch_size=4, learning_rate=0.05, warmup_steps=1,
+                    checkpoint_every=2, seed=7)
+    settings.update(overrides)
+    rollout = mixture_rollout(target, draft, head, max_new_tokens=6)
+    return Trainer(target, draft, head, prompts, examples, reward, decode=lambda ids: " ".join(map(str, ids)),
+                   rollout=rollout, config=TrainerConfig(**settings))
+
+
+def test_teacher_forced_tokens_match_a_fresh_forward(pair):
+    target, draft = pair
+    prompts, completions = [[1, 2, 3], [4]], [[5, 6], []]
+    batch = teacher_forced_tokens(target, draft, prompts, completions)
+    assert batch.mask.tolist() == [[True, True], [False, False]]
+    logits = target(torch.tensor([[1, 2, 3, 5]])).logits[0, 2:4].float()
+    expected = logits.log_softmax(-1).gather(-1, torch.tensor([[5], [6]])).squeeze(-1)
+    torch.testing.assert_close(batch.target_logprob[0], expected, rtol=1e-4, atol=1e-4)
+
+
+def test_acceptance_regulariser_lowers_the_weight(pair, tmp_path):
+    trainer = make_trainer(pair, tmp_path, reward=lambda example, text: 0.0, acceptance_coef=1.0)
+    history = trainer.train(progress=False)
+    assert history[-1]["mean_weight"] < history[0]["mean_weight"] - 0.05
+    assert os.path.isfile(tmp_path / "training_curve.png")
+    assert os.path.isfile(tmp_path / "head" / "head.safetensors")
+
+
+def test_fidelity_reward_raises_the_weight(pair, tmp_path):
+    # Reward = target log-likelihood only: the best weight is 1 (sample the target), so w must rise from 0.5.
+    trainer = make_trainer(pair, tmp_path, reward=lambda example, text: 0.0, acceptance_coef=0.0, fidelity_coef=1.0,
+                           steps=6, batch_size=8)
+    history = trainer.train(progress=False)
+    assert history[-1]["mean_weight"] > history[0]["mean_weight"] + 0.02
+
+
+def test_resume_equals_uninterrupted_training(pair, tmp_path):
+    reward = lambda example, text: float(len(text) % 3)  # noqa: E731
+    straight = make_trainer(pair, tmp_path / "straight", reward, steps=4)
+    straight.train(progress=False)
+    interrupted = make_trainer(pair, tmp_path / "split", reward, steps=4)
+    interrupted.train(progress=False, stop_after=2)
+    resumed = make_trainer(pair, tmp_path / "split", reward, steps=4)
+    resumed.train(resume=True, progress=False)
+    assert resumed.step == 4
+    for name, value in straight.head.state_dict().items():
+        torch.testing.assert_close(resumed.head.state_dict()[name], value, rtol=0, atol=0)
+    assert [r["loss"] for r in resumed.history] == [r["loss"] for r in straight.history]
+
+
+def test_schedule_and_config_checks(tmp_path):
+    assert warmup_cosine(0, 4, 10) == 0.25 and warmup_cosine(3, 4, 10) == 1.0
+    assert abs(warmup_cosine(10, 4, 10)) < 1e-12
+    with pytest.raises(ValueError, match="batch_size"):
+        TrainerConfig(output_dir=str(tmp_path), batch_size=0).validate()
+    with pytest.raises(ValueError, match="acceptance_coef"):
+        TrainerConfig(output_dir=str(tmp_path), acceptance_coef=-1).validate()
+
+
+def _ddp_worker(rank, world_size, port, output_dir, result_path):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        torch.set_num_threads(1)
+        trainer = make_trainer((tiny_llama(0), tiny_llama(1)), output_dir, reward=lambda e, t: float(len(t) % 2),
+                               steps=2, batch_size=2, checkpoint_every=1)
+        trainer.train(progress=False)
+        flat = torch.cat([p.detach().flatten() for p in trainer.head.parameters()])
+        torch.save({"rank": rank, "params": flat, "shard": trainer.shard}, f"{result_path}.{rank}")
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_two_process_ddp_on_cpu(tmp_path):
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    result_path = str(tmp_path / "result")
+    torch.multiprocessing.spawn(_ddp_worker, args=(2, port, str(tmp_path / "run"), result_path), nprocs=2, join=True)
+    results = [torch.load(f"{result_path}.{rank}") for rank in range(2)]
+    assert results[0]["shard"] != results[1]["shard"]  # prompts are sharded over ranks
+    torch.testing.assert_close(results[0]["params"], results[1]["params"], rtol=0, atol=0)  # gradients all-reduced
