@@ -5,6 +5,7 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include "../op_checks.h"
 #include "../poison.h"
 #include "cuda_binding.h"
 #include "verify_kernels.cuh"
@@ -24,12 +25,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> token_sta
     const at::Tensor& draft, const at::Tensor& target, const at::Tensor& tokens, const at::Tensor& temperature,
     bool from_logits) {
   constexpr const char* op = "diversed::token_stats";
-  check_pair(draft, target, op);
+  check_token_stats_args(op, draft, target, tokens, temperature);
   const int64_t B = draft.size(0), T = draft.size(1);
-  TORCH_CHECK(target.size(1) == T, op, ": draft and target must both be [B, T, V]");
-  TORCH_CHECK(tokens.scalar_type() == at::kLong && tokens.is_contiguous() && tokens.numel() == B * T, op,
-              ": tokens must be contiguous int64 [B, T]");
-  check_float_vector(temperature, B, op, "temperature");
   check_cuda_device(op, draft, target, tokens, temperature);
   check_grid_rows(op, B * T);
 
@@ -55,11 +52,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> token_sta
 at::Tensor mix_cuda(const at::Tensor& draft, const at::Tensor& target, const at::Tensor& weight,
                     const at::Tensor& temperature, bool from_logits) {
   constexpr const char* op = "diversed::mix";
-  check_pair(draft, target, op);
-  const int64_t B = draft.size(0), K = draft.size(1), V = draft.size(2), Kt = target.size(1);
-  TORCH_CHECK(Kt >= K, op, ": target must have at least K positions");
-  check_float_vector(weight, B * K, op, "weight");
-  check_float_vector(temperature, B, op, "temperature");
+  check_mix_args(op, draft, target, weight, temperature);
+  const int64_t B = draft.size(0), K = draft.size(1), V = draft.size(2);
   check_cuda_device(op, draft, target, weight, temperature);
   check_grid_rows(op, B * K);
 

@@ -350,32 +350,8 @@ __device__ int64_t block_inverse_cdf(const Row& target, const Row* draft, int64_
 }
 
 // ------------------------------------------------------------------------------------------------ verify
-// Everything the verify kernels need besides the distribution rows (layouts as in csrc/ops.cpp).
-struct VerifyParams {
-  int64_t batch, num_positions, vocab;  // B, K, V
-  const int64_t* draft_tokens;          // [B, K]
-  const float* weight;                  // [B, K]
-  const int64_t* num_draft;             // [B]
-  const double* uniforms;               // [B, K+1] or nullptr (then Philox)
-  const int64_t* seeds;                 // [B]
-  int64_t offset;
-  bool per_row_seed;
-  int64_t* out_tokens;          // [B, K+1]
-  int32_t* out_num_accepted;    // [B]
-  float* out_accept_prob;       // [B, K]
-
-  __device__ __forceinline__ double uniform(int64_t row, int64_t position) const {
-    if (uniforms != nullptr) return sanitize_uniform(uniforms[row * (num_positions + 1) + position]);
-    return philox_uniform(seeds[row], offset, per_row_seed ? 0 : row, position);
-  }
-  __device__ __forceinline__ int64_t drafted(int64_t row) const {
-    const int64_t n = num_draft[row];
-    return n < 0 ? 0 : (n > num_positions ? num_positions : n);
-  }
-  __device__ __forceinline__ float weight_at(int64_t row, int64_t position) const {
-    return sanitize_weight(weight[row * num_positions + position]);
-  }
-};
+// The request-level inputs and outputs are a VerifyProblem (csrc/verify_math.h), shared with the CPU kernels; its
+// greedy flags are read by ProbRows, while LogitRows derives them from the temperatures.
 
 // Rows of draft probabilities [B, K, V] and target probabilities [B, K+1, V]; greedy rows flagged per request.
 template <typename T>
@@ -383,14 +359,13 @@ struct ProbRows {
   using Row = ProbRow<T>;
   const T* draft;
   const T* target;
-  const uint8_t* greedy_rows;  // torch bool [B]
 
-  __device__ bool greedy(int64_t row) const { return greedy_rows[row] != 0; }
-  __device__ void prepare(const VerifyParams&, int64_t, int64_t, BlockStorage&) const {}
-  __device__ Row draft_row(const VerifyParams& p, int64_t row, int64_t position) const {
+  __device__ bool greedy(const VerifyProblem& p, int64_t row) const { return p.greedy[row]; }
+  __device__ void prepare(const VerifyProblem&, int64_t, int64_t, BlockStorage&) const {}
+  __device__ Row draft_row(const VerifyProblem& p, int64_t row, int64_t position) const {
     return Row{draft + (row * p.num_positions + position) * p.vocab};
   }
-  __device__ Row target_row(const VerifyParams& p, int64_t row, int64_t position) const {
+  __device__ Row target_row(const VerifyProblem& p, int64_t row, int64_t position) const {
     return Row{target + (row * (p.num_positions + 1) + position) * p.vocab};
   }
 };
@@ -407,10 +382,10 @@ struct LogitRows {
   SoftmaxStats* draft_stats;   // [B, K] scratch
   SoftmaxStats* target_stats;  // [B, K+1] scratch
 
-  __device__ bool greedy(int64_t row) const { return !(temperature[row] > 0.0f); }
+  __device__ bool greedy(const VerifyProblem&, int64_t row) const { return !(temperature[row] > 0.0f); }
   __device__ float inverse_temperature(int64_t row) const { return inverse_temperature_of(temperature[row]); }
 
-  __device__ void prepare(const VerifyParams& p, int64_t row, int64_t drafted, BlockStorage& s) const {
+  __device__ void prepare(const VerifyProblem& p, int64_t row, int64_t drafted, BlockStorage& s) const {
     const float inverse_t = inverse_temperature(row);
     for (int64_t i = 0; i <= drafted; ++i) {
       const int64_t index = row * (p.num_positions + 1) + i;
@@ -424,11 +399,11 @@ struct LogitRows {
     }
     __syncthreads();  // the block reads the normalisers back from global memory
   }
-  __device__ Row draft_row(const VerifyParams& p, int64_t row, int64_t position) const {
+  __device__ Row draft_row(const VerifyProblem& p, int64_t row, int64_t position) const {
     const int64_t index = row * p.num_positions + position;
     return Row{draft + index * p.vocab, inverse_temperature(row), draft_stats[index]};
   }
-  __device__ Row target_row(const VerifyParams& p, int64_t row, int64_t position) const {
+  __device__ Row target_row(const VerifyProblem& p, int64_t row, int64_t position) const {
     const int64_t index = row * (p.num_positions + 1) + position;
     return Row{target + index * p.vocab, inverse_temperature(row), target_stats[index]};
   }
@@ -441,13 +416,13 @@ inline int64_t logits_scratch_size(int64_t batch, int64_t num_positions) {
 
 // One block per request: accept tests, outputs, then the greedy argmax or the residual/bonus sample.
 template <typename Rows>
-__global__ void __launch_bounds__(kThreads) verify_kernel(const VerifyParams params, const Rows rows) {
+__global__ void __launch_bounds__(kThreads) verify_kernel(const VerifyProblem params, const Rows rows) {
   __shared__ BlockStorage storage;
   using Row = typename Rows::Row;
   const int64_t b = blockIdx.x;
   const int64_t K = params.num_positions, V = params.vocab;
   const int64_t drafted = params.drafted(b);
-  const bool greedy = rows.greedy(b);
+  const bool greedy = rows.greedy(params, b);
   rows.prepare(params, b, drafted, storage);
 
   // 1. Accept tests at drafted positions; m = the first rejection (drafted when all pass).
@@ -520,17 +495,16 @@ __global__ void __launch_bounds__(kThreads) verify_kernel(const VerifyParams par
   if (threadIdx.x == 0) row_tokens[m] = choice;
 }
 
-// Launchers. `greedy` is a torch bool tensor's storage; `scratch` holds logits_scratch_size(B, K) entries.
+// Launchers; params.greedy must be set for probabilities. `scratch` holds logits_scratch_size(B, K) entries.
 template <typename T>
-void launch_verify_probs(const VerifyParams& params, const T* draft, const T* target, const bool* greedy,
-                         cudaStream_t stream) {
+void launch_verify_probs(const VerifyProblem& params, const T* draft, const T* target, cudaStream_t stream) {
   if (params.batch == 0) return;
-  const ProbRows<T> rows{draft, target, reinterpret_cast<const uint8_t*>(greedy)};
+  const ProbRows<T> rows{draft, target};
   verify_kernel<<<static_cast<unsigned>(params.batch), kThreads, 0, stream>>>(params, rows);
 }
 
 template <typename T>
-void launch_verify_logits(const VerifyParams& params, const T* draft, const T* target, const float* temperature,
+void launch_verify_logits(const VerifyProblem& params, const T* draft, const T* target, const float* temperature,
                           SoftmaxStats* scratch, cudaStream_t stream) {
   if (params.batch == 0) return;
   const LogitRows<T> rows{draft, target, temperature, scratch, scratch + params.batch * params.num_positions};
@@ -569,6 +543,19 @@ __device__ __forceinline__ void with_rows(const PairParams<T>& p, int64_t index,
   }
 }
 
+// Calls f(first, p, q) with this thread's masses of two rows read in lockstep, tile by tile (0 outside the row).
+template <typename Row, typename F>
+__device__ __forceinline__ void for_each_pair_tile(const Row& target, const Row& draft, int64_t vocab, F f) {
+  const TileLayout layout = tile_layout(target.values, draft.values);
+  for (int64_t tile = layout.base; tile < vocab; tile += kTileElements) {
+    const int64_t first = thread_first(tile);
+    float p[kItemsPerThread], q[kItemsPerThread];
+    load_masses(target, first, vocab, layout.vectorised, p);
+    load_masses(draft, first, vocab, layout.vectorised, q);
+    f(first, p, q);
+  }
+}
+
 struct TokenStatsOut {
   const int64_t* tokens;  // [B, T]
   float *target_prob, *draft_prob, *total_variation, *target_logprob, *draft_logprob;  // [B, T] each
@@ -593,16 +580,12 @@ __global__ void __launch_bounds__(kThreads) token_stats_kernel(const PairParams<
   const int64_t index = blockIdx.x;
   const int64_t vocab = params.vocab;
   with_rows(params, index, storage, [&](const auto& target, const auto& draft) {
-    const TileLayout layout = tile_layout(target.values, draft.values);
     double thread_sum = 0.0;
-    for (int64_t tile = layout.base; tile < vocab; tile += kTileElements) {
-      const int64_t first = thread_first(tile);
-      float p[kItemsPerThread], q[kItemsPerThread];
-      load_masses(target, first, vocab, layout.vectorised, p);
-      load_masses(draft, first, vocab, layout.vectorised, q);
+    for_each_pair_tile(target, draft, vocab, [&](int64_t, const float(&p)[kItemsPerThread],
+                                                 const float(&q)[kItemsPerThread]) {
 #pragma unroll
       for (int k = 0; k < kItemsPerThread; ++k) thread_sum += static_cast<double>(fabsf(p[k] - q[k]));
-    }
+    });
     const double sum = block_sum(thread_sum, storage);
     if (threadIdx.x == 0) {
       const int64_t token = out.tokens[index];
@@ -625,14 +608,11 @@ __global__ void __launch_bounds__(kThreads) mix_kernel(const PairParams<T> param
   const float w = sanitize_weight(weight[index]);
   float* out = mixture + index * vocab;
   with_rows(params, index, storage, [&](const auto& target, const auto& draft) {
-    const TileLayout layout = tile_layout(target.values, draft.values);
-    for (int64_t tile = layout.base; tile < vocab; tile += kTileElements) {
-      const int64_t first = thread_first(tile);
-      float nu[kItemsPerThread], q[kItemsPerThread];
-      load_masses(target, first, vocab, layout.vectorised, nu);
-      load_masses(draft, first, vocab, layout.vectorised, q);
+    for_each_pair_tile(target, draft, vocab, [&](int64_t first, const float(&p)[kItemsPerThread],
+                                                 const float(&q)[kItemsPerThread]) {
+      float nu[kItemsPerThread];
 #pragma unroll
-      for (int k = 0; k < kItemsPerThread; ++k) nu[k] = mix_mass(w, nu[k], q[k]);
+      for (int k = 0; k < kItemsPerThread; ++k) nu[k] = mix_mass(w, p[k], q[k]);
 #pragma unroll
       for (int j = 0; j < kItemsPerThread; j += 4) {
         const int64_t start = first + j;
@@ -644,7 +624,7 @@ __global__ void __launch_bounds__(kThreads) mix_kernel(const PairParams<T> param
             if (in_row(start + k, vocab)) out[start + k] = nu[j + k];
         }
       }
-    }
+    });
   });
 }
 
