@@ -15,7 +15,8 @@ import torch
 from scipy.stats import chisquare
 
 import diversed_ext as dx
-from conftest import random_problem, requires_cuda
+from conftest import (assert_verify_result_in_range, poisoned_verify_inputs, random_logits, random_problem,
+                      requires_cuda)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 VOCABS = [1, 7, 31, 1000, 32001]  # 7, 31 and 32001 give rows that are not 16-byte aligned
@@ -187,18 +188,6 @@ def test_empty_batch():
 
 
 # ----------------------------------------------------------------------------------------------- verify (logits)
-def random_logits(batch, num_positions, vocab, seed, dtype, scale=3.0):
-    generator = torch.Generator().manual_seed(seed)
-    draft = torch.randn(batch, num_positions, vocab, generator=generator) * scale
-    target = torch.randn(batch, num_positions + 1, vocab, generator=generator) * scale
-    if num_positions:
-        tokens = torch.multinomial(draft.softmax(-1).reshape(-1, vocab), 1, generator=generator)
-        tokens = tokens.reshape(batch, num_positions)
-    else:
-        tokens = torch.zeros(batch, 0, dtype=torch.int64)
-    return tokens, draft.to(dtype), target.to(dtype)
-
-
 @requires_cuda
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("vocab", VOCABS)
@@ -291,32 +280,13 @@ def test_mix_matches_cpu(from_logits, dtype, vocab):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_poisoned_inputs_never_escape_the_vocabulary(dtype):
     batch, num_positions, vocab = 64, 4, 37
-    generator = torch.Generator().manual_seed(0)
-    draft = torch.rand(batch, num_positions, vocab, generator=generator)
-    target = torch.rand(batch, num_positions + 1, vocab, generator=generator)
-    poison = torch.tensor([float("nan"), float("inf"), -1.0, -float("inf"), 0.0])
-    for tensor in (draft, target):
-        mask = torch.rand(tensor.shape, generator=generator) < 0.3
-        tensor[mask] = poison[torch.randint(0, 5, (int(mask.sum()),), generator=generator)]
-    target[0] = float("nan")  # a row with no valid mass at all
-    draft[1] = 0.0
-    tokens = torch.randint(-50, 80, (batch, num_positions), generator=generator)
+    tokens, draft, target, weight, uniforms, num_draft, greedy = poisoned_verify_inputs(batch, num_positions, vocab)
     tokens[5, 0] = -(2**40)
-    weight = torch.rand(batch, num_positions, generator=generator) * 3 - 1
-    weight[2] = float("nan")
-    uniforms = torch.rand(batch, num_positions + 1, generator=generator, dtype=torch.float64) * 4 - 2
-    uniforms[3] = float("nan")
-    num_draft = torch.randint(-3, 9, (batch,), generator=generator)
     num_draft[4] = 2**40
-    greedy = torch.rand(batch, generator=generator) < 0.3
     for kwargs in ({"uniforms": uniforms}, {"seed": 3}):
         cpu, gpu = on_both(dx.verify, tokens, draft.to(dtype), target.to(dtype), weight, num_draft=num_draft,
                            greedy=greedy, check_inputs=False, **kwargs)
-        emitted = torch.arange(num_positions + 1) <= gpu.num_accepted.unsqueeze(1).long()
-        assert torch.all((gpu.tokens[emitted] >= 0) & (gpu.tokens[emitted] < vocab))
-        assert torch.all(gpu.tokens[~emitted] == -1)
-        assert torch.all((gpu.num_accepted >= 0) & (gpu.num_accepted <= num_positions))
-        assert torch.all((gpu.accept_prob >= 0) & (gpu.accept_prob <= 1))
+        assert_verify_result_in_range(gpu, num_positions, vocab)
         assert torch.equal(cpu.num_accepted, gpu.num_accepted) and torch.equal(cpu.accept_prob, gpu.accept_prob)
         assert torch.equal(cpu.tokens, gpu.tokens)
 
