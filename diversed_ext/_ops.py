@@ -11,9 +11,12 @@ import torch
 from . import _C  # noqa: F401  (loading the library registers the schemas and the CPU/CUDA kernels)
 
 
+OP_NAMES = ("verify_probs", "verify_logits", "token_stats", "mix")
+
+
 def cuda_kernels_registered() -> bool:
-    """True when this build registered a CUDA kernel for ``diversed::verify_probs``."""
-    return torch._C._dispatch_has_kernel_for_dispatch_key("diversed::verify_probs", "CUDA")
+    """True when this build registered a CUDA kernel for every ``diversed`` op (a CUDA build registers all four)."""
+    return all(torch._C._dispatch_has_kernel_for_dispatch_key(f"diversed::{name}", "CUDA") for name in OP_NAMES)
 
 
 @torch.library.register_fake("diversed::verify_probs")

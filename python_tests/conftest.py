@@ -30,3 +30,47 @@ def random_problem(batch, num_positions, vocab, *, seed=0, dtype=torch.float32, 
     else:
         draft_tokens = torch.zeros(batch, 0, dtype=torch.int64)
     return draft_tokens, draft_probs, target_probs
+
+
+def random_logits(batch, num_positions, vocab, seed=0, scale=3.0, dtype=torch.float32):
+    """(draft_tokens, draft_logits, target_logits) with drafts sampled from softmax(draft_logits)."""
+    generator = torch.Generator().manual_seed(seed)
+    draft = torch.randn(batch, num_positions, vocab, generator=generator) * scale
+    target = torch.randn(batch, num_positions + 1, vocab, generator=generator) * scale
+    draft_probs = draft.softmax(-1)
+    if num_positions:
+        tokens = torch.multinomial(draft_probs.reshape(-1, vocab), 1, generator=generator).reshape(batch, num_positions)
+    else:
+        tokens = torch.zeros(batch, 0, dtype=torch.int64)
+    return tokens, draft.to(dtype), target.to(dtype)
+
+
+def poisoned_verify_inputs(batch, num_positions, vocab, seed=0):
+    """Verify inputs only check_inputs=False lets through: NaN, infinite and negative mass, a target row without mass,
+    ids outside [0, V), weights and uniforms outside their ranges or NaN, num_draft outside [0, K]."""
+    generator = torch.Generator().manual_seed(seed)
+    draft = torch.rand(batch, num_positions, vocab, generator=generator)
+    target = torch.rand(batch, num_positions + 1, vocab, generator=generator)
+    poison = torch.tensor([float("nan"), float("inf"), -1.0, -float("inf"), 0.0])
+    for tensor in (draft, target):
+        mask = torch.rand(tensor.shape, generator=generator) < 0.3
+        tensor[mask] = poison[torch.randint(0, 5, (int(mask.sum()),), generator=generator)]
+    target[0] = float("nan")  # a row with no valid mass at all
+    draft[1] = 0.0
+    tokens = torch.randint(-50, 80, (batch, num_positions), generator=generator)
+    weight = torch.rand(batch, num_positions, generator=generator) * 3 - 1
+    weight[2] = float("nan")
+    uniforms = torch.rand(batch, num_positions + 1, generator=generator, dtype=torch.float64) * 4 - 2
+    uniforms[3] = float("nan")
+    num_draft = torch.randint(-3, 9, (batch,), generator=generator)
+    greedy = torch.rand(batch, generator=generator) < 0.3
+    return tokens, draft, target, weight, uniforms, num_draft, greedy
+
+
+def assert_verify_result_in_range(result, num_positions, vocab):
+    """Whatever the inputs: emitted ids in [0, V), -1 padding after them, counts and probabilities in range."""
+    emitted = torch.arange(num_positions + 1, device=result.tokens.device) <= result.num_accepted.unsqueeze(1).long()
+    assert torch.all((result.tokens[emitted] >= 0) & (result.tokens[emitted] < vocab))
+    assert torch.all(result.tokens[~emitted] == -1)
+    assert torch.all((result.num_accepted >= 0) & (result.num_accepted <= num_positions))
+    assert torch.all((result.accept_prob >= 0) & (result.accept_prob <= 1))

@@ -5,20 +5,9 @@ import torch
 from scipy.stats import chisquare
 
 import diversed_ext as dx
+from conftest import random_logits
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-
-
-def random_logits(batch, num_positions, vocab, seed=0, scale=3.0, dtype=torch.float32):
-    generator = torch.Generator().manual_seed(seed)
-    draft = torch.randn(batch, num_positions, vocab, generator=generator) * scale
-    target = torch.randn(batch, num_positions + 1, vocab, generator=generator) * scale
-    draft_probs = draft.softmax(-1)
-    if num_positions:
-        tokens = torch.multinomial(draft_probs.reshape(-1, vocab), 1, generator=generator).reshape(batch, num_positions)
-    else:
-        tokens = torch.zeros(batch, 0, dtype=torch.int64)
-    return tokens, draft.to(dtype), target.to(dtype)
 
 
 def assert_verify_close(native, reference):

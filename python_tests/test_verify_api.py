@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import diversed_ext as dx
-from conftest import random_problem
+from conftest import assert_verify_result_in_range, poisoned_verify_inputs, random_problem
 
 
 def problem(batch=3, num_positions=2, vocab=11, seed=0):
@@ -122,30 +122,11 @@ def test_meta_device_mismatch_is_reported():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_poisoned_inputs_never_escape_the_vocabulary(dtype):
     batch, num_positions, vocab = 64, 4, 37
-    generator = torch.Generator().manual_seed(0)
-    draft = torch.rand(batch, num_positions, vocab, generator=generator)
-    target = torch.rand(batch, num_positions + 1, vocab, generator=generator)
-    poison = torch.tensor([float("nan"), float("inf"), -1.0, -float("inf"), 0.0])
-    for tensor in (draft, target):
-        mask = torch.rand(tensor.shape, generator=generator) < 0.3
-        tensor[mask] = poison[torch.randint(0, 5, (int(mask.sum()),), generator=generator)]
-    target[0] = float("nan")  # a row with no valid mass at all
-    draft[1] = 0.0
-    tokens = torch.randint(-50, 80, (batch, num_positions), generator=generator)
-    weight = torch.rand(batch, num_positions, generator=generator) * 3 - 1
-    weight[2] = float("nan")
-    uniforms = torch.rand(batch, num_positions + 1, generator=generator, dtype=torch.float64) * 4 - 2
-    uniforms[3] = float("nan")
-    num_draft = torch.randint(-3, 9, (batch,), generator=generator)
-    greedy = torch.rand(batch, generator=generator) < 0.3
+    tokens, draft, target, weight, uniforms, num_draft, greedy = poisoned_verify_inputs(batch, num_positions, vocab)
     for kwargs in ({"uniforms": uniforms}, {"seed": 3}):
         result = dx.verify(tokens, draft.to(dtype), target.to(dtype), weight, num_draft=num_draft, greedy=greedy,
                            check_inputs=False, **kwargs)
-        emitted = torch.arange(num_positions + 1) <= result.num_accepted.unsqueeze(1).long()
-        assert torch.all((result.tokens[emitted] >= 0) & (result.tokens[emitted] < vocab))
-        assert torch.all(result.tokens[~emitted] == -1)
-        assert torch.all((result.num_accepted >= 0) & (result.num_accepted <= num_positions))
-        assert torch.all((result.accept_prob >= 0) & (result.accept_prob <= 1))
+        assert_verify_result_in_range(result, num_positions, vocab)
 
 
 def test_out_of_range_ids_count_as_rejected_without_checks():

@@ -188,30 +188,8 @@ struct RowPlan {
   bool needs_sample;      // sampled row (greedy rows are finished in the accept phase)
 };
 
-// Everything a verify kernel needs besides the rows themselves.
-struct VerifyProblem {
-  int64_t batch, num_positions, vocab;
-  const int64_t* draft_tokens;  // [B, K]
-  const float* weight;          // [B, K]
-  const int64_t* num_draft;     // [B]
-  const bool* greedy;           // [B]
-  const double* uniforms;       // [B, K+1] or nullptr (then Philox)
-  const int64_t* seeds;         // [B]
-  int64_t offset;
-  bool per_row_seed;
-  int64_t* out_tokens;          // [B, K+1]
-  int32_t* out_num_accepted;    // [B]
-  float* out_accept_prob;       // [B, K]
+// VerifyProblem (csrc/verify_math.h): everything a verify kernel needs besides the rows themselves.
 
-  double uniform(int64_t row, int64_t position) const {
-    if (uniforms) return sanitize_uniform(uniforms[row * (num_positions + 1) + position]);
-    return philox_uniform(seeds[row], offset, per_row_seed ? 0 : row, position);
-  }
-  int64_t drafted(int64_t row) const { return std::min(std::max<int64_t>(num_draft[row], 0), num_positions); }
-  float weight_at(int64_t row, int64_t position) const {
-    return sanitize_weight(weight[row * num_positions + position]);
-  }
-};
 
 // Accept tests of one row; greedy rows also get their final token here. `Rows` provides draft(row, i) and
 // target(row, i) returning Row policies.

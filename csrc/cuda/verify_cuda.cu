@@ -1,0 +1,107 @@
+// CUDA bindings of diversed::verify_probs and diversed::verify_logits: checks, allocation, one launch per call.
+// The kernels are in verify_kernels.cuh; nothing here reads device memory, so a call never syncs with the host.
+#include <ATen/Dispatch.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include "../op_checks.h"
+#include "../poison.h"
+#include "cuda_binding.h"
+#include "verify_kernels.cuh"
+
+namespace diversed {
+namespace gpu {
+namespace {
+
+using VerifyOutputs = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
+
+// Every tensor argument on one CUDA device; one block per request must fit in the grid.
+void check_verify_devices(const char* op, const at::Tensor& draft_tokens, const at::Tensor& draft,
+                          const at::Tensor& target, const at::Tensor& weight, const at::Tensor& num_draft,
+                          const at::Tensor& greedy_or_temperature, const c10::optional<at::Tensor>& uniforms,
+                          const at::Tensor& seeds) {
+  check_cuda_device(op, draft, target, draft_tokens, weight, num_draft, greedy_or_temperature, seeds);
+  if (uniforms.has_value()) check_same_device(op, draft.device(), *uniforms);
+  check_grid_rows(op, draft.size(0));
+}
+
+// Allocates (and, under the test hook, poisons) the outputs and fills the kernel parameters.
+struct VerifyCall {
+  at::Tensor tokens, num_accepted, accept_prob;
+  VerifyProblem params;
+
+  VerifyCall(const at::Tensor& draft_tokens, const at::Tensor& weight, const at::Tensor& num_draft,
+             const c10::optional<at::Tensor>& uniforms, const at::Tensor& seeds, int64_t offset, bool per_row_seed,
+             int64_t B, int64_t K, int64_t V)
+      : tokens(at::empty({B, K + 1}, draft_tokens.options().dtype(at::kLong))),
+        num_accepted(at::empty({B}, draft_tokens.options().dtype(at::kInt))),
+        accept_prob(at::empty({B, K}, draft_tokens.options().dtype(at::kFloat))) {
+    if (B > 0) poison_outputs(tokens, num_accepted, accept_prob);
+    params = VerifyProblem{B, K, V, draft_tokens.data_ptr<int64_t>(), weight.data_ptr<float>(),
+                           num_draft.data_ptr<int64_t>(), /*greedy=*/nullptr,
+                           uniforms.has_value() ? uniforms->data_ptr<double>() : nullptr, seeds.data_ptr<int64_t>(),
+                           offset, per_row_seed, tokens.data_ptr<int64_t>(), num_accepted.data_ptr<int32_t>(),
+                           accept_prob.data_ptr<float>()};
+  }
+  VerifyOutputs outputs() const { return {tokens, num_accepted, accept_prob}; }
+};
+
+VerifyOutputs verify_probs_cuda(const at::Tensor& draft_tokens, const at::Tensor& draft_probs,
+                                const at::Tensor& target_probs, const at::Tensor& weight, const at::Tensor& num_draft,
+                                const at::Tensor& greedy, const c10::optional<at::Tensor>& uniforms,
+                                const at::Tensor& seeds, int64_t offset, bool per_row_seed) {
+  constexpr const char* op = "diversed::verify_probs";
+  check_verify_args(op, draft_tokens, draft_probs, target_probs, weight, num_draft, uniforms, seeds);
+  const int64_t B = draft_probs.size(0), K = draft_probs.size(1), V = draft_probs.size(2);
+  check_greedy(op, greedy, B);
+  check_verify_devices(op, draft_tokens, draft_probs, target_probs, weight, num_draft, greedy, uniforms, seeds);
+
+  const c10::cuda::CUDAGuard guard(draft_probs.device());
+  VerifyCall call(draft_tokens, weight, num_draft, uniforms, seeds, offset, per_row_seed, B, K, V);
+  if (B == 0) return call.outputs();
+  call.params.greedy = greedy.data_ptr<bool>();
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, draft_probs.scalar_type(), "verify_probs_cuda", [&] {
+    launch_verify_probs(call.params, cuda_data<scalar_t>(draft_probs), cuda_data<scalar_t>(target_probs), stream);
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return call.outputs();
+}
+
+VerifyOutputs verify_logits_cuda(const at::Tensor& draft_tokens, const at::Tensor& draft_logits,
+                                 const at::Tensor& target_logits, const at::Tensor& weight,
+                                 const at::Tensor& num_draft, const at::Tensor& temperature,
+                                 const c10::optional<at::Tensor>& uniforms, const at::Tensor& seeds, int64_t offset,
+                                 bool per_row_seed) {
+  constexpr const char* op = "diversed::verify_logits";
+  check_verify_args(op, draft_tokens, draft_logits, target_logits, weight, num_draft, uniforms, seeds);
+  const int64_t B = draft_logits.size(0), K = draft_logits.size(1), V = draft_logits.size(2);
+  check_float_vector(temperature, B, op, "temperature");
+  check_verify_devices(op, draft_tokens, draft_logits, target_logits, weight, num_draft, temperature, uniforms, seeds);
+
+  const c10::cuda::CUDAGuard guard(draft_logits.device());
+  VerifyCall call(draft_tokens, weight, num_draft, uniforms, seeds, offset, per_row_seed, B, K, V);
+  if (B == 0) return call.outputs();
+  // Softmax normalisers of the rows each request reads, written and read back by its own block.
+  static_assert(sizeof(SoftmaxStats) == 2 * sizeof(float), "SoftmaxStats is stored as two floats");
+  const at::Tensor scratch = at::empty({2 * logits_scratch_size(B, K)}, draft_logits.options().dtype(at::kFloat));
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, draft_logits.scalar_type(), "verify_logits_cuda", [&] {
+    launch_verify_logits(call.params, cuda_data<scalar_t>(draft_logits), cuda_data<scalar_t>(target_logits),
+                         temperature.data_ptr<float>(), reinterpret_cast<SoftmaxStats*>(scratch.data_ptr<float>()),
+                         stream);
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return call.outputs();
+}
+
+}  // namespace
+}  // namespace gpu
+
+TORCH_LIBRARY_IMPL(diversed, CUDA, m) {
+  m.impl("verify_probs", &gpu::verify_probs_cuda);
+  m.impl("verify_logits", &gpu::verify_logits_cuda);
+}
+
+}  // namespace diversed

@@ -1,0 +1,74 @@
+// Argument checks of the `diversed` ops, shared by every backend's wrappers (csrc/cpu, csrc/cuda). They are the last
+// line of defence: the Python layer (diversed_ext/_inputs.py) has already produced these exact layouts. Structural
+// checks only, so they never read tensor values (no device sync).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+
+namespace diversed {
+
+inline void check_float_vector(const at::Tensor& tensor, int64_t size, const char* op, const char* name) {
+  TORCH_CHECK(tensor.scalar_type() == at::kFloat && tensor.is_contiguous() && tensor.numel() == size, op, ": ", name,
+              " must be contiguous float32 with ", size, " elements");
+}
+
+inline void check_int64_vector(const at::Tensor& tensor, int64_t size, const char* op, const char* what) {
+  TORCH_CHECK(tensor.scalar_type() == at::kLong && tensor.is_contiguous() && tensor.numel() == size, op, ": ", what,
+              " must be contiguous int64 with ", size, " elements");
+}
+
+// A draft/target pair of 3-D distributions [B, *, V] (probabilities or logits).
+inline void check_pair(const at::Tensor& draft, const at::Tensor& target, const char* op) {
+  TORCH_CHECK(draft.dim() == 3 && target.dim() == 3, op, ": draft and target must be 3-D");
+  TORCH_CHECK(draft.scalar_type() == target.scalar_type(), op, ": draft and target dtypes differ");
+  TORCH_CHECK(draft.is_contiguous() && target.is_contiguous(), op, ": draft and target must be contiguous");
+  TORCH_CHECK(draft.size(2) > 0 && draft.size(2) == target.size(2), op, ": vocabulary sizes differ or are zero");
+  TORCH_CHECK(draft.size(0) == target.size(0), op, ": batch sizes differ");
+}
+
+// verify_probs / verify_logits: draft [B, K, V], target [B, K+1, V], draft_tokens (int64 [B, K]), weight (float32
+// [B, K]), num_draft and seeds (int64 [B]), uniforms (float64 [B, K+1]) when given. Greedy flags and temperatures
+// are checked by the caller.
+inline void check_verify_args(const char* op, const at::Tensor& draft_tokens, const at::Tensor& draft,
+                              const at::Tensor& target, const at::Tensor& weight, const at::Tensor& num_draft,
+                              const c10::optional<at::Tensor>& uniforms, const at::Tensor& seeds) {
+  check_pair(draft, target, op);
+  const int64_t B = draft.size(0), K = draft.size(1);
+  TORCH_CHECK(target.size(1) == K + 1, op, ": target must be [B, K+1, V]");
+  check_int64_vector(draft_tokens, B * K, op, "draft_tokens [B, K]");
+  check_float_vector(weight, B * K, op, "weight");
+  check_int64_vector(num_draft, B, op, "num_draft [B]");
+  check_int64_vector(seeds, B, op, "seeds [B]");
+  if (uniforms.has_value())
+    TORCH_CHECK(uniforms->scalar_type() == at::kDouble && uniforms->is_contiguous() && uniforms->numel() == B * (K + 1),
+                op, ": uniforms must be contiguous float64 [B, K+1]");
+}
+
+inline void check_greedy(const char* op, const at::Tensor& greedy, int64_t batch) {
+  TORCH_CHECK(greedy.scalar_type() == at::kBool && greedy.is_contiguous() && greedy.numel() == batch, op,
+              ": greedy must be contiguous bool [B]");
+}
+
+// token_stats: draft and target [B, T, V], tokens int64 [B, T], temperature float32 [B].
+inline void check_token_stats_args(const char* op, const at::Tensor& draft, const at::Tensor& target,
+                                   const at::Tensor& tokens, const at::Tensor& temperature) {
+  check_pair(draft, target, op);
+  const int64_t B = draft.size(0), T = draft.size(1);
+  TORCH_CHECK(target.size(1) == T, op, ": draft and target must both be [B, T, V]");
+  check_int64_vector(tokens, B * T, op, "tokens [B, T]");
+  check_float_vector(temperature, B, op, "temperature");
+}
+
+// mix: draft [B, K, V], target [B, K or more, V], weight float32 [B, K], temperature float32 [B].
+inline void check_mix_args(const char* op, const at::Tensor& draft, const at::Tensor& target,
+                           const at::Tensor& weight, const at::Tensor& temperature) {
+  check_pair(draft, target, op);
+  const int64_t B = draft.size(0), K = draft.size(1);
+  TORCH_CHECK(target.size(1) >= K, op, ": target must have at least K positions");
+  check_float_vector(weight, B * K, op, "weight");
+  check_float_vector(temperature, B, op, "temperature");
+}
+
+}  // namespace diversed
