@@ -2,8 +2,9 @@
 
     diversed generate --prompt "..." [--method ar|sd|static|diversed] [--weight W] [--head PATH] [--k K]
                       [--temperature T] [--max-new-tokens N] [--seed S] [--target NAME_OR_PATH [--draft ...]]
-    diversed demo     ar, sd and static ensembles on the default pair and a few built-in prompts: one table
-    diversed bench verify [ARGS...]   runs bench/bench_verify.py (from the source checkout)
+    diversed demo     [--prompts N] [--max-new-tokens N] [--weights W ...] ...
+                      ar, sd and static ensembles on the default pair and a few built-in prompts: one table
+    diversed bench verify [ARGS...]   runs bench/bench_verify.py (from the source checkout: bench/ is not installed)
     diversed bench e2e    [ARGS...]   runs bench/bench_e2e.py
 
 Without ``--target`` the embedded default pair is used (SmolLM2-135M-Instruct and its int8 copy, see
@@ -87,6 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo = commands.add_parser("demo", help="compare ar, sd and static ensembles on built-in prompts")
     demo.add_argument("--weights", type=_unit_float, nargs="+", default=list(DEMO_WEIGHTS),
                       help=f"static ensemble weights (default {' '.join(map(str, DEMO_WEIGHTS))})")
+    demo.add_argument("--prompts", type=_positive_int, default=len(DEMO_PROMPTS),
+                      help=f"how many of the built-in prompts to run (default {len(DEMO_PROMPTS)}, cycled past that)")
     _add_model_arguments(demo)
     demo.set_defaults(max_new_tokens=48)
 
@@ -191,7 +194,8 @@ def demo_methods(weights: Sequence[float]) -> list[tuple[str, dict]]:
 
 def _run_demo(args) -> int:
     target, draft, tokenizer = load_models(args.target, args.draft)
-    prompts = [encode_prompt(tokenizer, text, chat=not args.no_chat_template) for text in DEMO_PROMPTS]
+    texts = [DEMO_PROMPTS[index % len(DEMO_PROMPTS)] for index in range(args.prompts)]
+    prompts = [encode_prompt(tokenizer, text, chat=not args.no_chat_template) for text in texts]
     eos = eos_ids(tokenizer, target)
     methods = demo_methods(args.weights)
     decoders = {label: SpeculativeDecoder(target, draft, num_draft=args.k, temperature=args.temperature, **kwargs)
@@ -220,8 +224,9 @@ def find_bench_script(name: str) -> Path:
     for path in candidates:
         if path.is_file():
             return path
-    raise SystemExit(f"diversed: bench/{name} not found; the benchmarks live in the source checkout, run this "
-                     f"command from its root (looked in {', '.join(str(path.parent) for path in candidates)})")
+    raise SystemExit(f"diversed: bench/{name} not found. The benchmark scripts are not part of the installed package; "
+                     f"they live in the source checkout: cd into it (the folder holding bench/) and run again "
+                     f"(looked in {', '.join(str(path.parent) for path in candidates)})")
 
 
 def _run_bench(args) -> int:

@@ -1,7 +1,7 @@
 """Speculative decoding loop over a pair of Hugging Face causal LMs that share a tokenizer.
 
 One round: the draft proposes up to K tokens one at a time, the target scores them all in one forward pass, an
-optional head turns both models' last hidden states into per-token weights, :func:`diversed_ext.verify` keeps a prefix
+optional head turns both models' last hidden states into per-token weights, :func:`diversed_ext.verify_logits` keeps a prefix
 and emits one more token, and both KV caches are cropped to what was kept. The prompt and every kept token are fed to
 each model exactly once: nothing is ever recomputed.
 
@@ -26,7 +26,7 @@ from typing import Callable, Iterable, Optional, Sequence, Union
 import torch
 from tqdm.auto import tqdm
 
-from .verify import verify
+from .logits import verify_logits
 
 METHODS = ("ar", "sd", "static", "diversed")
 SEED_MODULUS = 2**63  # seeds are int64 for the verifier's counter-based generator
@@ -46,7 +46,7 @@ class RoundStats:
         draft_seconds: the draft's forward passes.
         target_seconds: the target's forward pass.
         head_seconds: the weight head (``diversed`` only).
-        verify_seconds: softmax of both models' logits and the verification call.
+        verify_seconds: the verification call (fused softmax of both models' logits, accept tests, final sample).
         round_seconds: wall time of the whole round; the rest is sampling, bookkeeping and cache cropping.
     """
 
@@ -259,7 +259,7 @@ def _crop_cache(cache, cached_length: int, keep: int) -> int:
 
 
 def _as_probabilities(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """softmax(logits / T) in float32; greedy decoding (T = 0) mixes the T = 1 distributions."""
+    """softmax(logits / T) in float32 (the draft's sampling distribution); T = 0 gives the T = 1 distribution."""
     logits = logits.float()
     if temperature > 0 and temperature != 1.0:
         logits = logits / temperature
@@ -267,14 +267,18 @@ def _as_probabilities(logits: torch.Tensor, temperature: float) -> torch.Tensor:
 
 
 def _verify_block(draft_tokens, draft_logits, target_logits, weight, *, temperature, seed, offset, check_inputs):
-    """Verification of one block from raw logits.
+    """Verification of one block straight from raw logits, with the fused online softmax of
+    :func:`diversed_ext.verify_logits` (no [K, V] probabilities are materialised).
 
-    The verifier is called on probabilities; when ``verify_logits`` lands this becomes
-    ``verify_logits(draft_tokens, draft_logits, target_logits, weight, temperature=temperature, ...)``.
+    temperature 0 makes the row greedy: a draft is kept while it is the argmax of nu = w p + (1 - w) q with p and q
+    the temperature-1 softmax, the same rule ``verify(..., greedy=True)`` applied to untempered probabilities.
+    Both logits must share a dtype: a pair that differs (a bfloat16 target, a float32 int8 draft) is compared in
+    float32.
     """
-    return verify(draft_tokens, _as_probabilities(draft_logits, temperature),
-                  _as_probabilities(target_logits, temperature), weight, greedy=temperature == 0, seed=seed,
-                  offset=offset, check_inputs=check_inputs)
+    if draft_logits.dtype != target_logits.dtype:
+        draft_logits, target_logits = draft_logits.float(), target_logits.float()
+    return verify_logits(draft_tokens, draft_logits, target_logits, weight, temperature=temperature, seed=seed,
+                         offset=offset, check_inputs=check_inputs)
 
 
 def _normalise_eos(eos_token_id) -> frozenset[int]:
@@ -326,7 +330,7 @@ class SpeculativeDecoder:
         temperature: >= 0; both models' logits are divided by it before the softmax. 0 is greedy decoding: drafts are
             the draft's argmax and a draft is kept while it is the argmax of nu = w p + (1 - w) q, with p and q taken
             at temperature 1.
-        check_inputs: forwarded to :func:`diversed_ext.verify` (also checks the head's weights). Off by default: the
+        check_inputs: forwarded to :func:`diversed_ext.verify_logits` (also checks the head's weights). Off by default: the
             loop's own probabilities are valid by construction and checking forces a device sync.
         synchronize_timing: wait for the device before every clock read, so CUDA timings are real (default True).
 

