@@ -6,6 +6,9 @@
                       ar, sd and static ensembles on the default pair and a few built-in prompts: one table
     diversed bench verify [ARGS...]   runs bench/bench_verify.py (from the source checkout: bench/ is not installed)
     diversed bench e2e    [ARGS...]   runs bench/bench_e2e.py
+    diversed train    --task gsm8k --data PATH [--steps --batch-size --lr --acceptance-coef --fidelity-coef ...]
+    diversed eval     --task gsm8k --data PATH --method ar sd static diversed [--weight W ...] [--head PATH]
+    diversed pareto   --task gsm8k --data PATH [--weights 0 0.25 0.5 0.75 1] [--head PATH] [--output-dir DIR]
 
 Without ``--target`` the embedded default pair is used (SmolLM2-135M-Instruct and its int8 copy, see
 :mod:`diversed_ext.models`). Prompts go through the tokenizer's chat template when it has one.
@@ -96,6 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="run a benchmark script from bench/")
     bench.add_argument("which", choices=("verify", "e2e"), help="verify: bench_verify.py, e2e: bench_e2e.py")
     bench.add_argument("args", nargs=argparse.REMAINDER, help="passed on to the script")
+    add_experiment_commands(commands)
     return parser
 
 
@@ -238,8 +242,142 @@ def _run_bench(args) -> int:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of the ``diversed`` console script; returns the exit status."""
     args = build_parser().parse_args(argv)
-    handlers = {"generate": _run_generate, "demo": _run_demo, "bench": _run_bench}
+    handlers = {"generate": _run_generate, "demo": _run_demo, "bench": _run_bench, **EXPERIMENT_HANDLERS}
     return handlers[args.command](args)
+
+
+# ------------------------------------------------------------------------------ train / eval / pareto (issue #5)
+
+
+def _add_task_arguments(parser: argparse.ArgumentParser) -> None:
+    from .tasks import TASKS
+
+    parser.add_argument("--task", choices=sorted(TASKS), default="gsm8k", help="default gsm8k")
+    parser.add_argument("--data", help="jsonl file of the task's examples (gsm8k: .../gsm8k/test.jsonl)")
+    parser.add_argument("--limit", type=_positive_int, help="use the first N examples only")
+    parser.add_argument("--threads", type=_positive_int, help="torch threads (default: torch's choice)")
+
+
+def add_experiment_commands(commands) -> None:
+    """The train, eval and pareto sub-commands (see :mod:`diversed_ext.experiments`)."""
+    train = commands.add_parser("train", help="train an ensemble head with RL on a task")
+    _add_task_arguments(train)
+    train.add_argument("--steps", type=_positive_int, default=50, help="default 50")
+    train.add_argument("--batch-size", type=_positive_int, default=4, help="rollouts per step (default 4)")
+    train.add_argument("--lr", type=float, default=1e-2, help="AdamW learning rate (default 1e-2)")
+    train.add_argument("--warmup-steps", type=_non_negative_int, default=2, help="default 2")
+    train.add_argument("--acceptance-coef", type=_non_negative_float, default=0.05,
+                       help="lambda of the acceptance regulariser (default 0.05)")
+    train.add_argument("--fidelity-coef", type=_non_negative_float, default=1.0,
+                       help="weight of the fidelity (mean target log-prob per token) in the reward (default 1)")
+    train.add_argument("--head-hidden", type=_positive_int, help="hidden width of the head (default: linear head)")
+    train.add_argument("--init-weight", type=float, default=0.5, help="w of the untrained head (default 0.5)")
+    train.add_argument("--rollout", choices=("speculative", "mixture"), default="speculative",
+                       help="sample rollouts through the speculative loop (default) or token by token")
+    train.add_argument("--output-dir", default="runs/head", help="checkpoints, log, curve, head/ (default runs/head)")
+    train.add_argument("--checkpoint-every", type=_positive_int, default=5, help="default 5")
+    train.add_argument("--resume", action="store_true", help="continue from the checkpoint in --output-dir")
+    _add_model_arguments(train)
+    train.set_defaults(max_new_tokens=48)
+
+    evaluate = commands.add_parser("eval", help="acceptance, task quality, fidelity and speed per method")
+    _add_task_arguments(evaluate)
+    evaluate.add_argument("--method", choices=METHODS, nargs="+", default=["sd"], help="one or more (default sd)")
+    evaluate.add_argument("--weight", type=_unit_float, nargs="+", default=[0.5],
+                          help="w of each static ensemble (default 0.5)")
+    evaluate.add_argument("--head", help="head folder for diversed ('default': the head shipped for SmolLM2-135M)")
+    _add_model_arguments(evaluate)
+
+    pareto = commands.add_parser("pareto", help="static sweep over w plus the DIVERSED point: table and PNG")
+    _add_task_arguments(pareto)
+    pareto.add_argument("--weights", type=_unit_float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0],
+                        help="static weights (default 0 0.25 0.5 0.75 1)")
+    pareto.add_argument("--head", help="head folder for the DIVERSED point ('default' for the shipped head)")
+    pareto.add_argument("--output-dir", default="runs/pareto", help="where pareto.png and pareto.md go")
+    _add_model_arguments(pareto)
+
+
+def _experiment_setup(args):
+    """(task, examples, target, draft, tokenizer, eos) for the experiment commands."""
+    from .tasks import get_task, load_task_examples
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    task = get_task(args.task)
+    examples = load_task_examples(task, args.data, args.limit)
+    target, draft, tokenizer = load_models(args.target, args.draft)
+    return task, examples, target, draft, tokenizer, eos_ids(tokenizer, target)
+
+
+def _head_for(args, target, draft):
+    from .experiments import hidden_size
+    from .head import load_head as load_saved_head
+
+    if not getattr(args, "head", None):
+        return None
+    return load_saved_head(args.head, draft_hidden=hidden_size(draft), target_hidden=hidden_size(target))
+
+
+def _run_train(args) -> int:
+    from .experiments import build_trainer
+    from .head import DEFAULT_PAIR
+    from .trainer import TrainerConfig
+
+    if not args.data and args.task != "humaneval":
+        raise SystemExit("diversed: train needs --data PATH (a jsonl of training examples)")
+    task, examples, target, draft, tokenizer, eos = _experiment_setup(args)
+    config = TrainerConfig(output_dir=args.output_dir, steps=args.steps, batch_size=args.batch_size,
+                           learning_rate=args.lr, warmup_steps=args.warmup_steps,
+                           acceptance_coef=args.acceptance_coef, fidelity_coef=args.fidelity_coef,
+                           temperature=args.temperature, seed=args.seed, checkpoint_every=args.checkpoint_every)
+    trainer = build_trainer(task, examples, target, draft, tokenizer, config, head_hidden=args.head_hidden,
+                            init_weight=args.init_weight, num_draft=args.k, max_new_tokens=args.max_new_tokens,
+                            rollout=args.rollout, eos_token_id=eos, pair=None if args.target else DEFAULT_PAIR,
+                            chat=not args.no_chat_template)
+    history = trainer.train(resume=args.resume)
+    if history:
+        last = history[-1]
+        print(f"step {last['step']}: mean w {last['mean_weight']:.3f}, expected acceptance "
+              f"{last['expected_acceptance']:.3f}, task reward {last['task_reward']:.3f}, "
+              f"fidelity {last['fidelity']:.3f}; head saved in {os.path.join(args.output_dir, 'head')}")
+    return 0
+
+
+def _run_eval(args) -> int:
+    from .experiments import evaluate, markdown_table, method_specs
+
+    task, examples, target, draft, tokenizer, eos = _experiment_setup(args)
+    if "diversed" in args.method and not args.head:
+        raise SystemExit("diversed: --method diversed needs --head PATH (or --head default)")
+    specs = method_specs(args.method, args.weight, _head_for(args, target, draft))
+    results = evaluate(task, examples, target, draft, tokenizer, specs, num_draft=args.k,
+                       max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
+                       eos_token_id=eos, chat=not args.no_chat_template)
+    print(f"{task.name}: {len(examples)} prompts, up to {args.max_new_tokens} new tokens, K = {args.k}, "
+          f"temperature {args.temperature:g}, seeds {args.seed}..{args.seed + len(examples) - 1}\n")
+    print(markdown_table(results, task.metric))
+    return 0
+
+
+def _run_pareto(args) -> int:
+    from .experiments import evaluate, markdown_table, pareto_methods, plot_pareto
+
+    task, examples, target, draft, tokenizer, eos = _experiment_setup(args)
+    specs = pareto_methods(args.weights, _head_for(args, target, draft))
+    results = evaluate(task, examples, target, draft, tokenizer, specs, num_draft=args.k,
+                       max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
+                       eos_token_id=eos, chat=not args.no_chat_template)
+    table = markdown_table(results, task.metric)
+    os.makedirs(args.output_dir, exist_ok=True)
+    with open(os.path.join(args.output_dir, "pareto.md"), "w") as handle:
+        handle.write(table + "\n")
+    image = plot_pareto(results, os.path.join(args.output_dir, "pareto.png"), task.metric)
+    print(table)
+    print(f"\nwrote {image} and {os.path.join(args.output_dir, 'pareto.md')}")
+    return 0
+
+
+EXPERIMENT_HANDLERS = {"train": _run_train, "eval": _run_eval, "pareto": _run_pareto}
 
 
 if __name__ == "__main__":

@@ -151,3 +151,17 @@ def _check_matches(config: HeadConfig, pair: Optional[dict], draft_hidden: Optio
             if role in pair and role in config.pair and pair[role] != config.pair[role]:
                 raise ValueError(f"the head at {directory!r} was trained for {role} {config.pair[role]!r}, "
                                  f"not {pair[role]!r}")
+
+
+DEFAULT_HEAD_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "heads", "smollm2-135m")
+DEFAULT_PAIR = {"target": "SmolLM2-135M-Instruct", "draft": "SmolLM2-135M-Instruct-int8"}
+
+
+def load_head(path: str, **checks) -> EnsembleHead:
+    """A saved :class:`EnsembleHead` in eval mode: ``path`` is its folder (or a file inside it), or ``"default"`` for
+    the head shipped with the package for the default SmolLM2-135M pair. ``checks`` go to :meth:`EnsembleHead.load`."""
+    if path == "default":
+        path = DEFAULT_HEAD_DIR
+    if os.path.isfile(path):
+        path = os.path.dirname(path) or "."
+    return EnsembleHead.load(path, **checks).eval()

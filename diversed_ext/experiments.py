@@ -1,0 +1,222 @@
+"""What the ``diversed train``, ``eval`` and ``pareto`` commands do, as functions that take the models (so tests can
+run them on tiny random pairs without the command line).
+
+    build_trainer(...)    a :class:`~diversed_ext.trainer.Trainer` for a task, rollouts through the speculative loop
+    evaluate(...)         ar / sd / static / diversed on the same prompts and seeds: acceptance, task quality,
+                          fidelity, tokens/s (one :class:`MethodResult` per method)
+    pareto_methods(...)   the static sweep plus sd and the DIVERSED point
+    markdown_table(...), plot_pareto(...)
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from .decoding import SpeculativeDecoder, summarize
+from .head import EnsembleHead
+from .tasks import Task, encode_prompt, fidelity
+from .trainer import Trainer, TrainerConfig, mixture_rollout
+
+PARETO_WEIGHTS = (0.0, 0.25, 0.5, 0.75, 1.0)
+
+
+def hidden_size(model) -> int:
+    config = getattr(model, "config", None)
+    size = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None)
+    if size is None:
+        raise ValueError(f"cannot tell the hidden size of {type(model).__name__}; pass a head built by hand")
+    return int(size)
+
+
+def speculative_rollout(target, draft, head, *, num_draft: int, max_new_tokens: int, temperature: float = 1.0,
+                        eos_token_id=None):
+    """A rollout that samples from nu through the speculative loop with the current head (SPEC §4: the same
+    distribution as :func:`~diversed_ext.trainer.mixture_rollout`, at the cost of deployment)."""
+    decoder = SpeculativeDecoder(target, draft, method="diversed", head=head, num_draft=num_draft,
+                                 temperature=temperature)
+
+    def rollout(prompt: Sequence[int], seed: int) -> list[int]:
+        output = decoder.generate(list(prompt), max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, seed=seed)
+        return output.sequences[0].tolist()
+
+    return rollout
+
+
+def encode_examples(task: Task, examples: Sequence[dict], tokenizer, chat: bool = True) -> list[list[int]]:
+    return [encode_prompt(tokenizer, task.prompt(example), chat=chat) for example in examples]
+
+
+def build_trainer(task: Task, examples: Sequence[dict], target, draft, tokenizer, config: TrainerConfig, *,
+                  head: Optional[EnsembleHead] = None, head_hidden: Optional[int] = None, init_weight: float = 0.5,
+                  num_draft: int = 3, max_new_tokens: int = 48, rollout: str = "speculative",
+                  eos_token_id=None, pair: Optional[dict] = None, chat: bool = True) -> Trainer:
+    """A Trainer for ``task``: reward = the task reward (+ ``config.fidelity_coef`` x fidelity, added by the Trainer).
+
+    Args:
+        rollout: ``"speculative"`` (the decoding loop with the current head) or ``"mixture"`` (token by token).
+        head: a head to keep training; otherwise a new one with ``head_hidden`` and ``init_weight``.
+    """
+    if head is None:
+        head = EnsembleHead(hidden_size(draft), hidden_size(target), hidden=head_hidden, init_weight=init_weight,
+                            pair=pair)
+    prompts = encode_examples(task, examples, tokenizer, chat)
+    if rollout == "speculative":
+        sampler = speculative_rollout(target, draft, head, num_draft=num_draft, max_new_tokens=max_new_tokens,
+                                      temperature=config.temperature, eos_token_id=eos_token_id)
+    elif rollout == "mixture":
+        eos = eos_token_id[0] if isinstance(eos_token_id, (list, tuple)) and eos_token_id else eos_token_id
+        sampler = mixture_rollout(target, draft, head, max_new_tokens=max_new_tokens,
+                                  temperature=config.temperature, eos_token_id=eos)
+    else:
+        raise ValueError(f"rollout must be 'speculative' or 'mixture', got {rollout!r}")
+    decode = lambda ids: tokenizer.decode(list(ids), skip_special_tokens=True)  # noqa: E731
+    return Trainer(target, draft, head, prompts, list(examples), task.reward, decode, sampler, config)
+
+
+class _RecordingHead:
+    """Wraps a head so the weights it hands the verifier can be averaged afterwards."""
+
+    def __init__(self, head):
+        self.head, self.total, self.count = head, 0.0, 0
+
+    def __call__(self, draft_hidden, target_hidden):
+        weights = self.head(draft_hidden, target_hidden)
+        self.total += float(weights.sum())
+        self.count += weights.numel()
+        return weights
+
+    @property
+    def mean(self) -> float:
+        return self.total / self.count if self.count else math.nan
+
+
+@dataclass
+class MethodResult:
+    """One method's totals over the evaluation prompts."""
+
+    label: str
+    weight: float  # static w, 1 for sd, the head's mean w for diversed, NaN for ar
+    acceptance: float
+    tokens_per_pass: float
+    quality: float  # mean task reward
+    fidelity: float  # mean over generations of the mean target log-prob per token
+    tokens_per_second: float
+    new_tokens: int
+    seconds: float
+
+
+def method_specs(methods: Sequence[str], weights: Sequence[float], head=None) -> list[tuple[str, dict]]:
+    """(label, SpeculativeDecoder kwargs) for each method name; ``static`` expands to one entry per weight."""
+    specs = []
+    for method in methods:
+        if method == "static":
+            specs += [(f"static w={weight:g}", {"method": "static", "weight": float(weight)}) for weight in weights]
+        elif method == "diversed":
+            if head is None:
+                raise ValueError("method diversed needs a head (--head PATH)")
+            specs.append(("diversed", {"method": "diversed", "head": head}))
+        else:
+            specs.append((method, {"method": method}))
+    return specs
+
+
+def pareto_methods(weights: Sequence[float] = PARETO_WEIGHTS, head=None) -> list[tuple[str, dict]]:
+    """The static sweep (w = 1 is sd) plus the DIVERSED point when a head is given."""
+    return method_specs(["static"] + (["diversed"] if head is not None else []), weights, head)
+
+
+def evaluate(task: Task, examples: Sequence[dict], target, draft, tokenizer, specs: Sequence[tuple[str, dict]], *,
+             num_draft: int = 3, max_new_tokens: int = 64, temperature: float = 1.0, seed: int = 0,
+             eos_token_id=None, chat: bool = True, progress: bool = True) -> list[MethodResult]:
+    """Run every method on every example (prompt i with seed ``seed + i`` for all methods; methods alternate prompt
+    by prompt so a slow spell of a shared machine does not land on one method) and score the outputs."""
+    prompts = encode_examples(task, examples, tokenizer, chat)
+    decoders, recorders = {}, {}
+    for label, kwargs in specs:
+        kwargs = dict(kwargs)
+        if kwargs.get("head") is not None:
+            kwargs["head"] = recorders[label] = _RecordingHead(kwargs["head"])
+        decoders[label] = SpeculativeDecoder(target, draft if kwargs["method"] != "ar" else None,
+                                             num_draft=num_draft, temperature=temperature, **kwargs)
+    generations = {label: [] for label, _ in specs}
+    quality = {label: [] for label, _ in specs}
+    fidelities = {label: [] for label, _ in specs}
+    runs = [(index, label) for index in range(len(prompts)) for label, _ in specs]
+    for index, label in tqdm(runs, desc=f"eval {task.name}", unit="run", disable=not progress):
+        output = decoders[label].generate(prompts[index], max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
+                                          seed=seed + index)
+        tokens = output.sequences[0].tolist()
+        generations[label].extend(output.generations)
+        quality[label].append(float(task.reward(examples[index],
+                                                tokenizer.decode(tokens, skip_special_tokens=True))))
+        value = fidelity(target, prompts[index], tokens, temperature)
+        if not math.isnan(value):
+            fidelities[label].append(value)
+    results = []
+    for label, kwargs in specs:
+        summary = summarize(generations[label])
+        if label in recorders:
+            weight = recorders[label].mean
+        else:
+            weight = {"ar": math.nan, "sd": 1.0}.get(kwargs["method"], kwargs.get("weight", math.nan))
+        results.append(MethodResult(label, weight, summary.acceptance_rate, summary.tokens_per_pass,
+                                    _mean(quality[label]), _mean(fidelities[label]), summary.tokens_per_second,
+                                    summary.new_tokens, summary.seconds))
+    return results
+
+
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values) if values else math.nan
+
+
+def _cell(value: float, digits: int = 3) -> str:
+    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.{digits}f}"
+
+
+def markdown_table(results: Sequence[MethodResult], metric: str = "quality") -> str:
+    """The results as a markdown table (``metric`` names the task-quality column)."""
+    lines = [f"| method | w (mean) | acceptance | tokens/pass | {metric} | fidelity | tokens/s |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for row in results:
+        lines.append(f"| {row.label} | {_cell(row.weight, 2)} | {_cell(row.acceptance)} | "
+                     f"{_cell(row.tokens_per_pass, 2)} | {_cell(row.quality)} | {_cell(row.fidelity)} | "
+                     f"{_cell(row.tokens_per_second, 1)} |")
+    return "\n".join(lines)
+
+
+def plot_pareto(results: Sequence[MethodResult], path: str, metric: str = "quality") -> str:
+    """Acceptance and quality/fidelity against w and against tokens/s: static sweep as lines, DIVERSED as a star."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    static = sorted((row for row in results if row.label.startswith("static") or row.label == "sd"),
+                    key=lambda row: row.weight)
+    learned = [row for row in results if row.label == "diversed"]
+    panels = [("weight", "acceptance", "w on the target"), ("weight", "fidelity", "w on the target"),
+              ("tokens_per_second", "fidelity", "tokens/s"), ("acceptance", "quality", "acceptance rate")]
+    figure, axes = plt.subplots(1, 4, figsize=(17, 3.8))
+    for axis, (x_name, y_name, x_label) in zip(axes, panels):
+        axis.plot([getattr(row, x_name) for row in static], [getattr(row, y_name) for row in static], "o-",
+                  label="static ensembles")
+        for row in static:
+            axis.annotate(f"{row.weight:g}", (getattr(row, x_name), getattr(row, y_name)), fontsize=7)
+        for row in learned:
+            axis.plot(getattr(row, x_name), getattr(row, y_name), "r*", markersize=13, label="DIVERSED (head)")
+        axis.set_xlabel(x_label)
+        axis.set_ylabel(metric if y_name == "quality" else y_name)
+        axis.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    figure.tight_layout()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path
+

