@@ -139,18 +139,14 @@ def eos_ids(tokenizer, model) -> list[int]:
 
 
 def load_head(path: str):
-    """A weight head saved at ``path``: through ``diversed_ext.head.load_head`` when that module provides it, else a
-    whole ``nn.Module`` saved with ``torch.save`` (trusted files only: this unpickles)."""
+    """The :class:`diversed_ext.head.EnsembleHead` saved in folder ``path`` (safetensors + JSON config), or
+    ``"default"`` for the head shipped with the default pair. Nothing is unpickled."""
+    from .head import load_head as load_ensemble_head
+
     try:
-        from . import head as head_module
-    except ImportError:
-        head_module = None
-    if head_module is not None and hasattr(head_module, "load_head"):
-        return head_module.load_head(path)
-    head = torch.load(path, map_location="cpu", weights_only=False)
-    if not isinstance(head, torch.nn.Module):
-        raise SystemExit(f"diversed: --head {path} holds a {type(head).__name__}, not a saved nn.Module")
-    return head.eval()
+        return load_ensemble_head(path)
+    except (OSError, ValueError) as error:
+        raise SystemExit(f"diversed: cannot load --head {path}: {error}") from error
 
 
 def _run_generate(args) -> int:
@@ -189,10 +185,13 @@ def format_table(rows: Sequence[tuple[str, DecodingSummary]], baseline: str = "a
     return "\n".join(lines)
 
 
-def demo_methods(weights: Sequence[float]) -> list[tuple[str, dict]]:
-    """(label, SpeculativeDecoder keyword arguments) of the demo's methods: ar, sd, then static at each weight."""
+def demo_methods(weights: Sequence[float], head=None) -> list[tuple[str, dict]]:
+    """(label, SpeculativeDecoder keyword arguments) of the demo's methods: ar, sd, static at each weight, and
+    diversed when a head is given."""
     methods = [("ar", {"method": "ar"}), ("sd", {"method": "sd"})]
     methods += [(f"static w={weight:g}", {"method": "static", "weight": weight}) for weight in weights]
+    if head is not None:
+        methods.append(("diversed", {"method": "diversed", "head": head}))
     return methods
 
 
@@ -201,7 +200,9 @@ def _run_demo(args) -> int:
     texts = [DEMO_PROMPTS[index % len(DEMO_PROMPTS)] for index in range(args.prompts)]
     prompts = [encode_prompt(tokenizer, text, chat=not args.no_chat_template) for text in texts]
     eos = eos_ids(tokenizer, target)
-    methods = demo_methods(args.weights)
+    # The shipped head was trained for the default pair only; other pairs get the static rows.
+    default_pair = args.target is None and args.draft is None
+    methods = demo_methods(args.weights, head=load_head("default") if default_pair else None)
     decoders = {label: SpeculativeDecoder(target, draft, num_draft=args.k, temperature=args.temperature, **kwargs)
                 for label, kwargs in methods}
     # One short untimed run per method first: the first forward passes pay for allocations and lazy imports.
