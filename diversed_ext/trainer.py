@@ -92,7 +92,8 @@ class Trainer:
         examples: the task examples the prompts came from, passed to ``reward``.
         reward: (example, completion text) -> task reward.
         decode: completion token ids -> text (the tokenizer's decode).
-        rollout: (prompt ids, seed) -> completion ids, sampled with the current head (see :func:`speculative_rollout`).
+        rollout: (prompt ids, seed) -> completion ids, sampled with the current head: through the speculative loop
+            (:func:`diversed_ext.experiments.speculative_rollout`) or token by token (:func:`mixture_rollout`).
         config: :class:`TrainerConfig`.
     """
 
