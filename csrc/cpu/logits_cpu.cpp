@@ -3,11 +3,10 @@
 // Logits are never turned into [B, K, V] probabilities: each needed row gets its softmax normaliser (max and
 // 1 / sum exp) in a first pass, and every later pass recomputes softmax(v) on the fly (csrc/verify_math.h).
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include "../op_checks.h"
-#include "../poison.h"
+#include "../op_outputs.h"
 #include "cpu_dispatch.h"
 
 namespace diversed {
@@ -23,14 +22,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_logits_cpu(
   const int64_t B = draft_logits.size(0), K = draft_logits.size(1);
   check_float_vector(temperature, B, op, "temperature");
 
-  auto tokens = at::empty({B, K + 1}, draft_tokens.options());
-  auto num_accepted = at::empty({B}, draft_tokens.options().dtype(at::kInt));
-  auto accept_prob = at::empty({B, K}, draft_tokens.options().dtype(at::kFloat));
-  if (B == 0) return {tokens, num_accepted, accept_prob};
-  poison_outputs(tokens, num_accepted, accept_prob);
+  VerifyOutputs out = allocate_verify_outputs(draft_tokens, B, K);
+  if (B == 0) return out.as_tuple();
   DIVERSED_CPU_CALL(verify_logits, draft_tokens, draft_logits, target_logits, weight, num_draft, temperature,
-                    uniforms, seeds, offset, per_row_seed, tokens, num_accepted, accept_prob);
-  return {tokens, num_accepted, accept_prob};
+                    uniforms, seeds, offset, per_row_seed, out.tokens, out.num_accepted, out.accept_prob);
+  return out.as_tuple();
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> token_stats_cpu(
@@ -39,15 +35,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> token_sta
   constexpr const char* op = "diversed::token_stats";
   check_token_stats_args(op, draft, target, tokens, temperature);
   const int64_t B = draft.size(0), T = draft.size(1);
-  auto options = draft.options().dtype(at::kFloat);
-  at::Tensor target_prob = at::empty({B, T}, options), draft_prob = at::empty({B, T}, options);
-  at::Tensor total_variation = at::empty({B, T}, options);
-  at::Tensor target_logprob = at::empty({B, T}, options), draft_logprob = at::empty({B, T}, options);
-  if (B * T == 0) return {target_prob, draft_prob, total_variation, target_logprob, draft_logprob};
-  poison_outputs(target_prob, draft_prob, total_variation, target_logprob, draft_logprob);
-  DIVERSED_CPU_CALL(token_stats, draft, target, tokens, temperature, from_logits, target_prob, draft_prob,
-                    total_variation, target_logprob, draft_logprob);
-  return {target_prob, draft_prob, total_variation, target_logprob, draft_logprob};
+  TokenStatsOutputs out = allocate_token_stats_outputs(draft, B, T);
+  if (B * T == 0) return out.as_tuple();
+  DIVERSED_CPU_CALL(token_stats, draft, target, tokens, temperature, from_logits, out.target_prob, out.draft_prob,
+                    out.total_variation, out.target_logprob, out.draft_logprob);
+  return out.as_tuple();
 }
 
 // nu = w p + (1 - w) q materialised as float32 [B, K, V]; target may carry extra positions (K+1), which are ignored.
@@ -55,10 +47,9 @@ at::Tensor mix_cpu(const at::Tensor& draft, const at::Tensor& target, const at::
                    const at::Tensor& temperature, bool from_logits) {
   constexpr const char* op = "diversed::mix";
   check_mix_args(op, draft, target, weight, temperature);
-  const int64_t B = draft.size(0), K = draft.size(1), V = draft.size(2);
-  at::Tensor mixture = at::empty({B, K, V}, draft.options().dtype(at::kFloat));
+  const int64_t B = draft.size(0), K = draft.size(1);
+  at::Tensor mixture = allocate_mixture(draft);
   if (B * K == 0) return mixture;
-  poison_outputs(mixture);
   DIVERSED_CPU_CALL(mix, draft, target, weight, temperature, from_logits, mixture);
   return mixture;
 }

@@ -6,11 +6,10 @@
 //   3. per row: inverse-CDF sample inside the one chunk, and the one block, that holds the threshold.
 // No [B, K, V] temporary; extra memory is O(B) plus a bounded number of chunk sums per row.
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include "../op_checks.h"
-#include "../poison.h"
+#include "../op_outputs.h"
 #include "cpu_dispatch.h"
 
 namespace diversed {
@@ -26,14 +25,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_probs_cpu(
   const int64_t B = draft_probs.size(0), K = draft_probs.size(1);
   check_greedy(op, greedy, B);
 
-  auto tokens = at::empty({B, K + 1}, draft_tokens.options().dtype(at::kLong));
-  auto num_accepted = at::empty({B}, draft_tokens.options().dtype(at::kInt));
-  auto accept_prob = at::empty({B, K}, draft_tokens.options().dtype(at::kFloat));
-  if (B == 0) return {tokens, num_accepted, accept_prob};
-  poison_outputs(tokens, num_accepted, accept_prob);
+  VerifyOutputs out = allocate_verify_outputs(draft_tokens, B, K);
+  if (B == 0) return out.as_tuple();
   DIVERSED_CPU_CALL(verify_probs, draft_tokens, draft_probs, target_probs, weight, num_draft, greedy, uniforms,
-                    seeds, offset, per_row_seed, tokens, num_accepted, accept_prob);
-  return {tokens, num_accepted, accept_prob};
+                    seeds, offset, per_row_seed, out.tokens, out.num_accepted, out.accept_prob);
+  return out.as_tuple();
 }
 
 }  // namespace

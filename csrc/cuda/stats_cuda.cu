@@ -2,11 +2,10 @@
 // distributions, one launch per call, no host sync. Kernels in verify_kernels.cuh.
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include "../op_checks.h"
-#include "../poison.h"
+#include "../op_outputs.h"
 #include "cuda_binding.h"
 #include "verify_kernels.cuh"
 
@@ -31,21 +30,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> token_sta
   check_grid_rows(op, B * T);
 
   const c10::cuda::CUDAGuard guard(draft.device());
-  auto options = draft.options().dtype(at::kFloat);
-  at::Tensor target_prob = at::empty({B, T}, options), draft_prob = at::empty({B, T}, options);
-  at::Tensor total_variation = at::empty({B, T}, options);
-  at::Tensor target_logprob = at::empty({B, T}, options), draft_logprob = at::empty({B, T}, options);
-  if (B * T == 0) return {target_prob, draft_prob, total_variation, target_logprob, draft_logprob};
-  poison_outputs(target_prob, draft_prob, total_variation, target_logprob, draft_logprob);
-  const TokenStatsOut out{tokens.data_ptr<int64_t>(), target_prob.data_ptr<float>(), draft_prob.data_ptr<float>(),
-                          total_variation.data_ptr<float>(), target_logprob.data_ptr<float>(),
-                          draft_logprob.data_ptr<float>()};
+  TokenStatsOutputs outputs = allocate_token_stats_outputs(draft, B, T);
+  if (B * T == 0) return outputs.as_tuple();
+  const TokenStatsOut out{tokens.data_ptr<int64_t>(), outputs.target_prob.data_ptr<float>(),
+                          outputs.draft_prob.data_ptr<float>(), outputs.total_variation.data_ptr<float>(),
+                          outputs.target_logprob.data_ptr<float>(), outputs.draft_logprob.data_ptr<float>()};
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, draft.scalar_type(), "token_stats_cuda", [&] {
     launch_token_stats(pair_params<scalar_t>(draft, target, temperature, from_logits), out, stream);
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  return {target_prob, draft_prob, total_variation, target_logprob, draft_logprob};
+  return outputs.as_tuple();
 }
 
 // nu = w p + (1 - w) q materialised as float32 [B, K, V]; target may carry extra positions (K+1), which are ignored.
@@ -53,14 +48,13 @@ at::Tensor mix_cuda(const at::Tensor& draft, const at::Tensor& target, const at:
                     const at::Tensor& temperature, bool from_logits) {
   constexpr const char* op = "diversed::mix";
   check_mix_args(op, draft, target, weight, temperature);
-  const int64_t B = draft.size(0), K = draft.size(1), V = draft.size(2);
+  const int64_t B = draft.size(0), K = draft.size(1);
   check_cuda_device(op, draft, target, weight, temperature);
   check_grid_rows(op, B * K);
 
   const c10::cuda::CUDAGuard guard(draft.device());
-  at::Tensor mixture = at::empty({B, K, V}, draft.options().dtype(at::kFloat));
+  at::Tensor mixture = allocate_mixture(draft);
   if (B * K == 0) return mixture;
-  poison_outputs(mixture);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, draft.scalar_type(), "mix_cuda", [&] {
     launch_mix(pair_params<scalar_t>(draft, target, temperature, from_logits), weight.data_ptr<float>(),
