@@ -138,13 +138,18 @@ def eos_ids(tokenizer, model) -> list[int]:
     return sorted(ids)
 
 
-def load_head(path: str):
+def load_head(path: str, target=None, draft=None):
     """The :class:`diversed_ext.head.EnsembleHead` saved in folder ``path`` (safetensors + JSON config), or
-    ``"default"`` for the head shipped with the default pair. Nothing is unpickled."""
+    ``"default"`` for the head shipped with the default pair. Nothing is unpickled. With the models given, a head
+    built for other hidden sizes is refused."""
+    from .experiments import hidden_size
     from .head import load_head as load_ensemble_head
 
+    checks = {}
+    if target is not None and draft is not None:
+        checks = {"draft_hidden": hidden_size(draft), "target_hidden": hidden_size(target)}
     try:
-        return load_ensemble_head(path)
+        return load_ensemble_head(path, **checks)
     except (OSError, ValueError) as error:
         raise SystemExit(f"diversed: cannot load --head {path}: {error}") from error
 
@@ -156,8 +161,8 @@ def _run_generate(args) -> int:
         raise SystemExit("diversed: --method diversed needs --head PATH")
     if args.weight is not None and args.method != "static":
         raise SystemExit("diversed: --weight applies to --method static")
-    head = load_head(args.head) if args.head else None
     target, draft, tokenizer = load_models(args.target, args.draft)
+    head = load_head(args.head, target, draft) if args.head else None
     decoder = SpeculativeDecoder(target, draft, method=args.method, weight=args.weight, head=head,
                                  num_draft=args.k, temperature=args.temperature)
     prompt = encode_prompt(tokenizer, args.prompt, chat=not args.no_chat_template)
@@ -202,7 +207,7 @@ def _run_demo(args) -> int:
     eos = eos_ids(tokenizer, target)
     # The shipped head was trained for the default pair only; other pairs get the static rows.
     default_pair = args.target is None and args.draft is None
-    methods = demo_methods(args.weights, head=load_head("default") if default_pair else None)
+    methods = demo_methods(args.weights, head=load_head("default", target, draft) if default_pair else None)
     decoders = {label: SpeculativeDecoder(target, draft, num_draft=args.k, temperature=args.temperature, **kwargs)
                 for label, kwargs in methods}
     # One short untimed run per method first: the first forward passes pay for allocations and lazy imports.
@@ -311,12 +316,7 @@ def _experiment_setup(args):
 
 
 def _head_for(args, target, draft):
-    from .experiments import hidden_size
-    from .head import load_head as load_saved_head
-
-    if not getattr(args, "head", None):
-        return None
-    return load_saved_head(args.head, draft_hidden=hidden_size(draft), target_hidden=hidden_size(target))
+    return load_head(args.head, target, draft) if getattr(args, "head", None) else None
 
 
 def _run_train(args) -> int:

@@ -45,6 +45,18 @@ def random_logits(batch, num_positions, vocab, seed=0, scale=3.0, dtype=torch.fl
     return tokens, draft.to(dtype), target.to(dtype)
 
 
+def logits_verify_case(num_positions, vocab, dtype, batch=6):
+    """A mixed verify_logits batch: random logits, uniforms, per-token weights, ragged rows, and temperatures with two
+    greedy rows. Returns (tokens, draft, target, weight, kwargs) with kwargs for verify_logits."""
+    tokens, draft, target = random_logits(batch, num_positions, vocab, seed=vocab + num_positions, dtype=dtype)
+    generator = torch.Generator().manual_seed(3)
+    uniforms = torch.rand(batch, num_positions + 1, generator=generator, dtype=torch.float64)
+    weight = torch.rand(batch, num_positions, generator=generator)
+    num_draft = torch.randint(0, num_positions + 1, (batch,), generator=generator)
+    temperature = torch.tensor([1.0, 0.5, 2.0, 0.0, 1.3, 0.0])[:batch]  # two greedy rows
+    return tokens, draft, target, weight, dict(temperature=temperature, num_draft=num_draft, uniforms=uniforms)
+
+
 def poisoned_verify_inputs(batch, num_positions, vocab, seed=0):
     """Verify inputs only check_inputs=False lets through: NaN, infinite and negative mass, a target row without mass,
     ids outside [0, V), weights and uniforms outside their ranges or NaN, num_draft outside [0, K]."""

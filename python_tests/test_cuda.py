@@ -15,8 +15,8 @@ import torch
 from scipy.stats import chisquare
 
 import diversed_ext as dx
-from conftest import (assert_verify_result_in_range, poisoned_verify_inputs, random_logits, random_problem,
-                      requires_cuda)
+from conftest import (assert_verify_result_in_range, logits_verify_case, poisoned_verify_inputs, random_logits,
+                      random_problem, requires_cuda)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 VOCABS = [1, 7, 31, 1000, 32001]  # 7, 31 and 32001 give rows that are not 16-byte aligned
@@ -193,17 +193,11 @@ def test_empty_batch():
 @pytest.mark.parametrize("vocab", VOCABS)
 @pytest.mark.parametrize("num_positions", [0, 1, 4])
 def test_verify_logits_matches_cpu(dtype, vocab, num_positions):
-    batch = 6
-    tokens, draft, target = random_logits(batch, num_positions, vocab, seed=vocab + num_positions, dtype=dtype)
-    generator = torch.Generator().manual_seed(3)
-    uniforms = torch.rand(batch, num_positions + 1, generator=generator, dtype=torch.float64)
-    weight = torch.rand(batch, num_positions, generator=generator)
-    num_draft = torch.randint(0, num_positions + 1, (batch,), generator=generator)
-    temperature = torch.tensor([1.0, 0.5, 2.0, 0.0, 1.3, 0.0])  # two greedy rows
-    kwargs = dict(temperature=temperature, num_draft=num_draft, uniforms=uniforms)
+    tokens, draft, target, weight, kwargs = logits_verify_case(num_positions, vocab, dtype)
     cpu, gpu = on_both(dx.verify_logits, tokens, draft, target, weight, **kwargs)
-    assert_verify_agrees(cpu, gpu, draft=draft, target=target, weight=weight, num_draft=num_draft, uniforms=uniforms,
-                         from_logits=True, temperature=temperature, boundary_tol=1e-5)
+    assert_verify_agrees(cpu, gpu, draft=draft, target=target, weight=weight, num_draft=kwargs["num_draft"],
+                         uniforms=kwargs["uniforms"], from_logits=True, temperature=kwargs["temperature"],
+                         boundary_tol=1e-5)
 
 
 @requires_cuda

@@ -5,7 +5,7 @@ import torch
 from scipy.stats import chisquare
 
 import diversed_ext as dx
-from conftest import random_logits
+from conftest import logits_verify_case, random_logits
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -20,14 +20,7 @@ def assert_verify_close(native, reference):
 @pytest.mark.parametrize("vocab", [1, 7, 33, 1000, 8195])
 @pytest.mark.parametrize("num_positions", [0, 1, 4])
 def test_verify_logits_matches_reference(dtype, vocab, num_positions):
-    batch = 6
-    tokens, draft, target = random_logits(batch, num_positions, vocab, seed=vocab + num_positions, dtype=dtype)
-    generator = torch.Generator().manual_seed(3)
-    uniforms = torch.rand(batch, num_positions + 1, generator=generator, dtype=torch.float64)
-    weight = torch.rand(batch, num_positions, generator=generator)
-    num_draft = torch.randint(0, num_positions + 1, (batch,), generator=generator)
-    temperature = torch.tensor([1.0, 0.5, 2.0, 0.0, 1.3, 0.0])
-    kwargs = dict(temperature=temperature, num_draft=num_draft, uniforms=uniforms)
+    tokens, draft, target, weight, kwargs = logits_verify_case(num_positions, vocab, dtype)
     assert_verify_close(dx.verify_logits(tokens, draft, target, weight, **kwargs),
                         dx.verify_logits_reference(tokens, draft, target, weight, **kwargs))
 
