@@ -184,12 +184,12 @@ def run(args) -> list[dict]:
 
 
 def print_table(rows: list[dict]) -> None:
-    header = (f"{'op':<14}{'B':>4}{'K':>3}{'V':>8} {'dtype':<9}{'fused us':>11}{'+checks us':>12}"
+    header = (f"{'op':<14}{'B':>4}{'K':>5}{'V':>8} {'dtype':<9}{'fused us':>11}{'+checks us':>12}"
               f"{'reference us':>14}{'speedup':>9}{'fused GB/s':>12}{'stream us':>11}{'fused/stream':>13}")
     print(header)
     print("-" * len(header))
     for row in rows:
-        print(f"{row['op']:<14}{row['B']:>4}{row['K']:>3}{row['V']:>8} {row['dtype']:<9}{row['fused_us']:>11.1f}"
+        print(f"{row['op']:<14}{row['B']:>4}{row['K']:>5}{row['V']:>8} {row['dtype']:<9}{row['fused_us']:>11.1f}"
               f"{row['fused_checked_us']:>12.1f}{row['reference_us']:>14.1f}{row['speedup']:>8.1f}x"
               f"{row['fused_GBps']:>12.2f}{row['stream_us']:>11.1f}{row['fused_over_stream']:>12.2f}x")
     speedups = [row["speedup"] for row in rows]

@@ -101,6 +101,33 @@ def test_token_stats_against_float64(from_logits, dtype):
         torch.testing.assert_close(native_field, reference_field, rtol=1e-5, atol=1e-6)
 
 
+
+def online_softmax_rows(vocab):
+    """Rows whose running max changes between the kernel's 512-element blocks in every way the online softmax meets."""
+    ramp = torch.linspace(-60.0, 60.0, vocab)
+    masked_start = torch.randn(vocab, generator=torch.Generator().manual_seed(3))
+    masked_start[: vocab // 2] = float("-inf")  # whole leading blocks without a finite logit
+    late_spike = torch.randn(vocab, generator=torch.Generator().manual_seed(4))
+    late_spike[-3] = 1e4  # the max sits in the last, partial block and dwarfs everything before it
+    huge_flat = torch.full((vocab,), 1e4)
+    huge_flat[::7] = -1e4
+    return torch.stack([ramp, ramp.flip(0), masked_start, late_spike, huge_flat])
+
+
+@pytest.mark.parametrize("vocab", [5000, 8195])
+def test_online_softmax_across_blocks(vocab):
+    target = online_softmax_rows(vocab).unsqueeze(0)  # [1, 5, V]
+    draft = target.roll(1, dims=1)
+    tokens = torch.tensor([[vocab - 1, 0, vocab - 2, vocab - 3, 1]])
+    stats = dx.token_stats(draft, target, tokens, from_logits=True)
+    p64, q64 = target.double().softmax(-1), draft.double().softmax(-1)
+    index = tokens.unsqueeze(-1)
+    torch.testing.assert_close(stats.target_prob.double(), p64.gather(-1, index).squeeze(-1), rtol=1e-5, atol=1e-9)
+    torch.testing.assert_close(stats.total_variation.double(), 0.5 * (p64 - q64).abs().sum(-1), rtol=1e-5, atol=1e-6)
+    uniforms = torch.rand(1, 5, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    native = dx.verify_logits(tokens[:, :4], draft[:, :4], target, 0.3, uniforms=uniforms)
+    assert_verify_close(native, dx.verify_logits_reference(tokens[:, :4], draft[:, :4], target, 0.3, uniforms=uniforms))
+
 def test_token_stats_logprob_survives_underflow():
     draft = torch.zeros(1, 1, 4)
     target = torch.tensor([[[0.0, -200.0, -300.0, 0.0]]])

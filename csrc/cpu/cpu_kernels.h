@@ -60,67 +60,99 @@ struct LogitRow {
 };
 
 constexpr int kSoftmaxLanes = 16;         // float lanes of the sum-exp pass: two AVX2 registers
-constexpr int64_t kSoftmaxBlock = 512;    // float partial sums are flushed to float64 after this many elements
+constexpr int64_t kSoftmaxBlock = 512;    // the online softmax works block by block: 2 KiB of float32, in L1
 
-// Max of the scaled logits, in independent lanes (NaN compares false and is skipped).
+// kLanes floats (doubles) as one GCC vector. Element-wise arithmetic and `a > b ? a : b` on them are exact IEEE
+// operations, so both builds still agree bit for bit; but gcc emits vector max/compare/convert instructions for them,
+// which it will not do for the scalar forms of a max or a float-to-double sum without -ffast-math.
+typedef float FloatLanes __attribute__((vector_size(kLanes * sizeof(float))));
+typedef double DoubleLanes __attribute__((vector_size(kLanes * sizeof(double))));
+
 template <typename scalar_t>
-float scaled_row_max(const scalar_t* logits, int64_t vocab, float inverse_temperature) {
-  float lane_max[kLanes];
+inline FloatLanes load_lanes(const scalar_t* values, int64_t v) {
+  FloatLanes lanes;
+  for (int l = 0; l < kLanes; ++l) lanes[l] = load_float(values, v + l);
+  return lanes;
+}
+
+template <typename Row>
+inline FloatLanes mass_lanes(const Row& row, int64_t v) {
+  FloatLanes lanes;
+  for (int l = 0; l < kLanes; ++l) lanes[l] = row.mass(v + l);
+  return lanes;
+}
+
+inline double sum_lanes(DoubleLanes lanes) {
+  double total = 0.0;
+  for (int l = 0; l < kLanes; ++l) total += lanes[l];
+  return total;
+}
+
+// Max of the scaled logits in [begin, end) (NaN compares false and is skipped).
+template <typename scalar_t>
+float scaled_max(const scalar_t* logits, int64_t begin, int64_t end, float inverse_temperature) {
+  FloatLanes lane_max;
   for (int l = 0; l < kLanes; ++l) lane_max[l] = -INFINITY;
-  int64_t v = 0;
-  for (; v + kLanes <= vocab; v += kLanes)
-    for (int l = 0; l < kLanes; ++l) {
-      const float s = load_float(logits, v + l) * inverse_temperature;
-      lane_max[l] = s > lane_max[l] ? s : lane_max[l];
-    }
-  for (; v < vocab; ++v) {
-    const float s = load_float(logits, v) * inverse_temperature;
-    lane_max[0] = s > lane_max[0] ? s : lane_max[0];
+  int64_t v = begin;
+  for (; v + kLanes <= end; v += kLanes) {
+    const FloatLanes scaled = load_lanes(logits, v) * inverse_temperature;
+    lane_max = scaled > lane_max ? scaled : lane_max;
   }
   float row_max = lane_max[0];
   for (int l = 1; l < kLanes; ++l) row_max = lane_max[l] > row_max ? lane_max[l] : row_max;
+  for (; v < end; ++v) {
+    const float scaled = load_float(logits, v) * inverse_temperature;
+    row_max = scaled > row_max ? scaled : row_max;
+  }
   return row_max;
 }
 
-// Softmax normaliser of logits[0, vocab) scaled by inverse_temperature: a max pass, then a sum-exp pass over the
-// row, which is in cache by then. Partial sums are float (as torch's softmax), flushed to float64 every block.
+// Softmax normaliser of logits[0, vocab) scaled by inverse_temperature, in ONE pass over memory (online softmax): each
+// block's max is taken while the block sits in L1, the sum so far is rescaled when the running max grows, and the
+// block's exp(s - max) are added. Partial sums are float (as torch's softmax), flushed to float64 every block.
 template <typename scalar_t>
 SoftmaxStats softmax_stats(const scalar_t* logits, int64_t vocab, float inverse_temperature) {
-  const float row_max = scaled_row_max(logits, vocab, inverse_temperature);
-  // No finite logit (all -inf or NaN): every mass is 0.
-  if (!(row_max > -INFINITY)) return SoftmaxStats{-INFINITY, 0.0f};
+  float running_max = -INFINITY;
   double total = 0.0;
   for (int64_t block = 0; block < vocab; block += kSoftmaxBlock) {
     const int64_t block_end = std::min(vocab, block + kSoftmaxBlock);
+    const float block_max = scaled_max(logits, block, block_end, inverse_temperature);
+    if (block_max > running_max) {
+      // exp(-inf) = 0 when this is the first block with a finite logit (total is still 0 then).
+      total *= std::exp(static_cast<double>(running_max) - static_cast<double>(block_max));
+      running_max = block_max;
+    }
+    if (!(running_max > -INFINITY)) continue;  // no finite logit so far: nothing to add
     float lanes[kSoftmaxLanes] = {0.0f};
     int64_t v = block;
     for (; v + kSoftmaxLanes <= block_end; v += kSoftmaxLanes)
       for (int l = 0; l < kSoftmaxLanes; ++l)
-        lanes[l] += exp_nonpositive(load_float(logits, v + l) * inverse_temperature - row_max);
-    for (; v < block_end; ++v) lanes[0] += exp_nonpositive(load_float(logits, v) * inverse_temperature - row_max);
+        lanes[l] += exp_nonpositive(load_float(logits, v + l) * inverse_temperature - running_max);
+    for (; v < block_end; ++v) lanes[0] += exp_nonpositive(load_float(logits, v) * inverse_temperature - running_max);
     for (int l = 0; l < kSoftmaxLanes; ++l) total += static_cast<double>(lanes[l]);
   }
-  return SoftmaxStats{row_max, static_cast<float>(1.0 / total)};
+  // No finite logit (all -inf or NaN): every mass is 0.
+  if (!(running_max > -INFINITY)) return SoftmaxStats{-INFINITY, 0.0f};
+  return SoftmaxStats{running_max, static_cast<float>(1.0 / total)};
 }
 
 // Sum over [begin, end) of max(0, p - q) (residual) or of p alone (draft == nullptr).
 template <typename Row>
 double residual_or_target_mass(const Row& target, const Row* draft, int64_t begin, int64_t end) {
-  double lanes[kLanes] = {0.0};
+  DoubleLanes lanes = {};
+  const FloatLanes zero = {};
   int64_t v = begin;
   if (draft) {
-    for (; v + kLanes <= end; v += kLanes)
-      for (int l = 0; l < kLanes; ++l)
-        lanes[l] += static_cast<double>(residual_mass(target.mass(v + l), draft->mass(v + l)));
+    for (; v + kLanes <= end; v += kLanes) {
+      const FloatLanes difference = mass_lanes(target, v) - mass_lanes(*draft, v);
+      lanes += __builtin_convertvector(difference > zero ? difference : zero, DoubleLanes);  // residual_mass
+    }
     for (; v < end; ++v) lanes[0] += static_cast<double>(residual_mass(target.mass(v), draft->mass(v)));
   } else {
-    for (; v + kLanes <= end; v += kLanes)
-      for (int l = 0; l < kLanes; ++l) lanes[l] += static_cast<double>(target.mass(v + l));
+    for (; v + kLanes <= end; v += kLanes) lanes += __builtin_convertvector(mass_lanes(target, v), DoubleLanes);
     for (; v < end; ++v) lanes[0] += static_cast<double>(target.mass(v));
   }
-  double total = 0.0;
-  for (int l = 0; l < kLanes; ++l) total += lanes[l];
-  return total;
+  return sum_lanes(lanes);
 }
 
 template <typename Row>
@@ -409,14 +441,14 @@ TemperaturePlan plan_temperatures(const at::Tensor& temperature, int64_t batch) 
 template <typename Row>
 void token_stats_row(const Row& target, const Row& draft, int64_t vocab, int64_t token, float* target_prob,
                      float* draft_prob, float* total_variation) {
-  double lanes[kLanes] = {0.0};
+  DoubleLanes lanes = {};
   int64_t v = 0;
-  for (; v + kLanes <= vocab; v += kLanes)
-    for (int l = 0; l < kLanes; ++l) lanes[l] += static_cast<double>(std::fabs(target.mass(v + l) - draft.mass(v + l)));
+  for (; v + kLanes <= vocab; v += kLanes) {
+    const FloatLanes difference = mass_lanes(target, v) - mass_lanes(draft, v);
+    lanes += __builtin_convertvector(difference > 0.0f ? difference : -difference, DoubleLanes);  // |p - q|
+  }
   for (; v < vocab; ++v) lanes[0] += static_cast<double>(std::fabs(target.mass(v) - draft.mass(v)));
-  double sum = 0.0;
-  for (int l = 0; l < kLanes; ++l) sum += lanes[l];
-  *total_variation = static_cast<float>(0.5 * sum);
+  *total_variation = static_cast<float>(0.5 * sum_lanes(lanes));
   const bool valid = token >= 0 && token < vocab;
   *target_prob = valid ? target.mass(token) : 0.0f;
   *draft_prob = valid ? draft.mass(token) : 0.0f;

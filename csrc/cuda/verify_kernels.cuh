@@ -241,36 +241,41 @@ __device__ __forceinline__ int64_t block_max(int64_t value, BlockStorage& s) {
 // ------------------------------------------------------------------------------------------------ row operations
 // Each is called by every thread of the block and returns the same value in every thread.
 
-// Softmax normaliser of logits scaled by inverse_temperature: the max (NaN skipped), then sum exp(s - max) with float
-// partials per thread and tile, accumulated in float64. A row without a finite logit has no mass.
+// Softmax normaliser of logits scaled by inverse_temperature, reading the row once (online softmax): each thread keeps
+// its running max and its sum of exp(s - running max), rescaled when a tile raises the max; the block then rescales
+// every thread's sum to the row max and adds them. Float partials per tile, float64 across tiles. NaN is skipped by the
+// max; a row without a finite logit has no mass.
 template <typename T>
 __device__ SoftmaxStats block_softmax_stats(const T* row, int64_t vocab, float inverse_temperature, BlockStorage& s) {
   const TileLayout layout = tile_layout<T>(row, nullptr);
   float thread_max = -INFINITY;
-  for (int64_t tile = layout.base; tile < vocab; tile += kTileElements) {
-    const int64_t first = thread_first(tile);
-    float x[kItemsPerThread];
-    load_items(row, first, vocab, layout.vectorised, x);
-#pragma unroll
-    for (int k = 0; k < kItemsPerThread; ++k) {
-      const float scaled = x[k] * inverse_temperature;
-      if (in_row(first + k, vocab) && scaled > thread_max) thread_max = scaled;
-    }
-  }
-  const float row_max = block_all_reduce(thread_max, MaxOp{}, s.temp.max, s.result.max);
-  if (!(row_max > -INFINITY)) return SoftmaxStats{-INFINITY, 0.0f};
   double thread_sum = 0.0;
   for (int64_t tile = layout.base; tile < vocab; tile += kTileElements) {
     const int64_t first = thread_first(tile);
-    float x[kItemsPerThread];
-    load_items(row, first, vocab, layout.vectorised, x);
+    float scaled[kItemsPerThread];
+    load_items(row, first, vocab, layout.vectorised, scaled);
+    float tile_max = thread_max;
+#pragma unroll
+    for (int k = 0; k < kItemsPerThread; ++k) {
+      scaled[k] *= inverse_temperature;
+      if (in_row(first + k, vocab) && scaled[k] > tile_max) tile_max = scaled[k];
+    }
+    if (!(tile_max > -INFINITY)) continue;  // nothing finite seen by this thread yet
+    // exp(-inf) = 0 when this is the thread's first finite tile (its sum is still 0 then).
+    if (tile_max > thread_max) thread_sum *= exp(static_cast<double>(thread_max) - static_cast<double>(tile_max));
+    thread_max = tile_max;
     float partial = 0.0f;
 #pragma unroll
     for (int k = 0; k < kItemsPerThread; ++k)
-      if (in_row(first + k, vocab)) partial += exp_nonpositive(x[k] * inverse_temperature - row_max);
+      if (in_row(first + k, vocab)) partial += exp_nonpositive(scaled[k] - thread_max);
     thread_sum += static_cast<double>(partial);
   }
-  const double total = block_sum(thread_sum, s);
+  const float row_max = block_all_reduce(thread_max, MaxOp{}, s.temp.max, s.result.max);
+  if (!(row_max > -INFINITY)) return SoftmaxStats{-INFINITY, 0.0f};
+  const double rescaled = thread_max > -INFINITY
+                              ? thread_sum * exp(static_cast<double>(thread_max) - static_cast<double>(row_max))
+                              : 0.0;
+  const double total = block_sum(rescaled, s);
   return SoftmaxStats{row_max, static_cast<float>(1.0 / total)};
 }
 
