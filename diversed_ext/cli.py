@@ -276,6 +276,10 @@ def add_experiment_commands(commands) -> None:
                        help="lambda of the acceptance regulariser (default 0.05)")
     train.add_argument("--fidelity-coef", type=_non_negative_float, default=1.0,
                        help="weight of the fidelity (mean target log-prob per token) in the reward (default 1)")
+    train.add_argument("--expected-fidelity-coef", type=_non_negative_float, default=0.0,
+                       help="mu of the closed-form expected next-token fidelity term of the loss (default 0: off)")
+    train.add_argument("--epochs", type=_positive_int, default=1,
+                       help="optimiser updates per batch of rollouts (default 1)")
     train.add_argument("--head-hidden", type=_positive_int, help="hidden width of the head (default: linear head)")
     train.add_argument("--init-weight", type=float, default=0.5, help="w of the untrained head (default 0.5)")
     train.add_argument("--rollout", choices=("speculative", "mixture"), default="speculative",
@@ -330,6 +334,7 @@ def _run_train(args) -> int:
     config = TrainerConfig(output_dir=args.output_dir, steps=args.steps, batch_size=args.batch_size,
                            learning_rate=args.lr, warmup_steps=args.warmup_steps,
                            acceptance_coef=args.acceptance_coef, fidelity_coef=args.fidelity_coef,
+                           expected_fidelity_coef=args.expected_fidelity_coef, epochs=args.epochs,
                            temperature=args.temperature, seed=args.seed, checkpoint_every=args.checkpoint_every)
     trainer = build_trainer(task, examples, target, draft, tokenizer, config, head_hidden=args.head_hidden,
                             init_weight=args.init_weight, num_draft=args.k, max_new_tokens=args.max_new_tokens,
@@ -345,7 +350,7 @@ def _run_train(args) -> int:
 
 
 def _run_eval(args) -> int:
-    from .experiments import evaluate, markdown_table, method_specs
+    from .experiments import compare_to_baselines, comparison_lines, evaluate, markdown_table, method_specs
 
     task, examples, target, draft, tokenizer, eos = _experiment_setup(args)
     if "diversed" in args.method and not args.head:
@@ -357,11 +362,15 @@ def _run_eval(args) -> int:
     print(f"{task.name}: {len(examples)} prompts, up to {args.max_new_tokens} new tokens, K = {args.k}, "
           f"temperature {args.temperature:g}, seeds {args.seed}..{args.seed + len(examples) - 1}\n")
     print(markdown_table(results, task.metric))
+    comparisons = comparison_lines(compare_to_baselines(results))
+    if comparisons:
+        print("\n" + comparisons)
     return 0
 
 
 def _run_pareto(args) -> int:
-    from .experiments import evaluate, markdown_table, pareto_methods, plot_pareto
+    from .experiments import (compare_to_baselines, comparison_lines, evaluate, markdown_table, pareto_methods,
+                              plot_pareto)
 
     task, examples, target, draft, tokenizer, eos = _experiment_setup(args)
     specs = pareto_methods(args.weights, _head_for(args, target, draft))
@@ -369,6 +378,9 @@ def _run_pareto(args) -> int:
                        max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
                        eos_token_id=eos, chat=not args.no_chat_template)
     table = markdown_table(results, task.metric)
+    comparisons = comparison_lines(compare_to_baselines(results))
+    if comparisons:
+        table += "\n\n" + comparisons
     os.makedirs(args.output_dir, exist_ok=True)
     with open(os.path.join(args.output_dir, "pareto.md"), "w") as handle:
         handle.write(table + "\n")

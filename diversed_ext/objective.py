@@ -11,6 +11,15 @@ The first term is the policy gradient of the task reward through the mixture the
 rewards acceptance: the expected acceptance rate at position t is 1 - w_t TV_t, so the regulariser pushes w down where
 the models disagree. (The authors' released code flips this sign and so pushes acceptance down; SPEC §1.) Only the head
 receives gradients: p, q and TV are constants.
+
+Optional third term, the expected fidelity (coefficient mu >= 0, off by default):
+
+    loss += -(mu/N) sum_n sum_t (1 - w_t) * G_t,     G_t = E_{q_t}[log p_t] - E_{p_t}[log p_t]
+
+Drawing token t from nu_t = w_t p_t + (1 - w_t) q_t rather than from p_t changes its expected target log-probability
+by exactly (1 - w_t) G_t, so this term is the fidelity reward's next-token part in closed form: no sampling variance,
+at the price of ignoring how w_t shapes the later context. G_t < 0 where mixing in the draft costs fidelity, so the
+term pushes w_t up there, against the acceptance regulariser; the balance of mu and lambda sets the operating point.
 """
 
 from __future__ import annotations
@@ -48,6 +57,7 @@ class ObjectiveTerms:
     loss: torch.Tensor  # scalar, differentiable in the weights
     policy_term: torch.Tensor  # -(1/N) sum_n A_n sum_t log nu
     acceptance_term: torch.Tensor  # -(lambda/N) sum_n sum_t (1 - w TV)
+    expected_fidelity_term: torch.Tensor  # -(mu/N) sum_n sum_t (1 - w) G
     mean_weight: torch.Tensor
     expected_acceptance: torch.Tensor  # mean over tokens of 1 - w TV
     advantages: torch.Tensor
@@ -55,7 +65,8 @@ class ObjectiveTerms:
 
 def diversed_objective(weights: torch.Tensor, target_logprob: torch.Tensor, draft_logprob: torch.Tensor,
                        total_variation: torch.Tensor, rewards: torch.Tensor, mask: Optional[torch.Tensor] = None,
-                       acceptance_coef: float = 0.1) -> ObjectiveTerms:
+                       acceptance_coef: float = 0.1, fidelity_gap: Optional[torch.Tensor] = None,
+                       expected_fidelity_coef: float = 0.0) -> ObjectiveTerms:
     """The DIVERSED loss for a batch of N generated sequences of up to T tokens.
 
     Args:
@@ -65,12 +76,21 @@ def diversed_objective(weights: torch.Tensor, target_logprob: torch.Tensor, draf
         rewards: [N] sequence rewards.
         mask: [N, T] bool, True at generated tokens (padding excluded); None means every position counts.
         acceptance_coef: lambda >= 0, the weight of the acceptance regulariser.
+        fidelity_gap: [N, T] G_t (see the module docstring; :func:`diversed_ext.teacher_forcing.fidelity_gap`),
+            needed when ``expected_fidelity_coef`` > 0.
+        expected_fidelity_coef: mu >= 0, the weight of the expected-fidelity term.
     """
     if acceptance_coef < 0:
         raise ValueError(f"acceptance_coef must be >= 0 (it rewards acceptance), got {acceptance_coef}")
+    if expected_fidelity_coef < 0:
+        raise ValueError(f"expected_fidelity_coef must be >= 0, got {expected_fidelity_coef}")
+    if expected_fidelity_coef > 0 and fidelity_gap is None:
+        raise ValueError("expected_fidelity_coef > 0 needs fidelity_gap")
     shape = weights.shape
-    for name, tensor in (("target_logprob", target_logprob), ("draft_logprob", draft_logprob),
-                         ("total_variation", total_variation)):
+    named = [("target_logprob", target_logprob), ("draft_logprob", draft_logprob), ("total_variation", total_variation)]
+    if fidelity_gap is not None:
+        named.append(("fidelity_gap", fidelity_gap))
+    for name, tensor in named:
         if tensor.shape != shape:
             raise ValueError(f"{name} must have the weights' shape {tuple(shape)}, got {tuple(tensor.shape)}")
     if rewards.shape != shape[:1]:
@@ -86,11 +106,16 @@ def diversed_objective(weights: torch.Tensor, target_logprob: torch.Tensor, draf
     num_sequences = shape[0]
     policy_term = -(advantages * sequence_log_nu).sum() / num_sequences
     acceptance_term = -acceptance_coef * acceptance.sum() / num_sequences
+    expected_fidelity_term = torch.zeros((), dtype=weights.dtype, device=weights.device)
+    if expected_fidelity_coef > 0:
+        fidelity_change = torch.where(mask, (1.0 - weights) * fidelity_gap.to(weights.dtype), torch.zeros_like(weights))
+        expected_fidelity_term = -expected_fidelity_coef * fidelity_change.sum() / num_sequences
     num_tokens = mask.sum().clamp_min(1)
     return ObjectiveTerms(
-        loss=policy_term + acceptance_term,
+        loss=policy_term + acceptance_term + expected_fidelity_term,
         policy_term=policy_term.detach(),
         acceptance_term=acceptance_term.detach(),
+        expected_fidelity_term=expected_fidelity_term.detach(),
         mean_weight=(torch.where(mask, weights, torch.zeros_like(weights)).sum() / num_tokens).detach(),
         expected_acceptance=(acceptance.sum() / num_tokens).detach(),
         advantages=advantages.detach(),

@@ -3,7 +3,8 @@
 For a prompt x and a completion y_1..y_T, both models read x + y once (no cache, no sampling). At the position that
 predicts y_t this gives the last hidden states h_draft_t and h_target_t (the head's inputs, exactly those it saw
 while decoding) and the logits, from which :func:`diversed_ext.token_stats` takes p_t(y_t), q_t(y_t), their log
-probabilities and TV(p_t, q_t) in one pass over the vocabulary, without materialising probabilities.
+probabilities and TV(p_t, q_t) in one pass over the vocabulary, without materialising probabilities; and
+:func:`fidelity_gap` the expected-fidelity term's G_t = E_q[log p] - E_p[log p] (chunked, so small temporaries).
 """
 
 from __future__ import annotations
@@ -26,6 +27,23 @@ class TokenBatch:
     draft_logprob: torch.Tensor  # [N, T]
     total_variation: torch.Tensor  # [N, T]
     mask: torch.Tensor  # [N, T] bool, True at real completion tokens
+    fidelity_gap: torch.Tensor  # [N, T] E_q[log p] - E_p[log p] (see fidelity_gap)
+
+
+LOG_PROB_FLOOR = -100.0  # nats: a token the target rules out (-inf) costs a bounded amount in fidelity_gap
+
+
+def fidelity_gap(draft_logits: torch.Tensor, target_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """G = E_q[log p] - E_p[log p] per position ([..., V] logits -> [...]): how much the expected target
+    log-probability of the next token changes per unit of draft weight (1 - w) in the mixture. Computed in float32
+    chunks of positions, so the [T, V] temporaries stay small."""
+    scale = 1.0 / temperature if temperature > 0 else 1.0
+    gaps = []
+    for target_chunk, draft_chunk in zip(target_logits.float().split(64, dim=-2), draft_logits.float().split(64, dim=-2)):
+        target_logprob = (target_chunk * scale).log_softmax(-1).clamp_min(LOG_PROB_FLOOR)
+        difference = (draft_chunk * scale).softmax(-1) - target_logprob.exp()
+        gaps.append((difference * target_logprob).sum(-1))
+    return torch.cat(gaps, dim=-1) if gaps else target_logits.new_zeros(target_logits.shape[:-1], dtype=torch.float32)
 
 
 def _last_hidden_and_logits(model, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,7 +71,7 @@ def teacher_forced_tokens(target, draft, prompts: Sequence[Sequence[int]], compl
         if len(prompt) == 0:
             raise ValueError("every prompt needs at least one token")
         rows.append(_sequence_tokens(target, draft, list(prompt), list(completion), temperature, device))
-    return TokenBatch(*(_pad_stack([row[field] for row in rows], longest) for field in range(6)))
+    return TokenBatch(*(_pad_stack([row[field] for row in rows], longest) for field in range(7)))
 
 
 def _sequence_tokens(target, draft, prompt: list[int], completion: list[int], temperature: float,
@@ -71,14 +89,15 @@ def _sequence_tokens(target, draft, prompt: list[int], completion: list[int], te
     stats = token_stats(draft_logits.contiguous(), target_logits.contiguous(), tokens, from_logits=True,
                         temperature=temperature if temperature > 0 else 1.0, check_inputs=False)
     return (draft_hidden[0, positions].float(), target_hidden[0, positions].float(), stats.target_logprob[0],
-            stats.draft_logprob[0], stats.total_variation[0], torch.ones(length, dtype=torch.bool))
+            stats.draft_logprob[0], stats.total_variation[0], torch.ones(length, dtype=torch.bool),
+            fidelity_gap(draft_logits[0], target_logits[0], temperature))
 
 
 def _empty_row(target, draft) -> tuple:
     draft_size, target_size = draft.config.hidden_size, target.config.hidden_size
     empty = torch.zeros(0)
     return (torch.zeros(0, draft_size), torch.zeros(0, target_size), empty, empty, empty,
-            torch.zeros(0, dtype=torch.bool))
+            torch.zeros(0, dtype=torch.bool), empty)
 
 
 def _pad_stack(tensors: list[torch.Tensor], length: int) -> torch.Tensor:

@@ -5,9 +5,11 @@ One step:
   2. roll out completions by speculative decoding with the current head: the tokens follow nu, as in deployment;
   3. reward each completion: the task reward plus ``fidelity_coef`` times its fidelity (mean target log-probability
      per generated token, SPEC §4);
-  4. one teacher-forced pass of both models gives hidden states, log p(y), log q(y) and TV per token;
+  4. one teacher-forced pass of both models gives hidden states, log p(y), log q(y), TV and the fidelity gap
+     E_q[log p] - E_p[log p] per token;
   5. loss = diversed_objective(...) (diversed_ext/objective.py): policy gradient with batch-normalised advantages plus
-     the acceptance regulariser; only the head trains (AdamW, gradient clipping, linear warm-up then cosine decay).
+     the acceptance regulariser, plus (``expected_fidelity_coef`` > 0) the closed-form expected next-token fidelity;
+     only the head trains (AdamW, gradient clipping, linear warm-up then cosine decay).
 
 Checkpoints (head, optimiser, scheduler, step, RNG states) are written atomically; ``resume=True`` continues exactly
 where the last one stopped. Under ``torchrun`` the head is wrapped in DistributedDataParallel (gloo on CPU, nccl on
@@ -53,17 +55,21 @@ class TrainerConfig:
     grad_clip: float = 1.0
     acceptance_coef: float = 0.05
     fidelity_coef: float = 0.0
+    expected_fidelity_coef: float = 0.0  # mu of the closed-form next-token fidelity term (objective.py)
+    epochs: int = 1  # optimiser updates per batch of rollouts (see Trainer)
     temperature: float = 1.0
     seed: int = 0
     checkpoint_every: int = 10
 
     def validate(self) -> None:
         positive = {"steps": self.steps, "batch_size": self.batch_size, "learning_rate": self.learning_rate,
+                    "epochs": self.epochs,
                     "checkpoint_every": self.checkpoint_every, "grad_clip": self.grad_clip}
         for name, value in positive.items():
             if not value > 0:
                 raise ValueError(f"{name} must be positive, got {value}")
-        for name in ("warmup_steps", "acceptance_coef", "fidelity_coef", "weight_decay", "temperature"):
+        for name in ("warmup_steps", "acceptance_coef", "fidelity_coef", "expected_fidelity_coef", "weight_decay",
+                     "temperature"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
@@ -95,6 +101,11 @@ class Trainer:
         rollout: (prompt ids, seed) -> completion ids, sampled with the current head: through the speculative loop
             (:func:`diversed_ext.experiments.speculative_rollout`) or token by token (:func:`mixture_rollout`).
         config: :class:`TrainerConfig`.
+
+    With ``config.epochs`` > 1 every batch of rollouts feeds that many optimiser updates (rollouts are the expensive
+    part). The closed-form terms (acceptance, expected fidelity) stay exact for the batch's contexts; the policy term
+    becomes off-policy after the first update (no importance ratio), so keep epochs small when it carries the signal.
+    The learning-rate schedule advances once per step, not per update.
     """
 
     def __init__(self, target, draft, head: EnsembleHead, prompts: Sequence[Sequence[int]], examples: Sequence[Any],
@@ -143,18 +154,26 @@ class Trainer:
         rewards = task_rewards + self.config.fidelity_coef * fidelity
 
         self.head.train()
-        weights = self.model(tokens.draft_hidden, tokens.target_hidden)
-        terms = diversed_objective(weights, tokens.target_logprob, tokens.draft_logprob, tokens.total_variation,
-                                   rewards.to(weights.dtype), tokens.mask, self.config.acceptance_coef)
-        self.optimizer.zero_grad(set_to_none=True)
-        terms.loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.head.parameters(), self.config.grad_clip)
-        self.optimizer.step()
+        first = None  # the terms before this step's first update: they describe the policy that rolled out
+        for _ in range(self.config.epochs):
+            weights = self.model(tokens.draft_hidden, tokens.target_hidden)
+            terms = diversed_objective(weights, tokens.target_logprob, tokens.draft_logprob, tokens.total_variation,
+                                       rewards.to(weights.dtype), tokens.mask, self.config.acceptance_coef,
+                                       tokens.fidelity_gap, self.config.expected_fidelity_coef)
+            self.optimizer.zero_grad(set_to_none=True)
+            terms.loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.head.parameters(), self.config.grad_clip)
+            self.optimizer.step()
+            if first is None:
+                fidelity_change = _masked_mean(((1 - weights) * tokens.fidelity_gap).detach(), tokens.mask)
+                first = terms, fidelity_change, float(grad_norm)
+        terms, fidelity_change, grad_norm = first
         self.scheduler.step()
         self.step += 1
         record = {"step": self.step, "loss": terms.loss.item(), "task_reward": task_rewards.mean().item(),
                   "fidelity": fidelity.mean().item(), "mean_weight": terms.mean_weight.item(),
-                  "expected_acceptance": terms.expected_acceptance.item(), "grad_norm": float(grad_norm),
+                  "expected_acceptance": terms.expected_acceptance.item(),
+                  "expected_fidelity_change": fidelity_change.mean().item(), "grad_norm": grad_norm,
                   "learning_rate": self.scheduler.get_last_lr()[0],
                   "tokens": int(tokens.mask.sum())}
         self.history.append(record)

@@ -54,6 +54,31 @@ def test_gradient_matches_finite_differences(coef):
     assert torch.all(gradient[~mask] == 0)
 
 
+def test_expected_fidelity_gradient_matches_finite_differences():
+    weights, log_p, log_q, tv, rewards, mask = random_terms()
+    gap = -torch.rand(weights.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64) * 3
+    gap[0, 0] = 0.7  # a position where mixing in the draft raises the expected fidelity
+
+    def loss(values):
+        return diversed_objective(values, log_p, log_q, tv, rewards, mask, 0.2, gap, expected_fidelity_coef=0.5).loss
+
+    weights.requires_grad_(True)
+    (gradient,) = torch.autograd.grad(loss(weights), weights)
+    step = 1e-6
+    numeric = torch.zeros_like(weights)
+    for index in range(weights.numel()):
+        delta = torch.zeros(weights.numel(), dtype=weights.dtype)
+        delta[index] = step
+        numeric.view(-1)[index] = (loss(weights.detach() + delta.view_as(weights))
+                                   - loss(weights.detach() - delta.view_as(weights))) / (2 * step)
+    torch.testing.assert_close(gradient, numeric, rtol=1e-5, atol=1e-7)
+    # Alone (equal rewards, lambda = 0) the term's gradient is mu G / N: descent raises w where G < 0.
+    alone = diversed_objective(weights, log_p, log_q, tv, torch.ones(4, dtype=torch.float64), mask, 0.0, gap, 0.5)
+    (gradient,) = torch.autograd.grad(alone.loss, weights)
+    torch.testing.assert_close(gradient, torch.where(mask, 0.5 * gap / 4, torch.zeros_like(gap)))
+    assert gradient[0, 0] > 0 and torch.all(gradient[mask & (gap < 0)] < 0)
+
+
 def test_regulariser_pushes_weights_down_where_models_disagree():
     # Equal rewards: no policy signal, only the acceptance term; its gradient must lower w (more acceptance).
     weights, log_p, log_q, tv, _, _ = random_terms()
@@ -84,5 +109,11 @@ def test_bad_arguments():
         diversed_objective(weights, log_p, log_q, tv[:, :2], rewards, mask)
     with pytest.raises(ValueError, match="rewards"):
         diversed_objective(weights, log_p, log_q, tv, rewards[:2], mask)
+    with pytest.raises(ValueError, match="expected_fidelity_coef"):
+        diversed_objective(weights, log_p, log_q, tv, rewards, mask, 0.1, tv, expected_fidelity_coef=-1.0)
+    with pytest.raises(ValueError, match="needs fidelity_gap"):
+        diversed_objective(weights, log_p, log_q, tv, rewards, mask, 0.1, None, expected_fidelity_coef=1.0)
+    with pytest.raises(ValueError, match="fidelity_gap must have"):
+        diversed_objective(weights, log_p, log_q, tv, rewards, mask, 0.1, tv[:, :2], expected_fidelity_coef=1.0)
     with pytest.raises(ValueError, match="rewards must be 1-D"):
         normalized_advantages(torch.ones(2, 2))

@@ -9,7 +9,7 @@ pytest.importorskip("transformers")
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from diversed_ext.head import EnsembleHead  # noqa: E402
-from diversed_ext.teacher_forcing import teacher_forced_tokens  # noqa: E402
+from diversed_ext.teacher_forcing import fidelity_gap, teacher_forced_tokens  # noqa: E402
 from diversed_ext.trainer import Trainer, TrainerConfig, mixture_rollout, warmup_cosine  # noqa: E402
 
 VOCAB = 24
@@ -56,6 +56,43 @@ def test_teacher_forced_tokens_match_a_fresh_forward(pair):
     logits = target(torch.tensor([[1, 2, 3, 5]])).logits[0, 2:4].float()
     expected = logits.log_softmax(-1).gather(-1, torch.tensor([[5], [6]])).squeeze(-1)
     torch.testing.assert_close(batch.target_logprob[0], expected, rtol=1e-4, atol=1e-4)
+
+
+def test_fidelity_gap_against_float64(pair):
+    target, draft = pair
+    batch = teacher_forced_tokens(target, draft, [[1, 2, 3]], [[5, 6, 7]], temperature=0.7)
+    input_ids = torch.tensor([[1, 2, 3, 5, 6]])
+    target_logits = target(input_ids).logits[0, 2:5].double() / 0.7
+    draft_logits = draft(input_ids).logits[0, 2:5].double() / 0.7
+    log_p, q = target_logits.log_softmax(-1), draft_logits.softmax(-1)
+    expected = (q * log_p).sum(-1) - (log_p.exp() * log_p).sum(-1)
+    torch.testing.assert_close(batch.fidelity_gap[0].double(), expected, rtol=1e-4, atol=1e-4)
+    assert torch.all(fidelity_gap(target_logits, target_logits).abs() < 1e-5)  # q = p: mixing costs nothing
+    masked = torch.tensor([[0.0, float("-inf"), 1.0]])
+    assert torch.isfinite(fidelity_gap(torch.zeros(1, 3), masked)).all()  # a ruled-out token costs a bounded amount
+
+
+def test_expected_fidelity_term_raises_the_weight(pair, tmp_path):
+    # No sampled reward, only mu: the draft costs fidelity on this pair (G < 0), so w must rise from 0.5.
+    trainer = make_trainer(pair, tmp_path, reward=lambda example, text: 0.0, acceptance_coef=0.0, fidelity_coef=0.0,
+                           expected_fidelity_coef=1.0)
+    history = trainer.train(progress=False)
+    assert history[0]["expected_fidelity_change"] < 0
+    assert history[-1]["mean_weight"] > history[0]["mean_weight"] + 0.05
+
+
+def test_epochs_reuse_each_batch_of_rollouts(pair, tmp_path):
+    # Same rollouts (same seed), more updates on them: the weight moves further in the same direction.
+    moves = []
+    for epochs in (1, 4):
+        trainer = make_trainer(pair, tmp_path / str(epochs), reward=lambda example, text: 0.0, acceptance_coef=1.0,
+                               steps=1, epochs=epochs)
+        record = trainer.train(progress=False)[0]
+        prompts, _ = prompts_and_examples()
+        batch = teacher_forced_tokens(*pair, prompts, [[1, 2, 3]] * len(prompts))
+        with torch.no_grad():
+            moves.append(record["mean_weight"] - trainer.head(batch.draft_hidden, batch.target_hidden).mean().item())
+    assert 0 < moves[0] < moves[1]  # the acceptance term lowers w; four updates lower it more than one
 
 
 def test_acceptance_regulariser_lowers_the_weight(pair, tmp_path):
