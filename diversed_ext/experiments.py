@@ -109,6 +109,13 @@ class MethodResult:
     tokens_per_second: float
     new_tokens: int
     seconds: float
+    fidelity_per_prompt: tuple = ()  # prompt by prompt (NaN where nothing was generated), for paired comparisons
+    quality_per_prompt: tuple = ()
+
+    @property
+    def fidelity_se(self) -> float:
+        """Standard error of the mean fidelity over prompts."""
+        return _standard_error([value for value in self.fidelity_per_prompt if not math.isnan(value)])
 
 
 def method_specs(methods: Sequence[str], weights: Sequence[float], head=None) -> list[tuple[str, dict]]:
@@ -155,9 +162,7 @@ def evaluate(task: Task, examples: Sequence[dict], target, draft, tokenizer, spe
         generations[label].extend(output.generations)
         quality[label].append(float(task.reward(examples[index],
                                                 tokenizer.decode(tokens, skip_special_tokens=True))))
-        value = fidelity(target, prompts[index], tokens, temperature)
-        if not math.isnan(value):
-            fidelities[label].append(value)
+        fidelities[label].append(fidelity(target, prompts[index], tokens, temperature))
     results = []
     for label, kwargs in specs:
         summary = summarize(generations[label])
@@ -165,9 +170,11 @@ def evaluate(task: Task, examples: Sequence[dict], target, draft, tokenizer, spe
             weight = recorders[label].mean
         else:
             weight = {"ar": math.nan, "sd": 1.0}.get(kwargs["method"], kwargs.get("weight", math.nan))
+        finite_fidelities = [value for value in fidelities[label] if not math.isnan(value)]
         results.append(MethodResult(label, weight, summary.acceptance_rate, summary.tokens_per_pass,
-                                    _mean(quality[label]), _mean(fidelities[label]), summary.tokens_per_second,
-                                    summary.new_tokens, summary.seconds))
+                                    _mean(quality[label]), _mean(finite_fidelities), summary.tokens_per_second,
+                                    summary.new_tokens, summary.seconds, tuple(fidelities[label]),
+                                    tuple(quality[label])))
     return results
 
 
@@ -175,8 +182,78 @@ def _mean(values: Sequence[float]) -> float:
     return sum(values) / len(values) if values else math.nan
 
 
+def _standard_error(values: Sequence[float]) -> float:
+    if len(values) < 2:
+        return math.nan
+    mean = _mean(values)
+    return math.sqrt(sum((value - mean) ** 2 for value in values) / (len(values) - 1) / len(values))
+
+
+@dataclass
+class PairedDifference:
+    """Mean over prompts of (method - baseline), with its standard error (same prompts and seeds: paired)."""
+
+    baseline: str
+    fidelity: float
+    fidelity_se: float
+    quality: float
+    quality_se: float
+
+
+def _paired(values: Sequence[float], baseline: Sequence[float]) -> tuple[float, float]:
+    differences = [a - b for a, b in zip(values, baseline) if not (math.isnan(a) or math.isnan(b))]
+    return _mean(differences), _standard_error(differences)
+
+
+def compare_to_baselines(results: Sequence[MethodResult], label: str = "diversed") -> list[PairedDifference]:
+    """Fidelity and quality of ``label`` against sd (static w = 1) and against the static frontier at the same
+    acceptance: the static ensembles on either side of its acceptance, interpolated linearly prompt by prompt."""
+    rows = {row.label: row for row in results}
+    if label not in rows or not rows[label].fidelity_per_prompt:
+        return []
+    method = rows[label]
+    static = sorted((row for row in results if row.label.startswith("static") or row.label == "sd"),
+                    key=lambda row: row.acceptance)
+    comparisons = []
+    sd = next((row for row in static if row.weight == 1.0), None)
+    if sd is not None:
+        comparisons.append(_difference(method, f"{sd.label} (w = 1)", sd.fidelity_per_prompt, sd.quality_per_prompt))
+    for low, high in zip(static, static[1:]):
+        if low.acceptance <= method.acceptance <= high.acceptance and high.acceptance > low.acceptance:
+            t = (method.acceptance - low.acceptance) / (high.acceptance - low.acceptance)
+            weight = (1 - t) * low.weight + t * high.weight
+            name = f"static frontier at acceptance {method.acceptance:.3f} (w = {weight:.2f})"
+            comparisons.append(_difference(method, name,
+                                           _interpolate(low.fidelity_per_prompt, high.fidelity_per_prompt, t),
+                                           _interpolate(low.quality_per_prompt, high.quality_per_prompt, t)))
+            break
+    return comparisons
+
+
+def _interpolate(low: Sequence[float], high: Sequence[float], t: float) -> tuple:
+    return tuple((1 - t) * a + t * b for a, b in zip(low, high))
+
+
+def _difference(method: MethodResult, name: str, fidelity_values, quality_values) -> PairedDifference:
+    fidelity_mean, fidelity_se = _paired(method.fidelity_per_prompt, fidelity_values)
+    quality_mean, quality_se = _paired(method.quality_per_prompt, quality_values)
+    return PairedDifference(name, fidelity_mean, fidelity_se, quality_mean, quality_se)
+
+
+def comparison_lines(comparisons: Sequence[PairedDifference], label: str = "diversed") -> str:
+    """One line per baseline: paired differences with standard errors."""
+    return "\n".join(f"{label} - {item.baseline}: fidelity {item.fidelity:+.3f} +- {item.fidelity_se:.3f}, "
+                     f"quality {item.quality:+.3f} +- {item.quality_se:.3f} (paired over prompts, +- 1 s.e.)"
+                     for item in comparisons)
+
+
 def _cell(value: float, digits: int = 3) -> str:
     return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.{digits}f}"
+
+
+def _fidelity_cell(row: MethodResult) -> str:
+    spread = row.fidelity_se if row.fidelity_per_prompt else math.nan
+    return _cell(row.fidelity) + ("" if math.isnan(spread) else f" +- {spread:.3f}")
 
 
 def markdown_table(results: Sequence[MethodResult], metric: str = "quality") -> str:
@@ -185,7 +262,7 @@ def markdown_table(results: Sequence[MethodResult], metric: str = "quality") -> 
              "|---|---:|---:|---:|---:|---:|---:|"]
     for row in results:
         lines.append(f"| {row.label} | {_cell(row.weight, 2)} | {_cell(row.acceptance)} | "
-                     f"{_cell(row.tokens_per_pass, 2)} | {_cell(row.quality)} | {_cell(row.fidelity)} | "
+                     f"{_cell(row.tokens_per_pass, 2)} | {_cell(row.quality)} | {_fidelity_cell(row)} | "
                      f"{_cell(row.tokens_per_second, 1)} |")
     return "\n".join(lines)
 

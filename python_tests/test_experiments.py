@@ -92,6 +92,32 @@ def test_method_specs():
 
 # ---------------------------------------------------------------------------------------------------- end to end
 
+def result(label, weight, acceptance, fidelities, qualities):
+    return experiments.MethodResult(label, weight, acceptance, 1.0, sum(qualities) / len(qualities),
+                                    sum(fidelities) / len(fidelities), 1.0, 10, 1.0, tuple(fidelities),
+                                    tuple(qualities))
+
+
+def test_paired_comparison_against_sd_and_the_static_frontier():
+    results = [result("static w=0.5", 0.5, 0.7, [-3.0, -2.0, -4.0], [0.0, 0.0, 1.0]),
+               result("sd", 1.0, 0.5, [-2.0, -1.0, -3.0], [0.0, 1.0, 1.0]),
+               result("diversed", 0.6, 0.6, [-2.0, -1.5, -3.5], [1.0, 0.0, 1.0])]
+    against_sd, against_frontier = experiments.compare_to_baselines(results)
+    assert against_sd.baseline.startswith("sd")
+    assert math.isclose(against_sd.fidelity, (0.0 - 0.5 - 0.5) / 3)  # paired: prompt by prompt
+    assert math.isclose(against_sd.quality, (1.0 - 1.0 + 0.0) / 3)
+    # Acceptance 0.6 is half-way between the two static points: the frontier is their per-prompt average.
+    assert "w = 0.75" in against_frontier.baseline
+    frontier = [-2.5, -1.5, -3.5]
+    expected = [a - b for a, b in zip([-2.0, -1.5, -3.5], frontier)]
+    assert math.isclose(against_frontier.fidelity, sum(expected) / 3)
+    mean = sum(expected) / 3
+    assert math.isclose(against_frontier.fidelity_se, math.sqrt(sum((x - mean) ** 2 for x in expected) / 2 / 3))
+    text = experiments.comparison_lines([against_sd, against_frontier])
+    assert text.count("paired over prompts") == 2
+    assert experiments.compare_to_baselines(results[:2]) == []  # no diversed row: nothing to compare
+
+
 def test_evaluate_on_a_tiny_pair(pair, tmp_path):
     target, draft, tokenizer = pair
     head = EnsembleHead(16, 16, init_weight=0.5)
