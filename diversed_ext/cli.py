@@ -28,6 +28,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .decoding import METHODS, DecodingSummary, SpeculativeDecoder, summarize
+from .tasks import encode_prompt
 
 DEMO_PROMPTS = (
     "Explain in two sentences why the sky is blue.",
@@ -112,19 +113,6 @@ def load_models(target: Optional[str], draft: Optional[str]):
             raise SystemExit("diversed: --draft needs --target")
         return load_default_pair()
     return load_pair(target, draft)
-
-
-def encode_prompt(tokenizer, text: str, chat: bool = True) -> list[int]:
-    """Token ids of a user prompt: through the chat template (with the assistant turn opened) when there is one."""
-    if chat and getattr(tokenizer, "chat_template", None):
-        encoded = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                                tokenize=True, return_dict=True)
-        ids = encoded["input_ids"]
-    else:
-        ids = tokenizer(text)["input_ids"]
-    if ids and isinstance(ids[0], (list, tuple)):
-        ids = ids[0]
-    return [int(token) for token in ids]
 
 
 def eos_ids(tokenizer, model) -> list[int]:

@@ -353,7 +353,13 @@ def load_task_examples(task: Task, path: Optional[str], limit: Optional[int] = N
 
 
 def encode_prompt(tokenizer, text: str, chat: bool = True) -> list[int]:
-    """Token ids of a user message, through the chat template when the tokenizer has one (see the CLI)."""
-    from .cli import encode_prompt as encode
-
-    return encode(tokenizer, text, chat=chat)
+    """Token ids of a user prompt: through the chat template (with the assistant turn opened) when there is one."""
+    if chat and getattr(tokenizer, "chat_template", None):
+        encoded = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                tokenize=True, return_dict=True)
+        ids = encoded["input_ids"]
+    else:
+        ids = tokenizer(text)["input_ids"]
+    if ids and isinstance(ids[0], (list, tuple)):
+        ids = ids[0]
+    return [int(token) for token in ids]
