@@ -9,6 +9,7 @@
 //   * residual mass max(0, p - q) is formed in float32 and accumulated in float64.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <cfloat>
 
@@ -192,6 +193,12 @@ struct SoftmaxStats {
   float max;
   float inverse_sum;
 };
+
+// Online softmax: a sum of exp(s - old_max) re-expressed against new_max >= old_max. A sum begun before any finite
+// logit is 0 and old_max = -inf, and exp(-inf) = 0 keeps it 0.
+DX_HD double rescale_exp_sum(double sum, float old_max, float new_max) {
+  return sum * exp(static_cast<double>(old_max) - static_cast<double>(new_max));
+}
 
 // Probability of one entry given the row's normaliser; sanitised, so a row without finite logits has no mass.
 DX_HD float softmax_mass(float logit, float inverse_temperature, SoftmaxStats stats) {

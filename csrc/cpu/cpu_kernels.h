@@ -118,8 +118,7 @@ SoftmaxStats softmax_stats(const scalar_t* logits, int64_t vocab, float inverse_
     const int64_t block_end = std::min(vocab, block + kSoftmaxBlock);
     const float block_max = scaled_max(logits, block, block_end, inverse_temperature);
     if (block_max > running_max) {
-      // exp(-inf) = 0 when this is the first block with a finite logit (total is still 0 then).
-      total *= std::exp(static_cast<double>(running_max) - static_cast<double>(block_max));
+      total = rescale_exp_sum(total, running_max, block_max);
       running_max = block_max;
     }
     if (!(running_max > -INFINITY)) continue;  // no finite logit so far: nothing to add

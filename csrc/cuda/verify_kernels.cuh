@@ -261,8 +261,7 @@ __device__ SoftmaxStats block_softmax_stats(const T* row, int64_t vocab, float i
       if (in_row(first + k, vocab) && scaled[k] > tile_max) tile_max = scaled[k];
     }
     if (!(tile_max > -INFINITY)) continue;  // nothing finite seen by this thread yet
-    // exp(-inf) = 0 when this is the thread's first finite tile (its sum is still 0 then).
-    if (tile_max > thread_max) thread_sum *= exp(static_cast<double>(thread_max) - static_cast<double>(tile_max));
+    if (tile_max > thread_max) thread_sum = rescale_exp_sum(thread_sum, thread_max, tile_max);
     thread_max = tile_max;
     float partial = 0.0f;
 #pragma unroll
@@ -272,10 +271,7 @@ __device__ SoftmaxStats block_softmax_stats(const T* row, int64_t vocab, float i
   }
   const float row_max = block_all_reduce(thread_max, MaxOp{}, s.temp.max, s.result.max);
   if (!(row_max > -INFINITY)) return SoftmaxStats{-INFINITY, 0.0f};
-  const double rescaled = thread_max > -INFINITY
-                              ? thread_sum * exp(static_cast<double>(thread_max) - static_cast<double>(row_max))
-                              : 0.0;
-  const double total = block_sum(rescaled, s);
+  const double total = block_sum(rescale_exp_sum(thread_sum, thread_max, row_max), s);
   return SoftmaxStats{row_max, static_cast<float>(1.0 / total)};
 }
 
