@@ -205,6 +205,11 @@ def _paired(values: Sequence[float], baseline: Sequence[float]) -> tuple[float, 
     return _mean(differences), _standard_error(differences)
 
 
+def _static_rows(results: Sequence[MethodResult], key) -> list[MethodResult]:
+    """The static ensembles among ``results`` (sd is static w = 1), sorted by ``key``."""
+    return sorted((row for row in results if row.label.startswith("static") or row.label == "sd"), key=key)
+
+
 def compare_to_baselines(results: Sequence[MethodResult], label: str = "diversed") -> list[PairedDifference]:
     """Fidelity and quality of ``label`` against sd (static w = 1) and against the static frontier at the same
     acceptance: the static ensembles on either side of its acceptance, interpolated linearly prompt by prompt."""
@@ -212,8 +217,7 @@ def compare_to_baselines(results: Sequence[MethodResult], label: str = "diversed
     if label not in rows or not rows[label].fidelity_per_prompt:
         return []
     method = rows[label]
-    static = sorted((row for row in results if row.label.startswith("static") or row.label == "sd"),
-                    key=lambda row: row.acceptance)
+    static = _static_rows(results, key=lambda row: row.acceptance)
     comparisons = []
     sd = next((row for row in static if row.weight == 1.0), None)
     if sd is not None:
@@ -252,7 +256,7 @@ def _cell(value: float, digits: int = 3) -> str:
 
 
 def _fidelity_cell(row: MethodResult) -> str:
-    spread = row.fidelity_se if row.fidelity_per_prompt else math.nan
+    spread = row.fidelity_se  # NaN with fewer than two prompts
     return _cell(row.fidelity) + ("" if math.isnan(spread) else f" +- {spread:.3f}")
 
 
@@ -274,8 +278,7 @@ def plot_pareto(results: Sequence[MethodResult], path: str, metric: str = "quali
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    static = sorted((row for row in results if row.label.startswith("static") or row.label == "sd"),
-                    key=lambda row: row.weight)
+    static = _static_rows(results, key=lambda row: row.weight)
     learned = [row for row in results if row.label == "diversed"]
     panels = [("weight", "acceptance", "w on the target"), ("weight", "fidelity", "w on the target"),
               ("tokens_per_second", "fidelity", "tokens/s"), ("acceptance", "quality", "acceptance rate")]
