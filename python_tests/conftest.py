@@ -57,6 +57,19 @@ def logits_verify_case(num_positions, vocab, dtype, batch=6):
     return tokens, draft, target, weight, dict(temperature=temperature, num_draft=num_draft, uniforms=uniforms)
 
 
+def poisoned_logits_inputs():
+    """verify_logits inputs only check_inputs=False lets through (B = 32, K = 4, V = 37): NaN logits, a target row of
+    -inf, ids outside [0, V). Returns (tokens, draft, target, generator); draw the rest of a case from the generator."""
+    tokens, draft, target = random_logits(32, 4, 37, seed=3)
+    generator = torch.Generator().manual_seed(0)
+    for tensor in (draft, target):
+        mask = torch.rand(tensor.shape, generator=generator) < 0.2
+        tensor[mask] = float("nan")
+    target[0] = float("-inf")
+    tokens[:, 1] = torch.randint(-40, 80, (32,), generator=generator)
+    return tokens, draft, target, generator
+
+
 def poisoned_verify_inputs(batch, num_positions, vocab, seed=0):
     """Verify inputs only check_inputs=False lets through: NaN, infinite and negative mass, a target row without mass,
     ids outside [0, V), weights and uniforms outside their ranges or NaN, num_draft outside [0, K]."""

@@ -15,8 +15,8 @@ import torch
 from scipy.stats import chisquare
 
 import diversed_ext as dx
-from conftest import (assert_verify_result_in_range, logits_verify_case, poisoned_verify_inputs, random_logits,
-                      random_problem, requires_cuda)
+from conftest import (assert_verify_result_in_range, logits_verify_case, poisoned_logits_inputs,
+                      poisoned_verify_inputs, random_logits, random_problem, requires_cuda)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 VOCABS = [1, 7, 31, 1000, 32001]  # 7, 31 and 32001 give rows that are not 16-byte aligned
@@ -287,13 +287,7 @@ def test_poisoned_inputs_never_escape_the_vocabulary(dtype):
 
 @requires_cuda
 def test_poisoned_logits_without_checks_stay_in_range():
-    tokens, draft, target = random_logits(32, 4, 37, seed=3, dtype=torch.float32)
-    generator = torch.Generator().manual_seed(0)
-    for tensor in (draft, target):
-        mask = torch.rand(tensor.shape, generator=generator) < 0.2
-        tensor[mask] = float("nan")
-    target[0] = float("-inf")
-    tokens[:, 1] = torch.randint(-40, 80, (32,), generator=generator)
+    tokens, draft, target, generator = poisoned_logits_inputs()
     temperature = torch.rand(32, generator=generator)
     temperature[1] = float("nan")  # greedy, like 0
     temperature[2] = -1.0

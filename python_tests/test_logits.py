@@ -5,7 +5,7 @@ import torch
 from scipy.stats import chisquare
 
 import diversed_ext as dx
-from conftest import logits_verify_case, random_logits
+from conftest import logits_verify_case, poisoned_logits_inputs, random_logits
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -165,13 +165,7 @@ def test_logits_opcheck_and_compile():
 
 
 def test_poisoned_logits_without_checks_stay_in_range():
-    tokens, draft, target = random_logits(32, 4, 37, seed=3)
-    generator = torch.Generator().manual_seed(0)
-    for tensor in (draft, target):
-        mask = torch.rand(tensor.shape, generator=generator) < 0.2
-        tensor[mask] = float("nan")
-    target[0] = float("-inf")
-    tokens[:, 1] = torch.randint(-40, 80, (32,), generator=generator)
+    tokens, draft, target, generator = poisoned_logits_inputs()
     result = dx.verify_logits(tokens, draft, target, 0.5, temperature=torch.rand(32, generator=generator),
                               check_inputs=False, seed=1)
     emitted = torch.arange(5) <= result.num_accepted.unsqueeze(1).long()
