@@ -8,12 +8,19 @@ Rows (the default pair: SmolLM2-135M-Instruct float32 target, its int8 dynamical
     hf static w=W   the same with ``assistant_ensemble_weight=W`` (transformers >= 5.18; skipped, with a note, when the
                     installed version has no such option or W is not in the open interval (0, 1))
     sd              our loop, standard speculative decoding (w = 1)
+    sd, hf forward  the same through the models' own forward passes (``fast_forward=False``): the loop alone
     static w=W      our loop, static ensemble at the same W
+
+Our rows run the Llama models through :mod:`diversed_ext.fast_llama` (same weights, a preallocated KV cache, skinny
+products laid out for MKL), except ``sd, hf forward``, which separates what the loop gains from what the lean
+forward gains.
 
 Every row generates from the same prompts (the chat prompts of ``diversed demo``, or the first questions of a GSM8K
 jsonl given with --data), with seed + prompt index per prompt, up to --max-new-tokens tokens, stopping at EOS. Methods
 alternate prompt by prompt, so a slow spell of a shared machine does not land on one method, and every method runs one
 short untimed generation first. Figures are totals over all prompts (tokens over seconds, accepted over drafted).
+ms/pass is the wall time per target pass (one round): unlike tokens/s it does not depend on how many drafts happened to
+be accepted, so it compares the speed of two loops even when a few prompts leave their acceptance rates apart.
 
 transformers is set up to do what our loop does: the draft proposes exactly K tokens per round
 (``num_assistant_tokens=K``, ``num_assistant_tokens_schedule="constant"``, ``assistant_confidence_threshold=0``, set on
@@ -158,6 +165,7 @@ def build_methods(target, draft, tokenizer, args) -> list[tuple[str, Callable]]:
         methods.append((f"hf static {label}",
                         hf(target, draft, args, eos, pad, assistant_ensemble_weight=args.weight)))
     methods += [("sd", ours(target, draft, args, eos, method="sd")),
+                ("sd, hf forward", ours(target, draft, args, eos, method="sd", fast_forward=False)),
                 (f"static {label}", ours(target, draft, args, eos, method="static", weight=args.weight))]
     return methods
 
@@ -189,6 +197,7 @@ def rows(totals: dict[str, DecodingSummary]) -> list[dict]:
                "drafted": total.drafted, "accepted": total.accepted,
                "acceptance": total.acceptance_rate, "tokens_per_pass": total.tokens_per_pass,
                "tokens_per_s": total.tokens_per_second,
+               "ms_per_pass": 1e3 * total.seconds / total.target_passes if total.target_passes else math.nan,
                "overhead": total.overhead_fraction}
         for reference_name, reference in references.items():
             ratio = total.tokens_per_second / reference.tokens_per_second if reference else math.nan
@@ -202,11 +211,12 @@ def _cell(value, spec: str) -> str:
 
 
 def markdown(table: list[dict]) -> str:
-    lines = ["| method | acceptance | tokens/pass | tokens/s | overhead | vs ar | vs hf assisted |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| method | acceptance | tokens/pass | ms/pass | tokens/s | overhead | vs ar | vs hf assisted |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for row in table:
         lines.append(f"| {row['method']} | {_cell(row['acceptance'], '.3f')} | {_cell(row['tokens_per_pass'], '.2f')}"
-                     f" | {_cell(row['tokens_per_s'], '.1f')} | {_cell(row['overhead'], '.1%')}"
+                     f" | {_cell(row['ms_per_pass'], '.0f')} | {_cell(row['tokens_per_s'], '.1f')}"
+                     f" | {_cell(row['overhead'], '.1%')}"
                      f" | {_cell(row['x_ar'], '.2f')}x | {_cell(row['x_hf_assisted'], '.2f')}x |")
     return "\n".join(lines)
 

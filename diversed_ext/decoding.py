@@ -12,6 +12,11 @@ Methods:
     ``diversed``  dynamic ensemble: w_i = head(draft_hidden_i, target_hidden_i) for every drafted position
 
 Rows are not batched: several prompts run one after another, each with its own caches, seed and statistics.
+
+Forward passes: ``LlamaForCausalLM`` models run through :mod:`diversed_ext.fast_llama` (their own modules and
+weights, a preallocated KV cache, skinny products laid out for the CPU's BLAS); any other causal LM, or any model with
+``fast_forward=False``, runs through its own forward with a transformers cache. Both give the same outputs up to float
+rounding.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from typing import Callable, Iterable, Optional, Sequence, Union
 import torch
 from tqdm.auto import tqdm
 
+from .fast_llama import LlamaRunner, supports_fast_forward
 from .logits import verify_logits
 
 METHODS = ("ar", "sd", "static", "diversed")
@@ -248,6 +254,33 @@ def _accepts_logits_to_keep(model: torch.nn.Module) -> bool:
         return False
 
 
+class _HFRunner:
+    """Incremental forward passes through the model's own forward and a transformers cache; the same call as
+    :class:`diversed_ext.fast_llama.LlamaRunner`: ``(feed, cache, num_logits, want_hidden) -> (logits [num_logits, V],
+    hidden [num_logits, H] or None, cache)``."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device):
+        self.model = model
+        self.device = device
+        self.keeps_logits = _accepts_logits_to_keep(model)
+
+    def __call__(self, feed: list[int], cache, num_logits: int, want_hidden: bool):
+        kwargs = {"past_key_values": cache, "use_cache": True}
+        if self.keeps_logits:
+            kwargs["logits_to_keep"] = num_logits  # skip the LM head on positions nobody reads
+        if want_hidden:
+            kwargs["output_hidden_states"] = True
+        output = self.model(torch.tensor([feed], dtype=torch.int64, device=self.device), **kwargs)
+        hidden = output.hidden_states[-1][0, -num_logits:] if want_hidden else None
+        return output.logits[0, -num_logits:], hidden, output.past_key_values
+
+
+def _runner(model: torch.nn.Module, device: torch.device, fast_forward: bool):
+    if fast_forward and supports_fast_forward(model):
+        return LlamaRunner(model)
+    return _HFRunner(model, device)
+
+
 def _crop_cache(cache, cached_length: int, keep: int) -> int:
     """Drop cache entries past ``keep`` tokens; returns the new cached length.
 
@@ -333,6 +366,9 @@ class SpeculativeDecoder:
         check_inputs: forwarded to :func:`diversed_ext.verify_logits` (also checks the head's weights). Off by default: the
             loop's own probabilities are valid by construction and checking forces a device sync.
         synchronize_timing: wait for the device before every clock read, so CUDA timings are real (default True).
+        fast_forward: run ``LlamaForCausalLM`` models through :mod:`diversed_ext.fast_llama` (their own modules and
+            weights, a preallocated KV cache, CPU-friendly skinny products; outputs equal up to float rounding).
+            Other models, and every model when False, run through their own forward with a transformers cache.
 
     Raises:
         ValueError / TypeError naming the offending argument.
@@ -340,7 +376,8 @@ class SpeculativeDecoder:
 
     def __init__(self, target: torch.nn.Module, draft: Optional[torch.nn.Module] = None, *, method: str = "sd",
                  weight: Optional[float] = None, head: Optional[HeadLike] = None, num_draft: int = 4,
-                 temperature: float = 1.0, check_inputs: bool = False, synchronize_timing: bool = True):
+                 temperature: float = 1.0, check_inputs: bool = False, synchronize_timing: bool = True,
+                 fast_forward: bool = True):
         self.method = self._check_method(method)
         self.weight = self._check_weight(method, weight)
         self.head = self._check_head(method, head)
@@ -356,8 +393,8 @@ class SpeculativeDecoder:
         self.device = _model_device(target)
         self.draft_device = _model_device(draft) if self.draft is not None else self.device
         self._clock = _Clock(self.device, synchronize_timing)
-        self._target_keeps_logits = _accepts_logits_to_keep(target)
-        self._draft_keeps_logits = self.draft is not None and _accepts_logits_to_keep(self.draft)
+        self._target_runner = _runner(target, self.device, fast_forward)
+        self._draft_runner = _runner(self.draft, self.draft_device, fast_forward) if self.draft is not None else None
 
     # ---- argument checks -------------------------------------------------------------------------------------------
 
@@ -520,17 +557,15 @@ class SpeculativeDecoder:
             # passes read the previous draft.
             feed = drafted.tokens[-1:] if drafted.tokens else state.tokens[state.draft_cached:]
             start = self._clock()
-            output = self._forward(self.draft, self.draft_device, feed, state.draft_cache, 1, want_hidden,
-                                   self._draft_keeps_logits)
+            logits, hidden, state.draft_cache = self._draft_runner(feed, state.draft_cache, 1, want_hidden)
             drafted.seconds += self._clock() - start
-            state.draft_cache = output.past_key_values
             state.draft_cached += len(feed)
-            logits = output.logits[0, -1].to(self.device)
+            logits = logits[-1].to(self.device)
             token = self._sample_draft(logits, state.generator)
             drafted.tokens.append(token)
             drafted.logits.append(logits)
             if want_hidden:
-                drafted.hidden.append(output.hidden_states[-1][0, -1].to(self.device))
+                drafted.hidden.append(hidden[-1].to(self.device))
             if token in state.eos_token_ids:
                 break  # tokens after an accepted EOS would be thrown away
         return drafted
@@ -548,23 +583,10 @@ class SpeculativeDecoder:
         states [k, Ht] at the positions that predicted each draft."""
         feed = state.tokens[state.target_cached:] + draft_tokens
         num_logits = len(draft_tokens) + 1
-        output = self._forward(self.target, self.device, feed, state.target_cache, num_logits,
-                               self.head is not None and bool(draft_tokens), self._target_keeps_logits)
-        state.target_cache = output.past_key_values
+        want_hidden = self.head is not None and bool(draft_tokens)
+        logits, hidden, state.target_cache = self._target_runner(feed, state.target_cache, num_logits, want_hidden)
         state.target_cached += len(feed)
-        logits = output.logits[0, -num_logits:]
-        hidden = output.hidden_states[-1][0, -num_logits:-1] if self.head is not None and draft_tokens else None
-        return logits, hidden
-
-    @staticmethod
-    def _forward(model, device, feed: list[int], cache, num_logits: int, want_hidden: bool, keeps_logits: bool):
-        kwargs = {"past_key_values": cache, "use_cache": True}
-        if keeps_logits:
-            kwargs["logits_to_keep"] = num_logits  # skip the LM head on positions nobody reads
-        if want_hidden:
-            kwargs["output_hidden_states"] = True
-        input_ids = torch.tensor([feed], dtype=torch.int64, device=device)
-        return model(input_ids, **kwargs)
+        return logits, hidden[:-1] if want_hidden else None
 
     def _weights(self, draft: _Draft, target_hidden) -> Union[float, torch.Tensor]:
         if self.head is None or not draft.tokens:

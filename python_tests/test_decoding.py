@@ -272,15 +272,19 @@ def test_several_prompts_run_one_after_another_with_seed_plus_index(wide_pair):
 
 
 @torch.inference_mode()
-def _logits_from_cache(model, cache, tokens, cached):
-    cache = copy.deepcopy(cache)
-    return model(torch.tensor([tokens[cached:]]), past_key_values=cache, use_cache=True).logits[0, -1]
+def _logits_from_cache(runner, cache, tokens, cached):
+    """The next-token logits after feeding the uncached tokens to a copy of the cache, with the decoder's runner (the
+    model's own forward, or the fast Llama path)."""
+    logits, _, _ = runner(tokens[cached:], copy.deepcopy(cache), 1, False)
+    return logits[-1]
 
 
+@pytest.mark.parametrize("fast_forward", [False, True], ids=["hf-forward", "fast-forward"])
 @pytest.mark.parametrize("method,weight", [("sd", None), ("static", 0.5)])
-def test_cropped_caches_give_the_logits_of_a_fresh_forward(wide_pair, method, weight):
+def test_cropped_caches_give_the_logits_of_a_fresh_forward(wide_pair, method, weight, fast_forward):
     target, draft = wide_pair
-    decoder = SpeculativeDecoder(target, draft, method=method, weight=weight, num_draft=4, temperature=1.0)
+    decoder = SpeculativeDecoder(target, draft, method=method, weight=weight, num_draft=4, temperature=1.0,
+                                 fast_forward=fast_forward)
     state = decoder.start(PROMPT, max_new_tokens=40, seed=1)
     rejections = 0
     while not state.finished:
@@ -295,8 +299,9 @@ def test_cropped_caches_give_the_logits_of_a_fresh_forward(wide_pair, method, we
         with torch.inference_mode():
             fresh_target = target(torch.tensor([state.tokens])).logits[0, -1]
             fresh_draft = draft(torch.tensor([state.tokens])).logits[0, -1]
-        cached_target = _logits_from_cache(target, state.target_cache, state.tokens, state.target_cached)
-        cached_draft = _logits_from_cache(draft, state.draft_cache, state.tokens, state.draft_cached)
+        cached_target = _logits_from_cache(decoder._target_runner, state.target_cache, state.tokens,
+                                           state.target_cached)
+        cached_draft = _logits_from_cache(decoder._draft_runner, state.draft_cache, state.tokens, state.draft_cached)
         torch.testing.assert_close(cached_target, fresh_target, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(cached_draft, fresh_draft, rtol=1e-4, atol=1e-4)
     assert rejections > 0  # the crop after a rejection ran
@@ -317,10 +322,32 @@ class ForwardCounter:
         self.handle.remove()
 
 
-def test_the_prefix_is_never_recomputed(wide_pair):
+class RunnerCounter:
+    """Counts the token positions a decoder's runner feeds its model (the fast Llama path runs no module hooks)."""
+
+    def __init__(self, decoder, attribute):
+        self.tokens_read = []
+        self.decoder, self.attribute = decoder, attribute
+        self.runner = getattr(decoder, attribute)
+        setattr(decoder, attribute, self)
+
+    def __call__(self, feed, cache, num_logits, want_hidden):
+        self.tokens_read.append(len(feed))
+        return self.runner(feed, cache, num_logits, want_hidden)
+
+    def remove(self):
+        setattr(self.decoder, self.attribute, self.runner)
+
+
+@pytest.mark.parametrize("fast_forward", [False, True], ids=["hf-forward", "fast-forward"])
+def test_the_prefix_is_never_recomputed(wide_pair, fast_forward):
     target, draft = wide_pair
-    decoder = SpeculativeDecoder(target, draft, method="sd", num_draft=3)
-    target_counter, draft_counter = ForwardCounter(target), ForwardCounter(draft)
+    decoder = SpeculativeDecoder(target, draft, method="sd", num_draft=3, fast_forward=fast_forward)
+    if fast_forward:
+        target_counter = RunnerCounter(decoder, "_target_runner")
+        draft_counter = RunnerCounter(decoder, "_draft_runner")
+    else:
+        target_counter, draft_counter = ForwardCounter(target), ForwardCounter(draft)
     try:
         output = decoder.generate(PROMPT, max_new_tokens=30, seed=2)
     finally:
