@@ -19,8 +19,11 @@ Every row generates from the same prompts (the chat prompts of ``diversed demo``
 jsonl given with --data), with seed + prompt index per prompt, up to --max-new-tokens tokens, stopping at EOS. Methods
 alternate prompt by prompt, so a slow spell of a shared machine does not land on one method, and every method runs one
 short untimed generation first. Figures are totals over all prompts (tokens over seconds, accepted over drafted).
-ms/pass is the wall time per target pass (one round): unlike tokens/s it does not depend on how many drafts happened to
-be accepted, so it compares the speed of two loops even when a few prompts leave their acceptance rates apart.
+Acceptance carries +- one standard error over prompts (drafts within one generation are correlated, so the prompts
+are the independent samples), and the acceptance of our sd and static rows minus transformers' at the same w is
+printed paired over prompts. ms/pass is the wall time per target pass (one round): unlike tokens/s it does not depend
+on how many drafts happened to be accepted, so it compares the speed of two loops even when a few prompts leave their
+acceptance rates apart.
 
 transformers is set up to do what our loop does: the draft proposes exactly K tokens per round
 (``num_assistant_tokens=K``, ``num_assistant_tokens_schedule="constant"``, ``assistant_confidence_threshold=0``, set on
@@ -178,25 +181,54 @@ def add(total: Optional[DecodingSummary], part: DecodingSummary) -> DecodingSumm
                               for field in fields(DecodingSummary)})
 
 
-def run_all(methods, prompts, args) -> dict[str, DecodingSummary]:
+def run_all(methods, prompts, args) -> dict[str, list[DecodingSummary]]:
+    """Every method on every prompt, interleaved prompt by prompt; one summary per (method, prompt)."""
     for _, run in methods:  # untimed: the first passes pay for allocations and lazy imports
         run(prompts[0], args.seed, WARMUP_TOKENS)
-    totals = {name: None for name, _ in methods}
+    per_prompt = {name: [] for name, _ in methods}
     runs = [(index, name, run) for index in range(len(prompts)) for name, run in methods]
     for index, name, run in tqdm(runs, desc="bench_e2e", unit="run"):
-        totals[name] = add(totals[name], run(prompts[index], args.seed + index, args.max_new_tokens))
-    return totals
+        per_prompt[name].append(run(prompts[index], args.seed + index, args.max_new_tokens))
+    return per_prompt
 
 
-def rows(totals: dict[str, DecodingSummary]) -> list[dict]:
+def total_of(summaries: list[DecodingSummary]) -> DecodingSummary:
+    total = None
+    for summary in summaries:
+        total = add(total, summary)
+    return total
+
+
+def _standard_error(values: list[float]) -> float:
+    if len(values) < 2:
+        return math.nan
+    mean = sum(values) / len(values)
+    return math.sqrt(sum((value - mean) ** 2 for value in values) / (len(values) - 1) / len(values))
+
+
+def acceptance_se(summaries: list[DecodingSummary]) -> float:
+    """Standard error over prompts of the per-prompt acceptance rate: drafts within one generation are correlated,
+    so the prompts, not the drafts, are the independent samples."""
+    return _standard_error([summary.acceptance_rate for summary in summaries if summary.drafted])
+
+
+def paired_acceptance(per_prompt: dict[str, list[DecodingSummary]], ours: str, theirs: str):
+    """Mean and standard error over prompts of acceptance(ours) - acceptance(theirs), same prompts and seeds."""
+    differences = [mine.acceptance_rate - other.acceptance_rate
+                   for mine, other in zip(per_prompt[ours], per_prompt[theirs]) if mine.drafted and other.drafted]
+    return (sum(differences) / len(differences) if differences else math.nan), _standard_error(differences)
+
+
+def rows(per_prompt: dict[str, list[DecodingSummary]]) -> list[dict]:
     """One dict per method; overhead as a fraction of the rounds' time; speed ratios against ar and hf assisted."""
+    totals = {name: total_of(summaries) for name, summaries in per_prompt.items()}
     references = {"ar": totals.get("ar"), "hf assisted": totals.get("hf assisted")}
     table = []
     for name, total in totals.items():
         row = {"method": name, "new_tokens": total.new_tokens, "target_passes": total.target_passes,
                "drafted": total.drafted, "accepted": total.accepted,
-               "acceptance": total.acceptance_rate, "tokens_per_pass": total.tokens_per_pass,
-               "tokens_per_s": total.tokens_per_second,
+               "acceptance": total.acceptance_rate, "acceptance_se": acceptance_se(per_prompt[name]),
+               "tokens_per_pass": total.tokens_per_pass, "tokens_per_s": total.tokens_per_second,
                "ms_per_pass": 1e3 * total.seconds / total.target_passes if total.target_passes else math.nan,
                "overhead": total.overhead_fraction}
         for reference_name, reference in references.items():
@@ -214,7 +246,10 @@ def markdown(table: list[dict]) -> str:
     lines = ["| method | acceptance | tokens/pass | ms/pass | tokens/s | overhead | vs ar | vs hf assisted |",
              "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for row in table:
-        lines.append(f"| {row['method']} | {_cell(row['acceptance'], '.3f')} | {_cell(row['tokens_per_pass'], '.2f')}"
+        acceptance = _cell(row["acceptance"], ".3f")
+        if not math.isnan(row["acceptance_se"]):
+            acceptance += f" +- {row['acceptance_se']:.3f}"
+        lines.append(f"| {row['method']} | {acceptance} | {_cell(row['tokens_per_pass'], '.2f')}"
                      f" | {_cell(row['ms_per_pass'], '.0f')} | {_cell(row['tokens_per_s'], '.1f')}"
                      f" | {_cell(row['overhead'], '.1%')}"
                      f" | {_cell(row['x_ar'], '.2f')}x | {_cell(row['x_hf_assisted'], '.2f')}x |")
@@ -253,12 +288,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
     target, draft, tokenizer = load_default_pair()
     prompts = load_prompts(args, tokenizer)
-    totals = run_all(build_methods(target, draft, tokenizer, args), prompts, args)
-    table = rows(totals)
+    per_prompt = run_all(build_methods(target, draft, tokenizer, args), prompts, args)
+    table = rows(per_prompt)
     print(f"{len(prompts)} prompts ({args.data or 'demo prompts'}), up to {args.max_new_tokens} new tokens, "
           f"K = {args.k}, w = {args.weight:g}, temperature {args.temperature:g}, seed {args.seed}, "
           f"torch threads {torch.get_num_threads()}")
     print(markdown(table))
+    pairs = [("sd", "hf assisted"), (f"static w={args.weight:g}", f"hf static w={args.weight:g}")]
+    for ours_name, theirs_name in pairs:
+        if ours_name in per_prompt and theirs_name in per_prompt:
+            mean, se = paired_acceptance(per_prompt, ours_name, theirs_name)
+            print(f"acceptance {ours_name} - {theirs_name}, paired over prompts: {mean:+.3f} +- {se:.3f}")
     path = args.csv or RESULTS_DIR / f"e2e-{time.strftime('%Y%m%d-%H%M%S')}.csv"
     write_csv(table, path)
     print(f"CSV: {path}")

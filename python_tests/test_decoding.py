@@ -221,6 +221,64 @@ def test_exact_speculative_law_is_the_target_for_sd(small_pair):
         assert abs(law[cell] - probability) < 1e-6
 
 
+def exact_acceptance_counts(target, draft, prompt, length, vocab, weight, num_draft):
+    """Exact expected (accepted, drafted) of one generation of ``length`` tokens, walking every round's branches:
+    a round plans k = min(num_draft, remaining - 1) drafts (all counted as drafted); position i keeps its draft with
+    mass min(q, nu) and corrects with mass max(0, nu - q); a round that keeps all k ends with a bonus from p."""
+    cache = {}
+
+    def probabilities(prefix):
+        if prefix not in cache:
+            context = [prompt + list(prefix)]
+            cache[prefix] = (next_token_probs(target, context)[0].double(), next_token_probs(draft, context)[0].double())
+        return cache[prefix]
+
+    def expected(prefix, index, drafts):
+        if len(prefix) == length:
+            return 0.0, 0.0
+        if index == 0:
+            drafts = min(num_draft, length - len(prefix) - 1)
+        p, q = probabilities(prefix)
+        if index == drafts:  # bonus token, or a plain target step when no draft fits
+            pairs = [expected(prefix + (token,), 0, 0) for token in range(vocab)]
+            return (sum(float(p[t]) * pairs[t][0] for t in range(vocab)),
+                    sum(float(p[t]) * pairs[t][1] for t in range(vocab)))
+        nu = weight * p + (1 - weight) * q
+        keep, correct = torch.minimum(q, nu), (nu - q).clamp(min=0)
+        accepted, drafted = 0.0, float(drafts) if index == 0 else 0.0
+        for token in range(vocab):
+            if keep[token] > 0:
+                more_accepted, more_drafted = expected(prefix + (token,), index + 1, drafts)
+                accepted += float(keep[token]) * (1 + more_accepted)
+                drafted += float(keep[token]) * more_drafted
+            if correct[token] > 0:
+                more_accepted, more_drafted = expected(prefix + (token,), 0, 0)
+                accepted += float(correct[token]) * more_accepted
+                drafted += float(correct[token]) * more_drafted
+        return accepted, drafted
+
+    return expected((), 0, 0)
+
+
+@pytest.mark.parametrize("method,weight", [("sd", 1.0), ("static", 0.5)])
+def test_acceptance_counts_match_their_exact_expectation(small_pair, method, weight):
+    """The loop's acceptance statistics, not just its output law: mean accepted and drafted drafts per generation
+    against their exact expectations. (A loop that drafted from a stale context would still emit the right law for
+    sd, but accept less.)"""
+    target, draft = small_pair
+    length, num_draft, runs = 5, 3, 1000
+    exact_accepted, exact_drafted = exact_acceptance_counts(target, draft, PROMPT, length, SMALL_VOCAB, weight,
+                                                            num_draft)
+    decoder = SpeculativeDecoder(target, draft, method=method, weight=None if method == "sd" else weight,
+                                 num_draft=num_draft)
+    summaries = [decoder.generate(PROMPT, max_new_tokens=length, seed=seed).summary() for seed in range(runs)]
+    for values, exact in (([s.accepted for s in summaries], exact_accepted),
+                          ([s.drafted for s in summaries], exact_drafted)):
+        mean = sum(values) / runs
+        spread = math.sqrt(sum((value - mean) ** 2 for value in values) / (runs - 1))
+        assert abs(mean - exact) < 4 * spread / math.sqrt(runs) + 1e-9, (mean, exact)
+
+
 def test_ar_sampling_follows_the_target(small_pair):
     target, _ = small_pair
     decoder = SpeculativeDecoder(target, method="ar", temperature=1.0)
