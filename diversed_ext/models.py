@@ -6,7 +6,8 @@ quantised copy of it (``torch.ao.quantization.quantize_dynamic`` on every ``nn.L
 converts the GGUF (tens of seconds) and caches the float32 weights as safetensors, with the config and the tokenizer, in
 ``$DIVERSED_CACHE_DIR`` (default ``$XDG_CACHE_HOME/diversed_ext`` or ``~/.cache/diversed_ext``); later loads read that
 cache directory like any local Hugging Face checkpoint. The draft's int8 weights are cached there too
-(``draft-int8.safetensors``), so a later load only re-packs them (on all cores) instead of quantising again.
+(``draft-int8.safetensors``), so a later load only re-packs them (on all cores, while the target and the tokenizer
+load) instead of quantising again.
 """
 
 from __future__ import annotations
@@ -248,33 +249,67 @@ def save_int8_weights(draft: torch.nn.Module, path: Union[str, Path], *, source:
     os.replace(staging, path)
 
 
-def load_int8_draft(target: torch.nn.Module, path: Union[str, Path], *,
-                    source: Optional[dict] = None) -> Optional[torch.nn.Module]:
-    """The int8 draft of ``target`` from weights :func:`save_int8_weights` wrote, sharing the target's other
-    parameters as :func:`quantize_int8` does; None when the file is missing, unreadable, written from another
-    ``source`` or does not cover every ``nn.Linear`` of ``target`` with the right shape (then quantise afresh)."""
-    from safetensors import SafetensorError, safe_open
+class Int8Packing:
+    """The int8 matrices of a :func:`save_int8_weights` file being packed on a thread per core, started before the
+    model they belong to is loaded: packing runs in ATen without the GIL, so it overlaps the target's and the
+    tokenizer's Python-heavy loading. :func:`load_int8_draft` takes the result.
 
-    try:
-        with safe_open(str(path), framework="pt") as stored:
-            metadata = stored.metadata() or {}
-            tensors = {key: stored.get_tensor(key) for key in stored.keys()}
-    except (OSError, ValueError, RuntimeError, SafetensorError):  # missing, truncated or not safetensors
-        return None
-    if source is not None and metadata != {key: str(value) for key, value in source.items()}:
+    ``Int8Packing.start(path, source)`` is None when the file is missing, unreadable or written from another
+    ``source``."""
+
+    def __init__(self, tensors: dict):
+        self.tensors = tensors
+        names = [key[:-len(".int8")] for key in tensors if key.endswith(".int8")]
+        self._pool = ThreadPoolExecutor(max(1, torch.get_num_threads()))
+        with _quiet_quantization_warnings():
+            self._modules = {name: self._pool.submit(self._pack, name) for name in names}
+        self._pool.shutdown(wait=False)
+
+    @classmethod
+    def start(cls, path: Union[str, Path], source: Optional[dict] = None) -> Optional["Int8Packing"]:
+        from safetensors import SafetensorError, safe_open
+
+        try:
+            with safe_open(str(path), framework="pt") as stored:
+                metadata = stored.metadata() or {}
+                tensors = {key: stored.get_tensor(key) for key in stored.keys()}
+        except (OSError, ValueError, RuntimeError, SafetensorError):  # missing, truncated or not safetensors
+            return None
+        if source is not None and metadata != {key: str(value) for key, value in source.items()}:
+            return None
+        if any(f"{key[:-len('.int8')]}.scale" not in tensors or tensors[key].dim() != 2
+               for key in tensors if key.endswith(".int8")):
+            return None
+        return cls(tensors)
+
+    def _pack(self, name: str) -> torch.nn.Module:
+        with _quiet_quantization_warnings():
+            int8 = self.tensors[f"{name}.int8"]
+            qweight = torch._make_per_tensor_quantized_tensor(int8, float(self.tensors[f"{name}.scale"]),
+                                                              int(self.tensors[f"{name}.zero_point"]))
+            return _int8_module(qweight, self.tensors.get(f"{name}.bias"), int8.shape[1], int8.shape[0])
+
+    def shape(self, name: str) -> Optional[tuple]:
+        int8 = self.tensors.get(f"{name}.int8")
+        return None if int8 is None else tuple(int8.shape)
+
+    def module(self, name: str) -> torch.nn.Module:
+        return self._modules[name].result()
+
+
+def load_int8_draft(target: torch.nn.Module, path: Union[str, Path, Int8Packing], *,
+                    source: Optional[dict] = None) -> Optional[torch.nn.Module]:
+    """The int8 draft of ``target`` from weights :func:`save_int8_weights` wrote (a path, or an
+    :class:`Int8Packing` already under way), sharing the target's other parameters as :func:`quantize_int8` does;
+    None when the file is missing, unreadable, written from another ``source`` or does not cover every
+    ``nn.Linear`` of ``target`` with the right shape (then quantise afresh)."""
+    packing = path if isinstance(path, Int8Packing) else Int8Packing.start(path, source)
+    if packing is None:
         return None
     linears = [(name, module) for name, module in target.named_modules() if type(module) is torch.nn.Linear]
-    for name, linear in linears:
-        int8 = tensors.get(f"{name}.int8")
-        if int8 is None or tuple(int8.shape) != tuple(linear.weight.shape) or f"{name}.scale" not in tensors:
-            return None
-
-    def make_int8(name: str, linear: torch.nn.Linear) -> torch.nn.Module:
-        qweight = torch._make_per_tensor_quantized_tensor(tensors[f"{name}.int8"], float(tensors[f"{name}.scale"]),
-                                                          int(tensors[f"{name}.zero_point"]))
-        return _int8_module(qweight, tensors.get(f"{name}.bias"), linear.in_features, linear.out_features)
-
-    return _swap_linears(_draft_shell(target, inplace=False), make_int8)
+    if any(packing.shape(name) != tuple(linear.weight.shape) for name, linear in linears):
+        return None
+    return _swap_linears(_draft_shell(target, inplace=False), lambda name, linear: packing.module(name))
 
 
 def load_model(name_or_path: Union[str, Path], *, dtype: torch.dtype = torch.float32, device="cpu",
@@ -290,12 +325,12 @@ def load_model(name_or_path: Union[str, Path], *, dtype: torch.dtype = torch.flo
 
 
 def int8_draft_of(target: torch.nn.Module, cache: Optional[Union[str, Path]] = None,
-                  source: Optional[dict] = None) -> torch.nn.Module:
+                  source: Optional[dict] = None, packing: Optional[Int8Packing] = None) -> torch.nn.Module:
     """:func:`quantize_int8` of ``target``, read from the safetensors file ``cache`` when it holds this target's int8
-    weights (``source`` tells which float checkpoint they came from), else quantised and written there for next time
-    (silently skipped when the folder is read-only)."""
+    weights (``source`` tells which float checkpoint they came from; ``packing``: that file already being packed),
+    else quantised and written there for next time (silently skipped when the folder is read-only)."""
     if cache is not None:
-        draft = load_int8_draft(target, cache, source=source)
+        draft = load_int8_draft(target, packing or cache, source=source)
         if draft is not None:
             return draft
     draft = quantize_int8(target)
@@ -321,15 +356,17 @@ def load_pair(target: Union[str, Path], draft: Optional[Union[str, Path]] = None
             the target's checkpoint, written otherwise, so later loads skip quantising.
     """
     transformers = _transformers()
+    checkpoint = Path(target) / "model.safetensors"
+    source = _file_stamp(checkpoint) if draft is None and checkpoint.is_file() else None
+    # Pack the cached int8 matrices while the target and the tokenizer load (see Int8Packing).
+    packing = Int8Packing.start(int8_cache, source) if source and int8_cache is not None else None
     target_model = load_model(target, dtype=dtype, device=device, gguf_file=gguf_file)
-    if draft is None:
-        checkpoint = Path(target) / "model.safetensors"
-        source = _file_stamp(checkpoint) if checkpoint.is_file() else None
-        draft_model = int8_draft_of(target_model, int8_cache if source else None, source)
-    else:
-        draft_model = load_model(draft, dtype=dtype, device=device)
     tokenizer_kwargs = {"gguf_file": gguf_file} if gguf_file is not None else {}
     tokenizer_model = transformers.AutoTokenizer.from_pretrained(str(tokenizer or target), **tokenizer_kwargs)
+    if draft is None:
+        draft_model = int8_draft_of(target_model, int8_cache if source else None, source, packing)
+    else:
+        draft_model = load_model(draft, dtype=dtype, device=device)
     return ModelPair(target_model, draft_model, tokenizer_model)
 
 

@@ -80,6 +80,14 @@ def test_int8_cache_from_another_checkpoint_is_ignored(default_pair, cache_dir, 
     assert models.load_int8_draft(target, tmp_path / "missing.safetensors") is None
     path.write_bytes(b"not a safetensors file")
     assert models.load_int8_draft(target, path) is None
+    # A file whose matrices have other shapes (here one transposed) is ignored too, before anything is swapped in.
+    from safetensors.torch import load_file, save_file
+    models.save_int8_weights(draft, path)
+    tensors = load_file(str(path))
+    key = next(key for key in tensors if key.endswith("q_proj.int8"))
+    tensors[key] = tensors[key][:, :-1].contiguous()
+    save_file(tensors, str(path))
+    assert models.load_int8_draft(target, path) is None
 
 
 def test_greedy_sd_equals_greedy_ar_on_the_real_pair(default_pair):
