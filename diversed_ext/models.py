@@ -119,6 +119,28 @@ def _save_float_checkpoint(model, tokenizer, folder: Path) -> None:
         stored[name] = tensor.detach().contiguous()
     save_file(stored, str(folder / "model.safetensors"), metadata={"format": "pt"})
     tokenizer.save_pretrained(folder)
+    _record_added_tokens(folder)
+
+
+def _record_added_tokens(folder: Path) -> None:
+    """Copy tokenizer.json's added tokens into tokenizer_config.json as ``added_tokens_decoder``.
+
+    transformers' save_pretrained leaves them out, and without them every load parses the whole tokenizer.json
+    (about 2 MB) in Python just to read them: 0.15-0.3 s of a sub-second load. Written atomically; a folder that
+    cannot be written keeps the slow path."""
+    config_path, tokenizer_path = folder / "tokenizer_config.json", folder / "tokenizer.json"
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+        if "added_tokens_decoder" in config:
+            return
+        added = json.loads(tokenizer_path.read_text(encoding="utf-8")).get("added_tokens", [])
+        config["added_tokens_decoder"] = {str(token["id"]): {key: value for key, value in token.items() if key != "id"}
+                                          for token in added}
+        staging = config_path.with_name(f".{config_path.name}.{os.getpid()}.tmp")
+        staging.write_text(json.dumps(config, indent=2, ensure_ascii=False), encoding="utf-8")
+        os.replace(staging, config_path)
+    except (OSError, ValueError, KeyError, TypeError):
+        return
 
 
 def convert_default_checkpoint(cache_dir: Optional[Union[str, Path]] = None, *, progress: bool = True) -> Path:
@@ -130,6 +152,7 @@ def convert_default_checkpoint(cache_dir: Optional[Union[str, Path]] = None, *, 
     folder = Path(cache_dir) if cache_dir is not None else cache_root() / DEFAULT_CACHE_NAME
     stamp = _file_stamp(gguf)
     if _cache_is_current(folder, stamp):
+        _record_added_tokens(folder)  # caches converted before it was part of the conversion
         return folder
     _require_gguf_support()
     transformers = _transformers()

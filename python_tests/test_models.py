@@ -72,6 +72,41 @@ def test_cached_int8_draft_equals_a_fresh_quantisation(default_pair, cache_dir):
     assert not fresh_weights, "every quantised Linear should come back from the cache"
 
 
+def test_added_tokens_are_recorded_without_changing_the_tokenizer(default_pair, cache_dir, tmp_path):
+    """The conversion copies tokenizer.json's added tokens into tokenizer_config.json (so loads skip parsing
+    tokenizer.json in Python); the tokenizer loaded without them and with them must be the same."""
+    import json
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    _, _, tokenizer = default_pair
+    converted = cache_dir / models.DEFAULT_CACHE_NAME
+    config = json.loads((converted / "tokenizer_config.json").read_text())
+    assert len(config["added_tokens_decoder"]) == len(json.loads((converted / "tokenizer.json").read_text())
+                                                       ["added_tokens"])
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (converted / name).is_file():
+            shutil.copy(converted / name, tmp_path / name)
+    del config["added_tokens_decoder"]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    legacy = AutoTokenizer.from_pretrained(str(tmp_path))  # the path transformers takes without the record
+    models._record_added_tokens(tmp_path)
+    assert "added_tokens_decoder" in json.loads((tmp_path / "tokenizer_config.json").read_text())
+    recorded = AutoTokenizer.from_pretrained(str(tmp_path))
+    texts = ["Name a colour.", " 48 clips\n#### 72", "<|im_start|>user\nhi<|im_end|>", "日本語 🙂  tabs\t"]
+    for candidate in (legacy, recorded, tokenizer):
+        assert [candidate(text).input_ids for text in texts] == [legacy(text).input_ids for text in texts]
+        assert candidate.added_tokens_decoder == legacy.added_tokens_decoder
+        assert candidate.all_special_ids == legacy.all_special_ids and candidate.eos_token_id == legacy.eos_token_id
+    messages = [{"role": "user", "content": SHORT_PROMPT}]
+    assert (recorded.apply_chat_template(messages, add_generation_prompt=True)
+            == legacy.apply_chat_template(messages, add_generation_prompt=True))
+    (tmp_path / "tokenizer_config.json").write_text("not json")
+    models._record_added_tokens(tmp_path)  # an unreadable config is left alone, without an error
+    assert (tmp_path / "tokenizer_config.json").read_text() == "not json"
+
+
 def test_int8_cache_from_another_checkpoint_is_ignored(default_pair, cache_dir, tmp_path):
     target, draft, _ = default_pair
     path = tmp_path / "draft.safetensors"
