@@ -61,6 +61,7 @@ from tqdm.auto import tqdm
 
 from diversed_ext.cli import DEMO_PROMPTS, encode_prompt, eos_ids
 from diversed_ext.decoding import DecodingSummary, SpeculativeDecoder
+from diversed_ext.experiments import paired_difference, standard_error
 from diversed_ext.models import load_default_pair
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -199,24 +200,17 @@ def total_of(summaries: list[DecodingSummary]) -> DecodingSummary:
     return total
 
 
-def _standard_error(values: list[float]) -> float:
-    if len(values) < 2:
-        return math.nan
-    mean = sum(values) / len(values)
-    return math.sqrt(sum((value - mean) ** 2 for value in values) / (len(values) - 1) / len(values))
-
-
 def acceptance_se(summaries: list[DecodingSummary]) -> float:
     """Standard error over prompts of the per-prompt acceptance rate: drafts within one generation are correlated,
     so the prompts, not the drafts, are the independent samples."""
-    return _standard_error([summary.acceptance_rate for summary in summaries if summary.drafted])
+    return standard_error([summary.acceptance_rate for summary in summaries if summary.drafted])
 
 
 def paired_acceptance(per_prompt: dict[str, list[DecodingSummary]], ours: str, theirs: str):
-    """Mean and standard error over prompts of acceptance(ours) - acceptance(theirs), same prompts and seeds."""
-    differences = [mine.acceptance_rate - other.acceptance_rate
-                   for mine, other in zip(per_prompt[ours], per_prompt[theirs]) if mine.drafted and other.drafted]
-    return (sum(differences) / len(differences) if differences else math.nan), _standard_error(differences)
+    """Mean and standard error over prompts of acceptance(ours) - acceptance(theirs), same prompts and seeds (a prompt
+    where either side drafted nothing has no acceptance rate and is skipped)."""
+    return paired_difference([summary.acceptance_rate for summary in per_prompt[ours]],
+                             [summary.acceptance_rate for summary in per_prompt[theirs]])
 
 
 def rows(per_prompt: dict[str, list[DecodingSummary]]) -> list[dict]:

@@ -115,7 +115,7 @@ class MethodResult:
     @property
     def fidelity_se(self) -> float:
         """Standard error of the mean fidelity over prompts."""
-        return _standard_error([value for value in self.fidelity_per_prompt if not math.isnan(value)])
+        return standard_error([value for value in self.fidelity_per_prompt if not math.isnan(value)])
 
 
 def method_specs(methods: Sequence[str], weights: Sequence[float], head=None) -> list[tuple[str, dict]]:
@@ -182,7 +182,8 @@ def _mean(values: Sequence[float]) -> float:
     return sum(values) / len(values) if values else math.nan
 
 
-def _standard_error(values: Sequence[float]) -> float:
+def standard_error(values: Sequence[float]) -> float:
+    """Standard error of the mean of ``values`` (NaN for fewer than two)."""
     if len(values) < 2:
         return math.nan
     mean = _mean(values)
@@ -200,9 +201,11 @@ class PairedDifference:
     quality_se: float
 
 
-def _paired(values: Sequence[float], baseline: Sequence[float]) -> tuple[float, float]:
+def paired_difference(values: Sequence[float], baseline: Sequence[float]) -> tuple[float, float]:
+    """Mean and standard error of ``values - baseline`` element by element (same prompts and seeds), skipping pairs
+    where either side is NaN."""
     differences = [a - b for a, b in zip(values, baseline) if not (math.isnan(a) or math.isnan(b))]
-    return _mean(differences), _standard_error(differences)
+    return _mean(differences), standard_error(differences)
 
 
 def _static_rows(results: Sequence[MethodResult], key) -> list[MethodResult]:
@@ -239,8 +242,8 @@ def _interpolate(low: Sequence[float], high: Sequence[float], t: float) -> tuple
 
 
 def _difference(method: MethodResult, name: str, fidelity_values, quality_values) -> PairedDifference:
-    fidelity_mean, fidelity_se = _paired(method.fidelity_per_prompt, fidelity_values)
-    quality_mean, quality_se = _paired(method.quality_per_prompt, quality_values)
+    fidelity_mean, fidelity_se = paired_difference(method.fidelity_per_prompt, fidelity_values)
+    quality_mean, quality_se = paired_difference(method.quality_per_prompt, quality_values)
     return PairedDifference(name, fidelity_mean, fidelity_se, quality_mean, quality_se)
 
 

@@ -283,10 +283,17 @@ class Int8Packing:
     def __init__(self, tensors: dict):
         self.tensors = tensors
         names = [key[:-len(".int8")] for key in tensors if key.endswith(".int8")]
-        self._pool = ThreadPoolExecutor(max(1, torch.get_num_threads()))
+        # The quantized tensors are made here, on the calling thread: making them is what warns, and
+        # warnings.catch_warnings is not thread-safe. The workers only pack.
         with _quiet_quantization_warnings():
-            self._modules = {name: self._pool.submit(self._pack, name) for name in names}
-        self._pool.shutdown(wait=False)
+            qweights = {name: torch._make_per_tensor_quantized_tensor(
+                tensors[f"{name}.int8"], float(tensors[f"{name}.scale"]), int(tensors[f"{name}.zero_point"]))
+                for name in names}
+        pool = ThreadPoolExecutor(max(1, torch.get_num_threads()))
+        self._modules = {name: pool.submit(_int8_module, qweight, tensors.get(f"{name}.bias"), qweight.shape[1],
+                                           qweight.shape[0])
+                         for name, qweight in qweights.items()}
+        pool.shutdown(wait=False)
 
     @classmethod
     def start(cls, path: Union[str, Path], source: Optional[dict] = None) -> Optional["Int8Packing"]:
@@ -300,17 +307,11 @@ class Int8Packing:
             return None
         if source is not None and metadata != {key: str(value) for key, value in source.items()}:
             return None
-        if any(f"{key[:-len('.int8')]}.scale" not in tensors or tensors[key].dim() != 2
-               for key in tensors if key.endswith(".int8")):
+        names = [key[:-len(".int8")] for key in tensors if key.endswith(".int8")]
+        if any(f"{name}.scale" not in tensors or f"{name}.zero_point" not in tensors
+               or tensors[f"{name}.int8"].dim() != 2 or tensors[f"{name}.int8"].dtype != torch.int8 for name in names):
             return None
         return cls(tensors)
-
-    def _pack(self, name: str) -> torch.nn.Module:
-        with _quiet_quantization_warnings():
-            int8 = self.tensors[f"{name}.int8"]
-            qweight = torch._make_per_tensor_quantized_tensor(int8, float(self.tensors[f"{name}.scale"]),
-                                                              int(self.tensors[f"{name}.zero_point"]))
-            return _int8_module(qweight, self.tensors.get(f"{name}.bias"), int8.shape[1], int8.shape[0])
 
     def shape(self, name: str) -> Optional[tuple]:
         int8 = self.tensors.get(f"{name}.int8")
