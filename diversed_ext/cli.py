@@ -314,7 +314,7 @@ def _head_for(args, target, draft):
 def _run_train(args) -> int:
     from .experiments import build_trainer
     from .head import DEFAULT_PAIR
-    from .trainer import TrainerConfig
+    from .trainer import TrainerConfig, distributed_session
 
     if not args.data and args.task != "humaneval":
         raise SystemExit("diversed: train needs --data PATH (a jsonl of training examples)")
@@ -324,11 +324,13 @@ def _run_train(args) -> int:
                            acceptance_coef=args.acceptance_coef, fidelity_coef=args.fidelity_coef,
                            expected_fidelity_coef=args.expected_fidelity_coef, epochs=args.epochs,
                            temperature=args.temperature, seed=args.seed, checkpoint_every=args.checkpoint_every)
-    trainer = build_trainer(task, examples, target, draft, tokenizer, config, head_hidden=args.head_hidden,
-                            init_weight=args.init_weight, num_draft=args.k, max_new_tokens=args.max_new_tokens,
-                            rollout=args.rollout, eos_token_id=eos, pair=None if args.target else DEFAULT_PAIR,
-                            chat=not args.no_chat_template)
-    history = trainer.train(resume=args.resume)
+    # Under torchrun every rank joins the job here; train() releases DDP before the group is destroyed.
+    with distributed_session():
+        trainer = build_trainer(task, examples, target, draft, tokenizer, config, head_hidden=args.head_hidden,
+                                init_weight=args.init_weight, num_draft=args.k, max_new_tokens=args.max_new_tokens,
+                                rollout=args.rollout, eos_token_id=eos, pair=None if args.target else DEFAULT_PAIR,
+                                chat=not args.no_chat_template)
+        history = trainer.train(resume=args.resume)
     if history:
         last = history[-1]
         print(f"step {last['step']}: mean w {last['mean_weight']:.3f}, expected acceptance "

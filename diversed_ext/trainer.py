@@ -18,6 +18,9 @@ GPU) and prompts are sharded over ranks. Progress goes to a tqdm bar, a jsonl lo
 
 from __future__ import annotations
 
+import contextlib
+import datetime
+import gc
 import json
 import math
 import os
@@ -88,6 +91,26 @@ def _distributed() -> tuple[int, int]:
     return 0, 1
 
 
+@contextlib.contextmanager
+def distributed_session(timeout_seconds: float = 600.0):
+    """Join the ``torchrun`` job this process was launched in (``WORLD_SIZE`` > 1), and leave it cleanly.
+
+    Outside torchrun, or when a process group already exists, this does nothing. Otherwise it starts gloo on the CPU
+    (nccl when CUDA is available) with a bounded timeout, so a rank that never arrives fails the run instead of
+    hanging it, and destroys the group at the end. Close every :class:`Trainer` (``train`` does it) before leaving.
+    """
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size <= 1 or not torch.distributed.is_available() or torch.distributed.is_initialized():
+        yield
+        return
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    torch.distributed.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_seconds))
+    try:
+        yield
+    finally:
+        torch.distributed.destroy_process_group()
+
+
 class Trainer:
     """Trains an :class:`EnsembleHead` for a draft/target pair on a list of prompts.
 
@@ -122,14 +145,46 @@ class Trainer:
             raise ValueError(f"rank {self.rank} has no prompts: {len(self.prompts)} prompts for {self.world_size} ranks")
         for parameter in list(target.parameters()) + list(draft.parameters()):
             parameter.requires_grad_(False)
-        self.model = head
-        if self.world_size > 1:
-            self.model = torch.nn.parallel.DistributedDataParallel(head)
+        self._ddp: Optional[torch.nn.parallel.DistributedDataParallel] = None
         self.optimizer = torch.optim.AdamW(head.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: warmup_cosine(step, config.warmup_steps, config.steps))
         self.step = 0
         self.history: list[dict] = []
+
+    # ------------------------------------------------------------------------------------ DDP wrapper lifetime
+    @property
+    def model(self) -> torch.nn.Module:
+        """The head, wrapped in DistributedDataParallel when there are several ranks (created on first use)."""
+        if self.world_size == 1:
+            return self.head
+        if self._ddp is None:
+            self._ddp = torch.nn.parallel.DistributedDataParallel(self.head)
+        return self._ddp
+
+    def close(self, *, synchronize: bool = True) -> None:
+        """Release the DDP wrapper while the process group is still alive; ``train`` calls this when it ends.
+
+        The wrapper's gradient reducer holds the process group and its gloo work. Left to die at interpreter exit
+        (or with ``destroy_process_group`` while the wrapper lives), the group's destructor joins gloo's worker
+        threads while holding the GIL, and a worker that needs the GIL to finish its last work item never returns:
+        the rank hangs at exit after all its output is written. So: a barrier, so that no rank still has collective
+        work in flight; then the wrapper goes, and is collected now, on this thread. The trainer stays usable: the
+        next step wraps the head again. ``synchronize=False`` skips the barrier (after an error on this rank only,
+        where waiting for the others could hang).
+        """
+        if self._ddp is None:
+            return
+        if synchronize:
+            torch.distributed.barrier()
+        self._ddp = None
+        gc.collect()
+
+    def __enter__(self) -> "Trainer":
+        return self
+
+    def __exit__(self, error_type, error, traceback) -> None:
+        self.close(synchronize=error_type is None)
 
     # ----------------------------------------------------------------------------------------------- one step
     def _batch_indices(self) -> list[int]:
@@ -189,6 +244,15 @@ class Trainer:
             stop_after: stop (with a checkpoint) once this step is reached, as an interrupted run would; the
                 learning-rate schedule still spans ``config.steps``.
         """
+        try:
+            self._train(resume, progress, stop_after)
+        except BaseException:
+            self.close(synchronize=False)
+            raise
+        self.close()
+        return self.history
+
+    def _train(self, resume: bool, progress: bool, stop_after: Optional[int]) -> None:
         if resume:
             self.load_checkpoint()
         last_step = self.config.steps if stop_after is None else min(self.config.steps, stop_after)
@@ -208,7 +272,6 @@ class Trainer:
         if is_main and self.step == self.config.steps:
             self.head.save(os.path.join(self.config.output_dir, "head"))
             plot_training_curve(self._read_log(), os.path.join(self.config.output_dir, CURVE_NAME))
-        return self.history
 
     # ---------------------------------------------------------------------------------------------- persistence
     def checkpoint_path(self) -> str:
