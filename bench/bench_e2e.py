@@ -59,9 +59,10 @@ from typing import Callable, Optional
 import torch
 from tqdm.auto import tqdm
 
-from diversed_ext.cli import DEMO_PROMPTS, encode_prompt, eos_ids
+from diversed_ext.decoding import encode_prompt, eos_ids
+from diversed_ext.research.harness import DEMO_PROMPTS
 from diversed_ext.decoding import DecodingSummary, SpeculativeDecoder
-from diversed_ext.experiments import paired_difference, standard_error
+from diversed_ext.research.report import paired_difference, standard_error
 from diversed_ext.models import load_default_pair
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"

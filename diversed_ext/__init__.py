@@ -10,14 +10,18 @@ Public names:
     VerifyResult, TokenStats result types
     philox_uniforms          the counter-based uniforms the kernels draw for a seed and offset
     cuda_kernels_registered  whether this build carries the CUDA kernels
+
+Layout, one floor per folder, imports pointing down only:
+    ops/        the custom-op library (the names above)
+    decoding/   the speculative decoding loop over Hugging Face models (SpeculativeDecoder)
+    models/     model pairs: the embedded default pair, loading, the int8 draft
+    head.py     the DIVERSED ensemble head (per-token weights from both models' hidden states)
+    research/   tasks, the RL trainer, the evaluation harness, reports and plots
+    cli.py      the ``diversed`` command; nothing imports it
 """
 
-from ._ops import cuda_kernels_registered
-from ._philox import philox_uniforms
-from .logits import TokenStats, mix, token_stats, verify_logits
-from .reference import mix_reference, token_stats_reference, verify_logits_reference, verify_reference
-from .types import VerifyResult
-from .verify import verify
+from .ops import (TokenStats, VerifyResult, cuda_kernels_registered, mix, mix_reference, philox_uniforms,
+                  token_stats, token_stats_reference, verify, verify_logits, verify_logits_reference, verify_reference)
 
 __all__ = [
     "verify", "verify_logits", "token_stats", "mix",

@@ -25,18 +25,11 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
-from tqdm.auto import tqdm
 
-from .decoding import METHODS, DecodingSummary, SpeculativeDecoder, summarize
-from .tasks import encode_prompt
-
-DEMO_PROMPTS = (
-    "Explain in two sentences why the sky is blue.",
-    "Write a short poem about the sea.",
-    "List three tips for staying focused while studying.",
-    "What is the capital of France, and what is it famous for?",
-)
-DEMO_WEIGHTS = (0.75, 0.5)
+from .decoding import METHODS, SpeculativeDecoder, encode_prompt, eos_ids, summarize
+from .head import load_head
+from .research.harness import DEMO_PROMPTS, DEMO_WEIGHTS, demo_methods, run_demo
+from .research.report import format_table
 
 
 def _positive_int(text: str) -> int:
@@ -115,29 +108,10 @@ def load_models(target: Optional[str], draft: Optional[str]):
     return load_pair(target, draft)
 
 
-def eos_ids(tokenizer, model) -> list[int]:
-    """Every id that ends a turn: the tokenizer's EOS and the model's generation_config EOS ids."""
-    ids = set()
-    if getattr(tokenizer, "eos_token_id", None) is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    config_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    if config_eos is not None:
-        ids.update(int(token) for token in (config_eos if isinstance(config_eos, (list, tuple)) else [config_eos]))
-    return sorted(ids)
-
-
-def load_head(path: str, target=None, draft=None):
-    """The :class:`diversed_ext.head.EnsembleHead` saved in folder ``path`` (safetensors + JSON config), or
-    ``"default"`` for the head shipped with the default pair. Nothing is unpickled. With the models given, a head
-    built for other hidden sizes is refused."""
-    from .experiments import hidden_size
-    from .head import load_head as load_ensemble_head
-
-    checks = {}
-    if target is not None and draft is not None:
-        checks = {"draft_hidden": hidden_size(draft), "target_hidden": hidden_size(target)}
+def _load_head(path: str, target, draft):
+    """The head at ``path`` for this pair, or a one-line error (exit 2) naming the folder and what is wrong."""
     try:
-        return load_ensemble_head(path, **checks)
+        return load_head(path, target=target, draft=draft)
     except (OSError, ValueError) as error:
         raise SystemExit(f"diversed: cannot load --head {path}: {error}") from error
 
@@ -150,7 +124,7 @@ def _run_generate(args) -> int:
     if args.weight is not None and args.method != "static":
         raise SystemExit("diversed: --weight applies to --method static")
     target, draft, tokenizer = load_models(args.target, args.draft)
-    head = load_head(args.head, target, draft) if args.head else None
+    head = _load_head(args.head, target, draft) if args.head else None
     decoder = SpeculativeDecoder(target, draft, method=args.method, weight=args.weight, head=head,
                                  num_draft=args.k, temperature=args.temperature)
     prompt = encode_prompt(tokenizer, args.prompt, chat=not args.no_chat_template)
@@ -165,52 +139,18 @@ def _run_generate(args) -> int:
     return 0
 
 
-def format_table(rows: Sequence[tuple[str, DecodingSummary]], baseline: str = "ar") -> str:
-    """A plain-text table of summaries: acceptance, tokens per target pass, tokens/s and speed against ``baseline``."""
-    reference = dict(rows).get(baseline)
-    header = f"{'method':<16}{'acceptance':>11}{'tokens/pass':>13}{'tokens/s':>10}{'vs ' + baseline:>9}"
-    lines = [header, "-" * len(header)]
-    for name, summary in rows:
-        acceptance = "-" if math.isnan(summary.acceptance_rate) else f"{summary.acceptance_rate:.3f}"
-        speed = summary.tokens_per_second / reference.tokens_per_second if reference else math.nan
-        lines.append(f"{name:<16}{acceptance:>11}{summary.tokens_per_pass:>13.2f}{summary.tokens_per_second:>10.1f}"
-                     f"{speed:>8.2f}x")
-    return "\n".join(lines)
-
-
-def demo_methods(weights: Sequence[float], head=None) -> list[tuple[str, dict]]:
-    """(label, SpeculativeDecoder keyword arguments) of the demo's methods: ar, sd, static at each weight, and
-    diversed when a head is given."""
-    methods = [("ar", {"method": "ar"}), ("sd", {"method": "sd"})]
-    methods += [(f"static w={weight:g}", {"method": "static", "weight": weight}) for weight in weights]
-    if head is not None:
-        methods.append(("diversed", {"method": "diversed", "head": head}))
-    return methods
-
-
 def _run_demo(args) -> int:
     target, draft, tokenizer = load_models(args.target, args.draft)
     texts = [DEMO_PROMPTS[index % len(DEMO_PROMPTS)] for index in range(args.prompts)]
     prompts = [encode_prompt(tokenizer, text, chat=not args.no_chat_template) for text in texts]
-    eos = eos_ids(tokenizer, target)
     # The shipped head was trained for the default pair only; other pairs get the static rows.
     default_pair = args.target is None and args.draft is None
-    methods = demo_methods(args.weights, head=load_head("default", target, draft) if default_pair else None)
-    decoders = {label: SpeculativeDecoder(target, draft, num_draft=args.k, temperature=args.temperature, **kwargs)
-                for label, kwargs in methods}
-    # One short untimed run per method first: the first forward passes pay for allocations and lazy imports.
-    for decoder in decoders.values():
-        decoder.generate(prompts[0], max_new_tokens=4, seed=args.seed)
-    generations = {label: [] for label, _ in methods}
-    runs = [(index, label) for index in range(len(prompts)) for label, _ in methods]
-    # Methods alternate prompt by prompt, so a slow spell of a shared machine does not land on one method.
-    for index, label in tqdm(runs, desc="demo", unit="run"):
-        output = decoders[label].generate(prompts[index], max_new_tokens=args.max_new_tokens, eos_token_id=eos,
-                                          seed=args.seed + index)
-        generations[label].extend(output.generations)
+    specs = demo_methods(args.weights, head=_load_head("default", target, draft) if default_pair else None)
+    generations = run_demo(target, draft, prompts, specs, num_draft=args.k, max_new_tokens=args.max_new_tokens,
+                           temperature=args.temperature, seed=args.seed, eos_token_id=eos_ids(tokenizer, target))
     print(f"{len(prompts)} prompts, up to {args.max_new_tokens} new tokens, K = {args.k}, "
           f"temperature {args.temperature:g}, torch threads {torch.get_num_threads()}")
-    print(format_table([(label, summarize(generations[label])) for label, _ in methods]))
+    print(format_table([(label, summarize(generations[label])) for label, _ in specs]))
     sample = generations["sd"][0].tokens.tolist()
     print(f"\nsd on \"{DEMO_PROMPTS[0]}\":\n{tokenizer.decode(sample, skip_special_tokens=True)}")
     return 0
@@ -240,11 +180,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return handlers[args.command](args)
 
 
-# ------------------------------------------------------------------------------ train / eval / pareto (issue #5)
+# ------------------------------------------------------------------------------------------ train / eval / pareto
 
 
 def _add_task_arguments(parser: argparse.ArgumentParser) -> None:
-    from .tasks import TASKS
+    from .research.tasks import TASKS
 
     parser.add_argument("--task", choices=sorted(TASKS), default="gsm8k", help="default gsm8k")
     parser.add_argument("--data", help="jsonl file of the task's examples (gsm8k: .../gsm8k/test.jsonl)")
@@ -297,7 +237,7 @@ def add_experiment_commands(commands) -> None:
 
 def _experiment_setup(args):
     """(task, examples, target, draft, tokenizer, eos) for the experiment commands."""
-    from .tasks import get_task, load_task_examples
+    from .research.tasks import get_task, load_task_examples
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -308,13 +248,13 @@ def _experiment_setup(args):
 
 
 def _head_for(args, target, draft):
-    return load_head(args.head, target, draft) if getattr(args, "head", None) else None
+    return _load_head(args.head, target, draft) if getattr(args, "head", None) else None
 
 
 def _run_train(args) -> int:
-    from .experiments import build_trainer
-    from .head import DEFAULT_PAIR
-    from .trainer import TrainerConfig, distributed_session
+    from .models import DEFAULT_PAIR
+    from .research.recipes import build_trainer
+    from .research.trainer import TrainerConfig, distributed_session
 
     if not args.data and args.task != "humaneval":
         raise SystemExit("diversed: train needs --data PATH (a jsonl of training examples)")
@@ -340,7 +280,8 @@ def _run_train(args) -> int:
 
 
 def _run_eval(args) -> int:
-    from .experiments import compare_to_baselines, comparison_lines, evaluate, markdown_table, method_specs
+    from .research.harness import evaluate, method_specs
+    from .research.report import compare_to_baselines, comparison_lines, markdown_table
 
     task, examples, target, draft, tokenizer, eos = _experiment_setup(args)
     if "diversed" in args.method and not args.head:
@@ -359,8 +300,8 @@ def _run_eval(args) -> int:
 
 
 def _run_pareto(args) -> int:
-    from .experiments import (compare_to_baselines, comparison_lines, evaluate, markdown_table, pareto_methods,
-                              plot_pareto)
+    from .research.harness import evaluate, pareto_methods
+    from .research.report import compare_to_baselines, comparison_lines, markdown_table, plot_pareto
 
     task, examples, target, draft, tokenizer, eos = _experiment_setup(args)
     specs = pareto_methods(args.weights, _head_for(args, target, draft))

@@ -19,6 +19,8 @@ from typing import Optional
 import torch
 from torch import nn
 
+from .models.pairs import hidden_size
+
 CONFIG_NAME = "head.json"
 WEIGHTS_NAME = "head.safetensors"
 FORMAT_NAME = "diversed_ext.EnsembleHead"
@@ -154,12 +156,16 @@ def _check_matches(config: HeadConfig, pair: Optional[dict], draft_hidden: Optio
 
 
 DEFAULT_HEAD_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "heads", "smollm2-135m")
-DEFAULT_PAIR = {"target": "SmolLM2-135M-Instruct", "draft": "SmolLM2-135M-Instruct-int8"}
 
 
-def load_head(path: str, **checks) -> EnsembleHead:
+def load_head(path: str, *, target=None, draft=None, **checks) -> EnsembleHead:
     """A saved :class:`EnsembleHead` in eval mode: ``path`` is its folder (or a file inside it), or ``"default"`` for
-    the head shipped with the package for the default SmolLM2-135M pair. ``checks`` go to :meth:`EnsembleHead.load`."""
+    the head shipped with the package for the default SmolLM2-135M pair. Nothing is unpickled.
+
+    With ``target`` and ``draft`` given, a head built for other hidden sizes is refused; other ``checks`` go to
+    :meth:`EnsembleHead.load`."""
+    if target is not None and draft is not None:
+        checks.update(draft_hidden=hidden_size(draft), target_hidden=hidden_size(target))
     if path == "default":
         path = DEFAULT_HEAD_DIR
     if os.path.isfile(path):

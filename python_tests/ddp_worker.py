@@ -13,7 +13,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from test_trainer import make_trainer, tiny_llama  # noqa: E402
 
-from diversed_ext.trainer import distributed_session  # noqa: E402
+from diversed_ext.research.trainer import distributed_session  # noqa: E402
 
 # A rank that never arrives fails the run well inside the test's own timeout instead of hanging it.
 GROUP_TIMEOUT_SECONDS = 60

@@ -10,9 +10,10 @@ import torch
 pytest.importorskip("transformers")
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-from diversed_ext import cli, experiments  # noqa: E402
+from diversed_ext import cli  # noqa: E402
+from diversed_ext.research import harness, recipes, report  # noqa: E402
 from diversed_ext.head import DEFAULT_HEAD_DIR, EnsembleHead, load_head  # noqa: E402
-from diversed_ext.tasks import TASKS  # noqa: E402
+from diversed_ext.research.tasks import TASKS  # noqa: E402
 
 VOCAB = 32
 
@@ -82,18 +83,18 @@ def test_train_needs_data():
 
 
 def test_method_specs():
-    labels = [label for label, _ in experiments.method_specs(["ar", "sd", "static"], [0.25, 0.75])]
+    labels = [label for label, _ in harness.method_specs(["ar", "sd", "static"], [0.25, 0.75])]
     assert labels == ["ar", "sd", "static w=0.25", "static w=0.75"]
     with pytest.raises(ValueError, match="head"):
-        experiments.method_specs(["diversed"], [])
-    assert [label for label, _ in experiments.pareto_methods((0.0, 1.0), head=lambda d, t: None)] == [
+        harness.method_specs(["diversed"], [])
+    assert [label for label, _ in harness.pareto_methods((0.0, 1.0), head=lambda d, t: None)] == [
         "static w=0", "static w=1", "diversed"]
 
 
 # ---------------------------------------------------------------------------------------------------- end to end
 
 def result(label, weight, acceptance, fidelities, qualities):
-    return experiments.MethodResult(label, weight, acceptance, 1.0, sum(qualities) / len(qualities),
+    return report.MethodResult(label, weight, acceptance, 1.0, sum(qualities) / len(qualities),
                                     sum(fidelities) / len(fidelities), 1.0, 10, 1.0, tuple(fidelities),
                                     tuple(qualities))
 
@@ -102,7 +103,7 @@ def test_paired_comparison_against_sd_and_the_static_frontier():
     results = [result("static w=0.5", 0.5, 0.7, [-3.0, -2.0, -4.0], [0.0, 0.0, 1.0]),
                result("sd", 1.0, 0.5, [-2.0, -1.0, -3.0], [0.0, 1.0, 1.0]),
                result("diversed", 0.6, 0.6, [-2.0, -1.5, -3.5], [1.0, 0.0, 1.0])]
-    against_sd, against_frontier = experiments.compare_to_baselines(results)
+    against_sd, against_frontier = report.compare_to_baselines(results)
     assert against_sd.baseline.startswith("sd")
     assert math.isclose(against_sd.fidelity, (0.0 - 0.5 - 0.5) / 3)  # paired: prompt by prompt
     assert math.isclose(against_sd.quality, (1.0 - 1.0 + 0.0) / 3)
@@ -113,16 +114,16 @@ def test_paired_comparison_against_sd_and_the_static_frontier():
     assert math.isclose(against_frontier.fidelity, sum(expected) / 3)
     mean = sum(expected) / 3
     assert math.isclose(against_frontier.fidelity_se, math.sqrt(sum((x - mean) ** 2 for x in expected) / 2 / 3))
-    text = experiments.comparison_lines([against_sd, against_frontier])
+    text = report.comparison_lines([against_sd, against_frontier])
     assert text.count("paired over prompts") == 2
-    assert experiments.compare_to_baselines(results[:2]) == []  # no diversed row: nothing to compare
+    assert report.compare_to_baselines(results[:2]) == []  # no diversed row: nothing to compare
 
 
 def test_evaluate_on_a_tiny_pair(pair, tmp_path):
     target, draft, tokenizer = pair
     head = EnsembleHead(16, 16, init_weight=0.5)
-    specs = experiments.method_specs(["ar", "sd", "static", "diversed"], [0.0], head)
-    results = experiments.evaluate(TASKS["gsm8k"], gsm8k_examples(), target, draft, tokenizer, specs,
+    specs = harness.method_specs(["ar", "sd", "static", "diversed"], [0.0], head)
+    results = harness.evaluate(TASKS["gsm8k"], gsm8k_examples(), target, draft, tokenizer, specs,
                                    num_draft=3, max_new_tokens=8, seed=5, progress=False)
     by_label = {row.label: row for row in results}
     assert list(by_label) == ["ar", "sd", "static w=0", "diversed"]
@@ -133,19 +134,19 @@ def test_evaluate_on_a_tiny_pair(pair, tmp_path):
     for row in results:
         assert row.new_tokens == 3 * 8  # no EOS among the tiny vocabulary's ids: every prompt runs to the limit
         assert 0.0 <= row.quality <= 1.0 and row.fidelity < 0 and row.tokens_per_second > 0
-    table = experiments.markdown_table(results, "exact_match")
+    table = report.markdown_table(results, "exact_match")
     assert table.count("\n") == 1 + len(results) and "| exact_match |" in table
-    path = experiments.plot_pareto(results, str(tmp_path / "pareto.png"))
+    path = report.plot_pareto(results, str(tmp_path / "pareto.png"))
     assert os.path.getsize(path) > 1000
 
 
 def test_build_trainer_trains_through_the_speculative_loop(pair, tmp_path):
-    from diversed_ext.trainer import TrainerConfig
+    from diversed_ext.research.trainer import TrainerConfig
 
     target, draft, tokenizer = pair
     config = TrainerConfig(output_dir=str(tmp_path), steps=2, batch_size=2, learning_rate=0.05, warmup_steps=1,
                            acceptance_coef=1.0, checkpoint_every=1)
-    trainer = experiments.build_trainer(TASKS["gsm8k"], gsm8k_examples(), target, draft, tokenizer, config,
+    trainer = recipes.build_trainer(TASKS["gsm8k"], gsm8k_examples(), target, draft, tokenizer, config,
                                         max_new_tokens=6, num_draft=2)
     history = trainer.train(progress=False)
     assert len(history) == 2 and history[-1]["tokens"] > 0

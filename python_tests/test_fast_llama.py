@@ -7,8 +7,9 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from diversed_ext.decoding import SpeculativeDecoder, _HFRunner  # noqa: E402
-from diversed_ext.fast_llama import LlamaRunner, StaticKVCache, supports_fast_forward  # noqa: E402
+from diversed_ext.decoding import SpeculativeDecoder  # noqa: E402
+from diversed_ext.decoding.runners import HFRunner  # noqa: E402
+from diversed_ext.decoding.fast_llama import LlamaRunner, StaticKVCache, supports_fast_forward  # noqa: E402
 from diversed_ext.models import quantize_int8  # noqa: E402
 
 VOCAB = 37  # not a multiple of any vector width
@@ -48,7 +49,7 @@ def run_schedule(model, runner, cache=None, seed=0, incremental=False):
     transformers cache, which int8 models need (they quantise activations per call, so results depend on the rows
     of the call)."""
     generator = torch.Generator().manual_seed(seed)
-    reference_runner, reference_cache = _HFRunner(model, torch.device("cpu")), None
+    reference_runner, reference_cache = HFRunner(model, torch.device("cpu")), None
     tokens = []
     for step in SCHEDULE:
         if step < 0:
@@ -148,10 +149,10 @@ def test_other_models_fall_back_to_their_own_forward():
         with pytest.raises(ValueError, match="LlamaForCausalLM"):
             LlamaRunner(model)
         decoder = SpeculativeDecoder(model, model, method="sd", num_draft=2)
-        assert isinstance(decoder._target_runner, _HFRunner)
+        assert isinstance(decoder._target_runner, HFRunner)
         assert len(decoder.generate([1, 2, 3], max_new_tokens=5, seed=0).sequences[0]) == 5
     decoder = SpeculativeDecoder(llama, llama, method="sd", num_draft=2, fast_forward=False)
-    assert isinstance(decoder._target_runner, _HFRunner)
+    assert isinstance(decoder._target_runner, HFRunner)
     assert isinstance(SpeculativeDecoder(llama, llama, method="sd")._target_runner, LlamaRunner)
 
 

@@ -14,7 +14,7 @@ import torch
 pytest.importorskip("transformers")
 
 from diversed_ext import cli, models  # noqa: E402
-from diversed_ext.decoding import SpeculativeDecoder  # noqa: E402
+from diversed_ext.decoding import SpeculativeDecoder, encode_prompt  # noqa: E402
 
 SHORT_PROMPT = "Name a colour."
 GREEDY_TOKENS = 12
@@ -91,7 +91,7 @@ def test_added_tokens_are_recorded_without_changing_the_tokenizer(default_pair, 
     del config["added_tokens_decoder"]
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
     legacy = AutoTokenizer.from_pretrained(str(tmp_path))  # the path transformers takes without the record
-    models._record_added_tokens(tmp_path)
+    models.pairs._record_added_tokens(tmp_path)
     assert "added_tokens_decoder" in json.loads((tmp_path / "tokenizer_config.json").read_text())
     recorded = AutoTokenizer.from_pretrained(str(tmp_path))
     texts = ["Name a colour.", " 48 clips\n#### 72", "<|im_start|>user\nhi<|im_end|>", "日本語 🙂  tabs\t"]
@@ -103,7 +103,7 @@ def test_added_tokens_are_recorded_without_changing_the_tokenizer(default_pair, 
     assert (recorded.apply_chat_template(messages, add_generation_prompt=True)
             == legacy.apply_chat_template(messages, add_generation_prompt=True))
     (tmp_path / "tokenizer_config.json").write_text("not json")
-    models._record_added_tokens(tmp_path)  # an unreadable config is left alone, without an error
+    models.pairs._record_added_tokens(tmp_path)  # an unreadable config is left alone, without an error
     assert (tmp_path / "tokenizer_config.json").read_text() == "not json"
 
 
@@ -127,7 +127,7 @@ def test_int8_cache_from_another_checkpoint_is_ignored(default_pair, cache_dir, 
 
 def test_greedy_sd_equals_greedy_ar_on_the_real_pair(default_pair):
     target, draft, tokenizer = default_pair
-    prompt = cli.encode_prompt(tokenizer, SHORT_PROMPT)
+    prompt = encode_prompt(tokenizer, SHORT_PROMPT)
     outputs = {}
     for method in ("ar", "sd"):
         decoder = SpeculativeDecoder(target, draft, method=method, num_draft=3, temperature=0.0)

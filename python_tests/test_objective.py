@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from diversed_ext.objective import diversed_objective, log_mixture_prob, normalized_advantages
+from diversed_ext.research.objective import diversed_objective, log_mixture_prob, normalized_advantages
 
 
 def random_terms(num_sequences=4, length=6, seed=0):

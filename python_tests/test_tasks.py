@@ -7,11 +7,13 @@ import time
 import pytest
 import torch
 
-from diversed_ext import tasks
-from diversed_ext.tasks import (extract_gsm8k_answer, gsm8k_exact_match, humaneval_pass, normalize_number,
-                                run_sandboxed)
+from diversed_ext.research import tasks
+from diversed_ext.research.sandbox import run_sandboxed
+from diversed_ext.research.tasks import extract_gsm8k_answer, gsm8k_exact_match, humaneval_pass, normalize_number
+from diversed_ext.research.teacher_forcing import fidelity
 
-GSM8K_DIR = "/work/shared/data/gsm8k"
+# The shared data folder beside the checkout.
+GSM8K_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data", "gsm8k")
 
 
 # ---------------------------------------------------------------------------------------------------- GSM8K
@@ -186,7 +188,7 @@ def test_fidelity_is_the_mean_target_logprob_per_token():
     with torch.no_grad():
         logits = model(torch.tensor([prompt + completion])).logits[0].float()
     expected = (logits[2].log_softmax(-1)[4] + logits[3].log_softmax(-1)[5]) / 2
-    assert tasks.fidelity(model, prompt, completion) == pytest.approx(float(expected), abs=1e-5)
+    assert fidelity(model, prompt, completion) == pytest.approx(float(expected), abs=1e-5)
     hot = (logits[2] / 2).log_softmax(-1)[4] + (logits[3] / 2).log_softmax(-1)[5]
-    assert tasks.fidelity(model, prompt, completion, temperature=2.0) == pytest.approx(float(hot) / 2, abs=1e-5)
-    assert tasks.fidelity(model, prompt, []) != tasks.fidelity(model, prompt, [])  # NaN
+    assert fidelity(model, prompt, completion, temperature=2.0) == pytest.approx(float(hot) / 2, abs=1e-5)
+    assert fidelity(model, prompt, []) != fidelity(model, prompt, [])  # NaN

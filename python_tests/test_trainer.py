@@ -9,8 +9,9 @@ pytest.importorskip("transformers")
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from diversed_ext.head import EnsembleHead  # noqa: E402
-from diversed_ext.teacher_forcing import fidelity_gap, teacher_forced_tokens  # noqa: E402
-from diversed_ext.trainer import Trainer, TrainerConfig, mixture_rollout, warmup_cosine  # noqa: E402
+from diversed_ext.research.teacher_forcing import fidelity_gap, teacher_forced_tokens  # noqa: E402
+from diversed_ext.research.rollouts import mixture_rollout  # noqa: E402
+from diversed_ext.research.trainer import Trainer, TrainerConfig, warmup_cosine  # noqa: E402
 
 VOCAB = 24
 

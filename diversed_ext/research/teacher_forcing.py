@@ -14,7 +14,7 @@ from typing import Sequence
 
 import torch
 
-from .logits import token_stats
+from ..ops import distribution_temperature, token_stats
 
 
 @dataclass
@@ -37,7 +37,7 @@ def fidelity_gap(draft_logits: torch.Tensor, target_logits: torch.Tensor, temper
     """G = E_q[log p] - E_p[log p] per position ([..., V] logits -> [...]): how much the expected target
     log-probability of the next token changes per unit of draft weight (1 - w) in the mixture. Computed in float32
     chunks of positions, so the [T, V] temporaries stay small."""
-    scale = 1.0 / temperature if temperature > 0 else 1.0
+    scale = 1.0 / distribution_temperature(temperature)
     gaps = []
     for target_chunk, draft_chunk in zip(target_logits.float().split(64, dim=-2), draft_logits.float().split(64, dim=-2)):
         target_logprob = (target_chunk * scale).log_softmax(-1).clamp_min(LOG_PROB_FLOOR)
@@ -87,7 +87,7 @@ def _sequence_tokens(target, draft, prompt: list[int], completion: list[int], te
     draft_logits = draft_logits[:, positions].float().to(target_logits.device)
     tokens = torch.tensor([completion], device=target_logits.device)
     stats = token_stats(draft_logits.contiguous(), target_logits.contiguous(), tokens, from_logits=True,
-                        temperature=temperature if temperature > 0 else 1.0, check_inputs=False)
+                        temperature=distribution_temperature(temperature), check_inputs=False)
     return (draft_hidden[0, positions].float(), target_hidden[0, positions].float(), stats.target_logprob[0],
             stats.draft_logprob[0], stats.total_variation[0], torch.ones(length, dtype=torch.bool),
             fidelity_gap(draft_logits[0], target_logits[0], temperature))
@@ -107,3 +107,18 @@ def _pad_stack(tensors: list[torch.Tensor], length: int) -> torch.Tensor:
         pad_shape = (length - tensor.shape[0],) + tuple(tensor.shape[1:])
         padded.append(torch.cat([tensor, torch.zeros(pad_shape, dtype=tensor.dtype)], dim=0))
     return torch.stack(padded)
+
+
+@torch.no_grad()
+def fidelity(target, prompt: Sequence[int], completion: Sequence[int], temperature: float = 1.0) -> float:
+    """Mean target log-probability per generated token (NaN for an empty completion), at the sampling temperature
+    (0 counts as 1): how likely the target finds what was generated, for tasks without labels."""
+    if not completion:
+        return float("nan")
+    device = next(target.parameters()).device
+    ids = torch.tensor([list(prompt) + list(completion)], dtype=torch.int64, device=device)
+    logits = target(input_ids=ids, use_cache=False).logits[0, len(prompt) - 1:-1].float()
+    scale = distribution_temperature(temperature)
+    logprobs = (logits / scale).log_softmax(-1)
+    picked = logprobs.gather(-1, torch.tensor(list(completion), device=device).unsqueeze(-1))
+    return float(picked.mean())

@@ -1,4 +1,18 @@
-"""Logits path, per-token statistics and the materialised mixture, as fused native ops.
+"""The four public ops: one fused native call each, after one pass of argument checks (ops/_inputs.py).
+
+verify / verify_logits: DIVERSED verification of a batch of draft blocks. For row b with drafts x_1..x_n
+(n = num_draft[b]) sampled from q_i, target distributions p_1..p_{n+1} and weights w_i on the target:
+
+    nu_i = w_i * p_i + (1 - w_i) * q_i
+    accept x_i  iff  u_i * q_i(x_i) < nu_i(x_i)                 (probability min(1, nu_i(x_i) / q_i(x_i)))
+    first rejection at m: emit y ~ norm(max(0, p_m - q_m))      (= norm(max(0, nu_m - q_m)) for w_m > 0)
+    all n accepted:       emit the bonus y ~ p_{n+1}
+    greedy rows:          accept while x_i == argmax nu_i, emit argmax nu_m or argmax p_{n+1}; ties go to the lowest id
+
+Every emitted token at a drafted position follows nu; with w = 1 the output follows the target exactly.
+
+token_stats / mix: what the trainer and the analyses need: p(y), q(y), TV(p, q) per position, and nu materialised.
+Logits path, per-token statistics and the materialised mixture, as fused native ops.
 
 Servers hold logits, not probabilities; the trainer needs p(y), q(y) and TV(p, q) over whole sequences. These ops
 never materialise [B, K, V] probabilities: each needed row gets its softmax normaliser (max, sum of exp) in one pass,
@@ -12,10 +26,60 @@ from typing import NamedTuple
 
 import torch
 
-from . import _ops  # noqa: F401  (registers the native ops and their fake kernels)
-from ._inputs import (check_distributions, check_values, normalize_stat_tokens, normalize_temperature,
-                      normalize_weight, prepare_verify)
-from .types import VerifyResult
+from . import _fake  # noqa: F401  (registers the native ops and their fake kernels)
+from ._inputs import normalize_stat_tokens, normalize_temperature, normalize_weight, prepare_pair, prepare_verify
+
+
+class VerifyResult(NamedTuple):
+    """What one verification call returns for a batch of B draft blocks of K tokens.
+
+    Attributes:
+        tokens: int64 [B, K+1]. Row b holds its ``num_accepted[b]`` accepted drafts, then the correction token (first
+            rejection) or the bonus token (all accepted), then -1 padding.
+        num_accepted: int32 [B]. Accepted drafts, the final token not counted: row b emits ``num_accepted[b] + 1`` tokens.
+        accept_prob: float32 [B, K]. ``min(1, nu_i(x_i) / q_i(x_i))`` at every drafted position i < num_draft (for greedy
+            rows 1 if x_i is the argmax of nu_i, else 0); 0 past num_draft and for out-of-range ids.
+    """
+
+    tokens: torch.Tensor
+    num_accepted: torch.Tensor
+    accept_prob: torch.Tensor
+
+
+def verify(draft_tokens, draft_probs, target_probs, weight, *, num_draft=None, greedy=None, uniforms=None, seed=None,
+           offset=0, check_inputs=True) -> VerifyResult:
+    """Verify a batch of draft blocks against the DIVERSED mixture, in one fused native call.
+
+    Args:
+        draft_tokens: int32/int64 [B, K], the drafted ids. Entries at positions >= num_draft[b] are ignored.
+        draft_probs: [B, K, V] draft distributions q (float32, bfloat16 or float16).
+        target_probs: [B, K+1, V] target distributions p, same dtype and device; row K (or num_draft[b]) gives the bonus.
+        weight: weight w on the target: a float, a [B] tensor (per request) or a [B, K] tensor (per token, e.g. from
+            :class:`diversed_ext.head.EnsembleHead`). 1 is standard speculative decoding, 0 accepts every draft.
+        num_draft: optional int [B] in [0, K]: ragged rows; row b verifies positions < num_draft[b].
+        greedy: optional bool [B] (or one bool): rows decided by argmax instead of sampling.
+        uniforms: optional [B, K+1] in [0, 1): u_0..u_{K-1} for the accept tests, u_K for the final sample. Makes the
+            call reproducible and comparable across implementations.
+        seed: int, or int64 [B] for per-request seeds (a row then depends only on its own inputs and seed). Without
+            uniforms or seed, a seed is drawn from torch's default generator (so ``torch.manual_seed`` repeats runs).
+        offset: counter of the generator; pass the decoding step so successive calls draw fresh numbers.
+        check_inputs: validate values (token ids, probabilities, weights, uniforms, num_draft), which syncs with the
+            device. False skips those checks (CUDA-graph friendly); the kernels then treat out-of-range ids as
+            rejected and NaN/negative/infinite mass as zero, and never access memory out of bounds.
+
+    Returns:
+        :class:`VerifyResult` with ``tokens`` [B, K+1] int64, ``num_accepted`` [B] int32, ``accept_prob`` [B, K] float32.
+
+    Raises:
+        TypeError / ValueError naming the offending argument.
+    """
+    args = prepare_verify(draft_tokens, draft_probs, target_probs, weight, num_draft=num_draft, greedy=greedy,
+                          uniforms=uniforms, seed=seed, offset=offset, check_inputs=check_inputs,
+                          draft_name="draft_probs", target_name="target_probs", kind="probabilities")
+    tokens, num_accepted, accept_prob = torch.ops.diversed.verify_probs(
+        args.draft_tokens, args.draft, args.target, args.weight, args.num_draft, args.greedy, args.uniforms,
+        args.seeds, args.offset, args.per_row_seed)
+    return VerifyResult(tokens, num_accepted, accept_prob)
 
 
 class TokenStats(NamedTuple):
@@ -58,32 +122,6 @@ def verify_logits(draft_tokens, draft_logits, target_logits, weight, *, temperat
     return VerifyResult(tokens, num_accepted, accept_prob)
 
 
-def _prepare_pair(draft, target, *, from_logits, temperature, check_inputs, same_positions):
-    kind = "logits" if from_logits else "probabilities"
-    batch, draft_positions, vocab = check_distributions_any(draft, target, kind, same_positions)
-    temperature_t = normalize_temperature(temperature, batch, draft.device, check_inputs)
-    if check_inputs:
-        check_values(draft, "draft", from_logits)
-        check_values(target, "target", from_logits)
-    return batch, draft_positions, vocab, temperature_t
-
-
-def check_distributions_any(draft, target, kind, same_positions):
-    """Like check_distributions, but target may have K (same_positions) or K and more positions."""
-    if isinstance(target, torch.Tensor) and isinstance(draft, torch.Tensor) and target.dim() == 3 and draft.dim() == 3:
-        if same_positions and target.shape[1] != draft.shape[1]:
-            raise ValueError(f"target must have the same number of positions as draft ({draft.shape[1]}), "
-                             f"got {target.shape[1]}")
-        if not same_positions and target.shape[1] < draft.shape[1]:
-            raise ValueError(f"target must have at least as many positions as draft ({draft.shape[1]}), "
-                             f"got {target.shape[1]}")
-        padded = target[:, :1].expand(target.shape[0], draft.shape[1] + 1, target.shape[2])
-        check_distributions(draft, padded, "draft", "target", kind)
-    else:
-        check_distributions(draft, target, "draft", "target", kind)
-    return tuple(draft.shape)
-
-
 def token_stats(draft, target, tokens, *, from_logits=False, temperature=1.0, check_inputs=True) -> TokenStats:
     """p(y), q(y), TV(p, q) and log-probabilities per position, in one or two passes over V.
 
@@ -95,7 +133,7 @@ def token_stats(draft, target, tokens, *, from_logits=False, temperature=1.0, ch
         temperature: float or [B]; only used with logits (0 counts as 1).
     Returns :class:`TokenStats` with float32 [B, T] fields. No [B, T, V] temporary is created.
     """
-    batch, length, vocab, temperature_t = _prepare_pair(draft, target, from_logits=from_logits,
+    batch, length, vocab, temperature_t = prepare_pair(draft, target, from_logits=from_logits,
                                                         temperature=temperature, check_inputs=check_inputs,
                                                         same_positions=True)
     tokens_t = normalize_stat_tokens(tokens, batch, length, vocab, draft.device, check_inputs)
@@ -114,7 +152,7 @@ def mix(draft, target, weight, *, from_logits=False, temperature=1.0, check_inpu
         from_logits: treat draft and target as logits, softmax(x / temperature) per row.
         temperature: float or [B]; only used with logits (0 counts as 1).
     """
-    batch, positions, _, temperature_t = _prepare_pair(draft, target, from_logits=from_logits,
+    batch, positions, _, temperature_t = prepare_pair(draft, target, from_logits=from_logits,
                                                        temperature=temperature, check_inputs=check_inputs,
                                                        same_positions=False)
     weight_t = normalize_weight(weight, batch, positions, draft.device, check_inputs)

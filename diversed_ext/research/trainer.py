@@ -4,7 +4,7 @@ One step:
   1. take a batch of prompts from this rank's shard (deterministic in the seed and the step);
   2. roll out completions by speculative decoding with the current head: the tokens follow nu, as in deployment;
   3. reward each completion: the task reward plus ``fidelity_coef`` times its fidelity (mean target log-probability
-     per generated token, SPEC §4);
+     per generated token);
   4. one teacher-forced pass of both models gives hidden states, log p(y), log q(y), TV and the fidelity gap
      E_q[log p] - E_p[log p] per token;
   5. loss = diversed_objective(...) (diversed_ext/objective.py): policy gradient with batch-normalised advantages plus
@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import gc
-import json
 import math
 import os
 import random
@@ -31,16 +30,15 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from tqdm import tqdm
 
-from .head import EnsembleHead
+from ..head import EnsembleHead
+from .checkpoints import CHECKPOINT_NAME, LOG_NAME, TrainingLog, load_checkpoint, save_checkpoint
 from .objective import diversed_objective
+from .report import plot_training_curve
+from .rollouts import Rollout
 from .teacher_forcing import teacher_forced_tokens
 
-CHECKPOINT_NAME = "checkpoint.pt"
-LOG_NAME = "train_log.jsonl"
 CURVE_NAME = "training_curve.png"
 
-# (prompt token ids, rollout seed) -> completion token ids
-Rollout = Callable[[Sequence[int], int], Sequence[int]]
 # (example, completion text) -> task reward
 RewardFn = Callable[[Any, str], float]
 
@@ -122,7 +120,7 @@ class Trainer:
         reward: (example, completion text) -> task reward.
         decode: completion token ids -> text (the tokenizer's decode).
         rollout: (prompt ids, seed) -> completion ids, sampled with the current head: through the speculative loop
-            (:func:`diversed_ext.experiments.speculative_rollout`) or token by token (:func:`mixture_rollout`).
+            (:func:`.rollouts.speculative_rollout`) or token by token (:func:`.rollouts.mixture_rollout`).
         config: :class:`TrainerConfig`.
 
     With ``config.epochs`` > 1 every batch of rollouts feeds that many optimiser updates (rollouts are the expensive
@@ -151,6 +149,7 @@ class Trainer:
             self.optimizer, lambda step: warmup_cosine(step, config.warmup_steps, config.steps))
         self.step = 0
         self.history: list[dict] = []
+        self.log = TrainingLog(os.path.join(config.output_dir, LOG_NAME))
 
     # ------------------------------------------------------------------------------------ DDP wrapper lifetime
     @property
@@ -262,7 +261,7 @@ class Trainer:
         while self.step < last_step:
             record = self.train_step()
             if is_main:
-                self._append_log(record)
+                self.log.append(record)
             bar.set_postfix(w=f"{record['mean_weight']:.3f}", acc=f"{record['expected_acceptance']:.3f}",
                             reward=f"{record['task_reward']:.2f}")
             bar.update(1)
@@ -271,7 +270,7 @@ class Trainer:
         bar.close()
         if is_main and self.step == self.config.steps:
             self.head.save(os.path.join(self.config.output_dir, "head"))
-            plot_training_curve(self._read_log(), os.path.join(self.config.output_dir, CURVE_NAME))
+            plot_training_curve(self.log.read(), os.path.join(self.config.output_dir, CURVE_NAME))
 
     # ---------------------------------------------------------------------------------------------- persistence
     def checkpoint_path(self) -> str:
@@ -281,116 +280,27 @@ class Trainer:
         """Write head, optimiser, scheduler, step and RNG states atomically (rank 0 only)."""
         if self.rank != 0:
             return
-        os.makedirs(self.config.output_dir, exist_ok=True)
-        state = {"head": self.head.state_dict(), "optimizer": self.optimizer.state_dict(),
-                 "scheduler": self.scheduler.state_dict(), "step": self.step, "history": self.history,
-                 "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
-                 "config": asdict(self.config)}
-        path = self.checkpoint_path()
-        torch.save(state, path + ".tmp")
-        os.replace(path + ".tmp", path)
+        save_checkpoint(self.checkpoint_path(), {
+            "head": self.head.state_dict(), "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(), "step": self.step, "history": self.history,
+            "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}, "config": asdict(self.config)})
 
     def load_checkpoint(self) -> bool:
         """Restore the last checkpoint if there is one; returns whether one was found."""
-        path = self.checkpoint_path()
-        if not os.path.isfile(path):
+        state = load_checkpoint(self.checkpoint_path())
+        if state is None:
             return False
-        state = torch.load(path, map_location="cpu", weights_only=False)
         self.head.load_state_dict(state["head"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.step, self.history = state["step"], list(state["history"])
         torch.set_rng_state(state["rng"]["torch"])
         random.setstate(state["rng"]["python"])
-        self._truncate_log(self.step)
+        if self.rank == 0:
+            self.log.truncate(self.step)
         return True
-
-    def _log_path(self) -> str:
-        return os.path.join(self.config.output_dir, LOG_NAME)
-
-    def _append_log(self, record: dict) -> None:
-        os.makedirs(self.config.output_dir, exist_ok=True)
-        with open(self._log_path(), "a") as handle:
-            handle.write(json.dumps(record) + "\n")
-
-    def _read_log(self) -> list[dict]:
-        if not os.path.isfile(self._log_path()):
-            return []
-        with open(self._log_path()) as handle:
-            return [json.loads(line) for line in handle if line.strip()]
-
-    def _truncate_log(self, step: int) -> None:
-        """After a resume, drop log lines written past the checkpoint (they will be written again)."""
-        if self.rank != 0:
-            return
-        kept = [record for record in self._read_log() if record["step"] <= step]
-        os.makedirs(self.config.output_dir, exist_ok=True)
-        with open(self._log_path(), "w") as handle:
-            handle.writelines(json.dumps(record) + "\n" for record in kept)
 
 
 def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     counts = mask.sum(-1).clamp_min(1)
     return torch.where(mask, values, torch.zeros_like(values)).sum(-1).double() / counts
-
-
-def plot_training_curve(records: list[dict], path: str) -> Optional[str]:
-    """Mean weight, expected acceptance, task reward and fidelity against the step, as a PNG."""
-    if not records:
-        return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    steps = [record["step"] for record in records]
-    figure, axes = plt.subplots(1, 3, figsize=(13, 3.6))
-    axes[0].plot(steps, [r["mean_weight"] for r in records], label="mean w (on target)")
-    axes[0].plot(steps, [r["expected_acceptance"] for r in records], label="expected acceptance 1 - w TV")
-    axes[0].set_ylim(0, 1)
-    axes[0].legend()
-    axes[1].plot(steps, [r["task_reward"] for r in records], color="tab:green")
-    axes[1].set_title("task reward (batch mean)")
-    axes[2].plot(steps, [r["fidelity"] for r in records], color="tab:red")
-    axes[2].set_title("fidelity: mean target log-prob / token")
-    for axis in axes:
-        axis.set_xlabel("step")
-        axis.grid(alpha=0.3)
-    figure.tight_layout()
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-    return path
-
-
-def mixture_rollout(target, draft, head: EnsembleHead, *, max_new_tokens: int, temperature: float = 1.0,
-                    eos_token_id: Optional[int] = None) -> Rollout:
-    """A rollout that samples nu = w p + (1 - w) q token by token with full forward passes.
-
-    The same distribution as the speculative loop (which only makes it cheaper), so it is the reference rollout of
-    the tests and a fallback for models the speculative decoder does not support.
-    """
-
-    @torch.no_grad()
-    def rollout(prompt: Sequence[int], seed: int) -> list[int]:
-        generator = torch.Generator().manual_seed(int(seed))
-        sequence = list(prompt)
-        for _ in range(max_new_tokens):
-            input_ids = torch.tensor([sequence])
-            target_hidden, target_logits = _last_position(target, input_ids)
-            draft_hidden, draft_logits = _last_position(draft, input_ids)
-            weight = head(draft_hidden, target_hidden)
-            scale = temperature if temperature > 0 else 1.0
-            mixture = weight * (target_logits / scale).softmax(-1) + (1 - weight) * (draft_logits / scale).softmax(-1)
-            token = int(mixture.argmax()) if temperature == 0 else int(torch.multinomial(mixture, 1, generator=generator))
-            sequence.append(token)
-            if eos_token_id is not None and token == eos_token_id:
-                break
-        return sequence[len(prompt):]
-
-    return rollout
-
-
-def _last_position(model, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    output = model(input_ids=input_ids, output_hidden_states=True, use_cache=False)
-    return output.hidden_states[-1][0, -1].float(), output.logits[0, -1].float()

@@ -9,7 +9,7 @@ generated token y_t, the target and draft probabilities p_t(y_t), q_t(y_t) and T
 
 The first term is the policy gradient of the task reward through the mixture the tokens were sampled from; the second
 rewards acceptance: the expected acceptance rate at position t is 1 - w_t TV_t, so the regulariser pushes w down where
-the models disagree. (The authors' released code flips this sign and so pushes acceptance down; SPEC §1.) Only the head
+the models disagree. (The authors' released code flips this sign, which pushes acceptance down instead.) Only the head
 receives gradients: p, q and TV are constants.
 
 Optional third term, the expected fidelity (coefficient mu >= 0, off by default):

@@ -1,0 +1,14 @@
+"""The speculative decoding loop over Hugging Face model pairs (``ar``, ``sd``, ``static``, ``diversed``).
+
+``loop`` holds :class:`SpeculativeDecoder`; ``stats`` what a run measured; ``runners`` how a model is run (its own
+forward, or the lean Llama forward of ``fast_llama``); ``prompts`` prompt encoding and EOS ids; ``checks`` the
+argument checks. Uses only the ops below it.
+"""
+
+from .checks import METHODS
+from .loop import DecodingState, SpeculativeDecoder
+from .prompts import encode_prompt, eos_ids
+from .stats import DecodingSummary, Generation, GenerationOutput, RoundStats, summarize
+
+__all__ = ["SpeculativeDecoder", "DecodingState", "METHODS", "RoundStats", "Generation", "DecodingSummary",
+           "GenerationOutput", "summarize", "encode_prompt", "eos_ids"]

@@ -1,0 +1,90 @@
+"""Argument checks of the decoding loop: each raises TypeError or ValueError naming the argument."""
+
+from __future__ import annotations
+
+import math
+from numbers import Integral, Real
+from typing import Callable, Optional, Sequence, Union
+
+import torch
+
+from ..ops import SEED_RANGE
+
+METHODS = ("ar", "sd", "static", "diversed")
+
+PromptLike = Union[torch.Tensor, Sequence[int]]
+HeadLike = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def check_method(method) -> str:
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {', '.join(METHODS)}; got {method!r}")
+    return method
+
+
+def check_weight(method: str, weight) -> float:
+    """The static weight on the target: required for ``static``, 1 for ``sd``, absent otherwise."""
+    if weight is not None:
+        if isinstance(weight, bool) or not isinstance(weight, Real):
+            raise TypeError(f"weight must be a float in [0, 1], got {type(weight).__name__}")
+        weight = float(weight)
+        if not 0.0 <= weight <= 1.0:  # also rejects NaN
+            raise ValueError(f"weight must be in [0, 1] (the weight on the target), got {weight}")
+    if method == "static" and weight is None:
+        raise ValueError("method 'static' needs weight=w in [0, 1] (the weight on the target)")
+    if method == "sd" and weight not in (None, 1.0):
+        raise ValueError(f"method 'sd' is the w = 1 case; got weight={weight} (use method='static')")
+    if method in ("ar", "diversed") and weight is not None:
+        raise ValueError(f"weight applies to 'static' (and 'sd' with w = 1), not to method {method!r}")
+    return 1.0 if weight is None else weight
+
+
+def check_head(method: str, head):
+    if method == "diversed":
+        if head is None:
+            raise ValueError("method 'diversed' needs head=..., a callable (draft_hidden, target_hidden) -> w")
+        if not callable(head):
+            raise TypeError(f"head must be callable (draft_hidden, target_hidden) -> w, got {type(head).__name__}")
+    elif head is not None:
+        raise ValueError(f"head applies only to method 'diversed', not {method!r}")
+    return head
+
+
+def check_num_draft(num_draft) -> int:
+    if isinstance(num_draft, bool) or not isinstance(num_draft, Integral):
+        raise TypeError(f"num_draft must be an int >= 1, got {type(num_draft).__name__}")
+    if num_draft < 1:
+        raise ValueError(f"num_draft (K) must be >= 1, got {num_draft}")
+    return int(num_draft)
+
+
+def check_temperature(temperature) -> float:
+    if isinstance(temperature, bool) or not isinstance(temperature, Real):
+        raise TypeError(f"temperature must be a float >= 0, got {type(temperature).__name__}")
+    temperature = float(temperature)
+    if not temperature >= 0.0 or math.isinf(temperature):  # also rejects NaN
+        raise ValueError(f"temperature must be a finite float >= 0 (0 = greedy), got {temperature}")
+    return temperature
+
+
+def check_max_new_tokens(max_new_tokens) -> int:
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, Integral) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+    return int(max_new_tokens)
+
+
+def check_prompt(tokens: list[int], vocab: Optional[int]) -> None:
+    if not tokens:
+        raise ValueError("input_ids: a prompt must hold at least one token")
+    low, high = min(tokens), max(tokens)
+    if low < 0 or (vocab is not None and high >= vocab):
+        raise ValueError(f"input_ids: token ids must be in [0, {vocab}), got values in [{low}, {high}]")
+
+
+def check_seed(seed) -> int:
+    """A seed in [0, 2**63); None draws one from torch's default generator (so torch.manual_seed repeats runs)."""
+    if seed is None:
+        return int(torch.randint(0, 2**62, (1,)))
+    if isinstance(seed, bool) or not isinstance(seed, Integral):
+        raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
+    return int(seed) % SEED_RANGE

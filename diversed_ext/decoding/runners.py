@@ -1,0 +1,82 @@
+"""How a model is run incrementally: one call ``(feed, cache, num_logits, want_hidden) -> (logits, hidden, cache)``.
+
+``LlamaForCausalLM`` models run through :class:`diversed_ext.decoding.fast_llama.LlamaRunner` (their own modules and
+weights, a preallocated KV cache, skinny products laid out for the CPU's BLAS); any other causal LM, or any model with
+``fast_forward=False``, through its own forward with a transformers cache (:class:`HFRunner`). Both give the same
+outputs up to float rounding.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+
+import torch
+
+from .fast_llama import LlamaRunner, supports_fast_forward
+
+
+class Clock:
+    """perf_counter that first waits for the device, so CUDA times are not just launch times."""
+
+    def __init__(self, device: torch.device, synchronize: bool):
+        self.synchronize = synchronize and device.type == "cuda"
+        self.device = device
+
+    def __call__(self) -> float:
+        if self.synchronize:
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    for tensor in model.parameters():
+        return tensor.device
+    for tensor in model.buffers():
+        return tensor.device
+    # int8 dynamically quantised models keep their weights in packed params: they run on the CPU
+    return torch.device("cpu")
+
+
+def _accepts_logits_to_keep(model: torch.nn.Module) -> bool:
+    try:
+        return "logits_to_keep" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+class HFRunner:
+    """Incremental forward passes through the model's own forward and a transformers cache; the same call as
+    :class:`diversed_ext.fast_llama.LlamaRunner`: ``(feed, cache, num_logits, want_hidden) -> (logits [num_logits, V],
+    hidden [num_logits, H] or None, cache)``."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device):
+        self.model = model
+        self.device = device
+        self.keeps_logits = _accepts_logits_to_keep(model)
+
+    def __call__(self, feed: list[int], cache, num_logits: int, want_hidden: bool):
+        kwargs = {"past_key_values": cache, "use_cache": True}
+        if self.keeps_logits:
+            kwargs["logits_to_keep"] = num_logits  # skip the LM head on positions nobody reads
+        if want_hidden:
+            kwargs["output_hidden_states"] = True
+        output = self.model(torch.tensor([feed], dtype=torch.int64, device=self.device), **kwargs)
+        hidden = output.hidden_states[-1][0, -num_logits:] if want_hidden else None
+        return output.logits[0, -num_logits:], hidden, output.past_key_values
+
+
+def make_runner(model: torch.nn.Module, device: torch.device, fast_forward: bool):
+    if fast_forward and supports_fast_forward(model):
+        return LlamaRunner(model)
+    return HFRunner(model, device)
+
+
+def crop_cache(cache, cached_length: int, keep: int) -> int:
+    """Drop cache entries past ``keep`` tokens; returns the new cached length.
+
+    transformers 5 crops by a negative count (tokens to remove); 4.x accepts the same form."""
+    if cache is not None and cached_length > keep:
+        cache.crop(keep - cached_length)
+        return keep
+    return cached_length

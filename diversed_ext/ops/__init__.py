@@ -1,0 +1,20 @@
+"""The custom-op library: fused DIVERSED verification, token statistics and the mixture, CPU and CUDA.
+
+``api`` holds the four ops and their result types; ``_inputs`` every argument check and normalisation (one
+temperature rule, one seed range); ``_fake`` loads the native library and registers the shape-only kernels that
+``torch.compile`` and ``opcheck`` need; ``_philox`` reproduces the kernels' random numbers; ``reference`` states the
+same contracts in plain PyTorch (the test oracle and a benchmark baseline). Nothing here imports the rest of the
+package.
+"""
+
+from ._fake import cuda_kernels_registered
+from ._inputs import SEED_RANGE, distribution_temperature
+from ._philox import philox_uniforms
+from .api import TokenStats, VerifyResult, mix, token_stats, verify, verify_logits
+from .reference import mix_reference, token_stats_reference, verify_logits_reference, verify_reference
+
+__all__ = [
+    "verify", "verify_logits", "token_stats", "mix",
+    "verify_reference", "verify_logits_reference", "token_stats_reference", "mix_reference",
+    "VerifyResult", "TokenStats", "philox_uniforms", "cuda_kernels_registered",
+]

@@ -1,0 +1,39 @@
+"""Ready-made training runs: a :class:`~.trainer.Trainer` for a task, a model pair and a rollout kind."""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+from ..head import EnsembleHead
+from ..models import hidden_size
+from .harness import encode_examples
+from .rollouts import mixture_rollout, speculative_rollout
+from .tasks import Task
+from .trainer import Trainer, TrainerConfig
+
+
+def build_trainer(task: Task, examples: Sequence[dict], target, draft, tokenizer, config: TrainerConfig, *,
+                  head: Optional[EnsembleHead] = None, head_hidden: Optional[int] = None, init_weight: float = 0.5,
+                  num_draft: int = 3, max_new_tokens: int = 48, rollout: str = "speculative",
+                  eos_token_id=None, pair: Optional[dict] = None, chat: bool = True) -> Trainer:
+    """A Trainer for ``task``: reward = the task reward (+ ``config.fidelity_coef`` x fidelity, added by the Trainer).
+
+    Args:
+        rollout: ``"speculative"`` (the decoding loop with the current head) or ``"mixture"`` (token by token).
+        head: a head to keep training; otherwise a new one with ``head_hidden`` and ``init_weight``.
+    """
+    if head is None:
+        head = EnsembleHead(hidden_size(draft), hidden_size(target), hidden=head_hidden, init_weight=init_weight,
+                            pair=pair)
+    prompts = encode_examples(task, examples, tokenizer, chat)
+    if rollout == "speculative":
+        sampler = speculative_rollout(target, draft, head, num_draft=num_draft, max_new_tokens=max_new_tokens,
+                                      temperature=config.temperature, eos_token_id=eos_token_id)
+    elif rollout == "mixture":
+        eos = eos_token_id[0] if isinstance(eos_token_id, (list, tuple)) and eos_token_id else eos_token_id
+        sampler = mixture_rollout(target, draft, head, max_new_tokens=max_new_tokens,
+                                  temperature=config.temperature, eos_token_id=eos)
+    else:
+        raise ValueError(f"rollout must be 'speculative' or 'mixture', got {rollout!r}")
+    decode = lambda ids: tokenizer.decode(list(ids), skip_special_tokens=True)  # noqa: E731
+    return Trainer(target, draft, head, prompts, list(examples), task.reward, decode, sampler, config)

@@ -1,0 +1,204 @@
+"""Reports of experiments: per-method results, standard errors, paired differences, tables and plots.
+
+Prompts are the independent samples: every method runs on the same prompts with the same seeds, so comparisons are
+paired over prompts, and standard errors are taken over prompts (drafts within one generation are correlated).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from ..decoding import DecodingSummary
+
+
+@dataclass
+class MethodResult:
+    """One method's totals over the evaluation prompts."""
+
+    label: str
+    weight: float  # static w, 1 for sd, the head's mean w for diversed, NaN for ar
+    acceptance: float
+    tokens_per_pass: float
+    quality: float  # mean task reward
+    fidelity: float  # mean over generations of the mean target log-prob per token
+    tokens_per_second: float
+    new_tokens: int
+    seconds: float
+    fidelity_per_prompt: tuple = ()  # prompt by prompt (NaN where nothing was generated), for paired comparisons
+    quality_per_prompt: tuple = ()
+
+    @property
+    def fidelity_se(self) -> float:
+        """Standard error of the mean fidelity over prompts."""
+        return standard_error([value for value in self.fidelity_per_prompt if not math.isnan(value)])
+
+
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values) if values else math.nan
+
+
+def standard_error(values: Sequence[float]) -> float:
+    """Standard error of the mean of ``values`` (NaN for fewer than two)."""
+    if len(values) < 2:
+        return math.nan
+    mean = _mean(values)
+    return math.sqrt(sum((value - mean) ** 2 for value in values) / (len(values) - 1) / len(values))
+
+
+@dataclass
+class PairedDifference:
+    """Mean over prompts of (method - baseline), with its standard error (same prompts and seeds: paired)."""
+
+    baseline: str
+    fidelity: float
+    fidelity_se: float
+    quality: float
+    quality_se: float
+
+
+def paired_difference(values: Sequence[float], baseline: Sequence[float]) -> tuple[float, float]:
+    """Mean and standard error of ``values - baseline`` element by element (same prompts and seeds), skipping pairs
+    where either side is NaN."""
+    differences = [a - b for a, b in zip(values, baseline) if not (math.isnan(a) or math.isnan(b))]
+    return _mean(differences), standard_error(differences)
+
+
+def _static_rows(results: Sequence[MethodResult], key) -> list[MethodResult]:
+    """The static ensembles among ``results`` (sd is static w = 1), sorted by ``key``."""
+    return sorted((row for row in results if row.label.startswith("static") or row.label == "sd"), key=key)
+
+
+def compare_to_baselines(results: Sequence[MethodResult], label: str = "diversed") -> list[PairedDifference]:
+    """Fidelity and quality of ``label`` against sd (static w = 1) and against the static frontier at the same
+    acceptance: the static ensembles on either side of its acceptance, interpolated linearly prompt by prompt."""
+    rows = {row.label: row for row in results}
+    if label not in rows or not rows[label].fidelity_per_prompt:
+        return []
+    method = rows[label]
+    static = _static_rows(results, key=lambda row: row.acceptance)
+    comparisons = []
+    sd = next((row for row in static if row.weight == 1.0), None)
+    if sd is not None:
+        comparisons.append(_difference(method, f"{sd.label} (w = 1)", sd.fidelity_per_prompt, sd.quality_per_prompt))
+    for low, high in zip(static, static[1:]):
+        if low.acceptance <= method.acceptance <= high.acceptance and high.acceptance > low.acceptance:
+            t = (method.acceptance - low.acceptance) / (high.acceptance - low.acceptance)
+            weight = (1 - t) * low.weight + t * high.weight
+            name = f"static frontier at acceptance {method.acceptance:.3f} (w = {weight:.2f})"
+            comparisons.append(_difference(method, name,
+                                           _interpolate(low.fidelity_per_prompt, high.fidelity_per_prompt, t),
+                                           _interpolate(low.quality_per_prompt, high.quality_per_prompt, t)))
+            break
+    return comparisons
+
+
+def _interpolate(low: Sequence[float], high: Sequence[float], t: float) -> tuple:
+    return tuple((1 - t) * a + t * b for a, b in zip(low, high))
+
+
+def _difference(method: MethodResult, name: str, fidelity_values, quality_values) -> PairedDifference:
+    fidelity_mean, fidelity_se = paired_difference(method.fidelity_per_prompt, fidelity_values)
+    quality_mean, quality_se = paired_difference(method.quality_per_prompt, quality_values)
+    return PairedDifference(name, fidelity_mean, fidelity_se, quality_mean, quality_se)
+
+
+def comparison_lines(comparisons: Sequence[PairedDifference], label: str = "diversed") -> str:
+    """One line per baseline: paired differences with standard errors."""
+    return "\n".join(f"{label} - {item.baseline}: fidelity {item.fidelity:+.3f} +- {item.fidelity_se:.3f}, "
+                     f"quality {item.quality:+.3f} +- {item.quality_se:.3f} (paired over prompts, +- 1 s.e.)"
+                     for item in comparisons)
+
+
+def _cell(value: float, digits: int = 3) -> str:
+    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.{digits}f}"
+
+
+def _fidelity_cell(row: MethodResult) -> str:
+    spread = row.fidelity_se  # NaN with fewer than two prompts
+    return _cell(row.fidelity) + ("" if math.isnan(spread) else f" +- {spread:.3f}")
+
+
+def markdown_table(results: Sequence[MethodResult], metric: str = "quality") -> str:
+    """The results as a markdown table (``metric`` names the task-quality column)."""
+    lines = [f"| method | w (mean) | acceptance | tokens/pass | {metric} | fidelity | tokens/s |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for row in results:
+        lines.append(f"| {row.label} | {_cell(row.weight, 2)} | {_cell(row.acceptance)} | "
+                     f"{_cell(row.tokens_per_pass, 2)} | {_cell(row.quality)} | {_fidelity_cell(row)} | "
+                     f"{_cell(row.tokens_per_second, 1)} |")
+    return "\n".join(lines)
+
+
+def plot_pareto(results: Sequence[MethodResult], path: str, metric: str = "quality") -> str:
+    """Acceptance and quality/fidelity against w and against tokens/s: static sweep as lines, DIVERSED as a star."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    static = _static_rows(results, key=lambda row: row.weight)
+    learned = [row for row in results if row.label == "diversed"]
+    panels = [("weight", "acceptance", "w on the target"), ("weight", "fidelity", "w on the target"),
+              ("tokens_per_second", "fidelity", "tokens/s"), ("acceptance", "quality", "acceptance rate")]
+    figure, axes = plt.subplots(1, 4, figsize=(17, 3.8))
+    for axis, (x_name, y_name, x_label) in zip(axes, panels):
+        axis.plot([getattr(row, x_name) for row in static], [getattr(row, y_name) for row in static], "o-",
+                  label="static ensembles")
+        for row in static:
+            axis.annotate(f"{row.weight:g}", (getattr(row, x_name), getattr(row, y_name)), fontsize=7)
+        for row in learned:
+            axis.plot(getattr(row, x_name), getattr(row, y_name), "r*", markersize=13, label="DIVERSED (head)")
+        axis.set_xlabel(x_label)
+        axis.set_ylabel(metric if y_name == "quality" else y_name)
+        axis.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    figure.tight_layout()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path
+
+
+def format_table(rows: Sequence[tuple[str, DecodingSummary]], baseline: str = "ar") -> str:
+    """A plain-text table of summaries: acceptance, tokens per target pass, tokens/s and speed against ``baseline``."""
+    reference = dict(rows).get(baseline)
+    header = f"{'method':<16}{'acceptance':>11}{'tokens/pass':>13}{'tokens/s':>10}{'vs ' + baseline:>9}"
+    lines = [header, "-" * len(header)]
+    for name, summary in rows:
+        acceptance = "-" if math.isnan(summary.acceptance_rate) else f"{summary.acceptance_rate:.3f}"
+        speed = summary.tokens_per_second / reference.tokens_per_second if reference else math.nan
+        lines.append(f"{name:<16}{acceptance:>11}{summary.tokens_per_pass:>13.2f}{summary.tokens_per_second:>10.1f}"
+                     f"{speed:>8.2f}x")
+    return "\n".join(lines)
+
+
+def plot_training_curve(records: list[dict], path: str) -> Optional[str]:
+    """Mean weight, expected acceptance, task reward and fidelity against the step, as a PNG."""
+    if not records:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [record["step"] for record in records]
+    figure, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    axes[0].plot(steps, [r["mean_weight"] for r in records], label="mean w (on target)")
+    axes[0].plot(steps, [r["expected_acceptance"] for r in records], label="expected acceptance 1 - w TV")
+    axes[0].set_ylim(0, 1)
+    axes[0].legend()
+    axes[1].plot(steps, [r["task_reward"] for r in records], color="tab:green")
+    axes[1].set_title("task reward (batch mean)")
+    axes[2].plot(steps, [r["fidelity"] for r in records], color="tab:red")
+    axes[2].set_title("fidelity: mean target log-prob / token")
+    for axis in axes:
+        axis.set_xlabel("step")
+        axis.grid(alpha=0.3)
+    figure.tight_layout()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path

@@ -1,0 +1,66 @@
+"""Rollouts for the trainer: completions sampled from nu = w p + (1 - w) q with the current head.
+
+:func:`speculative_rollout` samples through the speculative loop, as in deployment; :func:`mixture_rollout` samples
+the same distribution token by token with full forward passes (the tests' reference, and a fallback for models the
+loop does not support).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from ..decoding import SpeculativeDecoder
+from ..head import EnsembleHead
+from ..ops import distribution_temperature
+
+# (prompt token ids, rollout seed) -> completion token ids
+Rollout = Callable[[Sequence[int], int], Sequence[int]]
+
+
+def speculative_rollout(target, draft, head, *, num_draft: int, max_new_tokens: int, temperature: float = 1.0,
+                        eos_token_id=None):
+    """A rollout that samples from nu through the speculative loop with the current head (the same
+    distribution as :func:`mixture_rollout`, at the cost of deployment)."""
+    decoder = SpeculativeDecoder(target, draft, method="diversed", head=head, num_draft=num_draft,
+                                 temperature=temperature)
+
+    def rollout(prompt: Sequence[int], seed: int) -> list[int]:
+        output = decoder.generate(list(prompt), max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, seed=seed)
+        return output.sequences[0].tolist()
+
+    return rollout
+
+
+def mixture_rollout(target, draft, head: EnsembleHead, *, max_new_tokens: int, temperature: float = 1.0,
+                    eos_token_id: Optional[int] = None) -> Rollout:
+    """A rollout that samples nu = w p + (1 - w) q token by token with full forward passes.
+
+    The same distribution as the speculative loop (which only makes it cheaper), so it is the reference rollout of
+    the tests and a fallback for models the speculative decoder does not support.
+    """
+
+    @torch.no_grad()
+    def rollout(prompt: Sequence[int], seed: int) -> list[int]:
+        generator = torch.Generator().manual_seed(int(seed))
+        sequence = list(prompt)
+        for _ in range(max_new_tokens):
+            input_ids = torch.tensor([sequence])
+            target_hidden, target_logits = _last_position(target, input_ids)
+            draft_hidden, draft_logits = _last_position(draft, input_ids)
+            weight = head(draft_hidden, target_hidden)
+            scale = distribution_temperature(temperature)
+            mixture = weight * (target_logits / scale).softmax(-1) + (1 - weight) * (draft_logits / scale).softmax(-1)
+            token = int(mixture.argmax()) if temperature == 0 else int(torch.multinomial(mixture, 1, generator=generator))
+            sequence.append(token)
+            if eos_token_id is not None and token == eos_token_id:
+                break
+        return sequence[len(prompt):]
+
+    return rollout
+
+
+def _last_position(model, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    output = model(input_ids=input_ids, output_hidden_states=True, use_cache=False)
+    return output.hidden_states[-1][0, -1].float(), output.logits[0, -1].float()
