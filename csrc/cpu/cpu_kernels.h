@@ -23,7 +23,7 @@
 #include <optional>
 #include <vector>
 
-#include "../verify_math.h"
+#include "../common/verify_math.h"
 
 namespace diversed {
 namespace cpu {
@@ -219,7 +219,7 @@ struct RowPlan {
   bool needs_sample;      // sampled row (greedy rows are finished in the accept phase)
 };
 
-// VerifyProblem (csrc/verify_math.h): everything a verify kernel needs besides the rows themselves.
+// VerifyProblem (csrc/common/verify_math.h): everything a verify kernel needs besides the rows themselves.
 
 
 // Accept tests of one row; greedy rows also get their final token here. `Rows` provides draft(row, i) and

@@ -16,7 +16,7 @@
 #include <optional>
 #include <vector>
 
-#include "../verify_math.h"
+#include "../common/verify_math.h"
 
 #pragma GCC push_options
 #pragma GCC target("avx2")

@@ -1,12 +1,12 @@
 // CPU kernels of the logits path, token statistics and the materialised mixture.
 //
 // Logits are never turned into [B, K, V] probabilities: each needed row gets its softmax normaliser (max and
-// 1 / sum exp) in a first pass, and every later pass recomputes softmax(v) on the fly (csrc/verify_math.h).
+// 1 / sum exp) in a first pass, and every later pass recomputes softmax(v) on the fly (csrc/common/verify_math.h).
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
-#include "../op_checks.h"
-#include "../op_outputs.h"
+#include "../common/op_checks.h"
+#include "../common/op_outputs.h"
 #include "cpu_dispatch.h"
 
 namespace diversed {

@@ -8,8 +8,8 @@
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
-#include "../op_checks.h"
-#include "../op_outputs.h"
+#include "../common/op_checks.h"
+#include "../common/op_outputs.h"
 #include "cpu_dispatch.h"
 
 namespace diversed {

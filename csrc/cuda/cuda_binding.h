@@ -1,5 +1,5 @@
 // Glue shared by the CUDA op bindings (verify_cuda.cu, stats_cuda.cu): the kernels' element types, device checks and
-// typed data pointers. Argument layouts are checked by csrc/op_checks.h, as on the CPU; the kernels themselves
+// typed data pointers. Argument layouts are checked by csrc/common/op_checks.h, as on the CPU; the kernels themselves
 // (verify_kernels.cuh) never see torch.
 #pragma once
 

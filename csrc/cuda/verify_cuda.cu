@@ -5,8 +5,8 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
-#include "../op_checks.h"
-#include "../op_outputs.h"
+#include "../common/op_checks.h"
+#include "../common/op_outputs.h"
 #include "cuda_binding.h"
 #include "verify_kernels.cuh"
 

@@ -1,7 +1,7 @@
 // CUDA kernels of DIVERSED verification, token statistics and the materialised mixture.
 //
 // Free of torch and Python: raw pointers in, a stream to launch on (the bindings live in verify_cuda.cu and
-// stats_cuda.cu). The per-element arithmetic is csrc/verify_math.h, shared with the CPU kernels (cpu/cpu_kernels.h),
+// stats_cuda.cu). The per-element arithmetic is csrc/common/verify_math.h, shared with the CPU kernels (cpu/cpu_kernels.h),
 // whose algorithm these kernels mirror:
 //   * one thread block per distribution row (per request for verify): a whole batch is one launch;
 //   * a row is read in tiles of kThreads x kItemsPerThread elements, each thread owning kItemsPerThread consecutive
@@ -21,7 +21,7 @@
 #include <cmath>
 #include <cstdint>
 
-#include "../verify_math.h"
+#include "../common/verify_math.h"
 
 namespace diversed {
 namespace gpu {
@@ -351,7 +351,7 @@ __device__ int64_t block_inverse_cdf(const Row& target, const Row* draft, int64_
 }
 
 // ------------------------------------------------------------------------------------------------ verify
-// The request-level inputs and outputs are a VerifyProblem (csrc/verify_math.h), shared with the CPU kernels; its
+// The request-level inputs and outputs are a VerifyProblem (csrc/common/verify_math.h), shared with the CPU kernels; its
 // greedy flags are read by ProbRows, while LogitRows derives them from the temperatures.
 
 // Rows of draft probabilities [B, K, V] and target probabilities [B, K+1, V]; greedy rows flagged per request.
