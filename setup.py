@@ -75,7 +75,7 @@ def _extensions():
     from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
 
     sources = ["csrc/ops.cpp", *sorted(glob.glob("csrc/cpu/*.cpp"))]
-    # No fused multiply-add: the kernels must round like torch's separate elementwise ops (csrc/verify_math.h).
+    # No fused multiply-add: the kernels must round like torch's separate elementwise ops (csrc/common/verify_math.h).
     # -fno-trapping-math changes no value, only FP exception flags, and lets gcc vectorise the selects of the
     # vocabulary loops (sanitising, max(0, p - q)); without it those loops stay scalar and branchy (3x slower).
     cxx_flags = ["-O3", "-ffp-contract=off", "-fno-trapping-math",

@@ -1,6 +1,6 @@
 """CUDA kernels against the CPU kernels on identical inputs and uniforms; skipped where no GPU is visible.
 
-Agreement model. Per-element math is shared (csrc/verify_math.h) and built without FMA on both sides, so gathered
+Agreement model. Per-element math is shared (csrc/common/verify_math.h) and built without FMA on both sides, so gathered
 values, accept tests, greedy argmaxes and the probability-space mixture agree bit for bit. Two quantities are sums whose
 order differs between CPU chunks and a GPU block reduction: the residual/bonus total behind the final-sample threshold
 u_K * total (float64), and, on the logits path, each row's softmax normaliser (float partials then float64). So

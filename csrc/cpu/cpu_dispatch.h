@@ -1,41 +1,40 @@
-// Run-time choice between the CPU kernel builds (cpu_kernels.h compiled per instruction set).
+// The entry points of the CPU kernel builds (cpu_kernels.h compiled per instruction set) and the run-time choice
+// between them.
 //
 // DIVERSED_CPU_CAPABILITY=baseline|avx2 forces one (the tests compare both); otherwise AVX2 is used where the CPU has
-// it. The builds give bitwise-identical results, so the choice only changes speed.
+// it. The builds give bitwise-identical results, so the choice only changes speed. Torch-free, like the kernels.
 #pragma once
-
-#include <ATen/core/Tensor.h>
 
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 
+#include "kernel_prelude.h"
+
 namespace diversed {
 namespace cpu {
 
-#define DIVERSED_DECLARE_CPU_LAUNCHERS(capability)                                                                   \
-  namespace capability {                                                                                             \
-  void verify_probs(const at::Tensor& draft_tokens, const at::Tensor& draft_probs, const at::Tensor& target_probs,  \
-                    const at::Tensor& weight, const at::Tensor& num_draft, const at::Tensor& greedy,                \
-                    const c10::optional<at::Tensor>& uniforms, const at::Tensor& seeds, int64_t offset,             \
-                    bool per_row_seed, at::Tensor& tokens, at::Tensor& num_accepted, at::Tensor& accept_prob);      \
-  void verify_logits(const at::Tensor& draft_tokens, const at::Tensor& draft_logits,                                \
-                     const at::Tensor& target_logits, const at::Tensor& weight, const at::Tensor& num_draft,        \
-                     const at::Tensor& temperature, const c10::optional<at::Tensor>& uniforms,                      \
-                     const at::Tensor& seeds, int64_t offset, bool per_row_seed, at::Tensor& tokens,                \
-                     at::Tensor& num_accepted, at::Tensor& accept_prob);                                            \
-  void token_stats(const at::Tensor& draft, const at::Tensor& target, const at::Tensor& tokens,                     \
-                   const at::Tensor& temperature, bool from_logits, at::Tensor& target_prob, at::Tensor& draft_prob, \
-                   at::Tensor& total_variation, at::Tensor& target_logprob, at::Tensor& draft_logprob);             \
-  void mix(const at::Tensor& draft, const at::Tensor& target, const at::Tensor& weight,                             \
-           const at::Tensor& temperature, bool from_logits, at::Tensor& mixture);                                   \
+// T is float, double, HalfBits or BFloat16Bits (the instantiations in cpu_kernels.h).
+#define DIVERSED_DECLARE_CPU_KERNELS(capability)                                                                      \
+  namespace capability {                                                                                              \
+  template <typename T>                                                                                               \
+  void verify_probs(const VerifyProblem& problem, const T* draft_probs, const T* target_probs,                        \
+                    const ParallelFor& parallel_for);                                                                 \
+  template <typename T>                                                                                               \
+  void verify_logits(const VerifyProblem& problem, const T* draft_logits, const T* target_logits,                     \
+                     const float* temperature, const ParallelFor& parallel_for);                                      \
+  template <typename T>                                                                                               \
+  void token_stats(const PairProblem<T>& pair, const TokenStatsOut& out, const ParallelFor& parallel_for);            \
+  template <typename T>                                                                                               \
+  void mix(const PairProblem<T>& pair, const float* weight, float* mixture, const ParallelFor& parallel_for);         \
   }
 
-DIVERSED_DECLARE_CPU_LAUNCHERS(baseline)
+DIVERSED_DECLARE_CPU_KERNELS(baseline)
 #if defined(__x86_64__) && defined(__GNUC__)
 #define DIVERSED_HAS_AVX2_BUILD 1
-DIVERSED_DECLARE_CPU_LAUNCHERS(avx2)
+DIVERSED_DECLARE_CPU_KERNELS(avx2)
 #endif
+#undef DIVERSED_DECLARE_CPU_KERNELS
 
 inline bool use_avx2() {
 #ifdef DIVERSED_HAS_AVX2_BUILD
@@ -48,11 +47,13 @@ inline bool use_avx2() {
 #endif
 }
 
+// DIVERSED_CPU_CALL(verify_probs<T>, args...) runs the build use_avx2() picks.
 #ifdef DIVERSED_HAS_AVX2_BUILD
-#define DIVERSED_CPU_CALL(launcher, ...) \
-  (::diversed::cpu::use_avx2() ? ::diversed::cpu::avx2::launcher(__VA_ARGS__) : ::diversed::cpu::baseline::launcher(__VA_ARGS__))
+#define DIVERSED_CPU_CALL(kernel, ...)                                                                                \
+  (::diversed::cpu::use_avx2() ? ::diversed::cpu::avx2::kernel(__VA_ARGS__)                                           \
+                               : ::diversed::cpu::baseline::kernel(__VA_ARGS__))
 #else
-#define DIVERSED_CPU_CALL(launcher, ...) ::diversed::cpu::baseline::launcher(__VA_ARGS__)
+#define DIVERSED_CPU_CALL(kernel, ...) ::diversed::cpu::baseline::kernel(__VA_ARGS__)
 #endif
 
 }  // namespace cpu

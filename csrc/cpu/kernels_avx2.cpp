@@ -1,22 +1,11 @@
 // The CPU kernels compiled for AVX2 (8 floats per vector instead of 4), chosen at run time by cpu_dispatch.h.
 //
-// Every header is included BEFORE the target pragma: inline functions of torch and the standard library must keep
-// their default-target definitions, or the linker could hand AVX2 code to a CPU without it. Only the kernels, which
-// live in their own namespace, are defined after it. FMA stays off (target "avx2" alone does not enable it), so the
-// arithmetic is the baseline's, bit for bit.
+// Every outside header (kernel_prelude.h gathers them) is included BEFORE the target pragma: inline functions of the
+// standard library must keep their default-target definitions, or the linker could hand AVX2 code to a CPU without
+// it. Only the kernels, which live in their own namespace, are defined after it. FMA stays off (target "avx2" alone
+// does not enable it), so the arithmetic is the baseline's, bit for bit.
 #if defined(__x86_64__) && defined(__GNUC__)
-#include <ATen/Dispatch.h>
-#include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
-
-#include <algorithm>
-#include <cmath>
-#include <cstdint>
-#include <memory>
-#include <optional>
-#include <vector>
-
-#include "../verify_math.h"
+#include "kernel_prelude.h"
 
 #pragma GCC push_options
 #pragma GCC target("avx2")

@@ -4,7 +4,8 @@
 // exercises exactly the arithmetic the GPU runs. The arithmetic model is fixed so that the native kernels and the
 // pure-PyTorch reference agree bit for bit on identical uniforms:
 //   * probabilities and weights are loaded as float32 and sanitised (NaN, negative or infinite mass counts as zero);
-//   * nu = (w * p) + ((1 - w) * q) in float32 without fused multiply-add (the build passes -ffp-contract=off / --fmad=false);
+//   * nu = (w * p) + ((1 - w) * q) in float32 without fused multiply-add (the build passes -ffp-contract=off and
+//     --fmad=false);
 //   * the accept test u * q < nu is evaluated in float64, where it is exact;
 //   * residual mass max(0, p - q) is formed in float32 and accumulated in float64.
 #pragma once
@@ -115,41 +116,7 @@ DX_HD double sanitize_uniform(double u) {
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// One verify call as every backend sees it (layouts as in csrc/ops.cpp): inputs, randomness and outputs.
-struct VerifyProblem {
-  int64_t batch, num_positions, vocab;  // B, K, V
-  const int64_t* draft_tokens;          // [B, K]
-  const float* weight;                  // [B, K]
-  const int64_t* num_draft;             // [B]
-  const bool* greedy;                   // [B] (the logits path derives it from the temperatures)
-  const double* uniforms;               // [B, K+1] or nullptr (then Philox)
-  const int64_t* seeds;                 // [B]
-  int64_t offset;
-  bool per_row_seed;
-  int64_t* out_tokens;        // [B, K+1]
-  int32_t* out_num_accepted;  // [B]
-  float* out_accept_prob;     // [B, K]
-
-  // u_position of a row: explicit uniforms (clamped into [0, 1)) or Philox keyed by the row's seed.
-  DX_HD double uniform(int64_t row, int64_t position) const {
-    if (uniforms) return sanitize_uniform(uniforms[row * (num_positions + 1) + position]);
-    return philox_uniform(seeds[row], offset, per_row_seed ? 0 : row, position);
-  }
-  // num_draft clamped to [0, K] (garbage is only reachable with check_inputs=False).
-  DX_HD int64_t drafted(int64_t row) const {
-    const int64_t n = num_draft[row];
-    return n < 0 ? 0 : (n > num_positions ? num_positions : n);
-  }
-  DX_HD float weight_at(int64_t row, int64_t position) const {
-    return sanitize_weight(weight[row * num_positions + position]);
-  }
-};
-
-}  // namespace diversed
-
-// ---------------------------------------------------------------------------------------------------------------
 // Softmax from logits without materialising probabilities.
-namespace diversed {
 
 constexpr float kLog2e = 1.44269504088896341f;
 constexpr float kLn2High = 0.693145751953125f;  // ln 2 split in two so n * ln2 is exact for |n| <= 126

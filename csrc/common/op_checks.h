@@ -1,6 +1,6 @@
-// Argument checks of the `diversed` ops, shared by every backend's wrappers (csrc/cpu, csrc/cuda). They are the last
+// Argument checks of the `diversed` ops, shared by every backend's bindings (csrc/cpu, csrc/cuda). They are the last
 // line of defence: the Python layer (diversed_ext/_inputs.py) has already produced these exact layouts. Structural
-// checks only, so they never read tensor values (no device sync).
+// checks only, so they never read tensor values (no device sync). Device placement is the CUDA binding's own check.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -8,6 +8,12 @@
 #include <cstdint>
 
 namespace diversed {
+
+// Operator names as error messages give them.
+constexpr const char* kVerifyProbsOp = "diversed::verify_probs";
+constexpr const char* kVerifyLogitsOp = "diversed::verify_logits";
+constexpr const char* kTokenStatsOp = "diversed::token_stats";
+constexpr const char* kMixOp = "diversed::mix";
 
 inline void check_float_vector(const at::Tensor& tensor, int64_t size, const char* op, const char* name) {
   TORCH_CHECK(tensor.scalar_type() == at::kFloat && tensor.is_contiguous() && tensor.numel() == size, op, ": ", name,
@@ -29,11 +35,19 @@ inline void check_pair(const at::Tensor& draft, const at::Tensor& target, const 
 }
 
 // verify_probs / verify_logits: draft [B, K, V], target [B, K+1, V], draft_tokens (int64 [B, K]), weight (float32
-// [B, K]), num_draft and seeds (int64 [B]), uniforms (float64 [B, K+1]) when given. Greedy flags and temperatures
-// are checked by the caller.
-inline void check_verify_args(const char* op, const at::Tensor& draft_tokens, const at::Tensor& draft,
+// [B, K]), num_draft and seeds (int64 [B]), uniforms (float64 [B, K+1]) when given, and the per-row flags: greedy
+// (bool [B]) from probabilities, temperature (float32 [B]) from logits.
+enum class VerifyInput { kProbs, kLogits };
+
+inline const char* verify_op(VerifyInput input) {
+  return input == VerifyInput::kProbs ? kVerifyProbsOp : kVerifyLogitsOp;
+}
+
+inline void check_verify_args(VerifyInput input, const at::Tensor& draft_tokens, const at::Tensor& draft,
                               const at::Tensor& target, const at::Tensor& weight, const at::Tensor& num_draft,
-                              const c10::optional<at::Tensor>& uniforms, const at::Tensor& seeds) {
+                              const at::Tensor& greedy_or_temperature, const c10::optional<at::Tensor>& uniforms,
+                              const at::Tensor& seeds) {
+  const char* op = verify_op(input);
   check_pair(draft, target, op);
   const int64_t B = draft.size(0), K = draft.size(1);
   TORCH_CHECK(target.size(1) == K + 1, op, ": target must be [B, K+1, V]");
@@ -44,16 +58,19 @@ inline void check_verify_args(const char* op, const at::Tensor& draft_tokens, co
   if (uniforms.has_value())
     TORCH_CHECK(uniforms->scalar_type() == at::kDouble && uniforms->is_contiguous() && uniforms->numel() == B * (K + 1),
                 op, ": uniforms must be contiguous float64 [B, K+1]");
-}
-
-inline void check_greedy(const char* op, const at::Tensor& greedy, int64_t batch) {
-  TORCH_CHECK(greedy.scalar_type() == at::kBool && greedy.is_contiguous() && greedy.numel() == batch, op,
-              ": greedy must be contiguous bool [B]");
+  if (input == VerifyInput::kLogits) {
+    check_float_vector(greedy_or_temperature, B, op, "temperature");
+  } else {
+    TORCH_CHECK(greedy_or_temperature.scalar_type() == at::kBool && greedy_or_temperature.is_contiguous() &&
+                    greedy_or_temperature.numel() == B,
+                op, ": greedy must be contiguous bool [B]");
+  }
 }
 
 // token_stats: draft and target [B, T, V], tokens int64 [B, T], temperature float32 [B].
-inline void check_token_stats_args(const char* op, const at::Tensor& draft, const at::Tensor& target,
+inline void check_token_stats_args(const at::Tensor& draft, const at::Tensor& target,
                                    const at::Tensor& tokens, const at::Tensor& temperature) {
+  constexpr const char* op = kTokenStatsOp;
   check_pair(draft, target, op);
   const int64_t B = draft.size(0), T = draft.size(1);
   TORCH_CHECK(target.size(1) == T, op, ": draft and target must both be [B, T, V]");
@@ -62,8 +79,9 @@ inline void check_token_stats_args(const char* op, const at::Tensor& draft, cons
 }
 
 // mix: draft [B, K, V], target [B, K or more, V], weight float32 [B, K], temperature float32 [B].
-inline void check_mix_args(const char* op, const at::Tensor& draft, const at::Tensor& target,
-                           const at::Tensor& weight, const at::Tensor& temperature) {
+inline void check_mix_args(const at::Tensor& draft, const at::Tensor& target, const at::Tensor& weight,
+                           const at::Tensor& temperature) {
+  constexpr const char* op = kMixOp;
   check_pair(draft, target, op);
   const int64_t B = draft.size(0), K = draft.size(1);
   TORCH_CHECK(target.size(1) >= K, op, ": target must have at least K positions");

@@ -1,0 +1,102 @@
+// Output allocation shared by every backend's op bindings, and the torch-free problem structs (problems.h) built over
+// the checked inputs and the fresh outputs. Outputs have the shapes and dtypes of the schemas in csrc/ops.cpp, live on
+// the device of the inputs, and are poisoned under the test hook (poison.h) so that an element a kernel forgets shows
+// up. Empty outputs are returned unpoisoned: the kernels are not called for them.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+
+#include <cstdint>
+#include <tuple>
+#include <type_traits>
+
+#include "poison.h"
+#include "problems.h"
+
+namespace diversed {
+
+// ------------------------------------------------------------------------------------------------ element types
+// torch's 16-bit types have the same bits as each backend's own (CUDA's __half and __nv_bfloat16, the CPU kernels'
+// bit wrappers), so a binding hands its kernels the tensor's data reinterpreted as the backend's type.
+template <typename Half, typename BFloat16, typename scalar_t>
+using kernel_element_t =
+    std::conditional_t<std::is_same_v<scalar_t, at::Half>, Half,
+                       std::conditional_t<std::is_same_v<scalar_t, at::BFloat16>, BFloat16, scalar_t>>;
+
+template <typename T, typename scalar_t>
+const T* kernel_data(const at::Tensor& tensor) {
+  static_assert(sizeof(T) == sizeof(scalar_t), "a kernel element type must have the bits of torch's");
+  return reinterpret_cast<const T*>(tensor.data_ptr<scalar_t>());
+}
+
+// ------------------------------------------------------------------------------------------------ verify
+// verify_probs / verify_logits: tokens int64 [B, K+1], num_accepted int32 [B], accept_prob float32 [B, K], and the
+// VerifyProblem that points at them.
+struct VerifyCall {
+  at::Tensor tokens, num_accepted, accept_prob;
+  VerifyProblem problem;
+
+  bool empty() const { return problem.batch == 0; }
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> result() const { return {tokens, num_accepted, accept_prob}; }
+};
+
+// `greedy` is verify_probs' flags; the logits path passes nullptr and derives them from the temperatures.
+inline VerifyCall start_verify(const at::Tensor& draft_tokens, const at::Tensor& draft, const at::Tensor& weight,
+                               const at::Tensor& num_draft, const bool* greedy,
+                               const c10::optional<at::Tensor>& uniforms, const at::Tensor& seeds, int64_t offset,
+                               bool per_row_seed) {
+  const int64_t B = draft.size(0), K = draft.size(1), V = draft.size(2);
+  const auto options = draft_tokens.options();
+  VerifyCall call{at::empty({B, K + 1}, options.dtype(at::kLong)), at::empty({B}, options.dtype(at::kInt)),
+                  at::empty({B, K}, options.dtype(at::kFloat)), VerifyProblem{}};
+  if (B > 0) poison_outputs(call.tokens, call.num_accepted, call.accept_prob);
+  call.problem = VerifyProblem{B, K, V, draft_tokens.data_ptr<int64_t>(), weight.data_ptr<float>(),
+                               num_draft.data_ptr<int64_t>(), greedy,
+                               uniforms.has_value() ? uniforms->data_ptr<double>() : nullptr,
+                               seeds.data_ptr<int64_t>(), offset, per_row_seed, call.tokens.data_ptr<int64_t>(),
+                               call.num_accepted.data_ptr<int32_t>(), call.accept_prob.data_ptr<float>()};
+  return call;
+}
+
+// ------------------------------------------------------------------------------------------------ token_stats, mix
+// The draft/target pair of token_stats and mix as the kernels' element type T.
+template <typename T, typename scalar_t>
+PairProblem<T> pair_problem(const at::Tensor& draft, const at::Tensor& target, const at::Tensor& temperature,
+                            bool from_logits) {
+  return {kernel_data<T, scalar_t>(draft), kernel_data<T, scalar_t>(target), draft.size(0), draft.size(1),
+          target.size(1), draft.size(2), temperature.data_ptr<float>(), from_logits};
+}
+
+// token_stats: p(y), q(y), TV(p, q), log p(y), log q(y), each float32 [B, T], and the TokenStatsOut over them.
+struct TokenStatsCall {
+  at::Tensor target_prob, draft_prob, total_variation, target_logprob, draft_logprob;
+  TokenStatsOut out;
+
+  bool empty() const { return target_prob.numel() == 0; }
+  std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> result() const {
+    return {target_prob, draft_prob, total_variation, target_logprob, draft_logprob};
+  }
+};
+
+inline TokenStatsCall start_token_stats(const at::Tensor& draft, const at::Tensor& tokens) {
+  const int64_t B = draft.size(0), T = draft.size(1);
+  const auto options = draft.options().dtype(at::kFloat);
+  TokenStatsCall call{at::empty({B, T}, options), at::empty({B, T}, options), at::empty({B, T}, options),
+                      at::empty({B, T}, options), at::empty({B, T}, options), TokenStatsOut{}};
+  if (B * T > 0)
+    poison_outputs(call.target_prob, call.draft_prob, call.total_variation, call.target_logprob, call.draft_logprob);
+  call.out = TokenStatsOut{tokens.data_ptr<int64_t>(), call.target_prob.data_ptr<float>(),
+                           call.draft_prob.data_ptr<float>(), call.total_variation.data_ptr<float>(),
+                           call.target_logprob.data_ptr<float>(), call.draft_logprob.data_ptr<float>()};
+  return call;
+}
+
+// mix: nu float32 [B, K, V].
+inline at::Tensor allocate_mixture(const at::Tensor& draft) {
+  at::Tensor mixture = at::empty(draft.sizes(), draft.options().dtype(at::kFloat));
+  if (mixture.numel() > 0) poison_outputs(mixture);
+  return mixture;
+}
+
+}  // namespace diversed

@@ -1,0 +1,68 @@
+// The kernels' view of one op call: raw pointers and sizes, no torch. Both backends' kernels take these structs, and
+// op_outputs.h builds them from the checked tensors, so the layouts below are stated once (they are the schemas' in
+// csrc/ops.cpp).
+#pragma once
+
+#include <cstdint>
+
+#include "verify_math.h"
+
+namespace diversed {
+
+// verify_probs / verify_logits: the request-level inputs, the randomness and the outputs. The distributions themselves
+// (probabilities or logits, of whatever element type) are passed to the kernels beside it.
+struct VerifyProblem {
+  int64_t batch, num_positions, vocab;  // B, K, V
+  const int64_t* draft_tokens;          // [B, K]
+  const float* weight;                  // [B, K]
+  const int64_t* num_draft;             // [B]
+  const bool* greedy;                   // [B] probabilities only; the logits path derives it from the temperatures
+  const double* uniforms;               // [B, K+1] or nullptr (then Philox)
+  const int64_t* seeds;                 // [B]
+  int64_t offset;
+  bool per_row_seed;
+  int64_t* out_tokens;        // [B, K+1]
+  int32_t* out_num_accepted;  // [B]
+  float* out_accept_prob;     // [B, K]
+
+  // u_position of a row: explicit uniforms (clamped into [0, 1)) or Philox keyed by the row's seed.
+  DX_HD double uniform(int64_t row, int64_t position) const {
+    if (uniforms) return sanitize_uniform(uniforms[row * (num_positions + 1) + position]);
+    return philox_uniform(seeds[row], offset, per_row_seed ? 0 : row, position);
+  }
+  // num_draft clamped to [0, K] (garbage is only reachable with check_inputs=False).
+  DX_HD int64_t drafted(int64_t row) const {
+    const int64_t n = num_draft[row];
+    return n < 0 ? 0 : (n > num_positions ? num_positions : n);
+  }
+  DX_HD float weight_at(int64_t row, int64_t position) const {
+    return sanitize_weight(weight[row * num_positions + position]);
+  }
+};
+
+// token_stats / mix: pairs of distributions, draft [B, T, V] and target [B, Tt, V] with Tt >= T (mix ignores the
+// target's positions past T). One task per (row, position) index in [0, B * T).
+template <typename T>
+struct PairProblem {
+  const T* draft;
+  const T* target;
+  int64_t batch, positions, target_positions, vocab;
+  const float* temperature;  // [B]; only read with from_logits
+  bool from_logits;
+
+  DX_HD int64_t rows() const { return batch * positions; }
+  DX_HD int64_t row_of(int64_t index) const { return index / positions; }
+  DX_HD const T* draft_values(int64_t index) const { return draft + index * vocab; }
+  DX_HD const T* target_values(int64_t index) const {
+    return target + (row_of(index) * target_positions + index % positions) * vocab;
+  }
+  DX_HD float inverse_temperature(int64_t index) const { return inverse_temperature_of(temperature[row_of(index)]); }
+};
+
+// token_stats: the tokens y and the five outputs, each [B, T].
+struct TokenStatsOut {
+  const int64_t* tokens;
+  float *target_prob, *draft_prob, *total_variation, *target_logprob, *draft_logprob;
+};
+
+}  // namespace diversed

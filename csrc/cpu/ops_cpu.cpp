@@ -1,0 +1,104 @@
+// CPU bindings of the four `diversed` ops: argument checks, output allocation, one kernel call per op. The kernels are
+// torch-free (verify_kernels.h, stats_kernels.h), compiled per instruction set and picked at run time
+// (cpu_dispatch.h); this file hands them raw pointers and at::parallel_for.
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <tuple>
+
+#include "../common/op_checks.h"
+#include "../common/op_outputs.h"
+#include "cpu_dispatch.h"
+
+namespace diversed {
+namespace cpu {
+namespace {
+
+// The kernels are written over torch-free bit wrappers of the 16-bit types.
+template <typename scalar_t>
+using CpuElement = kernel_element_t<HalfBits, BFloat16Bits, scalar_t>;
+
+// One task per index, like the kernels' own loops.
+void run_parallel_for(int64_t begin, int64_t end, ParallelFor::Thunk thunk, const void* body) {
+  at::parallel_for(begin, end, 1, [&](int64_t b, int64_t e) { thunk(body, b, e); });
+}
+constexpr ParallelFor kParallelFor{&run_parallel_for};
+
+using VerifyTuple = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
+
+VerifyTuple verify_probs_cpu(const at::Tensor& draft_tokens, const at::Tensor& draft_probs,
+                             const at::Tensor& target_probs, const at::Tensor& weight, const at::Tensor& num_draft,
+                             const at::Tensor& greedy, const c10::optional<at::Tensor>& uniforms,
+                             const at::Tensor& seeds, int64_t offset, bool per_row_seed) {
+  check_verify_args(VerifyInput::kProbs, draft_tokens, draft_probs, target_probs, weight, num_draft, greedy, uniforms,
+                    seeds);
+  const VerifyCall call = start_verify(draft_tokens, draft_probs, weight, num_draft, greedy.data_ptr<bool>(), uniforms,
+                                       seeds, offset, per_row_seed);
+  if (call.empty()) return call.result();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, draft_probs.scalar_type(), "verify_probs_cpu", [&] {
+    using T = CpuElement<scalar_t>;
+    DIVERSED_CPU_CALL(verify_probs<T>, call.problem, kernel_data<T, scalar_t>(draft_probs),
+                      kernel_data<T, scalar_t>(target_probs), kParallelFor);
+  });
+  return call.result();
+}
+
+VerifyTuple verify_logits_cpu(const at::Tensor& draft_tokens, const at::Tensor& draft_logits,
+                              const at::Tensor& target_logits, const at::Tensor& weight, const at::Tensor& num_draft,
+                              const at::Tensor& temperature, const c10::optional<at::Tensor>& uniforms,
+                              const at::Tensor& seeds, int64_t offset, bool per_row_seed) {
+  check_verify_args(VerifyInput::kLogits, draft_tokens, draft_logits, target_logits, weight, num_draft, temperature,
+                    uniforms, seeds);
+  const VerifyCall call = start_verify(draft_tokens, draft_logits, weight, num_draft, /*greedy=*/nullptr, uniforms,
+                                       seeds, offset, per_row_seed);
+  if (call.empty()) return call.result();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, draft_logits.scalar_type(), "verify_logits_cpu", [&] {
+    using T = CpuElement<scalar_t>;
+    DIVERSED_CPU_CALL(verify_logits<T>, call.problem, kernel_data<T, scalar_t>(draft_logits),
+                      kernel_data<T, scalar_t>(target_logits), temperature.data_ptr<float>(), kParallelFor);
+  });
+  return call.result();
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> token_stats_cpu(
+    const at::Tensor& draft, const at::Tensor& target, const at::Tensor& tokens, const at::Tensor& temperature,
+    bool from_logits) {
+  check_token_stats_args(draft, target, tokens, temperature);
+  const TokenStatsCall call = start_token_stats(draft, tokens);
+  if (call.empty()) return call.result();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, draft.scalar_type(), "token_stats_cpu", [&] {
+    using T = CpuElement<scalar_t>;
+    DIVERSED_CPU_CALL(token_stats<T>, pair_problem<T, scalar_t>(draft, target, temperature, from_logits), call.out,
+                      kParallelFor);
+  });
+  return call.result();
+}
+
+// nu = w p + (1 - w) q materialised as float32 [B, K, V]; target may carry extra positions (K+1), which are ignored.
+at::Tensor mix_cpu(const at::Tensor& draft, const at::Tensor& target, const at::Tensor& weight,
+                   const at::Tensor& temperature, bool from_logits) {
+  check_mix_args(draft, target, weight, temperature);
+  at::Tensor mixture = allocate_mixture(draft);
+  if (mixture.numel() == 0) return mixture;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, draft.scalar_type(), "mix_cpu", [&] {
+    using T = CpuElement<scalar_t>;
+    DIVERSED_CPU_CALL(mix<T>, pair_problem<T, scalar_t>(draft, target, temperature, from_logits),
+                      weight.data_ptr<float>(), mixture.data_ptr<float>(), kParallelFor);
+  });
+  return mixture;
+}
+
+}  // namespace
+}  // namespace cpu
+
+TORCH_LIBRARY_IMPL(diversed, CPU, m) {
+  m.impl("verify_probs", &cpu::verify_probs_cpu);
+  m.impl("verify_logits", &cpu::verify_logits_cpu);
+  m.impl("token_stats", &cpu::token_stats_cpu);
+  m.impl("mix", &cpu::mix_cpu);
+}
+
+}  // namespace diversed

@@ -1,0 +1,195 @@
+// Block-wide collectives (CUB) and the row operations built on them: softmax normaliser, argmax of the mixture,
+// sampled-mass total and inverse CDF. Each row operation is called by every thread of a block and returns the same
+// value in every thread; mass is accumulated in float64.
+#pragma once
+
+#include <cub/block/block_reduce.cuh>
+#include <cub/block/block_scan.cuh>
+
+#include <cmath>
+#include <cstdint>
+
+#include "row_loads.cuh"
+
+namespace diversed {
+namespace gpu {
+
+// ------------------------------------------------------------------------------------------------ block collectives
+struct ArgMax {
+  float value;
+  int64_t index;
+};
+struct ArgMaxOp {  // larger value, ties to the lower id (better_candidate): a total order, so associative
+  __device__ __forceinline__ ArgMax operator()(const ArgMax& a, const ArgMax& b) const {
+    return better_candidate(b.value, b.index, a.value, a.index) ? b : a;
+  }
+};
+struct SumOp {
+  template <typename V>
+  __device__ __forceinline__ V operator()(const V& a, const V& b) const { return a + b; }
+};
+struct MaxOp {  // operands are never NaN: threads skip NaN before reducing
+  template <typename V>
+  __device__ __forceinline__ V operator()(const V& a, const V& b) const { return a > b ? a : b; }
+};
+struct MinOp {
+  template <typename V>
+  __device__ __forceinline__ V operator()(const V& a, const V& b) const { return a < b ? a : b; }
+};
+
+template <typename V>
+using BlockReduce = cub::BlockReduce<V, kThreads>;
+using BlockScan = cub::BlockScan<double, kThreads>;
+
+// Shared memory of one block: CUB scratch and the slot that broadcasts a reduction's result to every thread.
+struct BlockStorage {
+  union {
+    typename BlockReduce<double>::TempStorage sum;
+    typename BlockReduce<float>::TempStorage max;
+    typename BlockReduce<int64_t>::TempStorage index;
+    typename BlockReduce<ArgMax>::TempStorage argmax;
+    typename BlockScan::TempStorage scan;
+  } temp;
+  union {
+    double sum;
+    float max;
+    int64_t index;
+    ArgMax argmax;
+  } result;
+};
+
+// Reduction whose result every thread receives. Must be reached by all threads of the block.
+template <typename V, typename Op>
+__device__ __forceinline__ V block_all_reduce(V value, Op op, typename BlockReduce<V>::TempStorage& temp, V& slot) {
+  const V reduced = BlockReduce<V>(temp).Reduce(value, op);
+  if (threadIdx.x == 0) slot = reduced;
+  __syncthreads();
+  const V result = slot;
+  __syncthreads();  // temp and slot may be reused
+  return result;
+}
+
+__device__ __forceinline__ double block_sum(double value, BlockStorage& s) {
+  return block_all_reduce(value, SumOp{}, s.temp.sum, s.result.sum);
+}
+__device__ __forceinline__ int64_t block_min(int64_t value, BlockStorage& s) {
+  return block_all_reduce(value, MinOp{}, s.temp.index, s.result.index);
+}
+__device__ __forceinline__ int64_t block_max(int64_t value, BlockStorage& s) {
+  return block_all_reduce(value, MaxOp{}, s.temp.index, s.result.index);
+}
+
+// ------------------------------------------------------------------------------------------------ row operations
+// Each is called by every thread of the block and returns the same value in every thread.
+
+// Softmax normaliser of logits scaled by inverse_temperature, reading the row once (online softmax): each thread keeps
+// its running max and its sum of exp(s - running max), rescaled when a tile raises the max; the block then rescales
+// every thread's sum to the row max and adds them. Float partials per tile, float64 across tiles. NaN is skipped by the
+// max; a row without a finite logit has no mass.
+template <typename T>
+__device__ SoftmaxStats block_softmax_stats(const T* row, int64_t vocab, float inverse_temperature, BlockStorage& s) {
+  const TileLayout layout = tile_layout<T>(row, nullptr);
+  float thread_max = -INFINITY;
+  double thread_sum = 0.0;
+  for (int64_t tile = layout.base; tile < vocab; tile += kTileElements) {
+    const int64_t first = thread_first(tile);
+    float scaled[kItemsPerThread];
+    load_items(row, first, vocab, layout.vectorised, scaled);
+    float tile_max = thread_max;
+#pragma unroll
+    for (int k = 0; k < kItemsPerThread; ++k) {
+      scaled[k] *= inverse_temperature;
+      if (in_row(first + k, vocab) && scaled[k] > tile_max) tile_max = scaled[k];
+    }
+    if (!(tile_max > -INFINITY)) continue;  // nothing finite seen by this thread yet
+    if (tile_max > thread_max) thread_sum = rescale_exp_sum(thread_sum, thread_max, tile_max);
+    thread_max = tile_max;
+    float partial = 0.0f;
+#pragma unroll
+    for (int k = 0; k < kItemsPerThread; ++k)
+      if (in_row(first + k, vocab)) partial += exp_nonpositive(scaled[k] - thread_max);
+    thread_sum += static_cast<double>(partial);
+  }
+  const float row_max = block_all_reduce(thread_max, MaxOp{}, s.temp.max, s.result.max);
+  if (!(row_max > -INFINITY)) return SoftmaxStats{-INFINITY, 0.0f};
+  const double total = block_sum(rescale_exp_sum(thread_sum, thread_max, row_max), s);
+  return SoftmaxStats{row_max, static_cast<float>(1.0 / total)};
+}
+
+// argmax of nu = w p + (1 - w) q (or of p without a draft row); ties to the lowest id. Always in [0, vocab).
+template <typename Row>
+__device__ int64_t block_argmax_mixture(const Row& target, const Row* draft, float weight, int64_t vocab,
+                                        BlockStorage& s) {
+  const TileLayout layout = tile_layout(target.values, draft != nullptr ? draft->values : nullptr);
+  ArgMax best{-1.0f, vocab};  // loses to every element: masses are >= 0
+  for (int64_t tile = layout.base; tile < vocab; tile += kTileElements) {
+    const int64_t first = thread_first(tile);
+    float p[kItemsPerThread], q[kItemsPerThread];
+    load_masses(target, first, vocab, layout.vectorised, p);
+    if (draft != nullptr) load_masses(*draft, first, vocab, layout.vectorised, q);
+#pragma unroll
+    for (int k = 0; k < kItemsPerThread; ++k) {
+      const int64_t v = first + k;
+      const float nu = draft != nullptr ? mix_mass(weight, p[k], q[k]) : p[k];
+      if (in_row(v, vocab) && better_candidate(nu, v, best.value, best.index)) best = ArgMax{nu, v};
+    }
+  }
+  const int64_t index = block_all_reduce(best, ArgMaxOp{}, s.temp.argmax, s.result.argmax).index;
+  return index < vocab ? index : 0;  // unreachable guard: vocab >= 1, so some element always wins
+}
+
+// Sum of the sampled mass (residual with a draft row, p without), in float64.
+template <typename Row>
+__device__ double block_sample_total(const Row& target, const Row* draft, int64_t vocab, BlockStorage& s) {
+  const TileLayout layout = tile_layout(target.values, draft != nullptr ? draft->values : nullptr);
+  double thread_sum = 0.0;
+  for (int64_t tile = layout.base; tile < vocab; tile += kTileElements) {
+    float mass[kItemsPerThread];
+    load_sample_masses(target, draft, thread_first(tile), vocab, layout.vectorised, mass);
+#pragma unroll
+    for (int k = 0; k < kItemsPerThread; ++k) thread_sum += static_cast<double>(mass[k]);
+  }
+  return block_sum(thread_sum, s);
+}
+
+// Inverse CDF: the first id whose running sum of sampled mass exceeds `threshold` (= u * total, total > 0), tile by
+// tile with a block-wide exclusive scan in float64. Only ids with positive mass can be chosen, and when rounding puts
+// the threshold past the scanned sum (the scan and the total add in different orders), the last id with positive mass
+// is returned: a parallel prefix sum is not monotone in floating point, yet the sample must have positive mass.
+template <typename Row>
+__device__ int64_t block_inverse_cdf(const Row& target, const Row* draft, int64_t vocab, double threshold,
+                                     BlockStorage& s) {
+  const TileLayout layout = tile_layout(target.values, draft != nullptr ? draft->values : nullptr);
+  constexpr int64_t kNone = INT64_MAX;
+  double carry = 0.0;              // mass of all earlier tiles
+  int64_t last_positive = -1;      // this thread's last element with positive mass
+  for (int64_t tile = layout.base; tile < vocab; tile += kTileElements) {
+    const int64_t first = thread_first(tile);
+    float mass[kItemsPerThread];
+    load_sample_masses(target, draft, first, vocab, layout.vectorised, mass);
+    double local = 0.0;
+#pragma unroll
+    for (int k = 0; k < kItemsPerThread; ++k) local += static_cast<double>(mass[k]);
+    double before, tile_total;
+    BlockScan(s.temp.scan).ExclusiveSum(local, before, tile_total);
+    __syncthreads();  // the scan's storage is reused below
+    double running = carry + before;
+    int64_t found = kNone;
+#pragma unroll
+    for (int k = 0; k < kItemsPerThread; ++k) {
+      if (mass[k] > 0.0f) {  // 0 outside the row
+        running += static_cast<double>(mass[k]);
+        last_positive = first + k;
+        if (found == kNone && running > threshold) found = first + k;
+      }
+    }
+    found = block_min(found, s);
+    if (found != kNone) return found;
+    carry += tile_total;
+  }
+  const int64_t fallback = block_max(last_positive, s);
+  return fallback >= 0 ? fallback : 0;  // no mass at all cannot happen with total > 0; 0 keeps the id in range
+}
+
+}  // namespace gpu
+}  // namespace diversed

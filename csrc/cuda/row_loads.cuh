@@ -1,0 +1,169 @@
+// Reading distribution rows in the CUDA kernels: element decoding, 16-byte vector loads over tiles, and the row
+// policies that turn loaded elements into probability mass. Free of torch, like every header of the CUDA kernels.
+//
+// One thread block works on one row (per request for verify), reading it in tiles of kThreads x kItemsPerThread
+// elements, each thread owning kItemsPerThread consecutive elements, loaded with 16-byte vector loads where the row
+// allows it (rows start at row * V elements, so a row is aligned only when V is a multiple of the vector width:
+// misaligned rows get a short scalar head, see TileLayout). Nothing is read outside [0, V) of a row.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "../common/verify_math.h"
+
+namespace diversed {
+namespace gpu {
+
+constexpr int kThreads = 256;        // one block per row
+constexpr int kItemsPerThread = 16;  // consecutive elements per thread and tile: 4 x float4 or 2 x 8 16-bit values
+constexpr int64_t kTileElements = static_cast<int64_t>(kThreads) * kItemsPerThread;
+
+// ------------------------------------------------------------------------------------------------ element loads
+// Elements are decoded from their bits to float32 (exact for the three API types; bfloat16 is the top half of a
+// float32, as on the CPU).
+template <typename T>
+struct Element;
+template <>
+struct Element<float> {
+  using Bits = uint32_t;
+  static __device__ __forceinline__ float decode(uint32_t bits) { return __uint_as_float(bits); }
+};
+template <>
+struct Element<double> {  // reachable through the dispatch macros; read as float32 like the CPU kernels
+  using Bits = unsigned long long;
+  static __device__ __forceinline__ float decode(unsigned long long bits) {
+    return static_cast<float>(__longlong_as_double(static_cast<long long>(bits)));
+  }
+};
+template <>
+struct Element<__nv_bfloat16> {
+  using Bits = uint16_t;
+  static __device__ __forceinline__ float decode(uint16_t bits) {
+    return __uint_as_float(static_cast<uint32_t>(bits) << 16);
+  }
+};
+template <>
+struct Element<__half> {
+  using Bits = uint16_t;
+  static __device__ __forceinline__ float decode(uint16_t bits) { return __half2float(__ushort_as_half(bits)); }
+};
+
+template <typename T>
+constexpr int kVectorWidth = 16 / static_cast<int>(sizeof(T));  // elements per 16-byte load
+
+__device__ __forceinline__ bool in_row(int64_t v, int64_t vocab) { return v >= 0 && v < vocab; }
+
+template <typename T>
+__device__ __forceinline__ float load_element(const T* row, int64_t v) {
+  using Bits = typename Element<T>::Bits;
+  return Element<T>::decode(__ldg(reinterpret_cast<const Bits*>(row) + v));
+}
+
+// Where the tiles of a row (or of two rows read in lockstep) start. Vector loads need 16-byte alignment; a row whose
+// start is off by `head` elements from it begins its first tile at `head - width` (those leading lanes lie before the
+// row and are skipped), so every later vector is aligned. Two rows with different misalignments are read scalar.
+struct TileLayout {
+  int64_t base;     // element index of the first tile, in (-width, 0]
+  bool vectorised;  // 16-byte loads wherever a whole vector lies inside the row
+};
+
+template <typename T>
+__device__ __forceinline__ TileLayout tile_layout(const T* first, const T* second) {
+  const uintptr_t misalignment = reinterpret_cast<uintptr_t>(first) % 16;
+  const bool same = second == nullptr || reinterpret_cast<uintptr_t>(second) % 16 == misalignment;
+  if (!same || misalignment % sizeof(T) != 0) return TileLayout{0, false};
+  const int64_t head = static_cast<int64_t>(((16 - misalignment) % 16) / sizeof(T));
+  return TileLayout{head > 0 ? head - kVectorWidth<T> : 0, true};
+}
+
+// Elements [first, first + kItemsPerThread) of a row as float32; entries outside [0, vocab) read as 0 and are never
+// loaded (callers skip them with in_row).
+template <typename T>
+__device__ __forceinline__ void load_items(const T* row, int64_t first, int64_t vocab, bool vectorised,
+                                           float (&x)[kItemsPerThread]) {
+  using Bits = typename Element<T>::Bits;
+  constexpr int kWidth = kVectorWidth<T>;
+#pragma unroll
+  for (int j = 0; j < kItemsPerThread / kWidth; ++j) {
+    const int64_t start = first + j * kWidth;
+    if (vectorised && start >= 0 && start + kWidth <= vocab) {
+      const uint4 raw = __ldg(reinterpret_cast<const uint4*>(row + start));
+      const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+      for (int w = 0; w < 4; ++w) {
+        if constexpr (sizeof(Bits) == 8) {
+          if (w % 2 == 0)
+            x[j * kWidth + w / 2] = Element<T>::decode(static_cast<Bits>(words[w]) |
+                                                       (static_cast<Bits>(words[w + 1]) << 32));
+        } else if constexpr (sizeof(Bits) == 4) {
+          x[j * kWidth + w] = Element<T>::decode(words[w]);
+        } else {
+          x[j * kWidth + 2 * w] = Element<T>::decode(static_cast<uint16_t>(words[w] & 0xFFFFu));
+          x[j * kWidth + 2 * w + 1] = Element<T>::decode(static_cast<uint16_t>(words[w] >> 16));
+        }
+      }
+    } else {
+#pragma unroll
+      for (int k = 0; k < kWidth; ++k) {
+        const int64_t v = start + k;
+        x[j * kWidth + k] = in_row(v, vocab) ? load_element(row, v) : 0.0f;
+      }
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------------ row policies
+// As on the CPU: a row of probabilities (mass = the sanitised value) or of logits with its softmax normaliser
+// (mass = the softmax probability, recomputed on the fly). `mass` maps a loaded element to its mass.
+template <typename T>
+struct ProbRow {
+  const T* values;
+  __device__ __forceinline__ float mass(float x) const { return sanitize_mass(x); }
+};
+
+template <typename T>
+struct LogitRow {
+  const T* values;
+  float inverse_temperature;
+  SoftmaxStats stats;
+  __device__ __forceinline__ float mass(float x) const { return softmax_mass(x, inverse_temperature, stats); }
+};
+
+template <typename Row>
+__device__ __forceinline__ float mass_at(const Row& row, int64_t v) {
+  return row.mass(load_element(row.values, v));
+}
+
+// Masses of this thread's elements of a tile; 0 outside the row.
+template <typename Row>
+__device__ __forceinline__ void load_masses(const Row& row, int64_t first, int64_t vocab, bool vectorised,
+                                            float (&mass)[kItemsPerThread]) {
+  load_items(row.values, first, vocab, vectorised, mass);
+#pragma unroll
+  for (int k = 0; k < kItemsPerThread; ++k) mass[k] = in_row(first + k, vocab) ? row.mass(mass[k]) : 0.0f;
+}
+
+// The mass sampled by the final step: max(0, p - q) with a draft row, p alone without.
+template <typename Row>
+__device__ __forceinline__ void load_sample_masses(const Row& target, const Row* draft, int64_t first, int64_t vocab,
+                                                   bool vectorised, float (&mass)[kItemsPerThread]) {
+  load_masses(target, first, vocab, vectorised, mass);
+  if (draft != nullptr) {
+    float q[kItemsPerThread];
+    load_masses(*draft, first, vocab, vectorised, q);
+#pragma unroll
+    for (int k = 0; k < kItemsPerThread; ++k) mass[k] = residual_mass(mass[k], q[k]);
+  }
+}
+
+// The first element this thread owns in the tile starting at `tile`.
+__device__ __forceinline__ int64_t thread_first(int64_t tile) {
+  return tile + static_cast<int64_t>(threadIdx.x) * kItemsPerThread;
+}
+
+}  // namespace gpu
+}  // namespace diversed
