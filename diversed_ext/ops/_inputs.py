@@ -2,7 +2,7 @@
 
 Structural checks (types, ranks, shapes, dtypes, devices) cost nothing and always run. Checks of values (token ids,
 probabilities, weights, uniforms, draft lengths) read tensors back to the host, so they run only with
-``check_inputs=True``; without them the kernels stay memory-safe by construction (see csrc/verify_math.h).
+``check_inputs=True``; without them the kernels stay memory-safe by construction (see csrc/common/verify_math.h).
 """
 
 from __future__ import annotations

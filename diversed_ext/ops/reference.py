@@ -1,7 +1,7 @@
 """Pure-PyTorch DIVERSED verification: the same contract as the native ops, written the way a user would write it.
 
 It is the correctness oracle of the test suite and the baseline of every benchmark. It follows the arithmetic model of
-csrc/verify_math.h (float32 mixture without fused multiply-add, float64 accept test and cumulative sums), so on identical
+csrc/common/verify_math.h (float32 mixture without fused multiply-add, float64 accept test and cumulative sums), so on identical
 uniforms it returns the same tokens as the kernels.
 """
 
