@@ -52,21 +52,18 @@ import json
 import math
 import sys
 import time
-from dataclasses import fields
 from pathlib import Path
 from typing import Callable, Optional
 
 import torch
-from tqdm.auto import tqdm
 
-from diversed_ext.decoding import encode_prompt, eos_ids
-from diversed_ext.research.harness import DEMO_PROMPTS
-from diversed_ext.decoding import DecodingSummary, SpeculativeDecoder
-from diversed_ext.research.report import paired_difference, standard_error
+from diversed_ext.decoding import DecodingSummary, SpeculativeDecoder, encode_prompt, eos_ids
+from diversed_ext.decoding.stats import add_summaries
+from diversed_ext.research.harness import DEMO_PROMPTS, run_interleaved
+from diversed_ext.research.report import cell, markdown_rows, paired_difference, standard_error, with_error
 from diversed_ext.models import load_default_pair
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-WARMUP_TOKENS = 4
 
 
 class ForwardCounter:
@@ -175,30 +172,12 @@ def build_methods(target, draft, tokenizer, args) -> list[tuple[str, Callable]]:
     return methods
 
 
-def add(total: Optional[DecodingSummary], part: DecodingSummary) -> DecodingSummary:
-    """Field-wise sum of two summaries (the first may be None)."""
-    if total is None:
-        return part
-    return DecodingSummary(**{field.name: getattr(total, field.name) + getattr(part, field.name)
-                              for field in fields(DecodingSummary)})
-
-
 def run_all(methods, prompts, args) -> dict[str, list[DecodingSummary]]:
-    """Every method on every prompt, interleaved prompt by prompt; one summary per (method, prompt)."""
-    for _, run in methods:  # untimed: the first passes pay for allocations and lazy imports
-        run(prompts[0], args.seed, WARMUP_TOKENS)
-    per_prompt = {name: [] for name, _ in methods}
-    runs = [(index, name, run) for index in range(len(prompts)) for name, run in methods]
-    for index, name, run in tqdm(runs, desc="bench_e2e", unit="run"):
-        per_prompt[name].append(run(prompts[index], args.seed + index, args.max_new_tokens))
-    return per_prompt
-
-
-def total_of(summaries: list[DecodingSummary]) -> DecodingSummary:
-    total = None
-    for summary in summaries:
-        total = add(total, summary)
-    return total
+    """Every method on every prompt through the research harness (warm-up, interleaving, seed + i)."""
+    runners = [(name, lambda index, seed, max_new_tokens, run=run: run(prompts[index], seed, max_new_tokens))
+               for name, run in methods]
+    return run_interleaved(runners, len(prompts), seed=args.seed, max_new_tokens=args.max_new_tokens,
+                           desc="bench_e2e")
 
 
 def acceptance_se(summaries: list[DecodingSummary]) -> float:
@@ -216,7 +195,7 @@ def paired_acceptance(per_prompt: dict[str, list[DecodingSummary]], ours: str, t
 
 def rows(per_prompt: dict[str, list[DecodingSummary]]) -> list[dict]:
     """One dict per method; overhead as a fraction of the rounds' time; speed ratios against ar and hf assisted."""
-    totals = {name: total_of(summaries) for name, summaries in per_prompt.items()}
+    totals = {name: add_summaries(summaries) for name, summaries in per_prompt.items()}
     references = {"ar": totals.get("ar"), "hf assisted": totals.get("hf assisted")}
     table = []
     for name, total in totals.items():
@@ -233,22 +212,13 @@ def rows(per_prompt: dict[str, list[DecodingSummary]]) -> list[dict]:
     return table
 
 
-def _cell(value, spec: str) -> str:
-    return "n/a" if isinstance(value, float) and math.isnan(value) else format(value, spec)
-
-
 def markdown(table: list[dict]) -> str:
-    lines = ["| method | acceptance | tokens/pass | ms/pass | tokens/s | overhead | vs ar | vs hf assisted |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for row in table:
-        acceptance = _cell(row["acceptance"], ".3f")
-        if not math.isnan(row["acceptance_se"]):
-            acceptance += f" +- {row['acceptance_se']:.3f}"
-        lines.append(f"| {row['method']} | {acceptance} | {_cell(row['tokens_per_pass'], '.2f')}"
-                     f" | {_cell(row['ms_per_pass'], '.0f')} | {_cell(row['tokens_per_s'], '.1f')}"
-                     f" | {_cell(row['overhead'], '.1%')}"
-                     f" | {_cell(row['x_ar'], '.2f')}x | {_cell(row['x_hf_assisted'], '.2f')}x |")
-    return "\n".join(lines)
+    header = ["method", "acceptance", "tokens/pass", "ms/pass", "tokens/s", "overhead", "vs ar", "vs hf assisted"]
+    return markdown_rows(header, [[row["method"], with_error(row["acceptance"], row["acceptance_se"]),
+                                   cell(row["tokens_per_pass"], ".2f"), cell(row["ms_per_pass"], ".0f"),
+                                   cell(row["tokens_per_s"], ".1f"), cell(row["overhead"], ".1%"),
+                                   cell(row["x_ar"], ".2f") + "x", cell(row["x_hf_assisted"], ".2f") + "x"]
+                                  for row in table])
 
 
 def write_csv(table: list[dict], path: Path) -> None:

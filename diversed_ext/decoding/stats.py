@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Iterable
 
 import torch
@@ -58,6 +58,18 @@ class Generation:
     seconds: float
     finish_reason: str
     seed: int
+
+    def summary(self) -> "DecodingSummary":
+        """This generation's totals."""
+        rounds = self.rounds
+        return DecodingSummary(
+            prompts=1, new_tokens=len(self.tokens), target_passes=len(rounds),
+            drafted=sum(stats.drafted for stats in rounds), accepted=sum(stats.accepted for stats in rounds),
+            seconds=self.seconds, draft_seconds=sum(stats.draft_seconds for stats in rounds),
+            target_seconds=sum(stats.target_seconds for stats in rounds),
+            head_seconds=sum(stats.head_seconds for stats in rounds),
+            verify_seconds=sum(stats.verify_seconds for stats in rounds),
+            round_seconds=sum(stats.round_seconds for stats in rounds))
 
 
 @dataclass
@@ -128,20 +140,16 @@ class GenerationOutput:
         return summarize(self.generations)
 
 
+def add_summaries(summaries: Iterable[DecodingSummary]) -> DecodingSummary:
+    """Field-wise totals of several summaries (for example one per prompt); all zeros for none."""
+    names = [item.name for item in fields(DecodingSummary)]
+    totals = dict.fromkeys(names, 0)
+    for summary in summaries:
+        for name in names:
+            totals[name] += getattr(summary, name)
+    return DecodingSummary(**totals)
+
+
 def summarize(generations: Iterable[Generation]) -> DecodingSummary:
     """Add up the statistics of several generations (for example one method over many prompts and seeds)."""
-    generations = list(generations)
-    rounds = [stats for generation in generations for stats in generation.rounds]
-    return DecodingSummary(
-        prompts=len(generations),
-        new_tokens=sum(len(generation.tokens) for generation in generations),
-        target_passes=len(rounds),
-        drafted=sum(stats.drafted for stats in rounds),
-        accepted=sum(stats.accepted for stats in rounds),
-        seconds=sum(generation.seconds for generation in generations),
-        draft_seconds=sum(stats.draft_seconds for stats in rounds),
-        target_seconds=sum(stats.target_seconds for stats in rounds),
-        head_seconds=sum(stats.head_seconds for stats in rounds),
-        verify_seconds=sum(stats.verify_seconds for stats in rounds),
-        round_seconds=sum(stats.round_seconds for stats in rounds),
-    )
+    return add_summaries(generation.summary() for generation in generations)

@@ -112,24 +112,30 @@ def comparison_lines(comparisons: Sequence[PairedDifference], label: str = "dive
                      for item in comparisons)
 
 
-def _cell(value: float, digits: int = 3) -> str:
-    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.{digits}f}"
+def cell(value, spec: str = ".3f") -> str:
+    """A table cell: ``value`` formatted with ``spec``, or "-" for a missing or NaN value."""
+    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
 
 
-def _fidelity_cell(row: MethodResult) -> str:
-    spread = row.fidelity_se  # NaN with fewer than two prompts
-    return _cell(row.fidelity) + ("" if math.isnan(spread) else f" +- {spread:.3f}")
+def with_error(value: float, error: float, spec: str = ".3f") -> str:
+    """``value +- error``, or just ``value`` where the error is undefined (fewer than two samples)."""
+    return cell(value, spec) + ("" if error is None or math.isnan(error) else f" +- {error:{spec}}")
+
+
+def markdown_rows(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """A markdown table: the first column left-aligned, the others right-aligned (numbers)."""
+    lines = ["| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 1)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
 
 
 def markdown_table(results: Sequence[MethodResult], metric: str = "quality") -> str:
     """The results as a markdown table (``metric`` names the task-quality column)."""
-    lines = [f"| method | w (mean) | acceptance | tokens/pass | {metric} | fidelity | tokens/s |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
-    for row in results:
-        lines.append(f"| {row.label} | {_cell(row.weight, 2)} | {_cell(row.acceptance)} | "
-                     f"{_cell(row.tokens_per_pass, 2)} | {_cell(row.quality)} | {_fidelity_cell(row)} | "
-                     f"{_cell(row.tokens_per_second, 1)} |")
-    return "\n".join(lines)
+    header = ["method", "w (mean)", "acceptance", "tokens/pass", metric, "fidelity", "tokens/s"]
+    return markdown_rows(header, [[row.label, cell(row.weight, ".2f"), cell(row.acceptance),
+                                   cell(row.tokens_per_pass, ".2f"), cell(row.quality),
+                                   with_error(row.fidelity, row.fidelity_se), cell(row.tokens_per_second, ".1f")]
+                                  for row in results])
 
 
 def plot_pareto(results: Sequence[MethodResult], path: str, metric: str = "quality") -> str:
