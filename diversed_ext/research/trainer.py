@@ -24,6 +24,7 @@ import gc
 import math
 import os
 import random
+import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Optional, Sequence
 
@@ -103,10 +104,31 @@ def distributed_session(timeout_seconds: float = 600.0):
         return
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     torch.distributed.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_seconds))
+    clean = False
     try:
         yield
+        clean = True
     finally:
-        torch.distributed.destroy_process_group()
+        _leave_process_group(synchronize=clean)
+
+
+# How long the main thread gives gloo's worker threads, without the GIL, to finish releasing their last work items.
+GLOO_DRAIN_SECONDS = 0.2
+
+
+def _leave_process_group(synchronize: bool) -> None:
+    """Destroy the process group without the teardown deadlock.
+
+    The group's destructor joins gloo's worker threads while this thread holds the GIL, and a worker that is still
+    releasing a finished work item needs the GIL for it (the item carries the thread-local state of the caller). So:
+    a barrier, after which no collective work is left to start; a short sleep, which releases the GIL while the
+    workers finish releasing their items; then the group goes.
+    """
+    if synchronize:
+        torch.distributed.barrier()
+        gc.collect()
+        time.sleep(GLOO_DRAIN_SECONDS)
+    torch.distributed.destroy_process_group()
 
 
 class Trainer:
