@@ -21,6 +21,7 @@ import math
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -30,6 +31,37 @@ from .decoding import METHODS, SpeculativeDecoder, encode_prompt, eos_ids, summa
 from .head import load_head
 from .research.harness import DEMO_PROMPTS, DEMO_WEIGHTS, demo_methods, run_demo
 from .research.report import format_table
+
+
+class UsageError(Exception):
+    """A mistake on the command line or in a file it names: printed as one line, exit status 2, no traceback."""
+
+
+USAGE_EXIT_STATUS = 2
+
+
+def _finite_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = _finite_float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def _weight_of_untrained_head(text: str) -> float:
+    value = _finite_float(text)
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
 
 
 def _positive_int(text: str) -> int:
@@ -47,15 +79,15 @@ def _non_negative_int(text: str) -> int:
 
 
 def _unit_float(text: str) -> float:
-    value = float(text)
+    value = _finite_float(text)
     if not 0.0 <= value <= 1.0:
         raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text}")
     return value
 
 
 def _non_negative_float(text: str) -> float:
-    value = float(text)
-    if not value >= 0.0 or math.isinf(value):
+    value = _finite_float(text)
+    if value < 0.0:
         raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
     return value
 
@@ -63,10 +95,11 @@ def _non_negative_float(text: str) -> float:
 def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", help="target model name or folder (default: the embedded SmolLM2-135M pair)")
     parser.add_argument("--draft", help="draft model name or folder (default: an int8 copy of the target)")
-    parser.add_argument("--k", type=_positive_int, default=3, help="most tokens drafted per round (default 3)")
-    parser.add_argument("--temperature", type=_non_negative_float, default=1.0, help="0 = greedy (default 1)")
-    parser.add_argument("--max-new-tokens", type=_non_negative_int, default=64, help="default 64")
-    parser.add_argument("--seed", type=int, default=0, help="default 0")
+    parser.add_argument("--k", type=_positive_int, default=3, help="most tokens drafted per round (default %(default)s)")
+    parser.add_argument("--temperature", type=_non_negative_float, default=1.0,
+                        help="0 = greedy (default %(default)s)")
+    parser.add_argument("--max-new-tokens", type=_positive_int, default=64, help="default %(default)s")
+    parser.add_argument("--seed", type=_non_negative_int, default=0, help="default %(default)s")
     parser.add_argument("--no-chat-template", action="store_true", help="tokenize the prompt as plain text")
 
 
@@ -79,7 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--prompt", required=True, help="the prompt text")
     generate.add_argument("--method", choices=METHODS, default="sd", help="default sd")
     generate.add_argument("--weight", type=_unit_float, help="weight w on the target, for --method static")
-    generate.add_argument("--head", help="weight head for --method diversed (a saved module)")
+    generate.add_argument("--head", help="head folder for --method diversed ('default': the head shipped for the "
+                                         "default SmolLM2-135M pair)")
     _add_model_arguments(generate)
 
     demo = commands.add_parser("demo", help="compare ar, sd and static ensembles on built-in prompts")
@@ -103,9 +137,16 @@ def load_models(target: Optional[str], draft: Optional[str]):
 
     if target is None:
         if draft is not None:
-            raise SystemExit("diversed: --draft needs --target")
+            raise UsageError("--draft needs --target")
         return load_default_pair()
-    return load_pair(target, draft)
+    for flag, name in (("--target", target), ("--draft", draft)):
+        # Nothing is downloaded here, so a name that is not a folder cannot load: say so before transformers does.
+        if name is not None and not os.path.isdir(name):
+            raise UsageError(f"{flag} {name}: no such model folder")
+    try:
+        return load_pair(target, draft)
+    except (OSError, ValueError) as error:
+        raise UsageError(f"cannot load --target {target}: {error}") from None
 
 
 def _load_head(path: str, target, draft):
@@ -113,16 +154,16 @@ def _load_head(path: str, target, draft):
     try:
         return load_head(path, target=target, draft=draft)
     except (OSError, ValueError) as error:
-        raise SystemExit(f"diversed: cannot load --head {path}: {error}") from error
+        raise UsageError(f"cannot load --head {path}: {error}") from None
 
 
 def _run_generate(args) -> int:
     if args.method == "static" and args.weight is None:
-        raise SystemExit("diversed: --method static needs --weight W in [0, 1]")
+        raise UsageError("--method static needs --weight W in [0, 1]")
     if args.method == "diversed" and args.head is None:
-        raise SystemExit("diversed: --method diversed needs --head PATH")
+        raise UsageError("--method diversed needs --head PATH (or --head default for the shipped head)")
     if args.weight is not None and args.method != "static":
-        raise SystemExit("diversed: --weight applies to --method static")
+        raise UsageError("--weight applies to --method static")
     target, draft, tokenizer = load_models(args.target, args.draft)
     head = _load_head(args.head, target, draft) if args.head else None
     decoder = SpeculativeDecoder(target, draft, method=args.method, weight=args.weight, head=head,
@@ -162,7 +203,7 @@ def find_bench_script(name: str) -> Path:
     for path in candidates:
         if path.is_file():
             return path
-    raise SystemExit(f"diversed: bench/{name} not found. The benchmark scripts are not part of the installed package; "
+    raise UsageError(f"bench/{name} not found. The benchmark scripts are not part of the installed package; "
                      f"they live in the source checkout: cd into it (the folder holding bench/) and run again "
                      f"(looked in {', '.join(str(path.parent) for path in candidates)})")
 
@@ -174,10 +215,24 @@ def _run_bench(args) -> int:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Entry point of the ``diversed`` console script; returns the exit status."""
+    """Entry point of the ``diversed`` console script; returns the exit status (2 for a user's mistake)."""
     args = build_parser().parse_args(argv)
     handlers = {"generate": _run_generate, "demo": _run_demo, "bench": _run_bench, **EXPERIMENT_HANDLERS}
-    return handlers[args.command](args)
+    try:
+        return handlers[args.command](args)
+    except UsageError as error:
+        print(f"diversed: {error}", file=sys.stderr)
+        return USAGE_EXIT_STATUS
+
+
+def _require_writable_folder(flag: str, path: str) -> None:
+    """Create ``path`` and prove it writable now, before hours of work produce results that cannot be saved."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path):
+            pass
+    except OSError as error:
+        raise UsageError(f"{flag} {path}: not writable ({error.strerror or error})") from None
 
 
 # ------------------------------------------------------------------------------------------ train / eval / pareto
@@ -193,12 +248,12 @@ def _add_task_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_experiment_commands(commands) -> None:
-    """The train, eval and pareto sub-commands (see :mod:`diversed_ext.experiments`)."""
+    """The train, eval and pareto sub-commands (see :mod:`diversed_ext.research`)."""
     train = commands.add_parser("train", help="train an ensemble head with RL on a task")
     _add_task_arguments(train)
     train.add_argument("--steps", type=_positive_int, default=50, help="default 50")
     train.add_argument("--batch-size", type=_positive_int, default=4, help="rollouts per step (default 4)")
-    train.add_argument("--lr", type=float, default=1e-2, help="AdamW learning rate (default 1e-2)")
+    train.add_argument("--lr", type=_positive_float, default=1e-2, help="AdamW learning rate (default 1e-2)")
     train.add_argument("--warmup-steps", type=_non_negative_int, default=2, help="default 2")
     train.add_argument("--acceptance-coef", type=_non_negative_float, default=0.05,
                        help="lambda of the acceptance regulariser (default 0.05)")
@@ -209,7 +264,8 @@ def add_experiment_commands(commands) -> None:
     train.add_argument("--epochs", type=_positive_int, default=1,
                        help="optimiser updates per batch of rollouts (default 1)")
     train.add_argument("--head-hidden", type=_positive_int, help="hidden width of the head (default: linear head)")
-    train.add_argument("--init-weight", type=float, default=0.5, help="w of the untrained head (default 0.5)")
+    train.add_argument("--init-weight", type=_weight_of_untrained_head, default=0.5,
+                       help="w of the untrained head, in (0, 1] (default 0.5)")
     train.add_argument("--rollout", choices=("speculative", "mixture"), default="speculative",
                        help="sample rollouts through the speculative loop (default) or token by token")
     train.add_argument("--output-dir", default="runs/head", help="checkpoints, log, curve, head/ (default runs/head)")
@@ -242,7 +298,15 @@ def _experiment_setup(args):
     if args.threads:
         torch.set_num_threads(args.threads)
     task = get_task(args.task)
-    examples = load_task_examples(task, args.data, args.limit)
+    try:
+        examples = load_task_examples(task, args.data, args.limit)
+    except (OSError, ValueError) as error:
+        raise UsageError(f"--data: {error}") from None
+    if getattr(args, "head", None) is not None and args.head != "default" and not os.path.isdir(args.head):
+        raise UsageError(f"--head {args.head}: no such head folder")
+    for flag in ("--output-dir",):
+        if getattr(args, "output_dir", None) is not None:
+            _require_writable_folder(flag, args.output_dir)
     target, draft, tokenizer = load_models(args.target, args.draft)
     return task, examples, target, draft, tokenizer, eos_ids(tokenizer, target)
 
@@ -254,10 +318,11 @@ def _head_for(args, target, draft):
 def _run_train(args) -> int:
     from .models import DEFAULT_PAIR
     from .research.recipes import build_trainer
+    from .research.checkpoints import CheckpointError
     from .research.trainer import TrainerConfig, distributed_session
 
     if not args.data and args.task != "humaneval":
-        raise SystemExit("diversed: train needs --data PATH (a jsonl of training examples)")
+        raise UsageError("train needs --data PATH (a jsonl of training examples)")
     task, examples, target, draft, tokenizer, eos = _experiment_setup(args)
     config = TrainerConfig(output_dir=args.output_dir, steps=args.steps, batch_size=args.batch_size,
                            learning_rate=args.lr, warmup_steps=args.warmup_steps,
@@ -270,7 +335,10 @@ def _run_train(args) -> int:
                                 init_weight=args.init_weight, num_draft=args.k, max_new_tokens=args.max_new_tokens,
                                 rollout=args.rollout, eos_token_id=eos, pair=None if args.target else DEFAULT_PAIR,
                                 chat=not args.no_chat_template)
-        history = trainer.train(resume=args.resume)
+        try:
+            history = trainer.train(resume=args.resume)
+        except CheckpointError as error:
+            raise UsageError(f"--resume: {error}") from None
     if history:
         last = history[-1]
         print(f"step {last['step']}: mean w {last['mean_weight']:.3f}, expected acceptance "
@@ -283,9 +351,9 @@ def _run_eval(args) -> int:
     from .research.harness import evaluate, method_specs
     from .research.report import compare_to_baselines, comparison_lines, markdown_table
 
-    task, examples, target, draft, tokenizer, eos = _experiment_setup(args)
     if "diversed" in args.method and not args.head:
-        raise SystemExit("diversed: --method diversed needs --head PATH (or --head default)")
+        raise UsageError("--method diversed needs --head PATH (or --head default for the shipped head)")
+    task, examples, target, draft, tokenizer, eos = _experiment_setup(args)
     specs = method_specs(args.method, args.weight, _head_for(args, target, draft))
     results = evaluate(task, examples, target, draft, tokenizer, specs, num_draft=args.k,
                        max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,

@@ -121,23 +121,69 @@ class EnsembleHead(nn.Module):
             pair: {"target": name, "draft": name} of the models in use; a head saved for another pair is refused.
             draft_hidden / target_hidden: hidden sizes of the models in use; a mismatch is refused.
         """
-        from safetensors.torch import load_file
-
         config_path = os.path.join(directory, CONFIG_NAME)
         weights_path = os.path.join(directory, WEIGHTS_NAME)
         for path in (config_path, weights_path):
             if not os.path.isfile(path):
                 raise FileNotFoundError(f"no ensemble head at {directory!r}: missing {os.path.basename(path)}")
-        with open(config_path) as handle:
-            stored = json.load(handle)
-        if stored.get("format") != FORMAT_NAME or stored.get("version") != FORMAT_VERSION:
-            raise ValueError(f"{config_path} is not a {FORMAT_NAME} v{FORMAT_VERSION} config")
-        config = HeadConfig(**{key: stored[key] for key in HeadConfig.__dataclass_fields__ if key in stored})
+        config = _read_config(config_path)
         _check_matches(config, pair, draft_hidden, target_hidden, directory)
         head = cls(config.draft_hidden, config.target_hidden, hidden=config.hidden, init_weight=config.init_weight,
                    pair=config.pair)
-        head.load_state_dict(load_file(weights_path, device=map_location))
+        head.load_state_dict(_read_weights(weights_path, head, map_location))
         return head
+
+
+def _read_config(path: str) -> HeadConfig:
+    """The config in head.json, or a ValueError naming the file and what is wrong with it."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            stored = json.load(handle)
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{path} is not valid JSON ({error})") from None
+    if not isinstance(stored, dict):
+        raise ValueError(f"{path} must hold a JSON object, not a {type(stored).__name__}")
+    if stored.get("format") != FORMAT_NAME or stored.get("version") != FORMAT_VERSION:
+        raise ValueError(f"{path} is not a {FORMAT_NAME} v{FORMAT_VERSION} config")
+    required = ("draft_hidden", "target_hidden")
+    missing = [name for name in required if name not in stored]
+    if missing:
+        raise ValueError(f"{path} lacks {', '.join(missing)}")
+    config = HeadConfig(**{key: stored[key] for key in HeadConfig.__dataclass_fields__ if key in stored})
+    for name in required:
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{path}: {name} must be a positive integer, got {value!r}")
+    if config.hidden is not None and (isinstance(config.hidden, bool) or not isinstance(config.hidden, int)
+                                      or config.hidden <= 0):
+        raise ValueError(f"{path}: hidden must be null or a positive integer, got {config.hidden!r}")
+    if not isinstance(config.init_weight, (int, float)) or not 0.0 < config.init_weight <= 1.0:
+        raise ValueError(f"{path}: init_weight must be in (0, 1], got {config.init_weight!r}")
+    if not isinstance(config.pair, dict):
+        raise ValueError(f"{path}: pair must be an object, got {config.pair!r}")
+    return config
+
+
+def _read_weights(path: str, head: "EnsembleHead", map_location: str) -> dict:
+    """The tensors in head.safetensors, checked against the head the config describes: same names, same shapes,
+    every value finite. Anything else is a ValueError naming the file."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        tensors = load_file(path, device=map_location)
+    except (SafetensorError, OSError, ValueError, RuntimeError) as error:
+        raise ValueError(f"{path} is not a readable safetensors file ({error})") from None
+    expected = head.state_dict()
+    if set(tensors) != set(expected):
+        raise ValueError(f"{path} holds tensors {sorted(tensors)}, the head in its head.json needs {sorted(expected)}")
+    for name, tensor in tensors.items():
+        if tensor.shape != expected[name].shape:
+            raise ValueError(f"{path}: {name} has shape {tuple(tensor.shape)}, head.json's widths need "
+                             f"{tuple(expected[name].shape)}")
+        if not torch.isfinite(tensor).all():
+            raise ValueError(f"{path}: {name} holds NaN or infinite values; refusing to use this head")
+    return tensors
 
 
 def _check_matches(config: HeadConfig, pair: Optional[dict], draft_hidden: Optional[int],

@@ -5,12 +5,19 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
+import zipfile
 from typing import Optional
 
 import torch
 
 CHECKPOINT_NAME = "checkpoint.pt"
 LOG_NAME = "train_log.jsonl"
+CHECKPOINT_KEYS = ("head", "optimizer", "scheduler", "step", "history", "rng", "config")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint or log that cannot be resumed from; the message names the file and what is wrong."""
 
 
 def _write_atomically(path: str, write) -> None:
@@ -31,10 +38,23 @@ def save_checkpoint(path: str, state: dict) -> None:
 
 
 def load_checkpoint(path: str) -> Optional[dict]:
-    """The checkpoint at ``path``, or None when there is none."""
+    """The checkpoint at ``path``, or None when there is none.
+
+    Only tensors and plain data are read (``weights_only``): a file that would run code when unpickled is refused,
+    like a truncated, empty or foreign one, with a :class:`CheckpointError` naming it."""
     if not os.path.isfile(path):
         return None
-    return torch.load(path, map_location="cpu", weights_only=False)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, EOFError, RuntimeError, OSError, ValueError, zipfile.BadZipFile) as error:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise CheckpointError(f"{path}: not a readable checkpoint ({reason})") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path}: not a training checkpoint (holds a {type(state).__name__})")
+    missing = [key for key in CHECKPOINT_KEYS if key not in state]
+    if missing:
+        raise CheckpointError(f"{path}: not a training checkpoint (lacks {', '.join(missing)})")
+    return state
 
 
 class TrainingLog:
@@ -49,10 +69,24 @@ class TrainingLog:
             handle.write(json.dumps(record) + "\n")
 
     def read(self) -> list[dict]:
+        """The records so far. A torn last line (a run killed mid-write) is dropped; a bad line before it is a
+        :class:`CheckpointError` naming the file and line."""
         if not os.path.isfile(self.path):
             return []
-        with open(self.path) as handle:
-            return [json.loads(line) for line in handle if line.strip()]
+        with open(self.path, encoding="utf-8", errors="replace") as handle:
+            lines = [(number, line) for number, line in enumerate(handle, 1) if line.strip()]
+        records = []
+        for index, (number, line) in enumerate(lines):
+            try:
+                record = json.loads(line)
+                if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+                    raise ValueError("not a step record")
+            except ValueError as error:
+                if index == len(lines) - 1:
+                    break  # torn by a kill during the append: that step will be logged again
+                raise CheckpointError(f"{self.path}:{number}: not a training-log record ({error})") from None
+            records.append(record)
+        return records
 
     def truncate(self, step: int) -> None:
         """After a resume, drop the records written past the checkpoint's step (they will be written again)."""

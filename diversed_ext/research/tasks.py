@@ -32,22 +32,39 @@ from .sandbox import run_sandboxed
 
 
 def load_jsonl(path: str, limit: Optional[int] = None) -> list[dict]:
-    """The records of a jsonl file (``.gz`` read transparently), at most ``limit`` of them, in file order."""
+    """The records of a jsonl file (``.gz`` read transparently), at most ``limit`` of them, in file order.
+
+    Raises FileNotFoundError, or ValueError naming the file and line, for a file that is missing, not UTF-8, holds a
+    line that is not a JSON object, or holds no record at all."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no data file at {path!r}")
     opener = gzip.open if path.endswith(".gz") else open
     records = []
-    with opener(path, "rt", encoding="utf-8") as handle:
-        for number, line in enumerate(handle, 1):
-            if not line.strip():
-                continue
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError as error:
-                raise ValueError(f"{path}:{number}: not a JSON object ({error})") from None
-            if limit is not None and len(records) >= limit:
-                break
+    try:
+        with opener(path, "rt", encoding="utf-8") as handle:
+            for number, line in enumerate(handle, 1):
+                if not line.strip():
+                    continue
+                records.append(_json_object(line, path, number))
+                if limit is not None and len(records) >= limit:
+                    break
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{path}: not UTF-8 text ({error.reason} at byte {error.start})") from None
+    except (OSError, EOFError) as error:  # e.g. a truncated or fake .gz
+        raise ValueError(f"{path}: cannot be read ({error})") from None
+    if not records:
+        raise ValueError(f"{path}: no records (the file is empty)")
     return records
+
+
+def _json_object(line: str, path: str, number: int) -> dict:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path}:{number}: not a JSON object ({error})") from None
+    if not isinstance(record, dict):
+        raise ValueError(f"{path}:{number}: not a JSON object (a {type(record).__name__})")
+    return record
 
 
 def _require_fields(records: list[dict], fields: Sequence[str], path: str) -> list[dict]:
@@ -55,6 +72,10 @@ def _require_fields(records: list[dict], fields: Sequence[str], path: str) -> li
         missing = [name for name in fields if name not in record]
         if missing:
             raise ValueError(f"{path}: record {number} lacks field(s) {', '.join(missing)} (has {sorted(record)})")
+        not_text = [name for name in fields if not isinstance(record[name], str)]
+        if not_text:
+            raise ValueError(f"{path}: record {number}: field(s) {', '.join(not_text)} must be text, got "
+                             f"{', '.join(type(record[name]).__name__ for name in not_text)}")
     return records
 
 

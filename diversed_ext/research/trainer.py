@@ -32,7 +32,8 @@ import torch
 from tqdm import tqdm
 
 from ..head import EnsembleHead
-from .checkpoints import CHECKPOINT_NAME, LOG_NAME, TrainingLog, load_checkpoint, save_checkpoint
+from .checkpoints import (CHECKPOINT_NAME, LOG_NAME, CheckpointError, TrainingLog, load_checkpoint,
+                          save_checkpoint)
 from .objective import diversed_objective
 from .report import plot_training_curve
 from .rollouts import Rollout
@@ -312,12 +313,15 @@ class Trainer:
         state = load_checkpoint(self.checkpoint_path())
         if state is None:
             return False
-        self.head.load_state_dict(state["head"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.step, self.history = state["step"], list(state["history"])
-        torch.set_rng_state(state["rng"]["torch"])
-        random.setstate(state["rng"]["python"])
+        try:
+            self.head.load_state_dict(state["head"])
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.scheduler.load_state_dict(state["scheduler"])
+            self.step, self.history = int(state["step"]), list(state["history"])
+            torch.set_rng_state(state["rng"]["torch"])
+            random.setstate(state["rng"]["python"])
+        except (KeyError, TypeError, ValueError, RuntimeError) as error:
+            raise CheckpointError(f"{self.checkpoint_path()}: does not fit this run ({error})") from None
         if self.rank == 0:
             self.log.truncate(self.step)
         return True

@@ -1,0 +1,193 @@
+"""A user's mistakes get one clear line, never a traceback or a silent wrong result: the command line (exit status 2,
+checked before any model loads), data files, saved heads and training checkpoints."""
+
+import json
+import os
+import pickle
+
+import pytest
+import torch
+
+pytest.importorskip("safetensors")
+from diversed_ext import cli  # noqa: E402
+from diversed_ext.head import EnsembleHead, load_head  # noqa: E402
+from diversed_ext.research.checkpoints import CheckpointError, TrainingLog, load_checkpoint  # noqa: E402
+from diversed_ext.research.tasks import load_gsm8k  # noqa: E402
+
+
+@pytest.fixture
+def no_models(monkeypatch):
+    """Fails the test if a command gets as far as loading models: every check must come first."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("models were loaded before the arguments were checked")
+    monkeypatch.setattr(cli, "load_models", refuse)
+
+
+def run_cli(argv, capsys):
+    status = cli.main(argv)
+    captured = capsys.readouterr()
+    return status, captured.err.strip()
+
+
+def write(path, content: bytes):
+    path.write_bytes(content)
+    return str(path)
+
+
+GOOD_RECORD = json.dumps({"question": "1 + 1?", "answer": "#### 2"}).encode() + b"\n"
+
+
+@pytest.mark.parametrize("name, content, expected", [
+    ("malformed.jsonl", b"{not json\n", "not a JSON object"),
+    ("list.jsonl", b"[1, 2]\n", "not a JSON object"),
+    ("latin1.jsonl", b'{"question": "caf\xe9", "answer": "#### 2"}\n', "not UTF-8"),
+    ("empty.jsonl", b"", "no records"),
+    ("null.jsonl", b'{"question": null, "answer": "#### 2"}\n', "must be text"),
+    ("missing.jsonl", b'{"question": "q"}\n', "lacks field"),
+])
+def test_bad_data_files_are_one_line_errors(tmp_path, capsys, no_models, name, content, expected):
+    path = write(tmp_path / name, content)
+    for command in (["eval", "--data", path], ["train", "--data", path, "--output-dir", str(tmp_path / "run")]):
+        status, error = run_cli(command, capsys)
+        assert status == 2 and expected in error and path in error and "\n" not in error
+
+
+def test_missing_data_file_and_model_folder(tmp_path, capsys, monkeypatch):
+    status, error = run_cli(["eval", "--data", str(tmp_path / "nope.jsonl")], capsys)
+    assert status == 2 and "no data file" in error
+    status, error = run_cli(["generate", "--prompt", "hi", "--target", str(tmp_path / "nonexistent")], capsys)
+    assert status == 2 and "no such model folder" in error
+
+
+@pytest.mark.parametrize("argv", [
+    ["train", "--data", "d.jsonl", "--lr", "-1"],
+    ["train", "--data", "d.jsonl", "--lr", "nan"],
+    ["train", "--data", "d.jsonl", "--init-weight", "2"],
+    ["train", "--data", "d.jsonl", "--init-weight", "0"],
+    ["generate", "--prompt", "hi", "--temperature", "inf"],
+    ["generate", "--prompt", "hi", "--max-new-tokens", "0"],
+    ["eval", "--data", "d.jsonl", "--weight", "nan"],
+])
+def test_bad_numbers_are_refused_by_the_parser(argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.build_parser().parse_args(argv)
+    assert exit_info.value.code == 2
+    assert "error: argument" in capsys.readouterr().err
+
+
+def test_unwritable_output_folder_is_refused_before_the_work(tmp_path, capsys, no_models):
+    data = write(tmp_path / "data.jsonl", GOOD_RECORD)
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    status, error = run_cli(["pareto", "--data", data, "--output-dir", str(blocker / "out")], capsys)
+    assert status == 2 and "--output-dir" in error and "not writable" in error
+
+
+def test_method_diversed_without_head_names_the_default(capsys, no_models):
+    status, error = run_cli(["generate", "--prompt", "hi", "--method", "diversed"], capsys)
+    assert status == 2 and "--head default" in error
+
+
+def test_help_shows_the_defaults_each_command_uses():
+    parser = cli.build_parser()
+    demo = parser._subparsers._group_actions[0].choices["demo"]
+    assert "default 48" in demo.format_help() and "default 64" not in demo.format_help()
+
+
+# ---------------------------------------------------------------------------------------------------------- heads
+@pytest.fixture
+def saved_head(tmp_path):
+    folder = tmp_path / "head"
+    EnsembleHead(8, 12, init_weight=0.7).save(str(folder))
+    return folder
+
+
+@pytest.mark.parametrize("damage, expected", [
+    (lambda folder: (folder / "head.safetensors").write_bytes((folder / "head.safetensors").read_bytes()[:40]),
+     "not a readable safetensors"),
+    (lambda folder: (folder / "head.safetensors").write_bytes(os.urandom(300)), "not a readable safetensors"),
+    (lambda folder: (folder / "head.json").write_text("[1, 2]"), "JSON object"),
+    (lambda folder: (folder / "head.json").write_text("{oops"), "not valid JSON"),
+    (lambda folder: _edit_config(folder, lambda config: config.pop("draft_hidden")), "lacks draft_hidden"),
+    (lambda folder: _edit_config(folder, lambda config: config.update(draft_hidden=9)), "has shape"),
+    (lambda folder: _edit_config(folder, lambda config: config.update(draft_hidden="8")), "positive integer"),
+])
+def test_damaged_heads_are_refused_naming_the_file(saved_head, damage, expected):
+    damage(saved_head)
+    with pytest.raises(ValueError, match=expected) as error:
+        load_head(str(saved_head))
+    assert str(saved_head) in str(error.value)
+
+
+def test_nan_weights_are_refused(saved_head):
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(saved_head / "head.safetensors"))
+    tensors["output.bias"] = torch.tensor([float("nan")])
+    save_file(tensors, str(saved_head / "head.safetensors"))
+    with pytest.raises(ValueError, match="NaN"):
+        load_head(str(saved_head))
+
+
+def test_damaged_head_through_the_cli(saved_head, capsys):
+    (saved_head / "head.json").write_text("[]")
+    data = saved_head.parent / "data.jsonl"
+    data.write_bytes(GOOD_RECORD)
+    status, error = run_cli(["eval", "--data", str(data), "--method", "diversed", "--head", str(saved_head)], capsys)
+    assert status == 2 and "cannot load --head" in error and "head.json" in error
+
+
+def _edit_config(folder, change):
+    path = folder / "head.json"
+    config = json.loads(path.read_text())
+    change(config)
+    path.write_text(json.dumps(config))
+
+
+# ---------------------------------------------------------------------------------------------------- checkpoints
+class Payload:
+    def __reduce__(self):
+        return (os.system, ("touch PLANTED",))
+
+
+def test_planted_pickle_payload_never_runs(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    path = tmp_path / "checkpoint.pt"
+    torch.save({"head": Payload()}, str(path))
+    with pytest.raises(CheckpointError, match=str(path)):
+        load_checkpoint(str(path))
+    assert not (tmp_path / "PLANTED").exists()
+
+
+@pytest.mark.parametrize("content", [b"", b"PK\x03\x04garbage", pickle.dumps({"not": "a checkpoint"})[:10]])
+def test_unreadable_checkpoints_name_the_file(tmp_path, content):
+    path = tmp_path / "checkpoint.pt"
+    path.write_bytes(content)
+    with pytest.raises(CheckpointError, match="checkpoint.pt"):
+        load_checkpoint(str(path))
+
+
+def test_foreign_checkpoint_names_what_it_lacks(tmp_path):
+    path = tmp_path / "checkpoint.pt"
+    torch.save({"step": 3}, str(path))
+    with pytest.raises(CheckpointError, match="lacks head"):
+        load_checkpoint(str(path))
+
+
+def test_torn_last_log_line_is_dropped_and_a_bad_middle_line_is_named(tmp_path):
+    path = tmp_path / "train_log.jsonl"
+    path.write_text('{"step": 1, "loss": 0.5}\n{"step": 2, "loss": 0.4}\n{"step": 3, "lo')
+    log = TrainingLog(str(path))
+    assert [record["step"] for record in log.read()] == [1, 2]
+    log.truncate(1)
+    assert [record["step"] for record in log.read()] == [1]
+    path.write_text('{"step": 1}\ngarbage\n{"step": 3}\n')
+    with pytest.raises(CheckpointError, match="train_log.jsonl:2"):
+        log.read()
+
+
+def test_gsm8k_loader_rejects_a_gzip_that_is_not_one(tmp_path):
+    path = tmp_path / "fake.jsonl.gz"
+    path.write_bytes(b"plain text, not gzip")
+    with pytest.raises(ValueError, match="cannot be read"):
+        load_gsm8k(str(path))
