@@ -13,7 +13,7 @@ import glob
 import os
 import sys
 
-from setuptools import find_packages, setup
+from setuptools import find_namespace_packages, setup
 
 CUDA_ROOT_CANDIDATES = ["/usr/local/cuda", *sorted(glob.glob("/usr/local/cuda-*"), reverse=True), "/opt/cuda"]
 DEFAULT_ARCH_LIST = "9.0+PTX"
@@ -96,7 +96,8 @@ def _extensions():
 ext_modules, cmdclass = _extensions()
 
 setup(
-    packages=find_packages(include=["diversed_ext", "diversed_ext.*"]),
+    # Namespace discovery, so the data-only heads/ folders count as packages and carry their files.
+    packages=find_namespace_packages(include=["diversed_ext", "diversed_ext.*"]),
     ext_modules=ext_modules,
     cmdclass=cmdclass,
 )
