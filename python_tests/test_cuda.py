@@ -15,7 +15,7 @@ import torch
 from scipy.stats import chisquare
 
 import diversed_ext as dx
-from conftest import (assert_verify_result_in_range, logits_verify_case, poisoned_logits_inputs,
+from helpers import (assert_verify_result_in_range, logits_verify_case, poisoned_logits_inputs,
                       poisoned_verify_inputs, random_logits, random_problem, requires_cuda)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

@@ -5,7 +5,7 @@ import torch
 from scipy.stats import chisquare
 
 import diversed_ext as dx
-from conftest import logits_verify_case, poisoned_logits_inputs, random_logits
+from helpers import logits_verify_case, poisoned_logits_inputs, random_logits
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 

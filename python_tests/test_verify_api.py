@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import diversed_ext as dx
-from conftest import assert_verify_result_in_range, poisoned_verify_inputs, random_problem
+from helpers import assert_verify_result_in_range, poisoned_verify_inputs, random_problem
 
 
 def problem(batch=3, num_positions=2, vocab=11, seed=0):

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import diversed_ext as dx
-from conftest import random_problem
+from helpers import random_problem
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
