@@ -10,6 +10,21 @@ import torch
 CUDA_SKIP_REASON = "CUDA tests need a GPU, and none is visible on this machine"
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason=CUDA_SKIP_REASON)
 
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def to_device(value, device):
+    return value.to(device) if isinstance(value, torch.Tensor) else value
+
+
+def on_device(device, fn, *args, **kwargs):
+    """fn with every tensor argument moved to `device`; the result (a tensor or a named tuple of tensors) is brought
+    back to the CPU, so a test compares it with CPU values the same way on every device."""
+    result = fn(*(to_device(a, device) for a in args), **{k: to_device(v, device) for k, v in kwargs.items()})
+    if isinstance(result, torch.Tensor):
+        return result.cpu()
+    return type(result)(*(field.cpu() for field in result))
+
 
 def random_distributions(shape, generator, sharpness=2.0, dtype=torch.float32):
     """Softmax of scaled Gaussian logits: a mix of peaked and flat rows."""
@@ -68,9 +83,10 @@ def poisoned_logits_inputs():
     return tokens, draft, target, generator
 
 
-def poisoned_verify_inputs(batch, num_positions, vocab, seed=0):
+def poisoned_verify_inputs(batch, num_positions, vocab, seed=0, extreme_ids=False):
     """Verify inputs only check_inputs=False lets through: NaN, infinite and negative mass, a target row without mass,
-    ids outside [0, V), weights and uniforms outside their ranges or NaN, num_draft outside [0, K]."""
+    ids outside [0, V), weights and uniforms outside their ranges or NaN, num_draft outside [0, K]. extreme_ids also
+    puts an id of -2**40 in row 5 and a num_draft of 2**40 in row 4 (batch >= 6)."""
     generator = torch.Generator().manual_seed(seed)
     draft = torch.rand(batch, num_positions, vocab, generator=generator)
     target = torch.rand(batch, num_positions + 1, vocab, generator=generator)
@@ -87,7 +103,19 @@ def poisoned_verify_inputs(batch, num_positions, vocab, seed=0):
     uniforms[3] = float("nan")
     num_draft = torch.randint(-3, 9, (batch,), generator=generator)
     greedy = torch.rand(batch, generator=generator) < 0.3
+    if extreme_ids:
+        tokens[5, 0] = -(2**40)
+        num_draft[4] = 2**40
     return tokens, draft, target, weight, uniforms, num_draft, greedy
+
+
+def token_stats_edge_inputs():
+    """token_stats logits [1, 2, 4] at the edges: position 0's token 2 has a probability that underflows to 0 (its
+    log-probability stays finite), position 1 is all -inf (only check_inputs=False lets it through).
+    Returns (draft, target, tokens)."""
+    draft = torch.zeros(1, 2, 4)
+    target = torch.tensor([[[0.0, -200.0, -300.0, 0.0], [float("-inf")] * 4]])
+    return draft, target, torch.tensor([[2, 1]])
 
 
 def assert_verify_result_in_range(result, num_positions, vocab):
