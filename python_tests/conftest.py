@@ -22,3 +22,12 @@ DEVICES = ["cpu", pytest.param("cuda", marks=requires_cuda)]
 def device(request):
     """The device an op test runs on: every test that takes `device` runs once on the CPU and once on CUDA."""
     return request.param
+
+
+@pytest.fixture(scope="module")
+def wide_pair():
+    """The tiny random (target, draft) Llama pair with a 32-token vocabulary that the test_decoding_*.py files share;
+    decoding_helpers (and so transformers) is imported only when a test asks for it."""
+    from decoding_helpers import wide_pair_models
+
+    return wide_pair_models()
