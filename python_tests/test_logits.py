@@ -130,6 +130,7 @@ def test_online_softmax_across_blocks(vocab):
     native = dx.verify_logits(tokens[:, :4], draft[:, :4], target, 0.3, uniforms=uniforms)
     assert_verify_close(native, dx.verify_logits_reference(tokens[:, :4], draft[:, :4], target, 0.3, uniforms=uniforms))
 
+
 def test_token_stats_edges(device):
     draft, target, tokens = token_stats_edge_inputs()
     underflow_logprob = -300.0 - torch.logsumexp(target[0, 0], -1).item()
