@@ -1,101 +1,33 @@
-"""Shared fixtures: random draft/target problems, and output poisoning for every native call."""
+"""pytest configuration: output poisoning for every native call, and the `device` fixture.
+
+The builders the tests share are in helpers.py (`from helpers import ...`), not here.
+"""
 
 import os
 
 # Every native call fills its outputs with garbage before computing, so an element a kernel forgets to write shows up
-# as a mismatch against the reference.
+# as a mismatch against the reference. Set before any test module imports diversed_ext.
 os.environ.setdefault("DIVERSED_POISON_OUTPUTS", "1")
 
-import pytest
-import torch
+import pytest  # noqa: E402
 
-CUDA_SKIP_REASON = "CUDA tests need a GPU, and none is visible on this machine"
-requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason=CUDA_SKIP_REASON)
+from helpers import requires_cuda  # noqa: E402
 
-
-def random_distributions(shape, generator, sharpness=2.0, dtype=torch.float32):
-    """Softmax of scaled Gaussian logits: a mix of peaked and flat rows."""
-    logits = torch.randn(*shape, generator=generator) * sharpness
-    return logits.softmax(-1).to(dtype)
+# "cuda" is always a parameter, so a machine without a GPU reports those tests as skipped (with the reason) rather
+# than leaving them out silently.
+DEVICES = ["cpu", pytest.param("cuda", marks=requires_cuda)]
 
 
-def random_problem(batch, num_positions, vocab, *, seed=0, dtype=torch.float32, sharpness=2.0):
-    """(draft_tokens, draft_probs, target_probs) with drafts sampled from the draft distributions."""
-    generator = torch.Generator().manual_seed(seed)
-    draft_probs = random_distributions((batch, num_positions, vocab), generator, sharpness, dtype)
-    target_probs = random_distributions((batch, num_positions + 1, vocab), generator, sharpness, dtype)
-    if num_positions > 0:
-        flat = draft_probs.float().reshape(-1, vocab)
-        draft_tokens = torch.multinomial(flat, 1, generator=generator).reshape(batch, num_positions)
-    else:
-        draft_tokens = torch.zeros(batch, 0, dtype=torch.int64)
-    return draft_tokens, draft_probs, target_probs
+@pytest.fixture(params=DEVICES)
+def device(request):
+    """The device an op test runs on: every test that takes `device` runs once on the CPU and once on CUDA."""
+    return request.param
 
 
-def random_logits(batch, num_positions, vocab, seed=0, scale=3.0, dtype=torch.float32):
-    """(draft_tokens, draft_logits, target_logits) with drafts sampled from softmax(draft_logits)."""
-    generator = torch.Generator().manual_seed(seed)
-    draft = torch.randn(batch, num_positions, vocab, generator=generator) * scale
-    target = torch.randn(batch, num_positions + 1, vocab, generator=generator) * scale
-    draft_probs = draft.softmax(-1)
-    if num_positions:
-        tokens = torch.multinomial(draft_probs.reshape(-1, vocab), 1, generator=generator).reshape(batch, num_positions)
-    else:
-        tokens = torch.zeros(batch, 0, dtype=torch.int64)
-    return tokens, draft.to(dtype), target.to(dtype)
+@pytest.fixture(scope="module")
+def wide_pair():
+    """The tiny random (target, draft) Llama pair with a 32-token vocabulary that the test_decoding_*.py files share;
+    decoding_helpers (and so transformers) is imported only when a test asks for it."""
+    from decoding_helpers import wide_pair_models
 
-
-def logits_verify_case(num_positions, vocab, dtype, batch=6):
-    """A mixed verify_logits batch: random logits, uniforms, per-token weights, ragged rows, and temperatures with two
-    greedy rows. Returns (tokens, draft, target, weight, kwargs) with kwargs for verify_logits."""
-    tokens, draft, target = random_logits(batch, num_positions, vocab, seed=vocab + num_positions, dtype=dtype)
-    generator = torch.Generator().manual_seed(3)
-    uniforms = torch.rand(batch, num_positions + 1, generator=generator, dtype=torch.float64)
-    weight = torch.rand(batch, num_positions, generator=generator)
-    num_draft = torch.randint(0, num_positions + 1, (batch,), generator=generator)
-    temperature = torch.tensor([1.0, 0.5, 2.0, 0.0, 1.3, 0.0])[:batch]  # two greedy rows
-    return tokens, draft, target, weight, dict(temperature=temperature, num_draft=num_draft, uniforms=uniforms)
-
-
-def poisoned_logits_inputs():
-    """verify_logits inputs only check_inputs=False lets through (B = 32, K = 4, V = 37): NaN logits, a target row of
-    -inf, ids outside [0, V). Returns (tokens, draft, target, generator); draw the rest of a case from the generator."""
-    tokens, draft, target = random_logits(32, 4, 37, seed=3)
-    generator = torch.Generator().manual_seed(0)
-    for tensor in (draft, target):
-        mask = torch.rand(tensor.shape, generator=generator) < 0.2
-        tensor[mask] = float("nan")
-    target[0] = float("-inf")
-    tokens[:, 1] = torch.randint(-40, 80, (32,), generator=generator)
-    return tokens, draft, target, generator
-
-
-def poisoned_verify_inputs(batch, num_positions, vocab, seed=0):
-    """Verify inputs only check_inputs=False lets through: NaN, infinite and negative mass, a target row without mass,
-    ids outside [0, V), weights and uniforms outside their ranges or NaN, num_draft outside [0, K]."""
-    generator = torch.Generator().manual_seed(seed)
-    draft = torch.rand(batch, num_positions, vocab, generator=generator)
-    target = torch.rand(batch, num_positions + 1, vocab, generator=generator)
-    poison = torch.tensor([float("nan"), float("inf"), -1.0, -float("inf"), 0.0])
-    for tensor in (draft, target):
-        mask = torch.rand(tensor.shape, generator=generator) < 0.3
-        tensor[mask] = poison[torch.randint(0, 5, (int(mask.sum()),), generator=generator)]
-    target[0] = float("nan")  # a row with no valid mass at all
-    draft[1] = 0.0
-    tokens = torch.randint(-50, 80, (batch, num_positions), generator=generator)
-    weight = torch.rand(batch, num_positions, generator=generator) * 3 - 1
-    weight[2] = float("nan")
-    uniforms = torch.rand(batch, num_positions + 1, generator=generator, dtype=torch.float64) * 4 - 2
-    uniforms[3] = float("nan")
-    num_draft = torch.randint(-3, 9, (batch,), generator=generator)
-    greedy = torch.rand(batch, generator=generator) < 0.3
-    return tokens, draft, target, weight, uniforms, num_draft, greedy
-
-
-def assert_verify_result_in_range(result, num_positions, vocab):
-    """Whatever the inputs: emitted ids in [0, V), -1 padding after them, counts and probabilities in range."""
-    emitted = torch.arange(num_positions + 1, device=result.tokens.device) <= result.num_accepted.unsqueeze(1).long()
-    assert torch.all((result.tokens[emitted] >= 0) & (result.tokens[emitted] < vocab))
-    assert torch.all(result.tokens[~emitted] == -1)
-    assert torch.all((result.num_accepted >= 0) & (result.num_accepted <= num_positions))
-    assert torch.all((result.accept_prob >= 0) & (result.accept_prob <= 1))
+    return wide_pair_models()

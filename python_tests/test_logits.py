@@ -1,13 +1,15 @@
-"""verify_logits, token_stats and mix: native against the references, statistics, edges and bad inputs."""
+"""verify_logits, token_stats and mix: native against the references, statistics, edges and bad inputs.
+
+Tests that take `device` run on the CPU and on CUDA (skipped where no GPU is visible); the opchecks of these ops are
+in test_verify_api.py::test_opcheck."""
 
 import pytest
 import torch
 from scipy.stats import chisquare
 
 import diversed_ext as dx
-from conftest import logits_verify_case, poisoned_logits_inputs, random_logits
-
-DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+from helpers import (DTYPES, logits_verify_case, on_device, poisoned_logits_inputs, random_logits,
+                     token_stats_edge_inputs)
 
 
 def assert_verify_close(native, reference):
@@ -128,12 +130,19 @@ def test_online_softmax_across_blocks(vocab):
     native = dx.verify_logits(tokens[:, :4], draft[:, :4], target, 0.3, uniforms=uniforms)
     assert_verify_close(native, dx.verify_logits_reference(tokens[:, :4], draft[:, :4], target, 0.3, uniforms=uniforms))
 
-def test_token_stats_logprob_survives_underflow():
-    draft = torch.zeros(1, 1, 4)
-    target = torch.tensor([[[0.0, -200.0, -300.0, 0.0]]])
-    stats = dx.token_stats(draft, target, torch.tensor([[2]]), from_logits=True)
+
+def test_token_stats_edges(device):
+    draft, target, tokens = token_stats_edge_inputs()
+    underflow_logprob = -300.0 - torch.logsumexp(target[0, 0], -1).item()
+    # The log-probability survives underflow, with the checks on (position 0 alone) and off.
+    stats = on_device(device, dx.token_stats, draft[:, :1], target[:, :1], tokens[:, :1], from_logits=True)
     assert stats.target_prob.item() == 0.0
-    assert abs(stats.target_logprob.item() - (-300.0 - torch.logsumexp(target, -1).item())) < 1e-3
+    assert abs(stats.target_logprob.item() - underflow_logprob) < 1e-3
+    stats = on_device(device, dx.token_stats, draft, target, tokens, from_logits=True, check_inputs=False)
+    assert stats.target_prob[0, 0].item() == 0.0
+    assert abs(stats.target_logprob[0, 0].item() - underflow_logprob) < 1e-3
+    # A row of -inf logits has no mass: probability 0, log-probability -inf.
+    assert stats.target_prob[0, 1].item() == 0.0 and stats.target_logprob[0, 1].item() == float("-inf")
 
 
 @pytest.mark.parametrize("from_logits", [False, True])
@@ -148,14 +157,8 @@ def test_mix_matches_reference(from_logits):
     torch.testing.assert_close(mixed.sum(-1), torch.ones(3, 4), rtol=1e-5, atol=1e-5)
 
 
-def test_logits_opcheck_and_compile():
+def test_torch_compile_fullgraph_traces_verify_logits():
     tokens, draft, target = random_logits(3, 2, 40, seed=1)
-    args = (tokens, draft, target, torch.full((3, 2), 0.5), torch.full((3,), 2), torch.tensor([1.0, 0.0, 0.5]),
-            None, torch.arange(3), 0, True)
-    torch.library.opcheck(torch.ops.diversed.verify_logits.default, args)
-    torch.library.opcheck(torch.ops.diversed.token_stats.default,
-                          (draft, target[:, :2].contiguous(), tokens, torch.ones(3), True))
-    torch.library.opcheck(torch.ops.diversed.mix.default, (draft, target, torch.full((3, 2), 0.5), torch.ones(3), True))
 
     def step(tokens, draft, target):
         return dx.verify_logits(tokens, draft, target, 0.5, temperature=0.7, seed=3, check_inputs=False)
@@ -164,12 +167,20 @@ def test_logits_opcheck_and_compile():
     assert torch.equal(compiled(tokens, draft, target).tokens, step(tokens, draft, target).tokens)
 
 
-def test_poisoned_logits_without_checks_stay_in_range():
-    tokens, draft, target, generator = poisoned_logits_inputs()
-    result = dx.verify_logits(tokens, draft, target, 0.5, temperature=torch.rand(32, generator=generator),
-                              check_inputs=False, seed=1)
-    emitted = torch.arange(5) <= result.num_accepted.unsqueeze(1).long()
-    assert torch.all((result.tokens[emitted] >= 0) & (result.tokens[emitted] < 37))
+def test_poisoned_logits_without_checks_stay_in_range(device):
+    for bad_temperatures_and_num_draft in (False, True):
+        tokens, draft, target, generator = poisoned_logits_inputs()
+        temperature = torch.rand(32, generator=generator)
+        kwargs = {}
+        if bad_temperatures_and_num_draft:
+            temperature[1] = float("nan")  # greedy, like 0
+            temperature[2] = -1.0
+            kwargs["num_draft"] = torch.randint(-2, 7, (32,), generator=generator)
+        result = on_device(device, dx.verify_logits, tokens, draft, target, 0.5, temperature=temperature,
+                           check_inputs=False, seed=1, **kwargs)
+        emitted = torch.arange(5) <= result.num_accepted.unsqueeze(1).long()
+        assert torch.all((result.tokens[emitted] >= 0) & (result.tokens[emitted] < 37))
+        assert torch.all(result.tokens[~emitted] == -1)
 
 
 def bad_logit_cases():

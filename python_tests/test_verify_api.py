@@ -1,4 +1,6 @@
-"""Seeds, bad inputs, robustness without checks, custom-op registration, torch.compile and the GIL."""
+"""Seeds, bad inputs, robustness without checks, custom-op registration, torch.compile and the GIL.
+
+Tests that take `device` run on the CPU and on CUDA (skipped where no GPU is visible)."""
 
 import threading
 import time
@@ -7,7 +9,7 @@ import pytest
 import torch
 
 import diversed_ext as dx
-from conftest import assert_verify_result_in_range, poisoned_verify_inputs, random_problem
+from helpers import DTYPES, assert_verify_result_in_range, on_device, poisoned_verify_inputs, random_problem
 
 
 def problem(batch=3, num_positions=2, vocab=11, seed=0):
@@ -46,6 +48,17 @@ def test_per_row_seed_is_independent_of_batch_neighbours():
         mixed_seeds[5] = seeds[row]
         alone = dx.verify(mixed_tokens, mixed_draft, mixed_target, 0.5, seed=mixed_seeds, offset=9)
         assert torch.equal(alone.tokens[5], batched.tokens[row])
+
+
+def test_per_row_seed_is_independent_of_batch_position(device):
+    tokens, draft, target = random_problem(6, 3, 500, seed=5)
+    seeds = torch.tensor([11, 22, 33, 44, 55, 66])
+    full = on_device(device, dx.verify, tokens, draft, target, 0.4, seed=seeds, offset=9)
+    order = torch.tensor([3, 0, 5, 1, 4, 2])
+    shuffled = on_device(device, dx.verify, tokens[order], draft[order], target[order], 0.4, seed=seeds[order],
+                         offset=9)
+    assert torch.equal(full.tokens[order], shuffled.tokens)
+    assert torch.equal(full.num_accepted[order], shuffled.num_accepted)
 
 
 def test_philox_uniforms_are_uniform_and_distinct():
@@ -119,37 +132,50 @@ def test_meta_device_mismatch_is_reported():
 
 
 # ------------------------------------------------------------------------------------- robustness without checks
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_poisoned_inputs_never_escape_the_vocabulary(dtype):
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_poisoned_inputs_never_escape_the_vocabulary(dtype, device):
     batch, num_positions, vocab = 64, 4, 37
-    tokens, draft, target, weight, uniforms, num_draft, greedy = poisoned_verify_inputs(batch, num_positions, vocab)
-    for kwargs in ({"uniforms": uniforms}, {"seed": 3}):
-        result = dx.verify(tokens, draft.to(dtype), target.to(dtype), weight, num_draft=num_draft, greedy=greedy,
-                           check_inputs=False, **kwargs)
-        assert_verify_result_in_range(result, num_positions, vocab)
+    for extreme_ids in (False, True):
+        tokens, draft, target, weight, uniforms, num_draft, greedy = poisoned_verify_inputs(
+            batch, num_positions, vocab, extreme_ids=extreme_ids)
+        for kwargs in ({"uniforms": uniforms}, {"seed": 3}):
+            result = on_device(device, dx.verify, tokens, draft.to(dtype), target.to(dtype), weight,
+                               num_draft=num_draft, greedy=greedy, check_inputs=False, **kwargs)
+            assert_verify_result_in_range(result, num_positions, vocab)
 
 
-def test_out_of_range_ids_count_as_rejected_without_checks():
-    tokens, draft, target = problem(4, 2, 9)
-    tokens[:, 0] = torch.tensor([-1, 9, 1000, -(2**40)])
-    result = dx.verify(tokens, draft, target, 0.0, check_inputs=False, seed=1)
-    assert torch.all(result.num_accepted == 0)
-    assert torch.all(result.accept_prob[:, 0] == 0)
+def test_out_of_range_ids_count_as_rejected_without_checks(device):
+    for seed, greedy in ((0, False), (1, False), (1, True)):
+        tokens, draft, target = problem(4, 2, 9, seed=seed)
+        tokens[:, 0] = torch.tensor([-1, 9, 1000, -(2**40)])
+        result = on_device(device, dx.verify, tokens, draft, target, 0.0, greedy=greedy, check_inputs=False, seed=1)
+        assert torch.all(result.num_accepted == 0)
+        assert torch.all(result.accept_prob[:, 0] == 0)
+        assert torch.all((result.tokens[:, 0] >= 0) & (result.tokens[:, 0] < 9))
 
 
 # ------------------------------------------------------------------------------------------- custom op machinery
-def normalized_args(batch=4, num_positions=3, vocab=20, dtype=torch.float32):
-    tokens, draft, target = random_problem(batch, num_positions, vocab, seed=3, dtype=dtype)
-    return (tokens, draft, target, torch.full((batch, num_positions), 0.5), torch.full((batch,), num_positions),
-            torch.tensor([False, True, False, False])[:batch], None, torch.arange(batch, dtype=torch.int64), 5, True)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_opcheck(dtype):
-    torch.library.opcheck(torch.ops.diversed.verify_probs.default, normalized_args(dtype=dtype))
-    args = list(normalized_args(dtype=dtype))
-    args[6] = torch.rand(4, 4, dtype=torch.float64)
-    torch.library.opcheck(torch.ops.diversed.verify_probs.default, tuple(args))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_opcheck(dtype, device):
+    """torch.library.opcheck on all four ops: schema, fake kernel, and dispatch agree with the real kernel."""
+    batch, num_positions, vocab = 4, 3, 20
+    tokens, draft, target = (t.to(device) for t in random_problem(batch, num_positions, vocab, seed=3, dtype=dtype))
+    weight = torch.full((batch, num_positions), 0.5, device=device)
+    num_draft = torch.tensor([3, 1, 0, 2], device=device)
+    seeds = torch.arange(batch, dtype=torch.int64, device=device)
+    greedy = torch.tensor([False, True, False, False], device=device)
+    uniforms = torch.rand(batch, num_positions + 1, dtype=torch.float64, device=device)
+    temperature = torch.tensor([1.0, 0.0, 0.5, 2.0], device=device)
+    for explicit in (None, uniforms):  # Philox draws from per-row seeds, or explicit uniforms
+        torch.library.opcheck(torch.ops.diversed.verify_probs.default,
+                              (tokens, draft, target, weight, num_draft, greedy, explicit, seeds, 5, True))
+        torch.library.opcheck(torch.ops.diversed.verify_logits.default,
+                              (tokens, draft, target, weight, num_draft, temperature, explicit, seeds, 0,
+                               explicit is None))
+    for from_logits in (False, True):
+        torch.library.opcheck(torch.ops.diversed.token_stats.default,
+                              (draft, target[:, :num_positions].contiguous(), tokens, temperature, from_logits))
+        torch.library.opcheck(torch.ops.diversed.mix.default, (draft, target, weight, temperature, from_logits))
 
 
 def test_torch_compile_fullgraph_traces_verify():

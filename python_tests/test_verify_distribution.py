@@ -1,10 +1,13 @@
-"""Statistical guarantees: emitted tokens follow nu, acceptance is 1 - w TV(p, q), w = 1 gives the target exactly."""
+"""Statistical guarantees: emitted tokens follow nu, acceptance is 1 - w TV(p, q), w = 1 gives the target exactly.
+
+Tests that take `device` run on the CPU and on CUDA (skipped where no GPU is visible)."""
 
 import pytest
 import torch
 from scipy.stats import chisquare
 
 import diversed_ext as dx
+from helpers import on_device
 
 NUM_SAMPLES = 40_000
 SIGNIFICANCE = 1e-4  # fixed seeds make each test deterministic; this only guards against a marginal seed
@@ -92,3 +95,19 @@ def test_second_position_follows_mixture_given_first_accepted():
     reached_second = result.num_accepted >= 1
     mixture = weight * target + (1 - weight) * draft
     assert chi_square_pvalue(result.tokens[reached_second, 1], mixture) > SIGNIFICANCE
+
+
+def test_samples_follow_the_mixture_at_the_expected_rate(device):
+    vocab, samples, weight = 10, 50_000, 0.3
+    generator = torch.Generator().manual_seed(21)
+    draft = (torch.randn(vocab, generator=generator) * 1.5).softmax(-1)
+    target = (torch.randn(vocab, generator=generator) * 1.5).softmax(-1)
+    tokens = torch.multinomial(draft, samples, replacement=True, generator=generator).reshape(-1, 1)
+    result = on_device(device, dx.verify, tokens, draft.expand(samples, 1, vocab).contiguous(),
+                       target.expand(samples, 2, vocab).contiguous(), weight, seed=8)
+    counts = torch.bincount(result.tokens[:, 0], minlength=vocab).double()
+    mixture = (weight * target + (1 - weight) * draft).double()
+    assert chisquare(counts.numpy(), (mixture / mixture.sum() * samples).numpy()).pvalue > 1e-4
+    acceptance = result.num_accepted.double().mean().item()
+    expected = 1 - weight * 0.5 * (target - draft).abs().sum().item()
+    assert abs(acceptance - expected) < 0.01

@@ -1,12 +1,13 @@
-"""The fused CPU kernel equals the pure-PyTorch reference on identical uniforms, edges included."""
+"""The fused CPU kernel equals the pure-PyTorch reference on identical uniforms, edges included.
+
+Tests that take `device` also run the kernel on CUDA (skipped where no GPU is visible) against the same CPU reference;
+random batches on CUDA are compared with the CPU kernel in test_cuda_vs_cpu.py instead."""
 
 import pytest
 import torch
 
 import diversed_ext as dx
-from conftest import random_problem
-
-DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+from helpers import DTYPES, on_device, random_problem
 
 
 def assert_same(native, reference):
@@ -15,8 +16,9 @@ def assert_same(native, reference):
     assert torch.equal(native.accept_prob, reference.accept_prob)
 
 
-def both(*args, **kwargs):
-    return dx.verify(*args, **kwargs), dx.verify_reference(*args, **kwargs)
+def both(*args, device="cpu", **kwargs):
+    """The native kernel on `device` (its result brought back to the CPU) and the reference on the CPU."""
+    return on_device(device, dx.verify, *args, **kwargs), dx.verify_reference(*args, **kwargs)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -73,7 +75,7 @@ def test_none_accepted():
     assert torch.all(native.tokens[:, 1:] == -1)
 
 
-def test_zero_residual_falls_back_to_target():
+def test_zero_residual_falls_back_to_target(device):
     # p == q: every draft is accepted unless its q is 0; force rejection with an off-support token.
     vocab = 6
     probs = torch.tensor([0.0, 0.5, 0.5, 0.0, 0.0, 0.0])
@@ -81,21 +83,27 @@ def test_zero_residual_falls_back_to_target():
     target = probs.expand(3, 3, vocab).clone()
     tokens = torch.tensor([[0, 1], [3, 3], [1, 2]])  # q(0) = 0: cannot pass u * 0 < 0
     uniforms = torch.tensor([[0.1, 0.1, 0.3], [0.2, 0.2, 0.9], [0.5, 0.5, 0.6]], dtype=torch.float64)
-    native, reference = both(tokens, draft, target, 0.7, uniforms=uniforms)
+    native, reference = both(tokens, draft, target, 0.7, uniforms=uniforms, device=device)
     assert_same(native, reference)
     assert native.num_accepted.tolist() == [0, 0, 2]
     assert native.tokens[0, 0].item() == 1 and native.tokens[1, 0].item() == 2  # sampled from p by u_K
-    assert native.tokens[2, 2].item() == 2  # bonus from p with u = 0.6
+    assert native.tokens[2].tolist() == [1, 2, 2]  # both drafts kept, then the bonus from p with u = 0.6
 
 
-def test_greedy_ties_break_to_lowest_id():
-    vocab = 8
+@pytest.mark.parametrize("vocab", [8, 1001])
+def test_greedy_ties_break_to_lowest_id(vocab, device):
     flat = torch.full((2, 2, vocab), 1.0 / vocab)
     target = torch.full((2, 3, vocab), 1.0 / vocab)
+    greedy = torch.tensor([True, True])
     tokens = torch.tensor([[0, 0], [3, 0]])
-    native, reference = both(tokens, flat, target, 0.5, greedy=torch.tensor([True, True]))
+    native, reference = both(tokens, flat, target, 0.5, greedy=greedy, device=device)
     assert_same(native, reference)
-    assert native.tokens.tolist() == [[0, 0, 0], [0, -1, -1]]
+    assert native.tokens.tolist() == [[0, 0, 0], [0, -1, -1]]  # every id tied
+    target[:, :, vocab - 3:] = 2.0 / vocab  # three tied maxima: the lowest wins
+    tokens = torch.tensor([[vocab - 3, vocab - 3], [vocab - 2, 0]])
+    native, reference = both(tokens, flat, target, 0.5, greedy=greedy, device=device)
+    assert_same(native, reference)
+    assert native.tokens.tolist() == [[vocab - 3, vocab - 3, vocab - 3], [vocab - 3, -1, -1]]
 
 
 def test_tiny_and_huge_probabilities():
@@ -110,10 +118,18 @@ def test_tiny_and_huge_probabilities():
     assert_same(native, reference)
 
 
-def test_zero_rows_and_k_zero():
+def test_empty_batch(device):
     _, draft, target = random_problem(0, 3, 10)
-    native = dx.verify(torch.zeros(0, 3, dtype=torch.int64), draft, target, 0.5)
-    assert native.tokens.shape == (0, 4) and native.num_accepted.shape == (0,)
+    draft, target, tokens = draft.to(device), target.to(device), torch.zeros(0, 3, dtype=torch.int64, device=device)
+    result = dx.verify(tokens, draft, target, 0.5)
+    assert result.tokens.shape == (0, 4) and result.num_accepted.shape == (0,)
+    assert result.tokens.device.type == torch.device(device).type
+    assert dx.verify_logits(tokens, draft, target, 0.5).accept_prob.shape == (0, 3)
+    assert dx.mix(draft, target, 0.5).shape == (0, 3, 10)
+    assert dx.token_stats(draft, target[:, :3], tokens).total_variation.shape == (0, 3)
+
+
+def test_k_zero():
     tokens, draft, target = random_problem(5, 0, 10, seed=2)
     native, reference = both(tokens, draft, target, 0.5, seed=3)
     assert_same(native, reference)

@@ -6,19 +6,21 @@ order differs between CPU chunks and a GPU block reduction: the residual/bonus t
 u_K * total (float64), and, on the logits path, each row's softmax normaliser (float partials then float64). So
 accept_prob is compared exactly for probabilities and to a few ulps for logits, and a final token may differ only where
 the threshold lands on a CDF boundary (within `boundary_tol` of it), which random uniforms essentially never hit.
+
+Only the cross-device checks live here: CUDA against the CPU, CUDA-only behaviour (no host syncs, mixed devices) and the
+build check. What each device must do on its own (edge cases against the reference, robustness without checks,
+opcheck, the sampled law) is in the topic files, whose tests take the `device` fixture and run on both.
 """
 
 import os
 
 import pytest
 import torch
-from scipy.stats import chisquare
 
 import diversed_ext as dx
-from conftest import (assert_verify_result_in_range, logits_verify_case, poisoned_logits_inputs,
-                      poisoned_verify_inputs, random_logits, random_problem, requires_cuda)
+from helpers import (DTYPES, logits_verify_case, on_device, poisoned_verify_inputs, random_logits, random_problem,
+                     requires_cuda, token_stats_edge_inputs)
 
-DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 VOCABS = [1, 7, 31, 1000, 32001]  # 7, 31 and 32001 give rows that are not 16-byte aligned
 CUDA = "cuda"
 
@@ -30,17 +32,9 @@ def test_cuda_build_registered():
 
 
 # ------------------------------------------------------------------------------------------------------ helpers
-def to_device(value, device=CUDA):
-    return value.to(device) if isinstance(value, torch.Tensor) else value
-
-
 def on_both(fn, *args, **kwargs):
     """fn on the CPU and on CUDA with the same inputs; the CUDA result is brought back to the CPU."""
-    cpu = fn(*args, **kwargs)
-    gpu = fn(*(to_device(a) for a in args), **{k: to_device(v) for k, v in kwargs.items()})
-    if isinstance(gpu, torch.Tensor):
-        return cpu, gpu.cpu()
-    return cpu, type(gpu)(*(field.cpu() for field in gpu))
+    return fn(*args, **kwargs), on_device(CUDA, fn, *args, **kwargs)
 
 
 def sampled_distribution(draft, target, weight, num_draft, num_accepted, row, from_logits, temperature):
@@ -123,45 +117,6 @@ def test_seeded_draws_match_cpu(dtype):
 
 
 @requires_cuda
-def test_per_row_seed_is_independent_of_batch_position():
-    tokens, draft, target = random_problem(6, 3, 500, seed=5)
-    seeds = torch.tensor([11, 22, 33, 44, 55, 66])
-    full = dx.verify(*(to_device(t) for t in (tokens, draft, target)), 0.4, seed=seeds.to(CUDA), offset=9)
-    order = torch.tensor([3, 0, 5, 1, 4, 2])
-    shuffled = dx.verify(*(to_device(t[order]) for t in (tokens, draft, target)), 0.4, seed=seeds[order].to(CUDA),
-                         offset=9)
-    assert torch.equal(full.tokens[order.to(CUDA)], shuffled.tokens)
-    assert torch.equal(full.num_accepted[order.to(CUDA)], shuffled.num_accepted)
-
-
-@requires_cuda
-def test_zero_residual_falls_back_to_target():
-    # p == q with w < 1: drafts off the support of q (q(x) = 0) are rejected and max(0, p - q) has no mass.
-    vocab = 6
-    probs = torch.tensor([0.0, 0.5, 0.5, 0.0, 0.0, 0.0])
-    draft = probs.expand(3, 2, vocab).clone()
-    target = probs.expand(3, 3, vocab).clone()
-    tokens = torch.tensor([[0, 1], [3, 3], [1, 2]])
-    uniforms = torch.tensor([[0.1, 0.1, 0.3], [0.2, 0.2, 0.9], [0.5, 0.5, 0.6]], dtype=torch.float64)
-    cpu, gpu = on_both(dx.verify, tokens, draft, target, 0.7, uniforms=uniforms)
-    assert torch.equal(cpu.tokens, gpu.tokens) and torch.equal(cpu.num_accepted, gpu.num_accepted)
-    assert gpu.num_accepted.tolist() == [0, 0, 2]
-    assert gpu.tokens[:, 0].tolist()[:2] == [1, 2] and gpu.tokens[2].tolist() == [1, 2, 2]
-
-
-@requires_cuda
-@pytest.mark.parametrize("vocab", [8, 1001])
-def test_greedy_ties_break_to_lowest_id(vocab):
-    flat = torch.full((2, 2, vocab), 1.0 / vocab)
-    target = torch.full((2, 3, vocab), 1.0 / vocab)
-    target[:, :, vocab - 3:] = 2.0 / vocab  # three tied maxima: the lowest wins
-    tokens = torch.tensor([[vocab - 3, vocab - 3], [vocab - 2, 0]])
-    cpu, gpu = on_both(dx.verify, tokens, flat, target, 0.5, greedy=torch.tensor([True, True]))
-    assert torch.equal(cpu.tokens, gpu.tokens)
-    assert gpu.tokens.tolist() == [[vocab - 3, vocab - 3, vocab - 3], [vocab - 3, -1, -1]]
-
-
-@requires_cuda
 def test_misaligned_rows_and_single_rows():
     # V = 4097 float / 4099 bf16: every row starts at a different offset from 16 bytes; one row per request too.
     for dtype, vocab in ((torch.float32, 4097), (torch.bfloat16, 4099), (torch.float16, 3)):
@@ -173,18 +128,6 @@ def test_misaligned_rows_and_single_rows():
         cpu, gpu = on_both(dx.verify, tokens[:1], draft[:1], target[:1], weight[:1], uniforms=uniforms[:1])
         assert_verify_agrees(cpu, gpu, draft=draft[:1], target=target[:1], weight=weight[:1],
                              num_draft=torch.full((1,), 3), uniforms=uniforms[:1])
-
-
-@requires_cuda
-def test_empty_batch():
-    _, draft, target = random_problem(0, 3, 10)
-    result = dx.verify(torch.zeros(0, 3, dtype=torch.int64, device=CUDA), draft.to(CUDA), target.to(CUDA), 0.5)
-    assert result.tokens.shape == (0, 4) and result.num_accepted.shape == (0,) and result.tokens.device.type == CUDA
-    logits = dx.verify_logits(torch.zeros(0, 3, dtype=torch.int64, device=CUDA), draft.to(CUDA), target.to(CUDA), 0.5)
-    assert logits.accept_prob.shape == (0, 3)
-    assert dx.mix(draft.to(CUDA), target.to(CUDA), 0.5).shape == (0, 3, 10)
-    assert dx.token_stats(draft.to(CUDA), target[:, :3].to(CUDA), torch.zeros(0, 3, dtype=torch.int64,
-                                                                          device=CUDA)).total_variation.shape == (0, 3)
 
 
 # ----------------------------------------------------------------------------------------------- verify (logits)
@@ -238,14 +181,10 @@ def test_token_stats_matches_cpu(from_logits, dtype, vocab):
 
 
 @requires_cuda
-def test_token_stats_edges():
-    draft = torch.zeros(1, 2, 4)
-    target = torch.tensor([[[0.0, -200.0, -300.0, 0.0], [float("-inf")] * 4]])
-    tokens = torch.tensor([[2, 1]])
+def test_token_stats_edges_match_cpu():
+    # The values themselves are checked on each device by test_logits.py::test_token_stats_edges.
+    draft, target, tokens = token_stats_edge_inputs()
     cpu, gpu = on_both(dx.token_stats, draft, target, tokens, from_logits=True, check_inputs=False)
-    assert gpu.target_prob[0, 0].item() == 0.0
-    assert abs(gpu.target_logprob[0, 0].item() - (-300.0 - torch.logsumexp(target[0, 0], -1).item())) < 1e-3
-    assert gpu.target_prob[0, 1].item() == 0.0 and gpu.target_logprob[0, 1].item() == float("-inf")
     for cpu_field, gpu_field in zip(cpu, gpu):
         torch.testing.assert_close(gpu_field, cpu_field, rtol=1e-5, atol=1e-7)
     bad_tokens = torch.tensor([[-1, 4]])
@@ -272,43 +211,17 @@ def test_mix_matches_cpu(from_logits, dtype, vocab):
 # ----------------------------------------------------------------------------------- robustness without checks
 @requires_cuda
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_poisoned_inputs_never_escape_the_vocabulary(dtype):
+def test_poisoned_inputs_match_cpu(dtype):
+    # That the results stay in range is checked on each device by
+    # test_verify_api.py::test_poisoned_inputs_never_escape_the_vocabulary.
     batch, num_positions, vocab = 64, 4, 37
-    tokens, draft, target, weight, uniforms, num_draft, greedy = poisoned_verify_inputs(batch, num_positions, vocab)
-    tokens[5, 0] = -(2**40)
-    num_draft[4] = 2**40
+    tokens, draft, target, weight, uniforms, num_draft, greedy = poisoned_verify_inputs(batch, num_positions, vocab,
+                                                                                        extreme_ids=True)
     for kwargs in ({"uniforms": uniforms}, {"seed": 3}):
         cpu, gpu = on_both(dx.verify, tokens, draft.to(dtype), target.to(dtype), weight, num_draft=num_draft,
                            greedy=greedy, check_inputs=False, **kwargs)
-        assert_verify_result_in_range(gpu, num_positions, vocab)
         assert torch.equal(cpu.num_accepted, gpu.num_accepted) and torch.equal(cpu.accept_prob, gpu.accept_prob)
         assert torch.equal(cpu.tokens, gpu.tokens)
-
-
-@requires_cuda
-def test_poisoned_logits_without_checks_stay_in_range():
-    tokens, draft, target, generator = poisoned_logits_inputs()
-    temperature = torch.rand(32, generator=generator)
-    temperature[1] = float("nan")  # greedy, like 0
-    temperature[2] = -1.0
-    result = dx.verify_logits(tokens.to(CUDA), draft.to(CUDA), target.to(CUDA), 0.5, temperature=temperature.to(CUDA),
-                              num_draft=torch.randint(-2, 7, (32,), generator=generator).to(CUDA), check_inputs=False,
-                              seed=1)
-    emitted = torch.arange(5, device=CUDA) <= result.num_accepted.unsqueeze(1).long()
-    assert torch.all((result.tokens[emitted] >= 0) & (result.tokens[emitted] < 37))
-    assert torch.all(result.tokens[~emitted] == -1)
-
-
-@requires_cuda
-def test_out_of_range_ids_count_as_rejected():
-    tokens, draft, target = random_problem(4, 2, 9, seed=1)
-    tokens[:, 0] = torch.tensor([-1, 9, 1000, -(2**40)])
-    for greedy in (False, True):
-        result = dx.verify(tokens.to(CUDA), draft.to(CUDA), target.to(CUDA), 0.0, greedy=greedy, check_inputs=False,
-                           seed=1)
-        assert torch.all(result.num_accepted == 0)
-        assert torch.all(result.accept_prob[:, 0] == 0)
-        assert torch.all((result.tokens[:, 0] >= 0) & (result.tokens[:, 0] < 9))
 
 
 @requires_cuda
@@ -337,30 +250,7 @@ def test_no_host_sync_without_checks():
     torch.cuda.synchronize()
 
 
-# ------------------------------------------------------------------------------------------- custom op machinery
-@requires_cuda
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_opcheck_on_cuda(dtype):
-    batch, num_positions, vocab = 4, 3, 20
-    tokens, draft, target = random_problem(batch, num_positions, vocab, seed=3, dtype=dtype)
-    tokens, draft, target = tokens.to(CUDA), draft.to(CUDA), target.to(CUDA)
-    weight = torch.full((batch, num_positions), 0.5, device=CUDA)
-    num_draft = torch.tensor([3, 1, 0, 2], device=CUDA)
-    seeds = torch.arange(batch, dtype=torch.int64, device=CUDA)
-    greedy = torch.tensor([False, True, False, False], device=CUDA)
-    uniforms = torch.rand(batch, num_positions + 1, dtype=torch.float64, device=CUDA)
-    for explicit in (None, uniforms):
-        torch.library.opcheck(torch.ops.diversed.verify_probs.default,
-                              (tokens, draft, target, weight, num_draft, greedy, explicit, seeds, 5, True))
-    temperature = torch.tensor([1.0, 0.0, 0.5, 2.0], device=CUDA)
-    torch.library.opcheck(torch.ops.diversed.verify_logits.default,
-                          (tokens, draft, target, weight, num_draft, temperature, uniforms, seeds, 0, False))
-    for from_logits in (False, True):
-        torch.library.opcheck(torch.ops.diversed.token_stats.default,
-                              (draft, target[:, :num_positions].contiguous(), tokens, temperature, from_logits))
-        torch.library.opcheck(torch.ops.diversed.mix.default, (draft, target, weight, temperature, from_logits))
-
-
+# -------------------------------------------------------------------------------------------------- mixed devices
 @requires_cuda
 def test_mixed_devices_are_rejected_by_the_op():
     tokens, draft, target = random_problem(2, 2, 10, seed=1)
@@ -369,21 +259,3 @@ def test_mixed_devices_are_rejected_by_the_op():
             False]  # weight left on the CPU
     with pytest.raises(RuntimeError, match="device"):
         torch.ops.diversed.verify_probs(*args)
-
-
-# ------------------------------------------------------------------------------------------------- distribution
-@requires_cuda
-def test_cuda_samples_follow_the_mixture():
-    vocab, samples, weight = 10, 50_000, 0.3
-    generator = torch.Generator().manual_seed(21)
-    draft = (torch.randn(vocab, generator=generator) * 1.5).softmax(-1)
-    target = (torch.randn(vocab, generator=generator) * 1.5).softmax(-1)
-    tokens = torch.multinomial(draft, samples, replacement=True, generator=generator).reshape(-1, 1)
-    result = dx.verify(tokens.to(CUDA), draft.expand(samples, 1, vocab).contiguous().to(CUDA),
-                       target.expand(samples, 2, vocab).contiguous().to(CUDA), weight, seed=8)
-    counts = torch.bincount(result.tokens[:, 0].cpu(), minlength=vocab).double()
-    mixture = (weight * target + (1 - weight) * draft).double()
-    assert chisquare(counts.numpy(), (mixture / mixture.sum() * samples).numpy()).pvalue > 1e-4
-    acceptance = result.num_accepted.double().mean().item()
-    expected = 1 - weight * 0.5 * (target - draft).abs().sum().item()
-    assert abs(acceptance - expected) < 0.01

@@ -1,0 +1,265 @@
+"""The decoding loop's output law and acceptance statistics against their exact values, seeds, and prompts
+(tiny random Llama pairs from decoding_helpers.py)."""
+
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+scipy_stats = pytest.importorskip("scipy.stats")
+
+from decoding_helpers import PROMPT, noisy_copy, tiny_llama  # noqa: E402
+from diversed_ext.decoding import SpeculativeDecoder  # noqa: E402
+
+SMALL_VOCAB = 4  # joint distributions of 3 tokens stay small enough (64 cells) for a chi-square test
+P_VALUE_FLOOR = 1e-4  # fixed seeds make each test deterministic; this only has to pass for a correct sampler
+
+
+@pytest.fixture(scope="module")
+def small_pair():
+    target = tiny_llama(0, SMALL_VOCAB)
+    return target, noisy_copy(target, 1)
+
+
+# ---- helpers ---------------------------------------------------------------------------------------------------------
+
+
+@torch.inference_mode()
+def next_token_probs(model, sequences, temperature=1.0):
+    """softmax(logits / T) of the last position of every sequence (all the same length): [N, V]."""
+    logits = model(torch.tensor(sequences)).logits[:, -1].float()
+    return (logits / temperature).softmax(-1)
+
+
+def exact_joint(target, draft, prompt, length, vocab, weight=1.0, temperature=1.0):
+    """Probability of every continuation of ``length`` tokens under nu = w p + (1 - w) q, position by position."""
+    joint = {(): 1.0}
+    for _ in range(length):
+        prefixes = list(joint)
+        contexts = [prompt + list(prefix) for prefix in prefixes]
+        nu = weight * next_token_probs(target, contexts, temperature)
+        if weight < 1:
+            nu = nu + (1 - weight) * next_token_probs(draft, contexts, temperature)
+        joint = {prefix + (token,): joint[prefix] * float(nu[row, token])
+                 for row, prefix in enumerate(prefixes) for token in range(vocab)}
+    return joint
+
+
+def exact_speculative_joint(target, draft, prompt, length, vocab, weight, temperature, num_draft):
+    """Exact law of what the loop emits, round by round.
+
+    Within a round of k = min(num_draft, remaining - 1) drafts, position i emits x and goes on with probability
+    min(q, nu)(x) (accepted draft) or emits x and ends the round with probability max(0, nu - q)(x) (correction); these
+    add up to nu(x). A round that keeps all k drafts ends with the bonus token, drawn from p, not nu. So for w < 1 the
+    output is not a product of nu's: the tokens that happen to be bonus tokens follow the target."""
+    joint = {}
+
+    def walk(prefix, probability, index, drafts):
+        if len(prefix) == length:
+            joint[prefix] = joint.get(prefix, 0.0) + probability
+            return
+        if index == 0:
+            drafts = min(num_draft, length - len(prefix) - 1)
+        context = [prompt + list(prefix)]
+        p = next_token_probs(target, context, temperature)[0].double()
+        if index == drafts:  # the bonus token
+            for token in range(vocab):
+                walk(prefix + (token,), probability * float(p[token]), 0, 0)
+            return
+        q = next_token_probs(draft, context, temperature)[0].double()
+        nu = weight * p + (1 - weight) * q
+        keep, correct = torch.minimum(q, nu), (nu - q).clamp(min=0)
+        for token in range(vocab):
+            walk(prefix + (token,), probability * float(keep[token]), index + 1, drafts)
+            walk(prefix + (token,), probability * float(correct[token]), 0, 0)
+
+    walk((), 1.0, 0, 0)
+    return joint
+
+
+def chi_square_p_value(samples, expected_probs):
+    """Pearson chi-square of sample counts against probabilities; cells expecting < 5 are pooled into one."""
+    counts = {}
+    for sample in samples:
+        counts[sample] = counts.get(sample, 0) + 1
+    total = len(samples)
+    observed, expected, pooled_observed, pooled_expected = [], [], 0, 0.0
+    for cell, prob in expected_probs.items():
+        if prob * total >= 5:
+            observed.append(counts.get(cell, 0))
+            expected.append(prob * total)
+        else:
+            pooled_observed += counts.get(cell, 0)
+            pooled_expected += prob * total
+    if pooled_expected > 0:
+        observed.append(pooled_observed)
+        expected.append(pooled_expected)
+    scale = sum(observed) / sum(expected)  # float rounding of the probabilities
+    return scipy_stats.chisquare(observed, [value * scale for value in expected]).pvalue
+
+
+def sample_continuations(decoder, prompt, length, count):
+    return [tuple(decoder.generate(prompt, max_new_tokens=length, seed=seed).sequences[0].tolist())
+            for seed in range(count)]
+
+
+# ---- exactness -------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("num_draft", [1, 3, 6])
+def test_greedy_sd_equals_greedy_ar_token_for_token(wide_pair, num_draft):
+    target, draft = wide_pair
+    ar = SpeculativeDecoder(target, method="ar", temperature=0)
+    sd = SpeculativeDecoder(target, draft, method="sd", num_draft=num_draft, temperature=0)
+    prompts = [PROMPT, [5], [7, 7, 8, 30, 2, 11]]
+    ar_tokens = ar.generate(prompts, max_new_tokens=24).sequences
+    sd_output = sd.generate(prompts, max_new_tokens=24)
+    for ar_row, sd_row in zip(ar_tokens, sd_output.sequences):
+        assert sd_row.tolist() == ar_row.tolist()
+    summary = sd_output.summary()
+    assert 0 < summary.accepted < summary.drafted  # both paths ran: some drafts kept, some corrected
+    with torch.inference_mode():
+        reference = target.generate(torch.tensor([PROMPT]), max_new_tokens=24, do_sample=False,
+                                    pad_token_id=0)[0, len(PROMPT):]
+    assert ar_tokens[0].tolist() == reference.tolist()
+
+
+def test_sampled_sd_follows_the_target_distribution(small_pair):
+    target, draft = small_pair
+    decoder = SpeculativeDecoder(target, draft, method="sd", num_draft=2, temperature=1.0)
+    samples = sample_continuations(decoder, PROMPT, 3, 2000)
+    target_joint = exact_joint(target, draft, PROMPT, 3, SMALL_VOCAB)
+    assert chi_square_p_value(samples, target_joint) > P_VALUE_FLOOR
+    # The same samples must clearly reject the draft's own distribution, or the test could not fail.
+    draft_joint = exact_joint(target, draft, PROMPT, 3, SMALL_VOCAB, weight=0.0)
+    assert chi_square_p_value(samples, draft_joint) < 1e-6
+
+
+def test_static_ensemble_follows_the_mixture(small_pair):
+    target, draft = small_pair
+    weight, temperature = 0.5, 0.8
+    decoder = SpeculativeDecoder(target, draft, method="static", weight=weight, num_draft=3, temperature=temperature)
+    samples = sample_continuations(decoder, PROMPT, 3, 2000)
+    law = exact_speculative_joint(target, draft, PROMPT, 3, SMALL_VOCAB, weight, temperature, num_draft=3)
+    assert abs(sum(law.values()) - 1) < 1e-6  # float32 softmax rounding
+    assert chi_square_p_value(samples, law) > P_VALUE_FLOOR
+    # The test can fail: the same samples reject the target alone and the draft alone.
+    target_only = exact_joint(target, draft, PROMPT, 3, SMALL_VOCAB, temperature=temperature)
+    assert chi_square_p_value(samples, target_only) < 1e-6
+    draft_only = exact_joint(target, draft, PROMPT, 3, SMALL_VOCAB, weight=0.0, temperature=temperature)
+    assert chi_square_p_value(samples, draft_only) < 1e-6
+
+
+def test_exact_speculative_law_is_the_target_for_sd(small_pair):
+    # With w = 1 the block-aware law collapses to the product of target distributions (standard SD is exact).
+    target, draft = small_pair
+    law = exact_speculative_joint(target, draft, PROMPT, 3, SMALL_VOCAB, 1.0, 1.0, num_draft=2)
+    product = exact_joint(target, draft, PROMPT, 3, SMALL_VOCAB)
+    for cell, probability in product.items():
+        assert abs(law[cell] - probability) < 1e-6
+
+
+def exact_acceptance_counts(target, draft, prompt, length, vocab, weight, num_draft):
+    """Exact expected (accepted, drafted) of one generation of ``length`` tokens, walking every round's branches:
+    a round plans k = min(num_draft, remaining - 1) drafts (all counted as drafted); position i keeps its draft with
+    mass min(q, nu) and corrects with mass max(0, nu - q); a round that keeps all k ends with a bonus from p."""
+    cache = {}
+
+    def probabilities(prefix):
+        if prefix not in cache:
+            context = [prompt + list(prefix)]
+            cache[prefix] = (next_token_probs(target, context)[0].double(), next_token_probs(draft, context)[0].double())
+        return cache[prefix]
+
+    def expected(prefix, index, drafts):
+        if len(prefix) == length:
+            return 0.0, 0.0
+        if index == 0:
+            drafts = min(num_draft, length - len(prefix) - 1)
+        p, q = probabilities(prefix)
+        if index == drafts:  # bonus token, or a plain target step when no draft fits
+            pairs = [expected(prefix + (token,), 0, 0) for token in range(vocab)]
+            return (sum(float(p[t]) * pairs[t][0] for t in range(vocab)),
+                    sum(float(p[t]) * pairs[t][1] for t in range(vocab)))
+        nu = weight * p + (1 - weight) * q
+        keep, correct = torch.minimum(q, nu), (nu - q).clamp(min=0)
+        accepted, drafted = 0.0, float(drafts) if index == 0 else 0.0
+        for token in range(vocab):
+            if keep[token] > 0:
+                more_accepted, more_drafted = expected(prefix + (token,), index + 1, drafts)
+                accepted += float(keep[token]) * (1 + more_accepted)
+                drafted += float(keep[token]) * more_drafted
+            if correct[token] > 0:
+                more_accepted, more_drafted = expected(prefix + (token,), 0, 0)
+                accepted += float(correct[token]) * more_accepted
+                drafted += float(correct[token]) * more_drafted
+        return accepted, drafted
+
+    return expected((), 0, 0)
+
+
+@pytest.mark.parametrize("method,weight", [("sd", 1.0), ("static", 0.5)])
+def test_acceptance_counts_match_their_exact_expectation(small_pair, method, weight):
+    """The loop's acceptance statistics, not just its output law: mean accepted and drafted drafts per generation
+    against their exact expectations. (A loop that drafted from a stale context would still emit the right law for
+    sd, but accept less.)"""
+    target, draft = small_pair
+    length, num_draft, runs = 5, 3, 1000
+    exact_accepted, exact_drafted = exact_acceptance_counts(target, draft, PROMPT, length, SMALL_VOCAB, weight,
+                                                            num_draft)
+    decoder = SpeculativeDecoder(target, draft, method=method, weight=None if method == "sd" else weight,
+                                 num_draft=num_draft)
+    summaries = [decoder.generate(PROMPT, max_new_tokens=length, seed=seed).summary() for seed in range(runs)]
+    for values, exact in (([s.accepted for s in summaries], exact_accepted),
+                          ([s.drafted for s in summaries], exact_drafted)):
+        mean = sum(values) / runs
+        spread = math.sqrt(sum((value - mean) ** 2 for value in values) / (runs - 1))
+        assert abs(mean - exact) < 4 * spread / math.sqrt(runs) + 1e-9, (mean, exact)
+
+
+def test_ar_sampling_follows_the_target(small_pair):
+    target, _ = small_pair
+    decoder = SpeculativeDecoder(target, method="ar", temperature=1.0)
+    samples = sample_continuations(decoder, PROMPT, 2, 1500)
+    assert chi_square_p_value(samples, exact_joint(target, None, PROMPT, 2, SMALL_VOCAB)) > P_VALUE_FLOOR
+
+
+def test_static_weight_zero_accepts_every_draft(wide_pair):
+    target, draft = wide_pair
+    decoder = SpeculativeDecoder(target, draft, method="static", weight=0.0, num_draft=4, temperature=1.0)
+    output = decoder.generate([PROMPT, [9, 4]], max_new_tokens=30, seed=11)
+    for rounds in output.rounds:
+        assert all(stats.accepted == stats.drafted for stats in rounds)
+        assert all(stats.emitted == stats.drafted + 1 for stats in rounds)
+        assert [stats.drafted for stats in rounds] == [4] * 6  # 5 tokens a round, K capped to leave room for the last
+
+
+def test_same_seed_same_output_and_different_seed_differs(wide_pair):
+    target, draft = wide_pair
+    decoder = SpeculativeDecoder(target, draft, method="static", weight=0.7, num_draft=3)
+    first = decoder.generate(PROMPT, max_new_tokens=40, seed=3).sequences[0]
+    again = decoder.generate(PROMPT, max_new_tokens=40, seed=3).sequences[0]
+    other = decoder.generate(PROMPT, max_new_tokens=40, seed=4).sequences[0]
+    assert first.tolist() == again.tolist()
+    assert first.tolist() != other.tolist()
+    torch.manual_seed(8)
+    unseeded = decoder.generate(PROMPT, max_new_tokens=40).sequences[0]
+    torch.manual_seed(8)
+    assert decoder.generate(PROMPT, max_new_tokens=40).sequences[0].tolist() == unseeded.tolist()
+
+
+def test_several_prompts_run_one_after_another_with_seed_plus_index(wide_pair):
+    target, draft = wide_pair
+    decoder = SpeculativeDecoder(target, draft, method="sd", num_draft=3)
+    prompts = [PROMPT, [4], torch.tensor([6, 1, 1])]
+    output = decoder.generate(prompts, max_new_tokens=12, seed=20)
+    assert len(output.generations) == 3
+    for index, prompt in enumerate(prompts):
+        alone = decoder.generate(prompt, max_new_tokens=12, seed=20 + index).sequences[0]
+        assert output.sequences[index].tolist() == alone.tolist()
+    padded = output.padded()
+    assert padded.shape == (3, 12) and padded.dtype == torch.int64
+    assert [generation.prompt_length for generation in output.generations] == [4, 1, 3]
+    batch = decoder.generate(torch.tensor([[1, 2], [3, 4]]), max_new_tokens=5, seed=0)
+    assert len(batch.sequences) == 2
