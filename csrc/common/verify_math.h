@@ -172,7 +172,13 @@ DX_HD float softmax_mass(float logit, float inverse_temperature, SoftmaxStats st
   return sanitize_mass(exp_nonpositive(logit * inverse_temperature - stats.max) * stats.inverse_sum);
 }
 
-// Temperature 0 marks a greedy row; its distributions are the untempered softmax (temperature 1).
-DX_HD float inverse_temperature_of(float temperature) { return temperature > 0.0f ? 1.0f / temperature : 1.0f; }
+// Temperature 0 marks a greedy row; its distributions are the untempered softmax (temperature 1). So does any
+// temperature below kMinTemperature (and NaN): dividing logits by it would overflow to inf and every row would collapse
+// to id 0, while its limit is the greedy decision anyway. The Python layer uses the same threshold (MIN_TEMPERATURE).
+constexpr float kMinTemperature = 1e-6f;
+DX_HD bool is_greedy_temperature(float temperature) { return !(temperature >= kMinTemperature); }
+DX_HD float inverse_temperature_of(float temperature) {
+  return is_greedy_temperature(temperature) ? 1.0f : 1.0f / temperature;
+}
 
 }  // namespace diversed

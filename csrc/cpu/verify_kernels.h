@@ -233,7 +233,7 @@ inline TemperaturePlan plan_temperatures(const float* values, int64_t batch) {
   plan.inverse.resize(batch);
   plan.greedy.reset(new bool[batch]);
   for (int64_t row = 0; row < batch; ++row) {
-    plan.greedy[row] = !(values[row] > 0.0f);
+    plan.greedy[row] = is_greedy_temperature(values[row]);
     plan.inverse[row] = inverse_temperature_of(values[row]);
   }
   return plan;

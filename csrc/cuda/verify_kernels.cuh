@@ -46,7 +46,7 @@ struct LogitRows {
   SoftmaxStats* draft_stats;   // [B, K] scratch
   SoftmaxStats* target_stats;  // [B, K+1] scratch
 
-  __device__ bool greedy(const VerifyProblem&, int64_t row) const { return !(temperature[row] > 0.0f); }
+  __device__ bool greedy(const VerifyProblem&, int64_t row) const { return is_greedy_temperature(temperature[row]); }
   __device__ float inverse_temperature(int64_t row) const { return inverse_temperature_of(temperature[row]); }
 
   __device__ void prepare(const VerifyProblem& p, int64_t row, int64_t drafted, BlockStorage& s) const {

@@ -28,7 +28,7 @@ from typing import Optional, Union
 import torch
 from tqdm.auto import tqdm
 
-from ..ops import SEED_RANGE, distribution_temperature, verify_logits
+from ..ops import SEED_RANGE, distribution_temperature, is_greedy_temperature, verify_logits
 from .checks import (HeadLike, PromptLike, check_head, check_max_new_tokens, check_method, check_num_draft,
                      check_prompt, check_seed, check_temperature, check_weight)
 from .prompts import normalise_eos, split_prompts
@@ -112,7 +112,7 @@ def _verify_block(draft_tokens, draft_logits, target_logits, weight, *, temperat
 
 def sample_draft(logits: torch.Tensor, temperature: float, generator: torch.Generator) -> int:
     """The draft's token: its argmax at temperature 0, else a sample of softmax(logits / temperature)."""
-    if temperature == 0:
+    if is_greedy_temperature(temperature):
         return int(logits.argmax())
     probs = _as_probabilities(logits, temperature)
     if probs.device != generator.device:

@@ -16,18 +16,30 @@ import torch
 PROB_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 TOKEN_DTYPES = (torch.int32, torch.int64)
 SEED_RANGE = 2**63  # seeds and offsets are int64 counters of the verifier's Philox generator
+# Temperatures below this (and 0) are greedy rows: dividing logits by them would overflow to inf, and greedy is their
+# limit anyway. The kernels use the same threshold (csrc/common/verify_math.h).
+MIN_TEMPERATURE = 1e-6
+
+
+def is_greedy_temperature(temperature):
+    """Whether a temperature (a float or a tensor of them) asks for greedy decisions: 0, NaN, or below
+    MIN_TEMPERATURE."""
+    if isinstance(temperature, torch.Tensor):
+        return ~(temperature >= MIN_TEMPERATURE)
+    return not temperature >= MIN_TEMPERATURE
 
 
 def distribution_temperature(temperature):
-    """The temperature the distributions are taken at: ``temperature`` itself, or 1 where it is 0.
+    """The temperature the distributions are taken at: ``temperature`` itself, or 1 where it is greedy (0, or below
+    MIN_TEMPERATURE).
 
     Temperature 0 asks for greedy decisions (argmax of nu = w p + (1 - w) q), and those are made on the untempered
     distributions, so one rule serves the ops, the reference, the decoding loop and the trainer. Takes a float or a
     tensor of temperatures.
     """
     if isinstance(temperature, torch.Tensor):
-        return torch.where(temperature > 0, temperature, torch.ones_like(temperature))
-    return temperature if temperature > 0 else 1.0
+        return torch.where(is_greedy_temperature(temperature), torch.ones_like(temperature), temperature)
+    return 1.0 if is_greedy_temperature(temperature) else temperature
 
 WeightLike = Union[float, torch.Tensor]
 SeedLike = Union[int, torch.Tensor, None]
@@ -77,6 +89,20 @@ def _check_distribution_values(tensor: torch.Tensor, name: str) -> None:
         raise ValueError(f"{name} contains negative probabilities (minimum {low})")
     if high == float("inf"):
         raise ValueError(f"{name} contains infinite values")
+
+
+def _check_rows_have_mass(draft: torch.Tensor, target: torch.Tensor, num_draft: torch.Tensor, draft_name: str,
+                          target_name: str) -> None:
+    """Every row the verifier reads needs some mass: draft rows k < num_draft[b] and target rows k <= num_draft[b].
+    Rows past them are never read, so a server may leave them as zero padding."""
+    positions = torch.arange(target.shape[1], device=target.device).unsqueeze(0)
+    read_draft = positions[:, :-1] < num_draft.unsqueeze(1)  # q at a rejection; the bonus row reads only p
+    read_target = positions <= num_draft.unsqueeze(1)
+    for tensor, name, read in ((draft, draft_name, read_draft), (target, target_name, read_target)):
+        empty = (tensor.amax(-1) == 0) & read
+        if bool(empty.any()):
+            batch_index, position = (int(index) for index in empty.nonzero()[0])
+            raise ValueError(f"{name} has a row with no probability mass (all zeros) at [{batch_index}, {position}]")
 
 
 def check_distributions(draft: torch.Tensor, target: torch.Tensor, draft_name: str, target_name: str,
@@ -220,8 +246,10 @@ def normalize_uniforms(uniforms, batch: int, num_positions: int, device: torch.d
 def normalize_seed(seed: SeedLike, batch: int, device: torch.device, check_inputs: bool) -> tuple[torch.Tensor, bool]:
     """Seeds as int64 [B] and whether they are per row. No seed: one is drawn from torch's default generator."""
     if seed is None:
-        drawn = torch.randint(0, SEED_RANGE - 1, (1,), dtype=torch.int64)
-        return drawn.expand(batch).to(device).contiguous(), False
+        # Drawn where it is used, from that device's default generator: a CPU draw copied to a GPU would make every
+        # call synchronise with the host.
+        drawn = torch.randint(0, SEED_RANGE - 1, (1,), dtype=torch.int64, device=device)
+        return drawn.expand(batch).contiguous(), False
     if isinstance(seed, bool) or not isinstance(seed, (Integral, torch.Tensor)):
         raise TypeError(f"seed must be an int or an int64 tensor of shape [B], got {type(seed).__name__}")
     if not isinstance(seed, torch.Tensor):
@@ -262,6 +290,8 @@ def prepare_verify(draft_tokens, draft, target, weight, *, num_draft, greedy, un
         check_token_ids(tokens, num_draft_t, vocab)
         check_values(draft, draft_name, from_logits=kind == "logits")
         check_values(target, target_name, from_logits=kind == "logits")
+        if kind != "logits":
+            _check_rows_have_mass(draft, target, num_draft_t, draft_name, target_name)
     return VerifyArgs(tokens, draft.contiguous(), target.contiguous(), weight_t, num_draft_t, greedy_t, uniforms_t,
                       seeds_t, offset_i, per_row_seed)
 
@@ -349,7 +379,9 @@ def _check_pair_shapes(draft, target, kind, same_positions):
         if not same_positions and target.shape[1] < draft.shape[1]:
             raise ValueError(f"target must have at least as many positions as draft ({draft.shape[1]}), "
                              f"got {target.shape[1]}")
-        padded = target[:, :1].expand(target.shape[0], draft.shape[1] + 1, target.shape[2])
+        # check_distributions wants K + 1 target positions; only shapes, dtypes and devices are compared here.
+        padded_shape = (target.shape[0], draft.shape[1] + 1, target.shape[2])
+        padded = target[:, :1].expand(padded_shape) if target.shape[1] else target.new_zeros(padded_shape)
         check_distributions(draft, padded, "draft", "target", kind)
     else:
         check_distributions(draft, target, "draft", "target", kind)

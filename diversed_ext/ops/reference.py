@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from ._inputs import (distribution_temperature, normalize_stat_tokens, normalize_temperature, normalize_weight,
-                      prepare_pair, prepare_verify)
+from ._inputs import (distribution_temperature, is_greedy_temperature, normalize_stat_tokens, normalize_temperature,
+                      normalize_weight, prepare_pair, prepare_verify)
 from ._philox import philox_uniforms
 from .api import TokenStats, VerifyResult
 
@@ -52,6 +52,7 @@ def reference_core(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, target
     rows = torch.arange(batch, device=draft_probs.device)
     positions = torch.arange(num_positions, device=draft_probs.device)
     weight = _sanitize_weight(weight)
+    num_draft = num_draft.clamp(0, num_positions)  # as the kernels do when the checks are off
 
     drafted = positions.unsqueeze(0) < num_draft.unsqueeze(1)
     valid = (draft_tokens >= 0) & (draft_tokens < vocab) & drafted
@@ -64,8 +65,8 @@ def reference_core(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, target
     accept_sampled = uniforms[:, :num_positions] * q_token.double() < nu_token.double()
 
     # Greedy rows compare against argmax nu at every position (first index wins ties).
-    nu_full = weight.unsqueeze(-1) * target_probs[:, :num_positions].float() \
-        + (1 - weight).unsqueeze(-1) * draft_probs.float()
+    nu_full = weight.unsqueeze(-1) * _sanitize_mass(target_probs[:, :num_positions].float()) \
+        + (1 - weight).unsqueeze(-1) * _sanitize_mass(draft_probs.float())
     greedy_choice = nu_full.argmax(-1)
     accept_greedy = draft_tokens == greedy_choice
 
@@ -128,7 +129,7 @@ def verify_logits_reference(draft_tokens, draft_logits, target_logits, weight, *
         args.uniforms = philox_uniforms(args.seeds, args.offset, args.draft.shape[1] + 1, args.per_row_seed)
     return reference_core(args.draft_tokens, _tempered_softmax(args.draft, temperature_t),
                           _tempered_softmax(args.target, temperature_t), args.weight, args.num_draft,
-                          ~(temperature_t > 0), args.uniforms)
+                          is_greedy_temperature(temperature_t), args.uniforms)
 
 
 def token_stats_reference(draft, target, tokens, *, from_logits=False, temperature=1.0, check_inputs=True):

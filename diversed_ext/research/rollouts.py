@@ -13,7 +13,7 @@ import torch
 
 from ..decoding import SpeculativeDecoder
 from ..head import EnsembleHead
-from ..ops import distribution_temperature
+from ..ops import distribution_temperature, is_greedy_temperature
 
 # (prompt token ids, rollout seed) -> completion token ids
 Rollout = Callable[[Sequence[int], int], Sequence[int]]
@@ -52,7 +52,7 @@ def mixture_rollout(target, draft, head: EnsembleHead, *, max_new_tokens: int, t
             weight = head(draft_hidden, target_hidden)
             scale = distribution_temperature(temperature)
             mixture = weight * (target_logits / scale).softmax(-1) + (1 - weight) * (draft_logits / scale).softmax(-1)
-            token = int(mixture.argmax()) if temperature == 0 else int(torch.multinomial(mixture, 1, generator=generator))
+            token = int(mixture.argmax()) if is_greedy_temperature(temperature) else int(torch.multinomial(mixture, 1, generator=generator))
             sequence.append(token)
             if eos_token_id is not None and token == eos_token_id:
                 break
