@@ -8,9 +8,11 @@ kernel must read. Uses CUDA when a GPU is present (pass --device cpu to force th
     python bench/bench_verify.py --quick         # a few configurations
     python bench/bench_verify.py --ops verify --batch 8 --draft 4 --vocab 49152 --dtype float32
 
-Columns: fused (serving configuration, check_inputs=False), fused with checks, reference, speed-up, effective GB/s
-over the bytes the fused kernel must read, and for the logits ops the time of one torch.logsumexp over the same
-tensors (a single streaming read) with the fused kernel's ratio to it.
+Columns: fused (serving configuration, check_inputs=False), fused with checks, the project's reference (the test
+oracle), for verify a careful plain-PyTorch verifier (bench/plain_verifier.py, checked equal to the reference on the
+same uniforms before it is timed) and the fused kernel's speed-up over it, the streaming floor (torch.sum over exactly
+as many bytes as the fused kernel must read) with the fused kernel's ratio to it, effective GB/s, and for the logits
+ops one torch.logsumexp over the same tensors.
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ import torch
 from tqdm import tqdm
 
 import diversed_ext as dx
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from plain_verifier import plain_verify  # noqa: E402
 
 BATCHES = (1, 8, 64)
 DRAFT_LENGTHS = (1, 4, 8)
@@ -173,25 +178,45 @@ def run(args) -> list[dict]:
         checked_s = median_seconds(lambda: op.fused_checked(problem), device) if op.fused_checked else float("nan")
         stream_s = median_seconds(lambda: op.streaming(problem), device) if op.streaming else float("nan")
         bytes_read = op.bytes_read(batch, num_positions, vocab, problem.draft_probs.element_size())
+        floor_data = torch.ones(bytes_read // problem.draft_probs.element_size(), dtype=dtype, device=device)
+        floor_s = median_seconds(lambda: torch.sum(floor_data), device)
+        plain_s = _plain_seconds(problem, device) if op_name == "verify" else float("nan")
         rows.append({
             "op": op_name, "device": device.type, "B": batch, "K": num_positions, "V": vocab, "dtype": dtype_name,
             "fused_us": fused_s * 1e6, "fused_checked_us": checked_s * 1e6, "reference_us": reference_s * 1e6,
             "speedup": reference_s / fused_s, "fused_GBps": bytes_read / fused_s / 1e9,
             "stream_us": stream_s * 1e6, "fused_over_stream": fused_s / stream_s,
+            "plain_us": plain_s * 1e6, "plain_over_fused": plain_s / fused_s,
+            "floor_us": floor_s * 1e6, "fused_over_floor": fused_s / floor_s,
         })
         del problem
     return rows
 
 
+def _plain_seconds(problem: Problem, device: torch.device) -> float:
+    """The plain verifier's median time, after checking it against the reference on the same uniforms."""
+    batch, num_positions = problem.draft_tokens.shape
+    uniforms = torch.rand(batch, num_positions + 1, dtype=torch.float64,
+                          generator=torch.Generator().manual_seed(1)).to(device)
+    args = (problem.draft_tokens, problem.draft_probs, problem.target_probs, WEIGHT)
+    tokens, num_accepted = plain_verify(*args, uniforms)
+    expected = dx.verify_reference(*args, uniforms=uniforms, check_inputs=False)
+    if not (torch.equal(tokens, expected.tokens) and torch.equal(num_accepted.int(), expected.num_accepted.int())):
+        raise AssertionError("the plain verifier disagrees with the reference: its timing would mean nothing")
+    return median_seconds(lambda: plain_verify(*args, uniforms), device)
+
+
 def print_table(rows: list[dict]) -> None:
-    header = (f"{'op':<14}{'B':>4}{'K':>5}{'V':>8} {'dtype':<9}{'fused us':>11}{'+checks us':>12}"
-              f"{'reference us':>14}{'speedup':>9}{'fused GB/s':>12}{'stream us':>11}{'fused/stream':>13}")
+    header = (f"{'op':<14}{'B':>4}{'K':>5}{'V':>8} {'dtype':<9}{'fused us':>10}{'+checks':>9}{'reference':>11}"
+              f"{'speedup':>8}{'plain us':>10}{'plain/fused':>12}{'floor us':>10}{'fused/floor':>12}"
+              f"{'fused GB/s':>11}{'stream us':>10}")
     print(header)
     print("-" * len(header))
     for row in rows:
-        print(f"{row['op']:<14}{row['B']:>4}{row['K']:>5}{row['V']:>8} {row['dtype']:<9}{row['fused_us']:>11.1f}"
-              f"{row['fused_checked_us']:>12.1f}{row['reference_us']:>14.1f}{row['speedup']:>8.1f}x"
-              f"{row['fused_GBps']:>12.2f}{row['stream_us']:>11.1f}{row['fused_over_stream']:>12.2f}x")
+        print(f"{row['op']:<14}{row['B']:>4}{row['K']:>5}{row['V']:>8} {row['dtype']:<9}{row['fused_us']:>10.1f}"
+              f"{row['fused_checked_us']:>9.1f}{row['reference_us']:>11.1f}{row['speedup']:>7.1f}x"
+              f"{row['plain_us']:>10.1f}{row['plain_over_fused']:>11.1f}x{row['floor_us']:>10.1f}"
+              f"{row['fused_over_floor']:>11.1f}x{row['fused_GBps']:>11.2f}{row['stream_us']:>10.1f}")
     speedups = [row["speedup"] for row in rows]
     print(f"\nspeed-up over the reference: min {min(speedups):.1f}x, median {statistics.median(speedups):.1f}x, "
           f"max {max(speedups):.1f}x over {len(rows)} configurations "
