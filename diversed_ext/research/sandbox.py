@@ -146,7 +146,7 @@ def run_sandboxed(program: str, *, timeout: float = 5.0, memory_mb: int = 1024, 
         if status_write >= 0:
             os.close(status_write)
         os.close(status_read)
-        if process is not None and process.poll() is None:  # only on an exception in _collect
+        if process is not None:
             _kill_launcher(process, time.monotonic() + _KILL_GRACE)
         shutil.rmtree(directory, ignore_errors=True)
 
@@ -174,12 +174,11 @@ def _collect(process: subprocess.Popen, source: bytes, status_fd: int, start: fl
         if killed and kill_deadline is None:
             kill_deadline = now + _KILL_GRACE
             _ask_launcher_to_kill(process)
-        if process.poll() is not None and not (open_fds & set(streams)):
+        if _exited(process) and not (open_fds & set(streams)):
             break
         if kill_deadline is not None and now >= kill_deadline:
-            _kill_launcher(process, now + 0.3)  # backstop: SIGKILL its group; PID 1 has PDEATHSIG too
-            break
-        if process.poll() is not None and kill_deadline is None:
+            break  # run_sandboxed's finally SIGKILLs the launcher's group (PID 1 included)
+        if _exited(process) and kill_deadline is None:
             kill_deadline = now + _KILL_GRACE  # launcher gone: everything is dead, only drain what is buffered
         wait_until = kill_deadline if kill_deadline is not None else deadline
         for fd, event in poller.poll(max(0, min(wait_until - now, 0.1)) * 1000):
@@ -231,19 +230,31 @@ def _parse_status(data: bytes) -> dict:
 def _ask_launcher_to_kill(process: subprocess.Popen) -> None:
     """SIGTERM to the launcher: it SIGKILLs PID 1 of the jail (its own unreaped child, so no pid reuse), which
     takes the whole PID namespace down, reaps it and exits."""
+    if process.returncode is None:  # never reaped before _kill_launcher: the pid is still the launcher's
+        os.kill(process.pid, signal.SIGTERM)
+
+
+def _exited(process: subprocess.Popen) -> bool:
+    """Whether the launcher has exited, without reaping it: while it is an unreaped zombie its pid (= its process
+    group id) cannot be reused, so the final killpg cannot hit anyone else."""
+    if process.returncode is not None:
+        return True
     try:
-        process.send_signal(signal.SIGTERM)
-    except ProcessLookupError:
-        pass
+        return os.waitid(os.P_PID, process.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:
+        return True
 
 
 def _kill_launcher(process: subprocess.Popen, until: float) -> None:
-    try:
-        os.killpg(process.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+    """SIGKILL whatever is left of the launcher's process group (PID 1 of the jail is in it, and the program unless it
+    called setsid; everything in the jail dies with PID 1), then reap the launcher, waiting at most until ``until``."""
+    if process.returncode is None:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
     while process.poll() is None and time.monotonic() < until:
-        time.sleep(0.005)
+        time.sleep(0.002)
 
 
 _CAPABILITIES: Optional[dict] = None
