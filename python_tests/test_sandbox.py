@@ -263,6 +263,21 @@ def test_cannot_signal_processes_outside_the_jail():
         victim.wait(5)
 
 
+def test_jail_init_and_its_status_pipe_are_out_of_reach():
+    """PID 1 of the jail reports the exit status on a pipe: the program must not forge it through /proc/1/fd."""
+    require_namespaces()
+    program = ("import os, sys\n"
+               "for n in os.listdir('/proc/1/fd'):\n"
+               "    try:\n"
+               "        os.write(os.open('/proc/1/fd/' + n, os.O_WRONLY), b'exit 0\\n')\n"
+               "        print('opened', n, flush=True)\n"
+               "    except OSError as error:\n"
+               "        print('refused', n, type(error).__name__, flush=True)\n"
+               "os._exit(3)\n")
+    result = run_sandboxed(program, timeout=3.0)
+    assert result.returncode == 3 and "opened" not in result.stdout and "refused" in result.stdout, result
+
+
 # ---------------------------------------------------------------------------------------------------- sockets
 
 def test_cannot_connect_to_host_unix_sockets(tmp_path):
