@@ -168,19 +168,37 @@ def humaneval_prompt(example: dict) -> str:
     return f"{HUMANEVAL_INSTRUCTION}\n\n```python\n{example['prompt']}```"
 
 
-def humaneval_program(example: dict, completion: str) -> str:
+def humaneval_program(example: dict, completion: str, token: Optional[str] = None) -> str:
     """The program that checks a completion: the completion's code (the first code block when there is one; the
-    function's prompt prepended when the code does not define the entry point itself), the tests, the check call."""
+    function's prompt prepended when the code does not define the entry point itself), the tests, the check call,
+    and, with ``token``, a line that prints the token once ``check`` has returned (see :func:`humaneval_pass`)."""
     blocks = _CODE_BLOCK.findall(completion)
     code = blocks[0] if blocks else completion
     if not re.search(rf"^\s*def\s+{re.escape(example['entry_point'])}\s*\(", code, re.MULTILINE):
         code = example["prompt"] + code
-    return f"{code}\n\n{example['test']}\n\ncheck({example['entry_point']})\n"
+    program = f"{code}\n\n{example['test']}\n\ncheck({example['entry_point']})\n"
+    if token is not None:
+        program += f"print({token!r}, flush=True)\n"
+    return program
 
 
 def humaneval_pass(example: dict, completion: str, *, timeout: float = 5.0) -> float:
-    """pass@1 of one completion: 1.0 when the HumanEval checks pass in the sandbox, else 0.0."""
-    return float(run_sandboxed(humaneval_program(example, completion), timeout=timeout).passed)
+    """pass@1 of one completion: 1.0 when the HumanEval checks ran to their end in the sandbox, else 0.0.
+
+    "Ran to the end" is proven by a fresh random token (``secrets.token_hex``) that the program prints after
+    ``check(...)`` returns, on a line of its own, plus exit status 0: ``os._exit(0)``, ``sys.exit(0)``, an atexit
+    hook or a killed interpreter before or inside the check never print it. The token is in no file the program can
+    open (the sandbox feeds the source through a pipe on stdin, read to its end before anything runs), nor in its
+    argv or environment; it is only in the interpreter's own memory (the compiled code's constants), so forging it
+    takes deliberate introspection (``sys._getframe().f_code.co_consts``, ``gc``, /proc/self/mem). No in-process
+    scheme can rule that out: anything the epilogue does, code that runs before it could do too. Nor does the
+    sandbox stop value-level tricks (an object whose ``__eq__`` is always true, ``sys.settrace`` skipping asserts).
+    """
+    import secrets
+
+    token = secrets.token_hex(16)
+    result = run_sandboxed(humaneval_program(example, completion, token), timeout=timeout)
+    return float(result.passed and token in result.stdout.splitlines())
 
 
 # ------------------------------------------------------------------------------------------------------ ROUGE and fidelity
