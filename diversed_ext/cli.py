@@ -40,56 +40,25 @@ class UsageError(Exception):
 USAGE_EXIT_STATUS = 2
 
 
-def _finite_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
-    return value
+def _number_in(convert, accept, description: str):
+    """An argparse type: ``convert(text)``, finite and satisfying ``accept``, else "must be <description>"."""
+    def parse(text: str):
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {description}, got {text!r}") from None
+        if not (math.isfinite(value) and accept(value)):  # also refuses nan and inf
+            raise argparse.ArgumentTypeError(f"must be {description}, got {text}")
+        return value
+    return parse
 
 
-def _positive_float(text: str) -> float:
-    value = _finite_float(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
-
-
-def _weight_of_untrained_head(text: str) -> float:
-    value = _finite_float(text)
-    if not 0.0 < value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {value}")
-    return value
-
-
-def _unit_float(text: str) -> float:
-    value = _finite_float(text)
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text}")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    value = _finite_float(text)
-    if value < 0.0:
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
-    return value
+_positive_int = _number_in(int, lambda value: value >= 1, "an integer >= 1")
+_non_negative_int = _number_in(int, lambda value: value >= 0, "an integer >= 0")
+_unit_float = _number_in(float, lambda value: 0.0 <= value <= 1.0, "a number in [0, 1]")
+_non_negative_float = _number_in(float, lambda value: value >= 0.0, "a finite number >= 0")
+_positive_float = _number_in(float, lambda value: value > 0.0, "a finite number > 0")
+_weight_of_untrained_head = _number_in(float, lambda value: 0.0 < value <= 1.0, "a number in (0, 1]")
 
 
 def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
