@@ -79,3 +79,18 @@ def test_a_drawn_seed_is_made_on_its_device(device):
         seeds, per_row = normalize_seed(None, 4, torch.device(device), check_inputs=False)
     assert seeds.device.type == device and not per_row and bool((seeds == seeds[0]).all())
     assert not any("copy" in op or "_to_copy" in op for op in log.ops), log.ops  # no host-to-device round trip
+
+
+@pytest.mark.parametrize("method, weight", [("sd", None), ("static", 0.5)])
+def test_the_loop_treats_an_underflowing_temperature_as_greedy(wide_pair, method, weight):
+    """temperature=1e-40 once crashed in the draft's sampling (softmax of logits / T is NaN); now it decodes exactly
+    what temperature 0 decodes."""
+    pytest.importorskip("transformers")
+    from decoding_helpers import PROMPT
+
+    from diversed_ext.decoding import SpeculativeDecoder
+
+    target, draft = wide_pair
+    outputs = [SpeculativeDecoder(target, draft, method=method, weight=weight, num_draft=3, temperature=temperature)
+               .generate(PROMPT, max_new_tokens=12, seed=5).sequences[0].tolist() for temperature in (0.0, 1e-40)]
+    assert outputs[0] == outputs[1]
