@@ -33,7 +33,7 @@ template <typename Rows>
 RowPlan accept_row(const VerifyProblem& problem, const Rows& rows, int64_t row) {
   const int64_t K = problem.num_positions;
   const int64_t drafted = problem.drafted(row);
-  const bool is_greedy = problem.greedy[row];
+  const bool is_greedy = problem.greedy_at(row);
   int64_t num_accepted = drafted;
   int64_t rejected_argmax = 0;
   for (int64_t i = 0; i < drafted; ++i) {
@@ -228,13 +228,15 @@ struct TemperaturePlan {
   std::unique_ptr<bool[]> greedy;
 };
 
-inline TemperaturePlan plan_temperatures(const float* values, int64_t batch) {
+inline TemperaturePlan plan_temperatures(const VerifyProblem& problem) {
+  const int64_t batch = problem.batch;
   TemperaturePlan plan;
   plan.inverse.resize(batch);
   plan.greedy.reset(new bool[batch]);
   for (int64_t row = 0; row < batch; ++row) {
-    plan.greedy[row] = is_greedy_temperature(values[row]);
-    plan.inverse[row] = inverse_temperature_of(values[row]);
+    const float temperature = problem.temperature_at(row);
+    plan.greedy[row] = is_greedy_temperature(temperature);
+    plan.inverse[row] = inverse_temperature_of(temperature);
   }
   return plan;
 }
@@ -250,13 +252,13 @@ void verify_probs(const VerifyProblem& problem, const T* draft_probs, const T* t
   run_verify(problem, rows, parallel_for);
 }
 
-// verify_logits: draft logits [B, K, V], target logits [B, K+1, V], temperature [B]. Each row the request reads gets
-// its softmax normaliser first; the greedy flags come from the temperatures.
+// verify_logits: draft logits [B, K, V], target logits [B, K+1, V], temperatures from the problem. Each row the request
+// reads gets its softmax normaliser first; the greedy flags come from the temperatures.
 template <typename T>
 void verify_logits(const VerifyProblem& problem, const T* draft_logits, const T* target_logits,
-                   const float* temperature, const ParallelFor& parallel_for) {
+                   const ParallelFor& parallel_for) {
   const int64_t B = problem.batch, K = problem.num_positions, V = problem.vocab;
-  const TemperaturePlan temperatures = plan_temperatures(temperature, B);
+  const TemperaturePlan temperatures = plan_temperatures(problem);
   std::vector<SoftmaxStats> draft_stats, target_stats;
   compute_softmax_stats(draft_logits, target_logits, B, K, K + 1, V, temperatures.inverse.data(), draft_stats,
                         target_stats,
