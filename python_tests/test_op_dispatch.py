@@ -84,3 +84,22 @@ def test_explicit_uniforms_draw_no_seed(problem):
     state = torch.get_rng_state()
     dx.verify(tokens, draft, target, 0.5, uniforms=uniforms, check_inputs=False)
     assert torch.equal(torch.get_rng_state(), state)
+
+
+@pytest.mark.parametrize("batch", [1, 5])
+def test_both_thread_layouts_match_the_reference(batch):
+    """One request with a long vocabulary is split by vocabulary chunks; several go by rows. Both give the
+    reference's tokens on identical uniforms, from probabilities and from logits, sampled and greedy rows alike."""
+    tokens, draft, target = random_problem(batch, 3, 70_000, seed=batch, sharpness=1.0)
+    uniforms = torch.rand(batch, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(batch))
+    for greedy in (False, True):
+        native = dx.verify(tokens, draft, target, 0.7, greedy=greedy, uniforms=uniforms, check_inputs=False)
+        reference = dx.verify_reference(tokens, draft, target, 0.7, greedy=greedy, uniforms=uniforms,
+                                        check_inputs=False)
+        assert torch.equal(native.tokens, reference.tokens)
+        assert torch.equal(native.accept_prob, reference.accept_prob)
+    draft_logits, target_logits = draft.log(), target.log()
+    native = dx.verify_logits(tokens, draft_logits, target_logits, 0.7, temperature=0.9, uniforms=uniforms)
+    reference = dx.verify_logits_reference(tokens, draft_logits, target_logits, 0.7, temperature=0.9,
+                                           uniforms=uniforms)
+    assert torch.equal(native.tokens, reference.tokens)

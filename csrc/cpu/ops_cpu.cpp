@@ -21,11 +21,12 @@ namespace {
 template <typename scalar_t>
 using CpuElement = kernel_element_t<HalfBits, BFloat16Bits, scalar_t>;
 
-// One task per index, like the kernels' own loops.
-void run_parallel_for(int64_t begin, int64_t end, ParallelFor::Thunk thunk, const void* body) {
-  at::parallel_for(begin, end, 1, [&](int64_t b, int64_t e) { thunk(body, b, e); });
+// The kernels pick their grain (kernel_prelude.h); a range within one grain runs inline.
+void run_parallel_for(int64_t begin, int64_t end, int64_t grain, ParallelFor::Thunk thunk, const void* body) {
+  at::parallel_for(begin, end, grain, [&](int64_t b, int64_t e) { thunk(body, b, e); });
 }
-constexpr ParallelFor kParallelFor{&run_parallel_for};
+int thread_count() { return at::get_num_threads(); }
+constexpr ParallelFor kParallelFor{&run_parallel_for, &thread_count};
 
 using VerifyTuple = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
 
