@@ -141,10 +141,11 @@ def check_distributions(draft: torch.Tensor, target: torch.Tensor, draft_name: s
     _require_tensor(draft, draft_name)
     _require_tensor(target, target_name)
     for tensor, name in ((draft, draft_name), (target, target_name)):
+        if tensor.dtype in PROB_DTYPES:
+            continue
         if not tensor.is_floating_point():
             raise TypeError(f"{name} must hold floating-point {kind}, got dtype {tensor.dtype}")
-        if tensor.dtype not in PROB_DTYPES:
-            raise TypeError(f"{name} must be float32, bfloat16 or float16, got {tensor.dtype}")
+        raise TypeError(f"{name} must be float32, bfloat16 or float16, got {tensor.dtype}")
     _require_rank(draft, 3, draft_name, "[B, K, V]")
     _require_rank(target, 3, target_name, "[B, K+1, V]")
     if draft.dtype != target.dtype:
@@ -223,7 +224,9 @@ def normalize_tokens(draft_tokens, batch: int, num_positions: int, device: torch
     if tuple(draft_tokens.shape) != (batch, num_positions):
         raise ValueError(f"draft_tokens must be [B, K] = [{batch}, {num_positions}], got {tuple(draft_tokens.shape)}")
     _require_device(draft_tokens, device, "draft_tokens")
-    return draft_tokens.to(torch.int64).contiguous()
+    if draft_tokens.dtype != torch.int64:  # .to() costs a microsecond even when it has nothing to do
+        draft_tokens = draft_tokens.to(torch.int64)
+    return draft_tokens.contiguous()
 
 
 def normalize_num_draft(num_draft, batch: int, num_positions: int, device: torch.device,
