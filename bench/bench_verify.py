@@ -8,11 +8,11 @@ kernel must read. Uses CUDA when a GPU is present (pass --device cpu to force th
     python bench/bench_verify.py --quick         # a few configurations
     python bench/bench_verify.py --ops verify --batch 8 --draft 4 --vocab 49152 --dtype float32
 
-Columns: fused (serving configuration, check_inputs=False), fused with checks, the project's reference (the test
-oracle), for verify a careful plain-PyTorch verifier (bench/plain_verifier.py, checked equal to the reference on the
-same uniforms before it is timed) and the fused kernel's speed-up over it, the streaming floor (torch.sum over exactly
-as many bytes as the fused kernel must read) with the fused kernel's ratio to it, effective GB/s, and for the logits
-ops one torch.logsumexp over the same tensors.
+Columns: fused (serving configuration, check_inputs=False), fused with checks, reference (the test oracle, which forms
+whole [B, K, V] mixtures), speed-up over it, a careful plain PyTorch verifier (gathers p(x) and q(x), accept tests on
+the gathered values, then the residual of the one row per request that needs it; checked equal to the reference on
+identical uniforms before it is timed) and the fused kernel's speed-up over it, effective GB/s over the bytes the fused
+kernel must read, and the streaming floor: torch.sum over exactly those bytes, with the fused kernel's ratio to it.
 """
 
 from __future__ import annotations
@@ -31,9 +31,7 @@ import torch
 from tqdm import tqdm
 
 import diversed_ext as dx
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from plain_verifier import plain_verify  # noqa: E402
+from diversed_ext.ops.reference import inverse_cdf_sample
 
 BATCHES = (1, 8, 64)
 DRAFT_LENGTHS = (1, 4, 8)
@@ -64,7 +62,9 @@ class OpBench:
     reference: Callable[[Problem], object]
     fused_checked: Callable[[Problem], object] | None
     bytes_read: Callable[[int, int, int, int], int]  # (B, K, V, element size) -> bytes the fused kernel must read
-    streaming: Callable[[Problem], object] | None = None  # one plain streaming read of the same inputs
+    streaming: Callable[[Problem], object]  # torch.sum over exactly the bytes the fused kernel must read
+    plain: Callable[[Problem, torch.Tensor], object] | None = None  # careful plain PyTorch, on explicit uniforms
+    reference_on: Callable[[Problem, torch.Tensor], object] | None = None  # the reference on the same uniforms
 
 
 def make_problem(batch, num_positions, vocab, dtype, device, seed=0) -> Problem:
@@ -94,7 +94,63 @@ def _pair_bytes(batch, num_positions, vocab, element_size):
 
 
 def _stream_logits(pr: Problem):
-    return torch.logsumexp(pr.draft_logits, -1), torch.logsumexp(pr.target_logits, -1)
+    return torch.sum(pr.draft_logits), torch.sum(pr.target_logits)
+
+
+def _stream_two_rows(pr: Problem):
+    # The two rows per request that verify reads whole: p and q at one position (the gathers are a few values).
+    return torch.sum(pr.target_probs[:, 0]), torch.sum(pr.draft_probs[:, 0])
+
+
+def _plain_accept(p_tokens, q_tokens, weight, uniforms):
+    """Accept tests on gathered float32 values: (num_accepted [B], accept_prob [B, K])."""
+    nu = weight * p_tokens + (1 - weight) * q_tokens
+    accepted = uniforms[:, :-1] * q_tokens.double() < nu.double()
+    accept_prob = torch.where(q_tokens > 0, (nu / q_tokens).clamp(max=1.0), (nu > 0).float())
+    return accepted.int().cumprod(1).sum(1), accept_prob
+
+
+def _plain_finish(draft_tokens, num_accepted, accept_prob, p_row, q_row, uniforms):
+    """Final token from the one row per request: residual max(0, p - q) after a rejection, else the bonus p."""
+    num_positions = draft_tokens.shape[1]
+    rejected = (num_accepted < num_positions).unsqueeze(1)
+    residual = torch.where(rejected, (p_row - q_row).clamp_min(0.0), p_row)
+    empty = residual.sum(-1, keepdim=True) <= 0  # no residual mass: sample p itself
+    final = inverse_cdf_sample(torch.where(empty, p_row, residual), uniforms[:, -1])
+    positions = torch.arange(num_positions + 1, device=draft_tokens.device)
+    padded = torch.cat([draft_tokens, draft_tokens[:, :1]], dim=1)
+    tokens = torch.where(positions < num_accepted.unsqueeze(1), padded, -1)
+    tokens = torch.where(positions == num_accepted.unsqueeze(1), final.unsqueeze(1), tokens)
+    return tokens, num_accepted.int(), accept_prob
+
+
+def plain_verify(pr: Problem, uniforms: torch.Tensor, weight: float = WEIGHT):
+    """A careful plain PyTorch verifier from probabilities (valid inputs, every row fully drafted, weight > 0)."""
+    tokens, draft, target = pr.draft_tokens, pr.draft_probs, pr.target_probs
+    num_positions = tokens.shape[1]
+    index = tokens.unsqueeze(-1)
+    q_tokens = draft.gather(2, index).squeeze(-1).float()
+    p_tokens = target[:, :num_positions].gather(2, index).squeeze(-1).float()
+    num_accepted, accept_prob = _plain_accept(p_tokens, q_tokens, weight, uniforms)
+    rows = torch.arange(tokens.shape[0], device=tokens.device)
+    p_row = target[rows, num_accepted].float()
+    q_row = draft[rows, num_accepted.clamp(max=num_positions - 1)].float()
+    return _plain_finish(tokens, num_accepted, accept_prob, p_row, q_row, uniforms)
+
+
+def plain_verify_logits(pr: Problem, uniforms: torch.Tensor, weight: float = WEIGHT):
+    """The same from logits: a logsumexp per row, gathered logits, and a softmax of the two rows that need one."""
+    tokens, draft, target = pr.draft_tokens, pr.draft_logits, pr.target_logits
+    num_positions = tokens.shape[1]
+    index = tokens.unsqueeze(-1)
+    q_tokens = (draft.gather(2, index).squeeze(-1).float() - torch.logsumexp(draft.float(), -1)).exp()
+    p_tokens = (target[:, :num_positions].gather(2, index).squeeze(-1).float()
+                - torch.logsumexp(target[:, :num_positions].float(), -1)).exp()
+    num_accepted, accept_prob = _plain_accept(p_tokens, q_tokens, weight, uniforms)
+    rows = torch.arange(tokens.shape[0], device=tokens.device)
+    p_row = target[rows, num_accepted].float().softmax(-1)
+    q_row = draft[rows, num_accepted.clamp(max=num_positions - 1)].float().softmax(-1)
+    return _plain_finish(tokens, num_accepted, accept_prob, p_row, q_row, uniforms)
 
 
 def _stats_tokens(pr: Problem):
@@ -109,6 +165,10 @@ OPS = {
                                                  check_inputs=False),
         fused_checked=lambda pr: dx.verify(pr.draft_tokens, pr.draft_probs, pr.target_probs, WEIGHT, seed=0),
         bytes_read=_verify_bytes,
+        streaming=_stream_two_rows,
+        plain=plain_verify,
+        reference_on=lambda pr, u: dx.verify_reference(pr.draft_tokens, pr.draft_probs, pr.target_probs, WEIGHT,
+                                                       uniforms=u, check_inputs=False),
     ),
     "verify_logits": OpBench(
         "verify_logits",
@@ -119,6 +179,9 @@ OPS = {
         fused_checked=lambda pr: dx.verify_logits(pr.draft_tokens, pr.draft_logits, pr.target_logits, WEIGHT, seed=0),
         bytes_read=_all_rows_bytes,
         streaming=_stream_logits,
+        plain=plain_verify_logits,
+        reference_on=lambda pr, u: dx.verify_logits_reference(pr.draft_tokens, pr.draft_logits, pr.target_logits,
+                                                              WEIGHT, uniforms=u, check_inputs=False),
     ),
     "token_stats": OpBench(
         "token_stats",
@@ -128,7 +191,7 @@ OPS = {
                                                       from_logits=True, check_inputs=False),
         fused_checked=None,
         bytes_read=_pair_bytes,
-        streaming=lambda pr: (torch.logsumexp(pr.draft_logits, -1), torch.logsumexp(pr.target_logits[:, :-1], -1)),
+        streaming=lambda pr: (torch.sum(pr.draft_logits), torch.sum(pr.target_logits[:, :-1])),
     ),
     "mix": OpBench(
         "mix",
@@ -137,6 +200,7 @@ OPS = {
                                               check_inputs=False),
         fused_checked=None,
         bytes_read=_pair_bytes,
+        streaming=lambda pr: (torch.sum(pr.draft_logits), torch.sum(pr.target_logits[:, :-1])),
     ),
 }
 # token_stats is meant for whole sequences: its own configuration, T = 256 positions, joins the quick grid.
@@ -176,51 +240,44 @@ def run(args) -> list[dict]:
         fused_s = median_seconds(lambda: op.fused(problem), device)
         reference_s = median_seconds(lambda: op.reference(problem), device)
         checked_s = median_seconds(lambda: op.fused_checked(problem), device) if op.fused_checked else float("nan")
-        stream_s = median_seconds(lambda: op.streaming(problem), device) if op.streaming else float("nan")
+        stream_s = median_seconds(lambda: op.streaming(problem), device)
+        plain_s, plain_equal = float("nan"), ""
+        if op.plain is not None and num_positions > 0:
+            uniforms = torch.rand(batch, num_positions + 1, dtype=torch.float64, device=device)
+            plain_equal = bool(torch.equal(op.plain(problem, uniforms)[0], op.reference_on(problem, uniforms)[0]))
+            plain_s = median_seconds(lambda: op.plain(problem, uniforms), device)
         bytes_read = op.bytes_read(batch, num_positions, vocab, problem.draft_probs.element_size())
-        floor_data = torch.ones(bytes_read // problem.draft_probs.element_size(), dtype=dtype, device=device)
-        floor_s = median_seconds(lambda: torch.sum(floor_data), device)
-        plain_s = _plain_seconds(problem, device) if op_name == "verify" else float("nan")
         rows.append({
             "op": op_name, "device": device.type, "B": batch, "K": num_positions, "V": vocab, "dtype": dtype_name,
             "fused_us": fused_s * 1e6, "fused_checked_us": checked_s * 1e6, "reference_us": reference_s * 1e6,
-            "speedup": reference_s / fused_s, "fused_GBps": bytes_read / fused_s / 1e9,
+            "speedup": reference_s / fused_s, "plain_us": plain_s * 1e6, "plain_over_fused": plain_s / fused_s,
+            "plain_equals_reference": plain_equal, "fused_GBps": bytes_read / fused_s / 1e9,
             "stream_us": stream_s * 1e6, "fused_over_stream": fused_s / stream_s,
-            "plain_us": plain_s * 1e6, "plain_over_fused": plain_s / fused_s,
-            "floor_us": floor_s * 1e6, "fused_over_floor": fused_s / floor_s,
         })
         del problem
     return rows
 
 
-def _plain_seconds(problem: Problem, device: torch.device) -> float:
-    """The plain verifier's median time, after checking it against the reference on the same uniforms."""
-    batch, num_positions = problem.draft_tokens.shape
-    uniforms = torch.rand(batch, num_positions + 1, dtype=torch.float64,
-                          generator=torch.Generator().manual_seed(1)).to(device)
-    args = (problem.draft_tokens, problem.draft_probs, problem.target_probs, WEIGHT)
-    tokens, num_accepted = plain_verify(*args, uniforms)
-    expected = dx.verify_reference(*args, uniforms=uniforms, check_inputs=False)
-    if not (torch.equal(tokens, expected.tokens) and torch.equal(num_accepted.int(), expected.num_accepted.int())):
-        raise AssertionError("the plain verifier disagrees with the reference: its timing would mean nothing")
-    return median_seconds(lambda: plain_verify(*args, uniforms), device)
-
-
 def print_table(rows: list[dict]) -> None:
-    header = (f"{'op':<14}{'B':>4}{'K':>5}{'V':>8} {'dtype':<9}{'fused us':>10}{'+checks':>9}{'reference':>11}"
-              f"{'speedup':>8}{'plain us':>10}{'plain/fused':>12}{'floor us':>10}{'fused/floor':>12}"
-              f"{'fused GB/s':>11}{'stream us':>10}")
+    header = (f"{'op':<14}{'B':>4}{'K':>5}{'V':>8} {'dtype':<9}{'fused us':>10}{'+checks us':>11}"
+              f"{'reference us':>13}{'vs ref':>8}{'plain us':>10}{'vs plain':>9}{'GB/s':>7}{'floor us':>10}"
+              f"{'fused/floor':>12}")
     print(header)
     print("-" * len(header))
     for row in rows:
+        mark = "" if row["plain_equals_reference"] in (True, "") else "!"  # ! = plain differs from the reference
         print(f"{row['op']:<14}{row['B']:>4}{row['K']:>5}{row['V']:>8} {row['dtype']:<9}{row['fused_us']:>10.1f}"
-              f"{row['fused_checked_us']:>9.1f}{row['reference_us']:>11.1f}{row['speedup']:>7.1f}x"
-              f"{row['plain_us']:>10.1f}{row['plain_over_fused']:>11.1f}x{row['floor_us']:>10.1f}"
-              f"{row['fused_over_floor']:>11.1f}x{row['fused_GBps']:>11.2f}{row['stream_us']:>10.1f}")
+              f"{row['fused_checked_us']:>11.1f}{row['reference_us']:>13.1f}{row['speedup']:>7.1f}x"
+              f"{row['plain_us']:>10.1f}{row['plain_over_fused']:>8.1f}x{mark:1}{row['fused_GBps']:>6.1f}"
+              f"{row['stream_us']:>10.1f}{row['fused_over_stream']:>11.2f}x")
     speedups = [row["speedup"] for row in rows]
     print(f"\nspeed-up over the reference: min {min(speedups):.1f}x, median {statistics.median(speedups):.1f}x, "
           f"max {max(speedups):.1f}x over {len(rows)} configurations "
           f"({'never slower' if min(speedups) >= 1 else 'SLOWER somewhere'})")
+    plain = [row["plain_over_fused"] for row in rows if row["plain_over_fused"] == row["plain_over_fused"]]
+    if plain:
+        print(f"speed-up over the careful plain verifier: min {min(plain):.1f}x, median {statistics.median(plain):.1f}x;"
+              f" fused / streaming floor: median {statistics.median(r['fused_over_stream'] for r in rows):.2f}x")
 
 
 def write_csv(rows: list[dict], path: str) -> None:

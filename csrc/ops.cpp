@@ -2,10 +2,13 @@
 // registers all four kernels in one file: csrc/cpu/ops_cpu.cpp and csrc/cuda/ops_cuda.cu; the fake (meta) kernels
 // are registered from Python (diversed_ext/_ops.py).
 //
-// The Python layer (diversed_ext/verify.py) validates and normalises the arguments before calling these ops:
+// The Python layer (diversed_ext/ops/api.py) validates and normalises the arguments before calling these ops:
 //   draft_tokens int64 [B, K], draft_probs [B, K, V], target_probs [B, K+1, V] (float32/bfloat16/float16, contiguous),
-//   weight float32 [B, K], num_draft int64 [B], greedy bool [B], uniforms float64 [B, K+1] or None,
-//   seeds int64 [B], offset, per_row_seed (the row index joins the Philox counter only when seeds are shared).
+//   weight float32 [B, K], num_draft int64 [B], greedy bool [B], uniforms float64 [B, K+1], seeds int64 [B],
+//   offset, per_row_seed (the row index joins the Philox counter only when seeds are shared).
+// Every optional tensor may be None, so that a call with default arguments creates no tensor before the op: weight is
+// then weight_value everywhere, num_draft K, greedy false, temperature temperature_value; without seeds the shared
+// `seed` is used, and without it (and without uniforms) a seed is drawn on the device from its default generator.
 #include <Python.h>
 #include <torch/library.h>
 
@@ -19,12 +22,14 @@ PyObject* PyInit__C(void) {
 
 TORCH_LIBRARY(diversed, m) {
   m.def(
-      "verify_probs(Tensor draft_tokens, Tensor draft_probs, Tensor target_probs, Tensor weight, Tensor num_draft, "
-      "Tensor greedy, Tensor? uniforms, Tensor seeds, int offset, bool per_row_seed) -> (Tensor, Tensor, Tensor)");
+      "verify_probs(Tensor draft_tokens, Tensor draft_probs, Tensor target_probs, Tensor? weight, Tensor? num_draft, "
+      "Tensor? greedy, Tensor? uniforms, Tensor? seeds, int offset=0, bool per_row_seed=False, float weight_value=1., "
+      "int? seed=None) -> (Tensor, Tensor, Tensor)");
   // Logits path: temperature float32 [B] (0 marks a greedy row), target_logits [B, K+1, V].
   m.def(
-      "verify_logits(Tensor draft_tokens, Tensor draft_logits, Tensor target_logits, Tensor weight, Tensor num_draft, "
-      "Tensor temperature, Tensor? uniforms, Tensor seeds, int offset, bool per_row_seed) -> (Tensor, Tensor, Tensor)");
+      "verify_logits(Tensor draft_tokens, Tensor draft_logits, Tensor target_logits, Tensor? weight, "
+      "Tensor? num_draft, Tensor? temperature, Tensor? uniforms, Tensor? seeds, int offset=0, bool per_row_seed=False, "
+      "float weight_value=1., float temperature_value=1., int? seed=None) -> (Tensor, Tensor, Tensor)");
   // Per position of [B, T, V] pairs: (p(y), q(y), TV(p, q), log p(y), log q(y)), each float32 [B, T].
   m.def(
       "token_stats(Tensor draft, Tensor target, Tensor tokens, Tensor temperature, bool from_logits) "

@@ -34,36 +34,45 @@ inline void check_pair(const at::Tensor& draft, const at::Tensor& target, const 
   TORCH_CHECK(draft.size(0) == target.size(0), op, ": batch sizes differ");
 }
 
-// verify_probs / verify_logits: draft [B, K, V], target [B, K+1, V], draft_tokens (int64 [B, K]), weight (float32
-// [B, K]), num_draft and seeds (int64 [B]), uniforms (float64 [B, K+1]) when given, and the per-row flags: greedy
-// (bool [B]) from probabilities, temperature (float32 [B]) from logits.
+// verify_probs / verify_logits: draft [B, K, V], target [B, K+1, V], draft_tokens (int64 [B, K]), and when given:
+// weight (float32 [B, K]), num_draft and seeds (int64 [B]), uniforms (float64 [B, K+1]), and the per-row flags: greedy
+// (bool [B]) from probabilities, temperature (float32 [B]) from logits. An absent one takes its scalar default.
 enum class VerifyInput { kProbs, kLogits };
 
 inline const char* verify_op(VerifyInput input) {
   return input == VerifyInput::kProbs ? kVerifyProbsOp : kVerifyLogitsOp;
 }
 
+// The optional tensor arguments of the verify ops, in schema order.
+struct VerifyOptionals {
+  const c10::optional<at::Tensor>& weight;
+  const c10::optional<at::Tensor>& num_draft;
+  const c10::optional<at::Tensor>& greedy_or_temperature;
+  const c10::optional<at::Tensor>& uniforms;
+  const c10::optional<at::Tensor>& seeds;
+};
+
 inline void check_verify_args(VerifyInput input, const at::Tensor& draft_tokens, const at::Tensor& draft,
-                              const at::Tensor& target, const at::Tensor& weight, const at::Tensor& num_draft,
-                              const at::Tensor& greedy_or_temperature, const c10::optional<at::Tensor>& uniforms,
-                              const at::Tensor& seeds) {
+                              const at::Tensor& target, const VerifyOptionals& optional) {
   const char* op = verify_op(input);
   check_pair(draft, target, op);
   const int64_t B = draft.size(0), K = draft.size(1);
   TORCH_CHECK(target.size(1) == K + 1, op, ": target must be [B, K+1, V]");
   check_int64_vector(draft_tokens, B * K, op, "draft_tokens [B, K]");
-  check_float_vector(weight, B * K, op, "weight");
-  check_int64_vector(num_draft, B, op, "num_draft [B]");
-  check_int64_vector(seeds, B, op, "seeds [B]");
+  if (optional.weight.has_value()) check_float_vector(*optional.weight, B * K, op, "weight");
+  if (optional.num_draft.has_value()) check_int64_vector(*optional.num_draft, B, op, "num_draft [B]");
+  if (optional.seeds.has_value()) check_int64_vector(*optional.seeds, B, op, "seeds [B]");
+  const auto& uniforms = optional.uniforms;
   if (uniforms.has_value())
     TORCH_CHECK(uniforms->scalar_type() == at::kDouble && uniforms->is_contiguous() && uniforms->numel() == B * (K + 1),
                 op, ": uniforms must be contiguous float64 [B, K+1]");
+  if (!optional.greedy_or_temperature.has_value()) return;
+  const at::Tensor& flags = *optional.greedy_or_temperature;
   if (input == VerifyInput::kLogits) {
-    check_float_vector(greedy_or_temperature, B, op, "temperature");
+    check_float_vector(flags, B, op, "temperature");
   } else {
-    TORCH_CHECK(greedy_or_temperature.scalar_type() == at::kBool && greedy_or_temperature.is_contiguous() &&
-                    greedy_or_temperature.numel() == B,
-                op, ": greedy must be contiguous bool [B]");
+    TORCH_CHECK(flags.scalar_type() == at::kBool && flags.is_contiguous() && flags.numel() == B, op,
+                ": greedy must be contiguous bool [B]");
   }
 }
 

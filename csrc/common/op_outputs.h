@@ -6,11 +6,13 @@
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/randint.h>
 
 #include <cstdint>
 #include <tuple>
 #include <type_traits>
 
+#include "op_checks.h"
 #include "poison.h"
 #include "problems.h"
 
@@ -35,27 +37,64 @@ const T* kernel_data(const at::Tensor& tensor) {
 // VerifyProblem that points at them.
 struct VerifyCall {
   at::Tensor tokens, num_accepted, accept_prob;
+  at::Tensor drawn_seed;  // [1] on the device, when neither uniforms nor a seed were given
   VerifyProblem problem;
 
   bool empty() const { return problem.batch == 0; }
   std::tuple<at::Tensor, at::Tensor, at::Tensor> result() const { return {tokens, num_accepted, accept_prob}; }
 };
 
-// `greedy` is verify_probs' flags; the logits path passes nullptr and derives them from the temperatures.
-inline VerifyCall start_verify(const at::Tensor& draft_tokens, const at::Tensor& draft, const at::Tensor& weight,
-                               const at::Tensor& num_draft, const bool* greedy,
-                               const c10::optional<at::Tensor>& uniforms, const at::Tensor& seeds, int64_t offset,
-                               bool per_row_seed) {
+// The scalar arguments of the verify ops: the values of absent weight / temperature tensors, an int seed, and the
+// generator's counter.
+struct VerifyScalars {
+  double weight_value;
+  double temperature_value;
+  c10::optional<int64_t> seed;
+  int64_t offset;
+  bool per_row_seed;
+};
+
+// The largest seed torch.randint(0, 2**63 - 1) can give: the Python layer draws seeds the same way (ops/_inputs.py).
+constexpr int64_t kSeedDrawBound = INT64_MAX;
+
+inline VerifyCall start_verify(VerifyInput input, const at::Tensor& draft_tokens, const at::Tensor& draft,
+                               const VerifyOptionals& optional, const VerifyScalars& scalars) {
   const int64_t B = draft.size(0), K = draft.size(1), V = draft.size(2);
   const auto options = draft_tokens.options();
   VerifyCall call{at::empty({B, K + 1}, options.dtype(at::kLong)), at::empty({B}, options.dtype(at::kInt)),
-                  at::empty({B, K}, options.dtype(at::kFloat)), VerifyProblem{}};
-  if (B > 0) poison_outputs(call.tokens, call.num_accepted, call.accept_prob);
-  call.problem = VerifyProblem{B, K, V, draft_tokens.data_ptr<int64_t>(), weight.data_ptr<float>(),
-                               num_draft.data_ptr<int64_t>(), greedy,
-                               uniforms.has_value() ? uniforms->data_ptr<double>() : nullptr,
-                               seeds.data_ptr<int64_t>(), offset, per_row_seed, call.tokens.data_ptr<int64_t>(),
-                               call.num_accepted.data_ptr<int32_t>(), call.accept_prob.data_ptr<float>()};
+                  at::empty({B, K}, options.dtype(at::kFloat)), at::Tensor(), VerifyProblem{}};
+  if (B == 0) return call;
+  poison_outputs(call.tokens, call.num_accepted, call.accept_prob);
+  VerifyProblem& problem = call.problem;
+  problem.batch = B;
+  problem.num_positions = K;
+  problem.vocab = V;
+  problem.draft_tokens = draft_tokens.data_ptr<int64_t>();
+  problem.weight = optional.weight.has_value() ? optional.weight->data_ptr<float>() : nullptr;
+  problem.weight_value = static_cast<float>(scalars.weight_value);
+  problem.num_draft = optional.num_draft.has_value() ? optional.num_draft->data_ptr<int64_t>() : nullptr;
+  const auto& flags = optional.greedy_or_temperature;
+  const bool probs = input == VerifyInput::kProbs;
+  problem.greedy = probs && flags.has_value() ? flags->data_ptr<bool>() : nullptr;
+  problem.temperature = !probs && flags.has_value() ? flags->data_ptr<float>() : nullptr;
+  problem.temperature_value = static_cast<float>(scalars.temperature_value);
+  problem.uniforms = optional.uniforms.has_value() ? optional.uniforms->data_ptr<double>() : nullptr;
+  problem.seeds = nullptr;
+  problem.seed_stride = 0;
+  problem.seed_value = scalars.seed.value_or(0);
+  if (optional.seeds.has_value()) {
+    problem.seeds = optional.seeds->data_ptr<int64_t>();
+    problem.seed_stride = 1;
+  } else if (!scalars.seed.has_value() && problem.uniforms == nullptr) {
+    // Drawn on the device from its default generator, so torch.manual_seed repeats runs and CUDA never syncs.
+    call.drawn_seed = at::randint(0, kSeedDrawBound, {1}, options.dtype(at::kLong));
+    problem.seeds = call.drawn_seed.data_ptr<int64_t>();
+  }
+  problem.offset = scalars.offset;
+  problem.per_row_seed = scalars.per_row_seed;
+  problem.out_tokens = call.tokens.data_ptr<int64_t>();
+  problem.out_num_accepted = call.num_accepted.data_ptr<int32_t>();
+  problem.out_accept_prob = call.accept_prob.data_ptr<float>();
   return call;
 }
 

@@ -14,11 +14,16 @@ namespace diversed {
 struct VerifyProblem {
   int64_t batch, num_positions, vocab;  // B, K, V
   const int64_t* draft_tokens;          // [B, K]
-  const float* weight;                  // [B, K]
-  const int64_t* num_draft;             // [B]
-  const bool* greedy;                   // [B] probabilities only; the logits path derives it from the temperatures
+  const float* weight;                  // [B, K], or nullptr: weight_value everywhere
+  float weight_value;
+  const int64_t* num_draft;             // [B], or nullptr: every row drafts K
+  const bool* greedy;                   // [B] or nullptr (no greedy row); the logits path derives it from temperatures
+  const float* temperature;             // logits only: [B], or nullptr: temperature_value for every row
+  float temperature_value;
   const double* uniforms;               // [B, K+1] or nullptr (then Philox)
-  const int64_t* seeds;                 // [B]
+  const int64_t* seeds;                 // seeds[row * seed_stride], or nullptr: seed_value for every row
+  int64_t seed_stride;                  // 1 for a [B] tensor, 0 for one seed drawn on the device
+  int64_t seed_value;
   int64_t offset;
   bool per_row_seed;
   int64_t* out_tokens;        // [B, K+1]
@@ -28,15 +33,21 @@ struct VerifyProblem {
   // u_position of a row: explicit uniforms (clamped into [0, 1)) or Philox keyed by the row's seed.
   DX_HD double uniform(int64_t row, int64_t position) const {
     if (uniforms) return sanitize_uniform(uniforms[row * (num_positions + 1) + position]);
-    return philox_uniform(seeds[row], offset, per_row_seed ? 0 : row, position);
+    return philox_uniform(seed_of(row), offset, per_row_seed ? 0 : row, position);
+  }
+  DX_HD int64_t seed_of(int64_t row) const {
+    return seeds ? seeds[row * seed_stride] : seed_value;
   }
   // num_draft clamped to [0, K] (garbage is only reachable with check_inputs=False).
   DX_HD int64_t drafted(int64_t row) const {
+    if (!num_draft) return num_positions;
     const int64_t n = num_draft[row];
     return n < 0 ? 0 : (n > num_positions ? num_positions : n);
   }
+  DX_HD bool greedy_at(int64_t row) const { return greedy != nullptr && greedy[row]; }
+  DX_HD float temperature_at(int64_t row) const { return temperature ? temperature[row] : temperature_value; }
   DX_HD float weight_at(int64_t row, int64_t position) const {
-    return sanitize_weight(weight[row * num_positions + position]);
+    return sanitize_weight(weight ? weight[row * num_positions + position] : weight_value);
   }
 };
 

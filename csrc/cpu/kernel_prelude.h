@@ -35,20 +35,38 @@ struct BFloat16Bits {
 class ParallelFor {
  public:
   using Thunk = void (*)(const void* body, int64_t begin, int64_t end);
-  using Runner = void (*)(int64_t begin, int64_t end, Thunk thunk, const void* body);
+  using Runner = void (*)(int64_t begin, int64_t end, int64_t grain, Thunk thunk, const void* body);
+  using ThreadCount = int (*)();
 
-  explicit constexpr ParallelFor(Runner runner) : runner_(runner) {}
+  constexpr ParallelFor(Runner runner, ThreadCount threads) : runner_(runner), threads_(threads) {}
 
-  // Calls body(b, e) on disjoint sub-ranges that cover [begin, end), possibly on several threads at once; a task is
-  // one index (grain 1): the kernels' tasks are whole rows or vocabulary chunks.
+  // Calls body(b, e) on disjoint sub-ranges that cover [begin, end), possibly on several threads at once, each of at
+  // least `grain` indices (but the last): a range of at most `grain` indices runs on the calling thread, with no fork
+  // and no wait, which is what small calls need on a loaded machine.
+  template <typename Body>
+  void operator()(int64_t begin, int64_t end, int64_t grain, const Body& body) const {
+    runner_(begin, end, grain, [](const void* f, int64_t b, int64_t e) { (*static_cast<const Body*>(f))(b, e); },
+            &body);
+  }
+  // One task per index: for tasks that are whole rows of a large vocabulary.
   template <typename Body>
   void operator()(int64_t begin, int64_t end, const Body& body) const {
-    runner_(begin, end, [](const void* f, int64_t b, int64_t e) { (*static_cast<const Body*>(f))(b, e); }, &body);
+    (*this)(begin, end, 1, body);
   }
+  int threads() const { return threads_(); }
 
  private:
   Runner runner_;
+  ThreadCount threads_;
 };
+
+// Elements of work below which a task is not worth a fork (torch's own grain for element-wise loops).
+constexpr int64_t kMinTaskElements = 32768;
+
+// The grain, in tasks of `elements_per_task` elements each, that keeps every fork worth its cost.
+inline int64_t grain_for(int64_t elements_per_task) {
+  return std::max<int64_t>(1, kMinTaskElements / std::max<int64_t>(1, elements_per_task));
+}
 
 }  // namespace cpu
 }  // namespace diversed

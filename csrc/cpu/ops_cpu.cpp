@@ -21,22 +21,26 @@ namespace {
 template <typename scalar_t>
 using CpuElement = kernel_element_t<HalfBits, BFloat16Bits, scalar_t>;
 
-// One task per index, like the kernels' own loops.
-void run_parallel_for(int64_t begin, int64_t end, ParallelFor::Thunk thunk, const void* body) {
-  at::parallel_for(begin, end, 1, [&](int64_t b, int64_t e) { thunk(body, b, e); });
+// The kernels pick their grain (kernel_prelude.h); a range within one grain runs inline.
+void run_parallel_for(int64_t begin, int64_t end, int64_t grain, ParallelFor::Thunk thunk, const void* body) {
+  at::parallel_for(begin, end, grain, [&](int64_t b, int64_t e) { thunk(body, b, e); });
 }
-constexpr ParallelFor kParallelFor{&run_parallel_for};
+int thread_count() { return at::get_num_threads(); }
+constexpr ParallelFor kParallelFor{&run_parallel_for, &thread_count};
 
 using VerifyTuple = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
 
+using OptionalTensor = c10::optional<at::Tensor>;
+
 VerifyTuple verify_probs_cpu(const at::Tensor& draft_tokens, const at::Tensor& draft_probs,
-                             const at::Tensor& target_probs, const at::Tensor& weight, const at::Tensor& num_draft,
-                             const at::Tensor& greedy, const c10::optional<at::Tensor>& uniforms,
-                             const at::Tensor& seeds, int64_t offset, bool per_row_seed) {
-  check_verify_args(VerifyInput::kProbs, draft_tokens, draft_probs, target_probs, weight, num_draft, greedy, uniforms,
-                    seeds);
-  const VerifyCall call = start_verify(draft_tokens, draft_probs, weight, num_draft, greedy.data_ptr<bool>(), uniforms,
-                                       seeds, offset, per_row_seed);
+                             const at::Tensor& target_probs, const OptionalTensor& weight,
+                             const OptionalTensor& num_draft, const OptionalTensor& greedy,
+                             const OptionalTensor& uniforms, const OptionalTensor& seeds, int64_t offset,
+                             bool per_row_seed, double weight_value, c10::optional<int64_t> seed) {
+  const VerifyOptionals optional{weight, num_draft, greedy, uniforms, seeds};
+  check_verify_args(VerifyInput::kProbs, draft_tokens, draft_probs, target_probs, optional);
+  const VerifyCall call = start_verify(VerifyInput::kProbs, draft_tokens, draft_probs, optional,
+                                       VerifyScalars{weight_value, 1.0, seed, offset, per_row_seed});
   if (call.empty()) return call.result();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, draft_probs.scalar_type(), "verify_probs_cpu", [&] {
     using T = CpuElement<scalar_t>;
@@ -47,18 +51,20 @@ VerifyTuple verify_probs_cpu(const at::Tensor& draft_tokens, const at::Tensor& d
 }
 
 VerifyTuple verify_logits_cpu(const at::Tensor& draft_tokens, const at::Tensor& draft_logits,
-                              const at::Tensor& target_logits, const at::Tensor& weight, const at::Tensor& num_draft,
-                              const at::Tensor& temperature, const c10::optional<at::Tensor>& uniforms,
-                              const at::Tensor& seeds, int64_t offset, bool per_row_seed) {
-  check_verify_args(VerifyInput::kLogits, draft_tokens, draft_logits, target_logits, weight, num_draft, temperature,
-                    uniforms, seeds);
-  const VerifyCall call = start_verify(draft_tokens, draft_logits, weight, num_draft, /*greedy=*/nullptr, uniforms,
-                                       seeds, offset, per_row_seed);
+                              const at::Tensor& target_logits, const OptionalTensor& weight,
+                              const OptionalTensor& num_draft, const OptionalTensor& temperature,
+                              const OptionalTensor& uniforms, const OptionalTensor& seeds, int64_t offset,
+                              bool per_row_seed, double weight_value, double temperature_value,
+                              c10::optional<int64_t> seed) {
+  const VerifyOptionals optional{weight, num_draft, temperature, uniforms, seeds};
+  check_verify_args(VerifyInput::kLogits, draft_tokens, draft_logits, target_logits, optional);
+  const VerifyCall call = start_verify(VerifyInput::kLogits, draft_tokens, draft_logits, optional,
+                                       VerifyScalars{weight_value, temperature_value, seed, offset, per_row_seed});
   if (call.empty()) return call.result();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, draft_logits.scalar_type(), "verify_logits_cpu", [&] {
     using T = CpuElement<scalar_t>;
     DIVERSED_CPU_CALL(verify_logits<T>, call.problem, kernel_data<T, scalar_t>(draft_logits),
-                      kernel_data<T, scalar_t>(target_logits), temperature.data_ptr<float>(), kParallelFor);
+                      kernel_data<T, scalar_t>(target_logits), kParallelFor);
   });
   return call.result();
 }

@@ -68,7 +68,7 @@ void mix_row(const Row& target, const Row& draft, float weight, int64_t vocab, f
 // token_stats: draft and target [B, T, V], out.tokens [B, T]; the five outputs [B, T].
 template <typename T>
 void token_stats(const PairProblem<T>& pair, const TokenStatsOut& out, const ParallelFor& parallel_for) {
-  parallel_for(0, pair.rows(), [&](int64_t begin, int64_t end) {
+  parallel_for(0, pair.rows(), grain_for(2 * pair.vocab), [&](int64_t begin, int64_t end) {
     for (int64_t index = begin; index < end; ++index) {
       const int64_t token = out.tokens[index];
       const bool valid = token >= 0 && token < pair.vocab;
@@ -85,7 +85,7 @@ void token_stats(const PairProblem<T>& pair, const TokenStatsOut& out, const Par
 // mix: nu = w p + (1 - w) q materialised as float32 [B, K, V]; the target's positions past K are ignored.
 template <typename T>
 void mix(const PairProblem<T>& pair, const float* weight, float* mixture, const ParallelFor& parallel_for) {
-  parallel_for(0, pair.rows(), [&](int64_t begin, int64_t end) {
+  parallel_for(0, pair.rows(), grain_for(2 * pair.vocab), [&](int64_t begin, int64_t end) {
     for (int64_t index = begin; index < end; ++index) {
       const float w = sanitize_weight(weight[index]);
       with_rows(pair, index, [&](const auto& target, const auto& draft) {

@@ -1,10 +1,10 @@
 // Fused DIVERSED verification on the CPU, from probabilities or from logits: torch-free kernels over a VerifyProblem
 // (csrc/common/problems.h), compiled once per instruction set (see cpu_kernels.h).
 //
-// Three phases, whichever the input:
-//   1. per row (parallel over rows): accept tests on gathered values; greedy rows scan nu for its argmax;
-//   2. per (row, vocabulary chunk) (parallel, so a single request still uses every core): residual or bonus mass;
-//   3. per row: inverse-CDF sample inside the one chunk, and the one block, that holds the threshold.
+// Three phases per request, whichever the input, in one parallel region (see VerifyLayout):
+//   1. accept tests on gathered values; greedy rows scan nu for its argmax;
+//   2. residual or bonus mass per vocabulary chunk (split over threads when there are fewer requests than threads);
+//   3. inverse-CDF sample inside the one chunk, and the one block, that holds the threshold.
 // No [B, K, V] temporary; extra memory is O(B) plus a bounded number of chunk sums per row. Logits are never turned
 // into probabilities: each row the request reads gets its softmax normaliser (max and 1 / sum exp) in a first pass,
 // and every later pass recomputes softmax(v) on the fly.
@@ -33,7 +33,7 @@ template <typename Rows>
 RowPlan accept_row(const VerifyProblem& problem, const Rows& rows, int64_t row) {
   const int64_t K = problem.num_positions;
   const int64_t drafted = problem.drafted(row);
-  const bool is_greedy = problem.greedy[row];
+  const bool is_greedy = problem.greedy_at(row);
   int64_t num_accepted = drafted;
   int64_t rejected_argmax = 0;
   for (int64_t i = 0; i < drafted; ++i) {
@@ -84,78 +84,109 @@ auto residual_draft_row(const Rows& rows, const RowPlan& plan, int64_t row)
   return rows.draft(row, plan.num_accepted);
 }
 
-// The three phases of fused verification.
-template <typename Rows>
-void run_verify(const VerifyProblem& problem, const Rows& rows, const ParallelFor& parallel_for) {
-  const int64_t B = problem.batch, V = problem.vocab;
-  std::vector<RowPlan> plans(B);
-  parallel_for(0, B, [&](int64_t begin, int64_t end) {
-    for (int64_t row = begin; row < end; ++row) plans[row] = accept_row(problem, rows, row);
-  });
+// Vocabulary chunks of the residual sums: at most kMaxChunks per row, of chunk_size elements (the last may be short).
+struct ChunkLayout {
+  int64_t num_chunks, chunk_size, vocab;
 
-  const int64_t num_chunks = std::min(kMaxChunks, std::max<int64_t>(1, (V + kChunkElements - 1) / kChunkElements));
-  const int64_t chunk_size = (V + num_chunks - 1) / num_chunks;
+  explicit ChunkLayout(int64_t V)
+      : num_chunks(std::min(kMaxChunks, std::max<int64_t>(1, (V + kChunkElements - 1) / kChunkElements))),
+        chunk_size((V + num_chunks - 1) / num_chunks),
+        vocab(V) {}
+  int64_t begin(int64_t c) const { return std::min(vocab, c * chunk_size); }
+  int64_t end(int64_t c) const { return std::min(vocab, c * chunk_size + chunk_size); }
+};
+
+// How a call spreads over threads. By rows: ONE parallel region over the requests, each task taking its requests
+// from the accept tests to the final sample; rows are grouped so that a task reads at least kMinTaskElements, so a
+// small call never forks. By chunks (fewer requests than threads, and rows long enough to share): the residual sums
+// are split per (request, vocabulary chunk), so one request still uses every core; the accept tests and the sample,
+// which read a few values and one chunk, run on the calling thread.
+enum class VerifyLayout { kRows, kChunks };
+
+inline VerifyLayout verify_layout(int64_t batch, int64_t vocab, const ParallelFor& parallel_for) {
+  return batch < parallel_for.threads() && vocab >= 2 * kMinTaskElements ? VerifyLayout::kChunks
+                                                                         : VerifyLayout::kRows;
+}
+
+// The final token of a sampled row from its chunk sums: inverse CDF inside the one chunk that holds the threshold.
+template <typename Rows>
+void sample_row(const VerifyProblem& problem, const Rows& rows, const RowPlan& plan, int64_t row,
+                const ChunkLayout& chunks, double* sums) {
+  const int64_t num_chunks = chunks.num_chunks;
+  const auto target = rows.target(row, plan.num_accepted);
+  const auto draft_storage = residual_draft_row(rows, plan, row);
+  const auto* draft = draft_storage ? &*draft_storage : nullptr;
+  double total = 0.0;
+  for (int64_t c = 0; c < num_chunks; ++c) total += sums[c];
+  if (!(total > 0.0) && draft) {
+    // Zero residual: the target puts no more mass anywhere than the draft does, so sample p itself.
+    draft = nullptr;
+    total = 0.0;
+    for (int64_t c = 0; c < num_chunks; ++c) {
+      sums[c] = residual_or_target_mass(target, draft, chunks.begin(c), chunks.end(c));
+      total += sums[c];
+    }
+  }
+  int64_t chosen = 0;  // a target row without mass has no valid sample; 0 keeps the id in range
+  if (total > 0.0) {
+    const double threshold = problem.uniform(row, problem.num_positions) * total;
+    double prefix = 0.0;
+    int64_t last_nonempty = -1;
+    chosen = -1;
+    for (int64_t c = 0; c < num_chunks && chosen < 0; ++c) {
+      if (!(sums[c] > 0.0)) continue;
+      last_nonempty = c;
+      if (prefix + sums[c] > threshold)
+        chosen = inverse_cdf_in_range(target, draft, chunks.begin(c), chunks.end(c), prefix, threshold);
+      prefix += sums[c];
+    }
+    if (chosen < 0)  // rounding put the threshold past the last chunk: its last positive entry
+      chosen = inverse_cdf_in_range(target, draft, chunks.begin(last_nonempty), chunks.end(last_nonempty), 0.0,
+                                    INFINITY);
+  }
+  problem.out_tokens[row * (problem.num_positions + 1) + plan.num_accepted] = chosen;
+}
+
+// Residual (or bonus) mass of one chunk of a sampled row.
+template <typename Rows>
+double chunk_mass(const Rows& rows, const RowPlan& plan, int64_t row, const ChunkLayout& chunks, int64_t c) {
+  const auto target = rows.target(row, plan.num_accepted);
+  const auto draft = residual_draft_row(rows, plan, row);
+  return residual_or_target_mass(target, draft ? &*draft : nullptr, chunks.begin(c), chunks.end(c));
+}
+
+// Fused verification in the given layout. prepare_row(row) runs first in each request's task (the rows layout only:
+// with chunks, the caller prepares every row beforehand).
+template <typename Rows, typename Prepare>
+void run_verify(const VerifyProblem& problem, const Rows& rows, const ParallelFor& parallel_for, VerifyLayout layout,
+                const Prepare& prepare_row) {
+  const int64_t B = problem.batch, V = problem.vocab;
+  const ChunkLayout chunks(V);
+  const int64_t num_chunks = chunks.num_chunks;
+  if (layout == VerifyLayout::kRows) {
+    parallel_for(0, B, grain_for(2 * V), [&](int64_t begin, int64_t end) {
+      std::vector<double> sums(num_chunks);
+      for (int64_t row = begin; row < end; ++row) {
+        prepare_row(row);
+        const RowPlan plan = accept_row(problem, rows, row);
+        if (!plan.needs_sample) continue;
+        for (int64_t c = 0; c < num_chunks; ++c) sums[c] = chunk_mass(rows, plan, row, chunks, c);
+        sample_row(problem, rows, plan, row, chunks, sums.data());
+      }
+    });
+    return;
+  }
+  std::vector<RowPlan> plans(B);
+  for (int64_t row = 0; row < B; ++row) plans[row] = accept_row(problem, rows, row);
   std::vector<double> chunk_sums(B * num_chunks, 0.0);
-  parallel_for(0, B * num_chunks, [&](int64_t begin, int64_t end) {
+  parallel_for(0, B * num_chunks, grain_for(chunks.chunk_size * 2), [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       const RowPlan& plan = plans[task / num_chunks];
-      if (!plan.needs_sample) continue;
-      const int64_t row = task / num_chunks;
-      const int64_t chunk_begin = (task % num_chunks) * chunk_size;
-      const int64_t chunk_end = std::min(V, chunk_begin + chunk_size);
-      if (chunk_begin >= chunk_end) continue;
-      const auto target = rows.target(row, plan.num_accepted);
-      const auto draft = residual_draft_row(rows, plan, row);
-      chunk_sums[task] = residual_or_target_mass(target, draft ? &*draft : nullptr, chunk_begin, chunk_end);
+      if (plan.needs_sample) chunk_sums[task] = chunk_mass(rows, plan, task / num_chunks, chunks, task % num_chunks);
     }
   });
-
-  parallel_for(0, B, [&](int64_t begin, int64_t end) {
-    for (int64_t row = begin; row < end; ++row) {
-      const RowPlan& plan = plans[row];
-      if (!plan.needs_sample) continue;
-      double* sums = chunk_sums.data() + row * num_chunks;
-      const auto target = rows.target(row, plan.num_accepted);
-      const auto draft_storage = residual_draft_row(rows, plan, row);
-      const auto* draft = draft_storage ? &*draft_storage : nullptr;
-      double total = 0.0;
-      for (int64_t c = 0; c < num_chunks; ++c) total += sums[c];
-      if (!(total > 0.0) && draft) {
-        // Zero residual: the target puts no more mass anywhere than the draft does, so sample p itself.
-        draft = nullptr;
-        total = 0.0;
-        for (int64_t c = 0; c < num_chunks; ++c) {
-          const int64_t chunk_begin = c * chunk_size;
-          sums[c] = chunk_begin < V ? residual_or_target_mass(target, draft, chunk_begin,
-                                                              std::min(V, chunk_begin + chunk_size))
-                                    : 0.0;
-          total += sums[c];
-        }
-      }
-      int64_t chosen = 0;  // a target row without mass has no valid sample; 0 keeps the id in range
-      if (total > 0.0) {
-        const double threshold = problem.uniform(row, problem.num_positions) * total;
-        double prefix = 0.0;
-        int64_t last_nonempty = -1;
-        chosen = -1;
-        for (int64_t c = 0; c < num_chunks && chosen < 0; ++c) {
-          if (!(sums[c] > 0.0)) continue;
-          last_nonempty = c;
-          const int64_t chunk_begin = c * chunk_size;
-          if (prefix + sums[c] > threshold)
-            chosen = inverse_cdf_in_range(target, draft, chunk_begin, std::min(V, chunk_begin + chunk_size), prefix,
-                                          threshold);
-          prefix += sums[c];
-        }
-        if (chosen < 0) {  // rounding put the threshold past the last chunk: its last positive entry
-          const int64_t chunk_begin = last_nonempty * chunk_size;
-          chosen = inverse_cdf_in_range(target, draft, chunk_begin, std::min(V, chunk_begin + chunk_size), 0.0,
-                                        INFINITY);
-        }
-      }
-      problem.out_tokens[row * (problem.num_positions + 1) + plan.num_accepted] = chosen;
-    }
-  });
+  for (int64_t row = 0; row < B; ++row)
+    if (plans[row].needs_sample) sample_row(problem, rows, plans[row], row, chunks, chunk_sums.data() + row * num_chunks);
 }
 
 // ------------------------------------------------------------------------------------------ rows of the two paths
@@ -194,33 +225,44 @@ struct LogitRows {
   }
 };
 
-// Normalisers of the rows the caller needs (row_needed(row, position, is_target)), in parallel over rows.
-template <typename T, typename Needed>
-void compute_softmax_stats(const T* draft_logits, const T* target_logits, int64_t batch,
-                           int64_t draft_positions, int64_t target_positions, int64_t vocab,
-                           const float* inverse_temperature, std::vector<SoftmaxStats>& draft_stats,
-                           std::vector<SoftmaxStats>& target_stats, Needed row_needed,
-                           const ParallelFor& parallel_for) {
-  const int64_t rows_per_batch = draft_positions + target_positions;
-  draft_stats.assign(batch * draft_positions, SoftmaxStats{0.0f, 0.0f});
-  target_stats.assign(batch * target_positions, SoftmaxStats{0.0f, 0.0f});
-  parallel_for(0, batch * rows_per_batch, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t row = task / rows_per_batch;
-      const int64_t slot = task % rows_per_batch;
-      const bool is_target = slot >= draft_positions;
-      const int64_t position = is_target ? slot - draft_positions : slot;
-      if (!row_needed(row, position, is_target)) continue;
-      if (is_target) {
-        const int64_t index = row * target_positions + position;
-        target_stats[index] = softmax_stats(target_logits + index * vocab, vocab, inverse_temperature[row]);
-      } else {
-        const int64_t index = row * draft_positions + position;
-        draft_stats[index] = softmax_stats(draft_logits + index * vocab, vocab, inverse_temperature[row]);
-      }
+// Softmax normalisers of the rows a request reads: draft positions < num_draft and target positions <= num_draft.
+// Slots [0, K) of a request are its draft positions, slots [K, 2K + 1) its target positions.
+template <typename T>
+struct SoftmaxStatsPlan {
+  const VerifyProblem& problem;
+  const T* draft_logits;
+  const T* target_logits;
+  const float* inverse_temperature;  // [B]
+  std::vector<SoftmaxStats> draft_stats, target_stats;
+
+  SoftmaxStatsPlan(const VerifyProblem& p, const T* draft, const T* target, const float* inverse)
+      : problem(p), draft_logits(draft), target_logits(target), inverse_temperature(inverse),
+        draft_stats(p.batch * p.num_positions, SoftmaxStats{0.0f, 0.0f}),
+        target_stats(p.batch * (p.num_positions + 1), SoftmaxStats{0.0f, 0.0f}) {}
+
+  int64_t slots() const { return 2 * problem.num_positions + 1; }
+  void compute(int64_t row, int64_t slot) {
+    const int64_t K = problem.num_positions, V = problem.vocab, drafted = problem.drafted(row);
+    if (slot < K) {
+      if (slot >= drafted) return;
+      const int64_t index = row * K + slot;
+      draft_stats[index] = softmax_stats(draft_logits + index * V, V, inverse_temperature[row]);
+    } else {
+      if (slot - K > drafted) return;
+      const int64_t index = row * (K + 1) + slot - K;
+      target_stats[index] = softmax_stats(target_logits + index * V, V, inverse_temperature[row]);
     }
-  });
-}
+  }
+  void compute_row(int64_t row) {
+    for (int64_t slot = 0; slot < slots(); ++slot) compute(row, slot);
+  }
+  // Every request's normalisers, in parallel over (request, slot).
+  void compute_all(const ParallelFor& parallel_for) {
+    parallel_for(0, problem.batch * slots(), grain_for(problem.vocab), [&](int64_t begin, int64_t end) {
+      for (int64_t task = begin; task < end; ++task) compute(task / slots(), task % slots());
+    });
+  }
+};
 
 // Temperatures as the kernels use them: 1 / T, and greedy where T = 0 (NaN and negatives count as greedy too).
 struct TemperaturePlan {
@@ -228,13 +270,15 @@ struct TemperaturePlan {
   std::unique_ptr<bool[]> greedy;
 };
 
-inline TemperaturePlan plan_temperatures(const float* values, int64_t batch) {
+inline TemperaturePlan plan_temperatures(const VerifyProblem& problem) {
+  const int64_t batch = problem.batch;
   TemperaturePlan plan;
   plan.inverse.resize(batch);
   plan.greedy.reset(new bool[batch]);
   for (int64_t row = 0; row < batch; ++row) {
-    plan.greedy[row] = is_greedy_temperature(values[row]);
-    plan.inverse[row] = inverse_temperature_of(values[row]);
+    const float temperature = problem.temperature_at(row);
+    plan.greedy[row] = is_greedy_temperature(temperature);
+    plan.inverse[row] = inverse_temperature_of(temperature);
   }
   return plan;
 }
@@ -247,28 +291,28 @@ template <typename T>
 void verify_probs(const VerifyProblem& problem, const T* draft_probs, const T* target_probs,
                   const ParallelFor& parallel_for) {
   const ProbRows<T> rows{draft_probs, target_probs, problem.num_positions, problem.vocab};
-  run_verify(problem, rows, parallel_for);
+  run_verify(problem, rows, parallel_for, verify_layout(problem.batch, problem.vocab, parallel_for),
+             [](int64_t) {});
 }
 
-// verify_logits: draft logits [B, K, V], target logits [B, K+1, V], temperature [B]. Each row the request reads gets
-// its softmax normaliser first; the greedy flags come from the temperatures.
+// verify_logits: draft logits [B, K, V], target logits [B, K+1, V], temperatures from the problem. Each row the request
+// reads gets its softmax normaliser first (inside the request's own task when the layout is by rows); the greedy flags
+// come from the temperatures.
 template <typename T>
 void verify_logits(const VerifyProblem& problem, const T* draft_logits, const T* target_logits,
-                   const float* temperature, const ParallelFor& parallel_for) {
-  const int64_t B = problem.batch, K = problem.num_positions, V = problem.vocab;
-  const TemperaturePlan temperatures = plan_temperatures(temperature, B);
-  std::vector<SoftmaxStats> draft_stats, target_stats;
-  compute_softmax_stats(draft_logits, target_logits, B, K, K + 1, V, temperatures.inverse.data(), draft_stats,
-                        target_stats,
-                        [&](int64_t row, int64_t position, bool is_target) {
-                          return is_target ? position <= problem.drafted(row) : position < problem.drafted(row);
-                        },
-                        parallel_for);
-  const LogitRows<T> rows{draft_logits, target_logits, K, K + 1, V, temperatures.inverse.data(), draft_stats.data(),
-                          target_stats.data()};
+                   const ParallelFor& parallel_for) {
+  const int64_t K = problem.num_positions, V = problem.vocab;
+  const TemperaturePlan temperatures = plan_temperatures(problem);
+  SoftmaxStatsPlan<T> stats(problem, draft_logits, target_logits, temperatures.inverse.data());
+  const VerifyLayout layout = verify_layout(problem.batch, V, parallel_for);
+  if (layout == VerifyLayout::kChunks) stats.compute_all(parallel_for);
+  const LogitRows<T> rows{draft_logits, target_logits, K, K + 1, V, temperatures.inverse.data(),
+                          stats.draft_stats.data(), stats.target_stats.data()};
   VerifyProblem with_greedy = problem;
   with_greedy.greedy = temperatures.greedy.get();
-  run_verify(with_greedy, rows, parallel_for);
+  run_verify(with_greedy, rows, parallel_for, layout, [&](int64_t row) {
+    if (layout == VerifyLayout::kRows) stats.compute_row(row);
+  });
 }
 
 }  // namespace DIVERSED_CPU_CAPABILITY

@@ -47,27 +47,28 @@ void check_grid_rows(const char* op, int64_t rows) {
 
 // Every tensor argument on one CUDA device; one block per request must fit in the grid.
 void check_verify_devices(const char* op, const at::Tensor& draft_tokens, const at::Tensor& draft,
-                          const at::Tensor& target, const at::Tensor& weight, const at::Tensor& num_draft,
-                          const at::Tensor& greedy_or_temperature, const c10::optional<at::Tensor>& uniforms,
-                          const at::Tensor& seeds) {
-  check_cuda_device(op, draft, target, draft_tokens, weight, num_draft, greedy_or_temperature, seeds);
-  if (uniforms.has_value()) check_same_device(op, draft.device(), *uniforms);
+                          const at::Tensor& target, const VerifyOptionals& optional) {
+  check_cuda_device(op, draft, target, draft_tokens);
+  for (const auto* tensor : {&optional.weight, &optional.num_draft, &optional.greedy_or_temperature, &optional.uniforms,
+                             &optional.seeds})
+    if (tensor->has_value()) check_same_device(op, draft.device(), **tensor);
   check_grid_rows(op, draft.size(0));
 }
 
 using VerifyTuple = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
+using OptionalTensor = c10::optional<at::Tensor>;
 
 VerifyTuple verify_probs_cuda(const at::Tensor& draft_tokens, const at::Tensor& draft_probs,
-                              const at::Tensor& target_probs, const at::Tensor& weight, const at::Tensor& num_draft,
-                              const at::Tensor& greedy, const c10::optional<at::Tensor>& uniforms,
-                              const at::Tensor& seeds, int64_t offset, bool per_row_seed) {
-  check_verify_args(VerifyInput::kProbs, draft_tokens, draft_probs, target_probs, weight, num_draft, greedy, uniforms,
-                    seeds);
-  check_verify_devices(kVerifyProbsOp, draft_tokens, draft_probs, target_probs, weight, num_draft, greedy, uniforms,
-                       seeds);
+                              const at::Tensor& target_probs, const OptionalTensor& weight,
+                              const OptionalTensor& num_draft, const OptionalTensor& greedy,
+                              const OptionalTensor& uniforms, const OptionalTensor& seeds, int64_t offset,
+                              bool per_row_seed, double weight_value, c10::optional<int64_t> seed) {
+  const VerifyOptionals optional{weight, num_draft, greedy, uniforms, seeds};
+  check_verify_args(VerifyInput::kProbs, draft_tokens, draft_probs, target_probs, optional);
+  check_verify_devices(kVerifyProbsOp, draft_tokens, draft_probs, target_probs, optional);
   const c10::cuda::CUDAGuard guard(draft_probs.device());
-  const VerifyCall call = start_verify(draft_tokens, draft_probs, weight, num_draft, greedy.data_ptr<bool>(), uniforms,
-                                       seeds, offset, per_row_seed);
+  const VerifyCall call = start_verify(VerifyInput::kProbs, draft_tokens, draft_probs, optional,
+                                       VerifyScalars{weight_value, 1.0, seed, offset, per_row_seed});
   if (call.empty()) return call.result();
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, draft_probs.scalar_type(), "verify_probs_cuda", [&] {
@@ -80,16 +81,17 @@ VerifyTuple verify_probs_cuda(const at::Tensor& draft_tokens, const at::Tensor& 
 }
 
 VerifyTuple verify_logits_cuda(const at::Tensor& draft_tokens, const at::Tensor& draft_logits,
-                               const at::Tensor& target_logits, const at::Tensor& weight, const at::Tensor& num_draft,
-                               const at::Tensor& temperature, const c10::optional<at::Tensor>& uniforms,
-                               const at::Tensor& seeds, int64_t offset, bool per_row_seed) {
-  check_verify_args(VerifyInput::kLogits, draft_tokens, draft_logits, target_logits, weight, num_draft, temperature,
-                    uniforms, seeds);
-  check_verify_devices(kVerifyLogitsOp, draft_tokens, draft_logits, target_logits, weight, num_draft, temperature,
-                       uniforms, seeds);
+                               const at::Tensor& target_logits, const OptionalTensor& weight,
+                               const OptionalTensor& num_draft, const OptionalTensor& temperature,
+                               const OptionalTensor& uniforms, const OptionalTensor& seeds, int64_t offset,
+                               bool per_row_seed, double weight_value, double temperature_value,
+                               c10::optional<int64_t> seed) {
+  const VerifyOptionals optional{weight, num_draft, temperature, uniforms, seeds};
+  check_verify_args(VerifyInput::kLogits, draft_tokens, draft_logits, target_logits, optional);
+  check_verify_devices(kVerifyLogitsOp, draft_tokens, draft_logits, target_logits, optional);
   const c10::cuda::CUDAGuard guard(draft_logits.device());
-  const VerifyCall call = start_verify(draft_tokens, draft_logits, weight, num_draft, /*greedy=*/nullptr, uniforms,
-                                       seeds, offset, per_row_seed);
+  const VerifyCall call = start_verify(VerifyInput::kLogits, draft_tokens, draft_logits, optional,
+                                       VerifyScalars{weight_value, temperature_value, seed, offset, per_row_seed});
   if (call.empty()) return call.result();
   // Softmax normalisers of the rows each request reads, written and read back by its own block.
   static_assert(sizeof(SoftmaxStats) == 2 * sizeof(float), "SoftmaxStats is stored as two floats");
@@ -99,8 +101,7 @@ VerifyTuple verify_logits_cuda(const at::Tensor& draft_tokens, const at::Tensor&
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, draft_logits.scalar_type(), "verify_logits_cuda", [&] {
     using T = CudaElement<scalar_t>;
     launch_verify_logits(call.problem, kernel_data<T, scalar_t>(draft_logits), kernel_data<T, scalar_t>(target_logits),
-                         temperature.data_ptr<float>(), reinterpret_cast<SoftmaxStats*>(scratch.data_ptr<float>()),
-                         stream);
+                         reinterpret_cast<SoftmaxStats*>(scratch.data_ptr<float>()), stream);
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return call.result();

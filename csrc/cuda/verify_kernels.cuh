@@ -24,7 +24,7 @@ struct ProbRows {
   const T* draft;
   const T* target;
 
-  __device__ bool greedy(const VerifyProblem& p, int64_t row) const { return p.greedy[row]; }
+  __device__ bool greedy(const VerifyProblem& p, int64_t row) const { return p.greedy_at(row); }
   __device__ void prepare(const VerifyProblem&, int64_t, int64_t, BlockStorage&) const {}
   __device__ Row draft_row(const VerifyProblem& p, int64_t row, int64_t position) const {
     return Row{draft + (row * p.num_positions + position) * p.vocab};
@@ -42,12 +42,14 @@ struct LogitRows {
   using Row = LogitRow<T>;
   const T* draft;
   const T* target;
-  const float* temperature;    // [B]
+  const float* temperature;    // [B], or nullptr: temperature_value for every row
+  float temperature_value;
   SoftmaxStats* draft_stats;   // [B, K] scratch
   SoftmaxStats* target_stats;  // [B, K+1] scratch
 
-  __device__ bool greedy(const VerifyProblem&, int64_t row) const { return is_greedy_temperature(temperature[row]); }
-  __device__ float inverse_temperature(int64_t row) const { return inverse_temperature_of(temperature[row]); }
+  __device__ float temperature_at(int64_t row) const { return temperature ? temperature[row] : temperature_value; }
+  __device__ bool greedy(const VerifyProblem&, int64_t row) const { return is_greedy_temperature(temperature_at(row)); }
+  __device__ float inverse_temperature(int64_t row) const { return inverse_temperature_of(temperature_at(row)); }
 
   __device__ void prepare(const VerifyProblem& p, int64_t row, int64_t drafted, BlockStorage& s) const {
     const float inverse_t = inverse_temperature(row);
@@ -168,10 +170,11 @@ void launch_verify_probs(const VerifyProblem& params, const T* draft, const T* t
 }
 
 template <typename T>
-void launch_verify_logits(const VerifyProblem& params, const T* draft, const T* target, const float* temperature,
-                          SoftmaxStats* scratch, cudaStream_t stream) {
+void launch_verify_logits(const VerifyProblem& params, const T* draft, const T* target, SoftmaxStats* scratch,
+                          cudaStream_t stream) {
   if (params.batch == 0) return;
-  const LogitRows<T> rows{draft, target, temperature, scratch, scratch + params.batch * params.num_positions};
+  const LogitRows<T> rows{draft, target, params.temperature, params.temperature_value, scratch,
+                          scratch + params.batch * params.num_positions};
   verify_kernel<<<static_cast<unsigned>(params.batch), kThreads, 0, stream>>>(params, rows);
 }
 

@@ -20,8 +20,8 @@ def cuda_kernels_registered() -> bool:
 
 
 @torch.library.register_fake("diversed::verify_probs")
-def _verify_probs_fake(draft_tokens, draft_probs, target_probs, weight, num_draft, greedy, uniforms, seeds, offset,
-                       per_row_seed):
+def _verify_probs_fake(draft_tokens, draft_probs, target_probs, weight, num_draft, greedy, uniforms, seeds, offset=0,
+                       per_row_seed=False, weight_value=1.0, seed=None):
     batch, num_positions, _ = draft_probs.shape
     tokens = draft_probs.new_empty((batch, num_positions + 1), dtype=torch.int64)
     num_accepted = draft_probs.new_empty((batch,), dtype=torch.int32)
@@ -31,7 +31,7 @@ def _verify_probs_fake(draft_tokens, draft_probs, target_probs, weight, num_draf
 
 @torch.library.register_fake("diversed::verify_logits")
 def _verify_logits_fake(draft_tokens, draft_logits, target_logits, weight, num_draft, temperature, uniforms, seeds,
-                        offset, per_row_seed):
+                        offset=0, per_row_seed=False, weight_value=1.0, temperature_value=1.0, seed=None):
     return _verify_probs_fake(draft_tokens, draft_logits, target_logits, weight, num_draft, None, uniforms, seeds,
                               offset, per_row_seed)
 

@@ -47,18 +47,46 @@ SeedLike = Union[int, torch.Tensor, None]
 
 @dataclass
 class VerifyArgs:
-    """Arguments in the exact layout the ``diversed::verify_*`` ops expect."""
+    """Arguments in the exact layout the ``diversed::verify_*`` ops expect. Defaults stay scalars or None, so that a
+    call with default arguments creates no tensor before the op; :meth:`materialized` spells them out as tensors."""
 
     draft_tokens: torch.Tensor  # int64 [B, K]
     draft: torch.Tensor  # [B, K, V] probabilities or logits, contiguous
     target: torch.Tensor  # [B, K+1, V], same dtype
-    weight: torch.Tensor  # float32 [B, K]
-    num_draft: torch.Tensor  # int64 [B]
-    greedy: torch.Tensor  # bool [B]
-    uniforms: Optional[torch.Tensor]  # float64 [B, K+1] or None (then Philox with seeds)
-    seeds: torch.Tensor  # int64 [B]
+    weight: Optional[torch.Tensor]  # float32 [B, K], or None: weight_value everywhere
+    weight_value: float
+    num_draft: Optional[torch.Tensor]  # int64 [B], or None: K everywhere
+    greedy: Optional[torch.Tensor]  # bool [B], or None: no greedy row
+    uniforms: Optional[torch.Tensor]  # float64 [B, K+1] or None (then Philox with the seeds)
+    seeds: Optional[torch.Tensor]  # int64 [B], or None: the shared `seed`
+    seed: Optional[int]  # a shared seed; None with seeds and uniforms None: the op draws one on the device
     offset: int
     per_row_seed: bool
+
+    def op_arguments(self) -> tuple:
+        """Positional arguments of ``diversed::verify_probs`` (verify_logits takes its temperatures in place of
+        greedy and its temperature_value before the seed)."""
+        return (self.draft_tokens, self.draft, self.target, self.weight, self.num_draft, self.greedy, self.uniforms,
+                self.seeds, self.offset, self.per_row_seed, self.weight_value, self.seed)
+
+    def materialized(self) -> "VerifyArgs":
+        """The same arguments with every default as a tensor (weight [B, K], num_draft, greedy, and seeds [B] unless
+        uniforms are given), which is what the pure-PyTorch reference works on. A seed left to the op is drawn here
+        exactly as the op draws it."""
+        batch, num_positions = self.draft_tokens.shape
+        device = self.draft.device
+        weight = self.weight
+        if weight is None:
+            weight = torch.full((batch, num_positions), self.weight_value, dtype=torch.float32, device=device)
+        num_draft = self.num_draft
+        if num_draft is None:
+            num_draft = torch.full((batch,), num_positions, dtype=torch.int64, device=device)
+        greedy = self.greedy if self.greedy is not None else torch.zeros(batch, dtype=torch.bool, device=device)
+        seeds = self.seeds
+        if seeds is None and self.uniforms is None:
+            seeds, _ = normalize_seed(self.seed, batch, device, check_inputs=False)
+        return VerifyArgs(self.draft_tokens, self.draft, self.target, weight, self.weight_value, num_draft, greedy,
+                          self.uniforms, seeds, self.seed, self.offset, self.per_row_seed)
 
 
 def _require_tensor(value, name: str) -> torch.Tensor:
@@ -91,10 +119,12 @@ def _check_distribution_values(tensor: torch.Tensor, name: str) -> None:
         raise ValueError(f"{name} contains infinite values")
 
 
-def _check_rows_have_mass(draft: torch.Tensor, target: torch.Tensor, num_draft: torch.Tensor, draft_name: str,
-                          target_name: str) -> None:
+def _check_rows_have_mass(draft: torch.Tensor, target: torch.Tensor, num_draft: Optional[torch.Tensor],
+                          draft_name: str, target_name: str) -> None:
     """Every row the verifier reads needs some mass: draft rows k < num_draft[b] and target rows k <= num_draft[b].
     Rows past them are never read, so a server may leave them as zero padding."""
+    if num_draft is None:
+        num_draft = torch.full(draft.shape[:1], draft.shape[1], device=draft.device)
     positions = torch.arange(target.shape[1], device=target.device).unsqueeze(0)
     read_draft = positions[:, :-1] < num_draft.unsqueeze(1)  # q at a rejection; the bonus row reads only p
     read_target = positions <= num_draft.unsqueeze(1)
@@ -111,10 +141,11 @@ def check_distributions(draft: torch.Tensor, target: torch.Tensor, draft_name: s
     _require_tensor(draft, draft_name)
     _require_tensor(target, target_name)
     for tensor, name in ((draft, draft_name), (target, target_name)):
+        if tensor.dtype in PROB_DTYPES:
+            continue
         if not tensor.is_floating_point():
             raise TypeError(f"{name} must hold floating-point {kind}, got dtype {tensor.dtype}")
-        if tensor.dtype not in PROB_DTYPES:
-            raise TypeError(f"{name} must be float32, bfloat16 or float16, got {tensor.dtype}")
+        raise TypeError(f"{name} must be float32, bfloat16 or float16, got {tensor.dtype}")
     _require_rank(draft, 3, draft_name, "[B, K, V]")
     _require_rank(target, 3, target_name, "[B, K+1, V]")
     if draft.dtype != target.dtype:
@@ -133,16 +164,24 @@ def check_distributions(draft: torch.Tensor, target: torch.Tensor, draft_name: s
     return batch, num_positions, vocab
 
 
+def _scalar_weight(weight: Real) -> float:
+    value = float(weight)
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"weight must lie in [0, 1], got {value}")
+    return value
+
+
+def _check_weight_type(weight) -> None:
+    if isinstance(weight, bool) or not isinstance(weight, (Real, torch.Tensor)):
+        raise TypeError(f"weight must be a float or a tensor of shape [B] or [B, K], got {type(weight).__name__}")
+
+
 def normalize_weight(weight: WeightLike, batch: int, num_positions: int, device: torch.device,
                      check_inputs: bool) -> torch.Tensor:
     """A float, [B] or [B, K] weight on the target, as contiguous float32 [B, K]."""
-    if isinstance(weight, bool) or not isinstance(weight, (Real, torch.Tensor)):
-        raise TypeError(f"weight must be a float or a tensor of shape [B] or [B, K], got {type(weight).__name__}")
+    _check_weight_type(weight)
     if not isinstance(weight, torch.Tensor):
-        value = float(weight)
-        if not 0.0 <= value <= 1.0:
-            raise ValueError(f"weight must lie in [0, 1], got {value}")
-        return torch.full((batch, num_positions), value, dtype=torch.float32, device=device)
+        return torch.full((batch, num_positions), _scalar_weight(weight), dtype=torch.float32, device=device)
     if not weight.is_floating_point():
         raise TypeError(f"weight must be a floating-point tensor, got dtype {weight.dtype}")
     _require_device(weight, device, "weight")
@@ -167,6 +206,16 @@ def normalize_weight(weight: WeightLike, batch: int, num_positions: int, device:
     return weight
 
 
+def weight_argument(weight: WeightLike, batch: int, num_positions: int, device: torch.device,
+                    check_inputs: bool) -> tuple[Optional[torch.Tensor], float]:
+    """The op's (weight, weight_value): a float stays a scalar (checked here, no tensor made); a tensor becomes
+    float32 [B, K]."""
+    _check_weight_type(weight)
+    if not isinstance(weight, torch.Tensor):
+        return None, _scalar_weight(weight)
+    return normalize_weight(weight, batch, num_positions, device, check_inputs), 1.0
+
+
 def normalize_tokens(draft_tokens, batch: int, num_positions: int, device: torch.device) -> torch.Tensor:
     _require_tensor(draft_tokens, "draft_tokens")
     if draft_tokens.dtype not in TOKEN_DTYPES:
@@ -175,13 +224,16 @@ def normalize_tokens(draft_tokens, batch: int, num_positions: int, device: torch
     if tuple(draft_tokens.shape) != (batch, num_positions):
         raise ValueError(f"draft_tokens must be [B, K] = [{batch}, {num_positions}], got {tuple(draft_tokens.shape)}")
     _require_device(draft_tokens, device, "draft_tokens")
-    return draft_tokens.to(torch.int64).contiguous()
+    if draft_tokens.dtype != torch.int64:  # .to() costs a microsecond even when it has nothing to do
+        draft_tokens = draft_tokens.to(torch.int64)
+    return draft_tokens.contiguous()
 
 
 def normalize_num_draft(num_draft, batch: int, num_positions: int, device: torch.device,
-                        check_inputs: bool) -> torch.Tensor:
+                        check_inputs: bool) -> Optional[torch.Tensor]:
+    """int64 [B], or None when absent (every row drafts K)."""
     if num_draft is None:
-        return torch.full((batch,), num_positions, dtype=torch.int64, device=device)
+        return None
     _require_tensor(num_draft, "num_draft")
     if num_draft.is_floating_point() or num_draft.is_complex() or num_draft.dtype == torch.bool:
         raise TypeError(f"num_draft must be an integer tensor, got {num_draft.dtype}")
@@ -196,10 +248,12 @@ def normalize_num_draft(num_draft, batch: int, num_positions: int, device: torch
     return num_draft
 
 
-def check_token_ids(draft_tokens: torch.Tensor, num_draft: torch.Tensor, vocab: int) -> None:
+def check_token_ids(draft_tokens: torch.Tensor, num_draft: Optional[torch.Tensor], vocab: int) -> None:
     """Token ids at drafted positions (i < num_draft) must lie in [0, V); padding past num_draft is ignored."""
     if draft_tokens.numel() == 0:
         return
+    if num_draft is None:
+        num_draft = torch.full(draft_tokens.shape[:1], draft_tokens.shape[1], device=draft_tokens.device)
     drafted = torch.arange(draft_tokens.shape[1], device=draft_tokens.device) < num_draft.unsqueeze(1)
     bad = drafted & ((draft_tokens < 0) | (draft_tokens >= vocab))
     if bool(bad.any()):
@@ -208,9 +262,10 @@ def check_token_ids(draft_tokens: torch.Tensor, num_draft: torch.Tensor, vocab: 
                          f"with V = {vocab}")
 
 
-def normalize_greedy(greedy, batch: int, device: torch.device) -> torch.Tensor:
-    if greedy is None:
-        return torch.zeros(batch, dtype=torch.bool, device=device)
+def normalize_greedy(greedy, batch: int, device: torch.device) -> Optional[torch.Tensor]:
+    """bool [B], or None when no row is greedy."""
+    if greedy is None or greedy is False:
+        return None
     if isinstance(greedy, bool):
         return torch.full((batch,), greedy, dtype=torch.bool, device=device)
     _require_tensor(greedy, "greedy")
@@ -247,21 +302,13 @@ def normalize_seed(seed: SeedLike, batch: int, device: torch.device, check_input
     """Seeds as int64 [B] and whether they are per row. No seed: one is drawn from torch's default generator."""
     if seed is None:
         # Drawn where it is used, from that device's default generator: a CPU draw copied to a GPU would make every
-        # call synchronise with the host.
+        # call synchronise with the host. The native ops draw theirs the same way (csrc/common/op_outputs.h).
         drawn = torch.randint(0, SEED_RANGE - 1, (1,), dtype=torch.int64, device=device)
         return drawn.expand(batch).contiguous(), False
-    if isinstance(seed, bool) or not isinstance(seed, (Integral, torch.Tensor)):
-        raise TypeError(f"seed must be an int or an int64 tensor of shape [B], got {type(seed).__name__}")
-    if not isinstance(seed, torch.Tensor):
-        if not -SEED_RANGE <= int(seed) < 2 * SEED_RANGE:
-            raise ValueError(f"seed must fit in 64 bits, got {seed}")
-        value = int(seed) - 2 * SEED_RANGE if int(seed) >= SEED_RANGE else int(seed)
-        return torch.full((batch,), value, dtype=torch.int64, device=device), False
-    if seed.dtype not in TOKEN_DTYPES:
-        raise TypeError(f"seed tensor must be int32 or int64, got {seed.dtype}")
-    if tuple(seed.shape) != (batch,):
-        raise ValueError(f"seed tensor must have shape [B] = [{batch}], got {tuple(seed.shape)}")
-    return seed.to(device=device, dtype=torch.int64).contiguous(), True
+    seeds, value, per_row = seed_argument(seed, batch, device)
+    if seeds is None:
+        seeds = torch.full((batch,), value, dtype=torch.int64, device=device)
+    return seeds, per_row
 
 
 def normalize_offset(offset) -> int:
@@ -272,19 +319,38 @@ def normalize_offset(offset) -> int:
     return int(offset)
 
 
+def seed_argument(seed: SeedLike, batch: int, device: torch.device) -> tuple[Optional[torch.Tensor], Optional[int], bool]:
+    """The op's (seeds, seed, per_row_seed): per-request seeds as int64 [B], or one int seed, or neither (the op
+    then draws a seed on the device, as normalize_seed does)."""
+    if seed is None:
+        return None, None, False
+    if isinstance(seed, bool) or not isinstance(seed, (Integral, torch.Tensor)):
+        raise TypeError(f"seed must be an int or an int64 tensor of shape [B], got {type(seed).__name__}")
+    if not isinstance(seed, torch.Tensor):
+        if not -SEED_RANGE <= int(seed) < 2 * SEED_RANGE:
+            raise ValueError(f"seed must fit in 64 bits, got {seed}")
+        return None, int(seed) - 2 * SEED_RANGE if int(seed) >= SEED_RANGE else int(seed), False
+    if seed.dtype not in TOKEN_DTYPES:
+        raise TypeError(f"seed tensor must be int32 or int64, got {seed.dtype}")
+    if tuple(seed.shape) != (batch,):
+        raise ValueError(f"seed tensor must have shape [B] = [{batch}], got {tuple(seed.shape)}")
+    return seed.to(device=device, dtype=torch.int64).contiguous(), None, True
+
+
 def prepare_verify(draft_tokens, draft, target, weight, *, num_draft, greedy, uniforms, seed, offset,
                    check_inputs: bool, draft_name: str, target_name: str, kind: str) -> VerifyArgs:
-    """Validate and normalise every verify argument (probabilities or logits alike)."""
+    """Validate and normalise every verify argument (probabilities or logits alike). Defaults are left as scalars or
+    None (see VerifyArgs.materialized)."""
     batch, num_positions, vocab = check_distributions(draft, target, draft_name, target_name, kind)
     device = draft.device
     tokens = normalize_tokens(draft_tokens, batch, num_positions, device)
-    weight_t = normalize_weight(weight, batch, num_positions, device, check_inputs)
+    weight_t, weight_value = weight_argument(weight, batch, num_positions, device, check_inputs)
     num_draft_t = normalize_num_draft(num_draft, batch, num_positions, device, check_inputs)
     greedy_t = normalize_greedy(greedy, batch, device)
     uniforms_t = normalize_uniforms(uniforms, batch, num_positions, device, check_inputs)
     if uniforms is not None and seed is not None:
         raise ValueError("pass either uniforms or seed, not both: explicit uniforms replace the generator")
-    seeds_t, per_row_seed = normalize_seed(seed, batch, device, check_inputs)
+    seeds_t, seed_value, per_row_seed = seed_argument(seed, batch, device)
     offset_i = normalize_offset(offset)
     if check_inputs:
         check_token_ids(tokens, num_draft_t, vocab)
@@ -292,8 +358,8 @@ def prepare_verify(draft_tokens, draft, target, weight, *, num_draft, greedy, un
         check_values(target, target_name, from_logits=kind == "logits")
         if kind != "logits":
             _check_rows_have_mass(draft, target, num_draft_t, draft_name, target_name)
-    return VerifyArgs(tokens, draft.contiguous(), target.contiguous(), weight_t, num_draft_t, greedy_t, uniforms_t,
-                      seeds_t, offset_i, per_row_seed)
+    return VerifyArgs(tokens, draft.contiguous(), target.contiguous(), weight_t, weight_value, num_draft_t, greedy_t,
+                      uniforms_t, seeds_t, seed_value, offset_i, per_row_seed)
 
 
 def _check_logit_values(tensor: torch.Tensor, name: str) -> None:
@@ -332,6 +398,17 @@ def normalize_temperature(temperature, batch: int, device: torch.device, check_i
         if bool((temperature < 0).any()) or bool(torch.isinf(temperature).any()):
             raise ValueError(f"temperature must be finite and >= 0, got minimum {float(temperature.min())}")
     return temperature
+
+
+def temperature_argument(temperature, batch: int, device: torch.device,
+                         check_inputs: bool) -> tuple[Optional[torch.Tensor], float]:
+    """The op's (temperature, temperature_value): a float stays a scalar (checked here), a tensor becomes float32 [B]."""
+    if isinstance(temperature, Real) and not isinstance(temperature, bool):
+        value = float(temperature)
+        if not value >= 0.0 or value == float("inf"):
+            raise ValueError(f"temperature must be finite and >= 0 (0 means greedy), got {value}")
+        return None, value
+    return normalize_temperature(temperature, batch, device, check_inputs), 1.0
 
 
 def check_values(tensor: torch.Tensor, name: str, from_logits: bool) -> None:

@@ -27,7 +27,8 @@ from typing import NamedTuple
 import torch
 
 from . import _fake  # noqa: F401  (registers the native ops and their fake kernels)
-from ._inputs import normalize_stat_tokens, normalize_temperature, normalize_weight, prepare_pair, prepare_verify
+from ._inputs import (normalize_stat_tokens, normalize_weight, prepare_pair, prepare_verify,
+                      temperature_argument)
 
 
 class VerifyResult(NamedTuple):
@@ -76,9 +77,7 @@ def verify(draft_tokens, draft_probs, target_probs, weight, *, num_draft=None, g
     args = prepare_verify(draft_tokens, draft_probs, target_probs, weight, num_draft=num_draft, greedy=greedy,
                           uniforms=uniforms, seed=seed, offset=offset, check_inputs=check_inputs,
                           draft_name="draft_probs", target_name="target_probs", kind="probabilities")
-    tokens, num_accepted, accept_prob = torch.ops.diversed.verify_probs(
-        args.draft_tokens, args.draft, args.target, args.weight, args.num_draft, args.greedy, args.uniforms,
-        args.seeds, args.offset, args.per_row_seed)
+    tokens, num_accepted, accept_prob = torch.ops.diversed.verify_probs(*args.op_arguments())
     return VerifyResult(tokens, num_accepted, accept_prob)
 
 
@@ -115,10 +114,11 @@ def verify_logits(draft_tokens, draft_logits, target_logits, weight, *, temperat
     args = prepare_verify(draft_tokens, draft_logits, target_logits, weight, num_draft=num_draft, greedy=None,
                           uniforms=uniforms, seed=seed, offset=offset, check_inputs=check_inputs,
                           draft_name="draft_logits", target_name="target_logits", kind="logits")
-    temperature_t = normalize_temperature(temperature, args.draft.shape[0], args.draft.device, check_inputs)
+    temperature_t, temperature_value = temperature_argument(temperature, args.draft.shape[0], args.draft.device,
+                                                            check_inputs)
     tokens, num_accepted, accept_prob = torch.ops.diversed.verify_logits(
         args.draft_tokens, args.draft, args.target, args.weight, args.num_draft, temperature_t, args.uniforms,
-        args.seeds, args.offset, args.per_row_seed)
+        args.seeds, args.offset, args.per_row_seed, args.weight_value, temperature_value, args.seed)
     return VerifyResult(tokens, num_accepted, accept_prob)
 
 

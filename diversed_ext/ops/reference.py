@@ -104,7 +104,7 @@ def verify_reference(draft_tokens, draft_probs, target_probs, weight, *, num_dra
     """Reference implementation of :func:`diversed_ext.verify` in plain PyTorch (same arguments, same result)."""
     args = prepare_verify(draft_tokens, draft_probs, target_probs, weight, num_draft=num_draft, greedy=greedy,
                           uniforms=uniforms, seed=seed, offset=offset, check_inputs=check_inputs,
-                          draft_name="draft_probs", target_name="target_probs", kind="probabilities")
+                          draft_name="draft_probs", target_name="target_probs", kind="probabilities").materialized()
     if args.uniforms is None:
         args.uniforms = philox_uniforms(args.seeds, args.offset, args.draft.shape[1] + 1, args.per_row_seed)
     return reference_core(args.draft_tokens, args.draft, args.target, args.weight, args.num_draft, args.greedy,
@@ -123,7 +123,7 @@ def verify_logits_reference(draft_tokens, draft_logits, target_logits, weight, *
     """Reference of :func:`diversed_ext.verify_logits`: softmax everything, then verify on probabilities."""
     args = prepare_verify(draft_tokens, draft_logits, target_logits, weight, num_draft=num_draft, greedy=None,
                           uniforms=uniforms, seed=seed, offset=offset, check_inputs=check_inputs,
-                          draft_name="draft_logits", target_name="target_logits", kind="logits")
+                          draft_name="draft_logits", target_name="target_logits", kind="logits").materialized()
     temperature_t = normalize_temperature(temperature, args.draft.shape[0], args.draft.device, check_inputs)
     if args.uniforms is None:
         args.uniforms = philox_uniforms(args.seeds, args.offset, args.draft.shape[1] + 1, args.per_row_seed)
