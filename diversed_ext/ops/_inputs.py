@@ -13,33 +13,12 @@ from typing import Optional, Union
 
 import torch
 
+from ._values import check_rows_have_mass, check_token_ids, check_values
+
 PROB_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 TOKEN_DTYPES = (torch.int32, torch.int64)
 SEED_RANGE = 2**63  # seeds and offsets are int64 counters of the verifier's Philox generator
-# Temperatures below this (and 0) are greedy rows: dividing logits by them would overflow to inf, and greedy is their
-# limit anyway. The kernels use the same threshold (csrc/common/verify_math.h).
-MIN_TEMPERATURE = 1e-6
 
-
-def is_greedy_temperature(temperature):
-    """Whether a temperature (a float or a tensor of them) asks for greedy decisions: 0, NaN, or below
-    MIN_TEMPERATURE."""
-    if isinstance(temperature, torch.Tensor):
-        return ~(temperature >= MIN_TEMPERATURE)
-    return not temperature >= MIN_TEMPERATURE
-
-
-def distribution_temperature(temperature):
-    """The temperature the distributions are taken at: ``temperature`` itself, or 1 where it is greedy (0, or below
-    MIN_TEMPERATURE).
-
-    Temperature 0 asks for greedy decisions (argmax of nu = w p + (1 - w) q), and those are made on the untempered
-    distributions, so one rule serves the ops, the reference, the decoding loop and the trainer. Takes a float or a
-    tensor of temperatures.
-    """
-    if isinstance(temperature, torch.Tensor):
-        return torch.where(is_greedy_temperature(temperature), torch.ones_like(temperature), temperature)
-    return 1.0 if is_greedy_temperature(temperature) else temperature
 
 WeightLike = Union[float, torch.Tensor]
 SeedLike = Union[int, torch.Tensor, None]
@@ -103,36 +82,6 @@ def _require_rank(tensor: torch.Tensor, rank: int, name: str, layout: str) -> No
 def _require_device(tensor: torch.Tensor, device: torch.device, name: str) -> None:
     if tensor.device != device:
         raise ValueError(f"{name} is on {tensor.device} but the probabilities are on {device}; put them on one device")
-
-
-def _check_distribution_values(tensor: torch.Tensor, name: str) -> None:
-    """One pass (aminmax) finds NaN, negative and infinite entries."""
-    if tensor.numel() == 0:
-        return
-    low, high = torch.aminmax(tensor)
-    low, high = float(low), float(high)
-    if low != low or high != high:
-        raise ValueError(f"{name} contains NaN")
-    if low < 0:
-        raise ValueError(f"{name} contains negative probabilities (minimum {low})")
-    if high == float("inf"):
-        raise ValueError(f"{name} contains infinite values")
-
-
-def _check_rows_have_mass(draft: torch.Tensor, target: torch.Tensor, num_draft: Optional[torch.Tensor],
-                          draft_name: str, target_name: str) -> None:
-    """Every row the verifier reads needs some mass: draft rows k < num_draft[b] and target rows k <= num_draft[b].
-    Rows past them are never read, so a server may leave them as zero padding."""
-    if num_draft is None:
-        num_draft = torch.full(draft.shape[:1], draft.shape[1], device=draft.device)
-    positions = torch.arange(target.shape[1], device=target.device).unsqueeze(0)
-    read_draft = positions[:, :-1] < num_draft.unsqueeze(1)  # q at a rejection; the bonus row reads only p
-    read_target = positions <= num_draft.unsqueeze(1)
-    for tensor, name, read in ((draft, draft_name, read_draft), (target, target_name, read_target)):
-        empty = (tensor.amax(-1) == 0) & read
-        if bool(empty.any()):
-            batch_index, position = (int(index) for index in empty.nonzero()[0])
-            raise ValueError(f"{name} has a row with no probability mass (all zeros) at [{batch_index}, {position}]")
 
 
 def check_distributions(draft: torch.Tensor, target: torch.Tensor, draft_name: str, target_name: str,
@@ -248,20 +197,6 @@ def normalize_num_draft(num_draft, batch: int, num_positions: int, device: torch
     return num_draft
 
 
-def check_token_ids(draft_tokens: torch.Tensor, num_draft: Optional[torch.Tensor], vocab: int) -> None:
-    """Token ids at drafted positions (i < num_draft) must lie in [0, V); padding past num_draft is ignored."""
-    if draft_tokens.numel() == 0:
-        return
-    if num_draft is None:
-        num_draft = torch.full(draft_tokens.shape[:1], draft_tokens.shape[1], device=draft_tokens.device)
-    drafted = torch.arange(draft_tokens.shape[1], device=draft_tokens.device) < num_draft.unsqueeze(1)
-    bad = drafted & ((draft_tokens < 0) | (draft_tokens >= vocab))
-    if bool(bad.any()):
-        row, position = (int(i) for i in bad.nonzero()[0])
-        raise ValueError(f"draft_tokens[{row}, {position}] = {int(draft_tokens[row, position])} is outside [0, V) "
-                         f"with V = {vocab}")
-
-
 def normalize_greedy(greedy, batch: int, device: torch.device) -> Optional[torch.Tensor]:
     """bool [B], or None when no row is greedy."""
     if greedy is None or greedy is False:
@@ -357,22 +292,9 @@ def prepare_verify(draft_tokens, draft, target, weight, *, num_draft, greedy, un
         check_values(draft, draft_name, from_logits=kind == "logits")
         check_values(target, target_name, from_logits=kind == "logits")
         if kind != "logits":
-            _check_rows_have_mass(draft, target, num_draft_t, draft_name, target_name)
+            check_rows_have_mass(draft, target, num_draft_t, draft_name, target_name)
     return VerifyArgs(tokens, draft.contiguous(), target.contiguous(), weight_t, weight_value, num_draft_t, greedy_t,
                       uniforms_t, seeds_t, seed_value, offset_i, per_row_seed)
-
-
-def _check_logit_values(tensor: torch.Tensor, name: str) -> None:
-    """Logits may be -inf (masked vocabulary) but not NaN or +inf, and every row needs one finite entry."""
-    if tensor.numel() == 0:
-        return
-    if bool(torch.isnan(tensor).any()):
-        raise ValueError(f"{name} contains NaN")
-    row_max = tensor.amax(-1)
-    if bool((row_max == float("inf")).any()):
-        raise ValueError(f"{name} contains +inf")
-    if bool((row_max == float("-inf")).any()):
-        raise ValueError(f"{name} has a row whose logits are all -inf (no token is possible)")
 
 
 def normalize_temperature(temperature, batch: int, device: torch.device, check_inputs: bool) -> torch.Tensor:
@@ -409,14 +331,6 @@ def temperature_argument(temperature, batch: int, device: torch.device,
             raise ValueError(f"temperature must be finite and >= 0 (0 means greedy), got {value}")
         return None, value
     return normalize_temperature(temperature, batch, device, check_inputs), 1.0
-
-
-def check_values(tensor: torch.Tensor, name: str, from_logits: bool) -> None:
-    """Value checks of a probability or logit tensor (one or two passes, one host sync)."""
-    if from_logits:
-        _check_logit_values(tensor, name)
-    else:
-        _check_distribution_values(tensor, name)
 
 
 def normalize_stat_tokens(tokens, batch: int, length: int, vocab: int, device: torch.device,

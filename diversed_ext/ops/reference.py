@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from ._inputs import (distribution_temperature, is_greedy_temperature, normalize_stat_tokens, normalize_temperature,
-                      normalize_weight, prepare_pair, prepare_verify)
+from ._inputs import normalize_stat_tokens, normalize_temperature, normalize_weight, prepare_pair, prepare_verify
 from ._philox import philox_uniforms
+from ._temperature import distribution_temperature, is_greedy_temperature
 from .api import TokenStats, VerifyResult
 
 FLOAT32_MAX = torch.finfo(torch.float32).max
