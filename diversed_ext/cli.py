@@ -273,9 +273,8 @@ def _experiment_setup(args):
         raise UsageError(f"--data: {error}") from None
     if getattr(args, "head", None) is not None and args.head != "default" and not os.path.isdir(args.head):
         raise UsageError(f"--head {args.head}: no such head folder")
-    for flag in ("--output-dir",):
-        if getattr(args, "output_dir", None) is not None:
-            _require_writable_folder(flag, args.output_dir)
+    if getattr(args, "output_dir", None) is not None:
+        _require_writable_folder("--output-dir", args.output_dir)
     target, draft, tokenizer = load_models(args.target, args.draft)
     return task, examples, target, draft, tokenizer, eos_ids(tokenizer, target)
 

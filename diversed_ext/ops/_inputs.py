@@ -13,7 +13,7 @@ from typing import Optional, Union
 
 import torch
 
-from ._values import check_rows_have_mass, check_token_ids, check_values
+from ._values import check_token_ids, check_values, check_verify_probabilities
 
 PROB_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 TOKEN_DTYPES = (torch.int32, torch.int64)
@@ -289,12 +289,20 @@ def prepare_verify(draft_tokens, draft, target, weight, *, num_draft, greedy, un
     offset_i = normalize_offset(offset)
     if check_inputs:
         check_token_ids(tokens, num_draft_t, vocab)
-        check_values(draft, draft_name, from_logits=kind == "logits")
-        check_values(target, target_name, from_logits=kind == "logits")
-        if kind != "logits":
-            check_rows_have_mass(draft, target, num_draft_t, draft_name, target_name)
+        if kind == "logits":
+            check_values(draft, draft_name, from_logits=True)
+            check_values(target, target_name, from_logits=True)
+        else:
+            check_verify_probabilities(draft, target, num_draft_t, draft_name, target_name)
     return VerifyArgs(tokens, draft.contiguous(), target.contiguous(), weight_t, weight_value, num_draft_t, greedy_t,
                       uniforms_t, seeds_t, seed_value, offset_i, per_row_seed)
+
+
+def _scalar_temperature(temperature: Real) -> float:
+    value = float(temperature)
+    if not value >= 0.0 or value == float("inf"):  # also refuses NaN
+        raise ValueError(f"temperature must be finite and >= 0 (0 means greedy), got {value}")
+    return value
 
 
 def normalize_temperature(temperature, batch: int, device: torch.device, check_inputs: bool) -> torch.Tensor:
@@ -302,10 +310,7 @@ def normalize_temperature(temperature, batch: int, device: torch.device, check_i
     if isinstance(temperature, bool) or not isinstance(temperature, (Real, torch.Tensor)):
         raise TypeError(f"temperature must be a float or a tensor of shape [B], got {type(temperature).__name__}")
     if not isinstance(temperature, torch.Tensor):
-        value = float(temperature)
-        if not value >= 0.0 or value == float("inf"):
-            raise ValueError(f"temperature must be finite and >= 0 (0 means greedy), got {value}")
-        return torch.full((batch,), value, dtype=torch.float32, device=device)
+        return torch.full((batch,), _scalar_temperature(temperature), dtype=torch.float32, device=device)
     if not temperature.is_floating_point():
         raise TypeError(f"temperature must be a floating-point tensor, got dtype {temperature.dtype}")
     _require_device(temperature, device, "temperature")
@@ -326,10 +331,7 @@ def temperature_argument(temperature, batch: int, device: torch.device,
                          check_inputs: bool) -> tuple[Optional[torch.Tensor], float]:
     """The op's (temperature, temperature_value): a float stays a scalar (checked here), a tensor becomes float32 [B]."""
     if isinstance(temperature, Real) and not isinstance(temperature, bool):
-        value = float(temperature)
-        if not value >= 0.0 or value == float("inf"):
-            raise ValueError(f"temperature must be finite and >= 0 (0 means greedy), got {value}")
-        return None, value
+        return None, _scalar_temperature(temperature)
     return normalize_temperature(temperature, batch, device, check_inputs), 1.0
 
 

@@ -10,31 +10,42 @@ from typing import Optional
 import torch
 
 
-def _check_distribution_values(tensor: torch.Tensor, name: str) -> None:
-    """One pass (aminmax) finds NaN, negative and infinite entries."""
-    if tensor.numel() == 0:
-        return
-    low, high = torch.aminmax(tensor)
-    low, high = float(low), float(high)
+def _probability_row_maxima(tensor: torch.Tensor, name: str) -> torch.Tensor:
+    """Per-row minima and maxima find NaN (both propagate it), negative and infinite entries; returns every row's
+    largest entry, so rows without mass are found without reading the tensor again. amin and amax along the last
+    dimension are two fast vectorised reductions; torch's aminmax along a dimension is about 25x slower on the CPU."""
+    row_min, row_max = tensor.amin(-1), tensor.amax(-1)
+    low, high = float(row_min.min()), float(row_max.max())
     if low != low or high != high:
         raise ValueError(f"{name} contains NaN")
     if low < 0:
         raise ValueError(f"{name} contains negative probabilities (minimum {low})")
     if high == float("inf"):
         raise ValueError(f"{name} contains infinite values")
+    return row_max
 
 
-def check_rows_have_mass(draft: torch.Tensor, target: torch.Tensor, num_draft: Optional[torch.Tensor],
-                          draft_name: str, target_name: str) -> None:
-    """Every row the verifier reads needs some mass: draft rows k < num_draft[b] and target rows k <= num_draft[b].
-    Rows past them are never read, so a server may leave them as zero padding."""
-    if num_draft is None:
-        num_draft = torch.full(draft.shape[:1], draft.shape[1], device=draft.device)
+def _drafted_lengths(num_draft: Optional[torch.Tensor], batch: int, num_positions: int,
+                     device: torch.device) -> torch.Tensor:
+    """num_draft, or K for every row when it is absent."""
+    return torch.full((batch,), num_positions, device=device) if num_draft is None else num_draft
+
+
+def check_verify_probabilities(draft: torch.Tensor, target: torch.Tensor, num_draft: Optional[torch.Tensor],
+                               draft_name: str, target_name: str) -> None:
+    """The value checks of verify's probabilities, and every row the verifier reads needs some mass: draft rows
+    k < num_draft[b] (q at a rejection) and target rows k <= num_draft[b]. Rows past them are never read, so a server
+    may leave them as zero padding. One pass over each tensor."""
+    if draft.numel() + target.numel() == 0:
+        return
+    num_draft = _drafted_lengths(num_draft, draft.shape[0], draft.shape[1], draft.device)
     positions = torch.arange(target.shape[1], device=target.device).unsqueeze(0)
-    read_draft = positions[:, :-1] < num_draft.unsqueeze(1)  # q at a rejection; the bonus row reads only p
+    read_draft = positions[:, :-1] < num_draft.unsqueeze(1)
     read_target = positions <= num_draft.unsqueeze(1)
     for tensor, name, read in ((draft, draft_name, read_draft), (target, target_name, read_target)):
-        empty = (tensor.amax(-1) == 0) & read
+        if tensor.numel() == 0:
+            continue
+        empty = (_probability_row_maxima(tensor, name) == 0) & read
         if bool(empty.any()):
             batch_index, position = (int(index) for index in empty.nonzero()[0])
             raise ValueError(f"{name} has a row with no probability mass (all zeros) at [{batch_index}, {position}]")
@@ -44,8 +55,7 @@ def check_token_ids(draft_tokens: torch.Tensor, num_draft: Optional[torch.Tensor
     """Token ids at drafted positions (i < num_draft) must lie in [0, V); padding past num_draft is ignored."""
     if draft_tokens.numel() == 0:
         return
-    if num_draft is None:
-        num_draft = torch.full(draft_tokens.shape[:1], draft_tokens.shape[1], device=draft_tokens.device)
+    num_draft = _drafted_lengths(num_draft, draft_tokens.shape[0], draft_tokens.shape[1], draft_tokens.device)
     drafted = torch.arange(draft_tokens.shape[1], device=draft_tokens.device) < num_draft.unsqueeze(1)
     bad = drafted & ((draft_tokens < 0) | (draft_tokens >= vocab))
     if bool(bad.any()):
@@ -69,7 +79,9 @@ def _check_logit_values(tensor: torch.Tensor, name: str) -> None:
 
 def check_values(tensor: torch.Tensor, name: str, from_logits: bool) -> None:
     """Value checks of a probability or logit tensor (one or two passes, one host sync)."""
+    if tensor.numel() == 0:
+        return
     if from_logits:
         _check_logit_values(tensor, name)
     else:
-        _check_distribution_values(tensor, name)
+        _probability_row_maxima(tensor, name)
