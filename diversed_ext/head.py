@@ -19,6 +19,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from ._atomic import atomic_path
 from .models.pairs import hidden_size
 
 CONFIG_NAME = "head.json"
@@ -103,13 +104,11 @@ class EnsembleHead(nn.Module):
         os.makedirs(directory, exist_ok=True)
         tensors = {name: tensor.detach().cpu().contiguous() for name, tensor in self.state_dict().items()}
         weights_path = os.path.join(directory, WEIGHTS_NAME)
-        save_file(tensors, weights_path + ".tmp")
-        os.replace(weights_path + ".tmp", weights_path)
+        with atomic_path(weights_path) as staging:
+            save_file(tensors, staging)
         config = {"format": FORMAT_NAME, "version": FORMAT_VERSION, **asdict(self.config)}
-        config_path = os.path.join(directory, CONFIG_NAME)
-        with open(config_path + ".tmp", "w") as handle:
+        with atomic_path(os.path.join(directory, CONFIG_NAME)) as staging, open(staging, "w") as handle:
             json.dump(config, handle, indent=2)
-        os.replace(config_path + ".tmp", config_path)
 
     @classmethod
     def load(cls, directory: str, *, pair: Optional[dict] = None, draft_hidden: Optional[int] = None,

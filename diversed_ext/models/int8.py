@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import json
-import os
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Optional, Union
 
 import torch
+
+from .._atomic import atomic_path
 
 
 @contextlib.contextmanager
@@ -106,10 +106,8 @@ def save_int8_weights(draft: torch.nn.Module, path: Union[str, Path], *, source:
             tensors[f"{name}.zero_point"] = torch.tensor([weight.q_zero_point()], dtype=torch.int64)
             if bias is not None:
                 tensors[f"{name}.bias"] = bias.detach().contiguous()
-    path = Path(path)
-    staging = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    save_file(tensors, str(staging), metadata={key: str(value) for key, value in (source or {}).items()})
-    os.replace(staging, path)
+    with atomic_path(path) as staging:
+        save_file(tensors, staging, metadata={key: str(value) for key, value in (source or {}).items()})
 
 
 class Int8Packing:

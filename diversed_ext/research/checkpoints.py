@@ -11,6 +11,8 @@ from typing import Optional
 
 import torch
 
+from .._atomic import atomic_path
+
 CHECKPOINT_NAME = "checkpoint.pt"
 LOG_NAME = "train_log.jsonl"
 CHECKPOINT_KEYS = ("head", "optimizer", "scheduler", "step", "history", "rng", "config")
@@ -20,21 +22,11 @@ class CheckpointError(ValueError):
     """A checkpoint or log that cannot be resumed from; the message names the file and what is wrong."""
 
 
-def _write_atomically(path: str, write) -> None:
-    """``write(handle)`` into a temporary file beside ``path``, flushed to disk, then renamed over ``path``: a reader
-    sees the old file or the new one, never a torn one."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    temporary = path + ".tmp"
-    with open(temporary, "wb") as handle:
-        write(handle)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(temporary, path)
-
-
 def save_checkpoint(path: str, state: dict) -> None:
     """Write a checkpoint (tensors and plain data) atomically."""
-    _write_atomically(path, lambda handle: torch.save(state, handle))
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with atomic_path(path) as staging:
+        torch.save(state, staging)
 
 
 def load_checkpoint(path: str) -> Optional[dict]:
@@ -91,4 +83,5 @@ class TrainingLog:
     def truncate(self, step: int) -> None:
         """After a resume, drop the records written past the checkpoint's step (they will be written again)."""
         kept = [record for record in self.read() if record["step"] <= step]
-        _write_atomically(self.path, lambda handle: handle.writelines((json.dumps(r) + "\n").encode() for r in kept))
+        with atomic_path(self.path) as staging, open(staging, "w") as handle:
+            handle.writelines(json.dumps(record) + "\n" for record in kept)
