@@ -13,20 +13,25 @@
 #include <cmath>
 #include <cstdint>
 #include <cfloat>
+#include <type_traits>
 
 #if defined(__CUDACC__) || defined(__HIPCC__)
 #define DX_HD __host__ __device__ __forceinline__
 #else
-#define DX_HD inline
+// Always inlined on the host: the CPU kernels are compiled once per instruction set, and these helpers (defined outside
+// those builds' target regions) must become part of each build's loops rather than be called out of line.
+#define DX_HD inline __attribute__((always_inline))
 #endif
 
 namespace diversed {
 
 // Probability mass that is NaN, negative or infinite counts as zero (only reachable with check_inputs=False).
-// Written as two selects (no short-circuit branch) so loops over the vocabulary vectorise.
-DX_HD float sanitize_mass(float x) {
-  float non_negative = x >= 0.0f ? x : 0.0f;  // NaN compares false
-  return non_negative <= FLT_MAX ? non_negative : 0.0f;
+// Written as two selects (no short-circuit branch) so loops over the vocabulary vectorise. A template so that the CPU
+// kernels apply the very same rule to a whole vector of lanes (F a GCC vector of floats); F{} is zero either way.
+template <typename F>
+DX_HD F sanitize_mass(F x) {
+  F non_negative = x >= 0.0f ? x : F{};  // NaN compares false
+  return non_negative <= FLT_MAX ? non_negative : F{};
 }
 
 // The weight on the target; NaN falls back to 1 (plain speculative decoding, the conservative choice).
@@ -55,10 +60,12 @@ DX_HD float accept_probability(float nu, float q) {
   return nu > 0.0f ? 1.0f : 0.0f;
 }
 
-// Residual mass max(0, p - q) at the first rejection; w cancels after normalisation for every w > 0.
-DX_HD float residual_mass(float p, float q) {
-  float r = p - q;
-  return r > 0.0f ? r : 0.0f;
+// Residual mass max(0, p - q) at the first rejection; w cancels after normalisation for every w > 0. A float or a
+// vector of lanes, like sanitize_mass.
+template <typename F>
+DX_HD F residual_mass(F p, F q) {
+  F r = p - q;
+  return r > 0.0f ? r : F{};
 }
 
 // Greedy comparison: strictly larger wins, so ties keep the lowest token id.
@@ -132,17 +139,32 @@ DX_HD float float_from_bits(int32_t bits) {
 #endif
 }
 
+// 2^n for an integer-valued n in [-126, 0]: the float with exponent field n + 127.
+DX_HD float exp2_of_integer(float n) { return float_from_bits((static_cast<int32_t>(n) + 127) << 23); }
+#if !defined(__CUDACC__) && !defined(__HIPCC__)
+// The same for a GCC vector of floats (the CPU kernels' lanes): comparing two such vectors gives the matching vector
+// of int32, and the float-to-int conversion truncates like static_cast (exact here: n is an integer).
+template <typename V>
+inline std::enable_if_t<!std::is_arithmetic_v<V>, V> exp2_of_integer(V n) {
+  using Int = decltype(n < n);
+  const Int bits = (__builtin_convertvector(n, Int) + 127) << 23;
+  return __builtin_bit_cast(V, bits);
+}
+#endif
+
 // exp(x) for x <= 0, the only range softmax needs (x = logit - row max). Cody-Waite reduction and a degree-7 Taylor
-// polynomial: relative error about 1e-7. Branch-free (selects only), so vocabulary loops vectorise on the CPU, and the
-// CUDA kernels evaluate the very same expression. exp(-inf) = 0; NaN stays NaN (callers sanitise the mass).
-DX_HD float exp_nonpositive(float x) {
-  float clamped = x < kExpUnderflow ? kExpUnderflow : x;
-  clamped = clamped > 0.0f ? 0.0f : clamped;
-  const float shifted = clamped * kLog2e + kRoundingShift;
-  const float n = shifted - kRoundingShift;
-  float r = clamped - n * kLn2High;
+// polynomial: relative error about 1e-7. Branch-free (selects only), so the CUDA kernels and the CPU kernels evaluate
+// the very same expression, the CPU kernels on whole vectors of lanes (F a float or a GCC vector of floats; F{} + c
+// broadcasts the constant c exactly). exp(-inf) = 0; NaN stays NaN (callers sanitise the mass).
+template <typename F>
+DX_HD F exp_nonpositive(F x) {
+  F clamped = x < kExpUnderflow ? F{} + kExpUnderflow : x;
+  clamped = clamped > 0.0f ? F{} : clamped;
+  const F shifted = clamped * kLog2e + kRoundingShift;
+  const F n = shifted - kRoundingShift;
+  F r = clamped - n * kLn2High;
   r = r - n * kLn2Low;
-  float poly = 1.0f / 5040.0f;
+  F poly = F{} + 1.0f / 5040.0f;
   poly = poly * r + 1.0f / 720.0f;
   poly = poly * r + 1.0f / 120.0f;
   poly = poly * r + 1.0f / 24.0f;
@@ -150,9 +172,8 @@ DX_HD float exp_nonpositive(float x) {
   poly = poly * r + 0.5f;
   poly = poly * r + 1.0f;
   poly = poly * r + 1.0f;
-  const float scale = float_from_bits((static_cast<int32_t>(n) + 127) << 23);
-  const float result = poly * scale;
-  return x < kExpUnderflow ? 0.0f : result;  // NaN compares false and stays NaN
+  const F result = poly * exp2_of_integer(n);
+  return x < kExpUnderflow ? F{} : result;  // NaN compares false and stays NaN
 }
 
 // Normaliser of one softmax row of scaled logits s_v = logit_v * inverse_temperature: its max and 1 / sum exp(s - max).
@@ -168,7 +189,8 @@ DX_HD double rescale_exp_sum(double sum, float old_max, float new_max) {
 }
 
 // Probability of one entry given the row's normaliser; sanitised, so a row without finite logits has no mass.
-DX_HD float softmax_mass(float logit, float inverse_temperature, SoftmaxStats stats) {
+template <typename F>
+DX_HD F softmax_mass(F logit, float inverse_temperature, SoftmaxStats stats) {
   return sanitize_mass(exp_nonpositive(logit * inverse_temperature - stats.max) * stats.inverse_sum);
 }
 

@@ -1,10 +1,12 @@
 // The entry points of the CPU kernel builds (cpu_kernels.h compiled per instruction set) and the run-time choice
 // between them.
 //
-// DIVERSED_CPU_CAPABILITY=baseline|avx2 forces one (the tests compare both); otherwise AVX2 is used where the CPU has
-// it. The builds give bitwise-identical results, so the choice only changes speed. Torch-free, like the kernels.
+// DIVERSED_CPU_CAPABILITY=baseline|avx2|avx512 caps the choice (the tests compare all three); otherwise the widest
+// build the CPU runs is used. The builds give bitwise-identical results, so the choice only changes speed. Torch-free,
+// like the kernels.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -31,27 +33,43 @@ namespace cpu {
 
 DIVERSED_DECLARE_CPU_KERNELS(baseline)
 #if defined(__x86_64__) && defined(__GNUC__)
-#define DIVERSED_HAS_AVX2_BUILD 1
+#define DIVERSED_HAS_X86_BUILDS 1
 DIVERSED_DECLARE_CPU_KERNELS(avx2)
+DIVERSED_DECLARE_CPU_KERNELS(avx512)
 #endif
 #undef DIVERSED_DECLARE_CPU_KERNELS
 
-inline bool use_avx2() {
-#ifdef DIVERSED_HAS_AVX2_BUILD
+enum class Capability { kBaseline, kAvx2, kAvx512 };
+
+// The best build this CPU runs, capped by DIVERSED_CPU_CAPABILITY when it is set (read on every call, so tests can
+// switch builds within one process; a getenv costs tens of nanoseconds). A forced build the CPU lacks is never used.
+inline Capability cpu_capability() {
+#ifdef DIVERSED_HAS_X86_BUILDS
+  static const Capability supported =
+      __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+              __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")
+          ? Capability::kAvx512
+          : (__builtin_cpu_supports("avx2") ? Capability::kAvx2 : Capability::kBaseline);
   const char* forced = std::getenv("DIVERSED_CPU_CAPABILITY");
-  if (forced != nullptr && std::strcmp(forced, "baseline") == 0) return false;
-  static const bool supported = __builtin_cpu_supports("avx2");
-  return supported;
+  Capability cap = Capability::kAvx512;
+  if (forced != nullptr && std::strcmp(forced, "baseline") == 0) cap = Capability::kBaseline;
+  if (forced != nullptr && std::strcmp(forced, "avx2") == 0) cap = Capability::kAvx2;
+  return std::min(cap, supported);
 #else
-  return false;
+  return Capability::kBaseline;
 #endif
 }
 
-// DIVERSED_CPU_CALL(verify_probs<T>, args...) runs the build use_avx2() picks.
-#ifdef DIVERSED_HAS_AVX2_BUILD
+// DIVERSED_CPU_CALL(verify_probs<T>, args...) runs the build cpu_capability() picks.
+#ifdef DIVERSED_HAS_X86_BUILDS
 #define DIVERSED_CPU_CALL(kernel, ...)                                                                                \
-  (::diversed::cpu::use_avx2() ? ::diversed::cpu::avx2::kernel(__VA_ARGS__)                                           \
-                               : ::diversed::cpu::baseline::kernel(__VA_ARGS__))
+  do {                                                                                                                \
+    switch (::diversed::cpu::cpu_capability()) {                                                                      \
+      case ::diversed::cpu::Capability::kAvx512: ::diversed::cpu::avx512::kernel(__VA_ARGS__); break;                 \
+      case ::diversed::cpu::Capability::kAvx2: ::diversed::cpu::avx2::kernel(__VA_ARGS__); break;                     \
+      default: ::diversed::cpu::baseline::kernel(__VA_ARGS__);                                                        \
+    }                                                                                                                 \
+  } while (false)
 #else
 #define DIVERSED_CPU_CALL(kernel, ...) ::diversed::cpu::baseline::kernel(__VA_ARGS__)
 #endif

@@ -1,9 +1,10 @@
-// The CPU kernels, written once and compiled once per instruction set (kernels_baseline.cpp, kernels_avx2.cpp) inside
-// the namespace diversed::cpu::DIVERSED_CPU_CAPABILITY; cpu_dispatch.h declares them and picks a build at run time.
+// The CPU kernels, written once and compiled once per instruction set (kernels_baseline.cpp, kernels_avx2.cpp,
+// kernels_avx512.cpp) inside the namespace diversed::cpu::DIVERSED_CPU_CAPABILITY; cpu_dispatch.h declares them and
+// picks a build at run time.
 // This header gathers the kernel headers and instantiates the four entry points for every element type the binding
 // dispatches to.
 #ifndef DIVERSED_CPU_CAPABILITY
-#error "define DIVERSED_CPU_CAPABILITY before including cpu_kernels.h (see kernels_baseline.cpp)"
+#error "define DIVERSED_CPU_CAPABILITY and DIVERSED_CPU_VECTOR_FLOATS before including cpu_kernels.h (see kernels_baseline.cpp)"
 #endif
 
 #include "kernel_prelude.h"

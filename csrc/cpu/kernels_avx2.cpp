@@ -10,6 +10,7 @@
 #pragma GCC push_options
 #pragma GCC target("avx2")
 #define DIVERSED_CPU_CAPABILITY avx2
+#define DIVERSED_CPU_VECTOR_FLOATS 8
 #include "cpu_kernels.h"
 #pragma GCC pop_options
 #endif

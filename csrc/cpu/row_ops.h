@@ -1,23 +1,23 @@
 // Building blocks of the CPU kernels: element loads, row policies and the passes over one vocabulary row (softmax
 // normaliser, residual or target mass, inverse CDF, argmax of the mixture). Torch-free; compiled once per instruction
-// set inside diversed::cpu::DIVERSED_CPU_CAPABILITY (see cpu_kernels.h). Both builds perform the same operations in
-// the same order (no FMA, fixed accumulator lanes), so their results are bitwise identical.
+// set inside diversed::cpu::DIVERSED_CPU_CAPABILITY (see cpu_kernels.h). Every build performs the same operations in
+// the same order (no FMA, the fixed accumulator lanes of lanes.h), so their results are bitwise identical.
 //
-// A row policy exposes `float mass(int64_t v)`:
+// A row policy exposes `float mass(int64_t v)` and `FloatLanes mass_lanes(int64_t v)` (elements v .. v + kLanes - 1):
 //   ProbRow<T>   a row of probabilities (mass = the sanitised value);
 //   LogitRow<T>  a row of logits with its softmax normaliser (mass = softmax probability, computed on the fly).
-// The loops read a row once per pass, never store a [V] temporary, and keep 8 independent accumulators so gcc
-// vectorises them.
+// The loops read a row once per pass and never store a [V] temporary; the sums of a sampled row are kept per block of
+// kBlock elements (a few KiB per row), so the inverse CDF reads only the one block that holds its threshold.
 #pragma once
 
 #include "kernel_prelude.h"
+#include "lanes.h"
 
 namespace diversed {
 namespace cpu {
 namespace DIVERSED_CPU_CAPABILITY {
 
-constexpr int kLanes = 8;                 // independent accumulators per reduction
-constexpr int64_t kScanBlock = 256;       // the inverse CDF skips whole blocks before scanning element-wise
+constexpr int64_t kBlock = 256;  // elements per stored block sum: the inverse CDF scans one block element-wise
 
 // float16 bits to float32, exactly, in selects and float arithmetic that vectorise. `twice` holds exponent and
 // mantissa at the top, the sign shifted out. Normal numbers, infinities and NaN: exponent and mantissa are moved into
@@ -50,10 +50,40 @@ inline float load_float<HalfBits>(const HalfBits* values, int64_t v) {
   return half_to_float(values[v].bits);
 }
 
+// kLanes consecutive elements as float32. float is copied, bfloat16 widened by a shift on whole vectors; the other
+// types go lane by lane.
+template <typename T>
+inline FloatLanes load_lanes(const T* values, int64_t v) {
+  float lane[kLanes];
+  for (int l = 0; l < kLanes; ++l) lane[l] = load_float(values, v + l);
+  FloatLanes lanes;
+  __builtin_memcpy(&lanes, lane, sizeof lanes);
+  return lanes;
+}
+template <>
+inline FloatLanes load_lanes<float>(const float* values, int64_t v) {
+  FloatLanes lanes;  // one native load per part: a copy of the whole struct would go through the stack
+  for (int i = 0; i < kParts; ++i) __builtin_memcpy(&lanes.part[i], values + v + i * kVectorFloats, sizeof lanes.part[i]);
+  return lanes;
+}
+template <>
+inline FloatLanes load_lanes<BFloat16Bits>(const BFloat16Bits* values, int64_t v) {
+  FloatLanes lanes;
+  for (int i = 0; i < kParts; ++i) {
+    Bits16Vector bits;
+    __builtin_memcpy(&bits, values + v + i * kVectorFloats, sizeof bits);
+    lanes.part[i] = __builtin_bit_cast(FloatVector, __builtin_convertvector(bits, Bits32Vector) << 16);
+  }
+  return lanes;
+}
+
 template <typename T>
 struct ProbRow {
   const T* values;
   float mass(int64_t v) const { return sanitize_mass(load_float(values, v)); }
+  FloatLanes mass_lanes(int64_t v) const {
+    return map_lanes(load_lanes(values, v), [](FloatVector x) { return sanitize_mass(x); });
+  }
 };
 
 template <typename T>
@@ -62,49 +92,24 @@ struct LogitRow {
   float inverse_temperature;
   SoftmaxStats stats;
   float mass(int64_t v) const { return softmax_mass(load_float(values, v), inverse_temperature, stats); }
+  FloatLanes mass_lanes(int64_t v) const {
+    return map_lanes(load_lanes(values, v),
+                     [this](FloatVector x) { return softmax_mass(x, inverse_temperature, stats); });
+  }
 };
 
-constexpr int kSoftmaxLanes = 16;         // float lanes of the sum-exp pass: two AVX2 registers
-constexpr int64_t kSoftmaxBlock = 512;    // the online softmax works block by block: 2 KiB of float32, in L1
-
-// kLanes floats (doubles) as one GCC vector. Element-wise arithmetic and `a > b ? a : b` on them are exact IEEE
-// operations, so both builds still agree bit for bit; but gcc emits vector max/compare/convert instructions for them,
-// which it will not do for the scalar forms of a max or a float-to-double sum without -ffast-math.
-typedef float FloatLanes __attribute__((vector_size(kLanes * sizeof(float))));
-typedef double DoubleLanes __attribute__((vector_size(kLanes * sizeof(double))));
-
-template <typename T>
-inline FloatLanes load_lanes(const T* values, int64_t v) {
-  FloatLanes lanes;
-  for (int l = 0; l < kLanes; ++l) lanes[l] = load_float(values, v + l);
-  return lanes;
-}
-
-template <typename Row>
-inline FloatLanes mass_lanes(const Row& row, int64_t v) {
-  FloatLanes lanes;
-  for (int l = 0; l < kLanes; ++l) lanes[l] = row.mass(v + l);
-  return lanes;
-}
-
-inline double sum_lanes(DoubleLanes lanes) {
-  double total = 0.0;
-  for (int l = 0; l < kLanes; ++l) total += lanes[l];
-  return total;
-}
+constexpr int64_t kSoftmaxBlock = 512;  // the online softmax works block by block: 2 KiB of float32, in L1
 
 // Max of the scaled logits in [begin, end) (NaN compares false and is skipped).
 template <typename T>
 float scaled_max(const T* logits, int64_t begin, int64_t end, float inverse_temperature) {
-  FloatLanes lane_max;
-  for (int l = 0; l < kLanes; ++l) lane_max[l] = -INFINITY;
+  FloatLanes lane_max = splat_lanes(-INFINITY);
   int64_t v = begin;
   for (; v + kLanes <= end; v += kLanes) {
-    const FloatLanes scaled = load_lanes(logits, v) * inverse_temperature;
-    lane_max = scaled > lane_max ? scaled : lane_max;
+    const FloatLanes scaled = map_lanes(load_lanes(logits, v), [&](FloatVector x) { return x * inverse_temperature; });
+    lane_max = zip_lanes(scaled, lane_max, [](FloatVector x, FloatVector m) { return x > m ? x : m; });
   }
-  float row_max = lane_max[0];
-  for (int l = 1; l < kLanes; ++l) row_max = lane_max[l] > row_max ? lane_max[l] : row_max;
+  float row_max = max_lane(lane_max);
   for (; v < end; ++v) {
     const float scaled = load_float(logits, v) * inverse_temperature;
     row_max = scaled > row_max ? scaled : row_max;
@@ -114,7 +119,7 @@ float scaled_max(const T* logits, int64_t begin, int64_t end, float inverse_temp
 
 // Softmax normaliser of logits[0, vocab) scaled by inverse_temperature, in ONE pass over memory (online softmax): each
 // block's max is taken while the block sits in L1, the sum so far is rescaled when the running max grows, and the
-// block's exp(s - max) are added. Partial sums are float (as torch's softmax), flushed to float64 every block.
+// block's exp(s - max) are added in float lanes (as torch's softmax sums in float), flushed to float64 every block.
 template <typename T>
 SoftmaxStats softmax_stats(const T* logits, int64_t vocab, float inverse_temperature) {
   float running_max = -INFINITY;
@@ -127,36 +132,19 @@ SoftmaxStats softmax_stats(const T* logits, int64_t vocab, float inverse_tempera
       running_max = block_max;
     }
     if (!(running_max > -INFINITY)) continue;  // no finite logit so far: nothing to add
-    float lanes[kSoftmaxLanes] = {0.0f};
+    FloatLanes sums = splat_lanes(0.0f);
+    const auto exp_shifted = [&](FloatVector x) { return exp_nonpositive(x * inverse_temperature - running_max); };
     int64_t v = block;
-    for (; v + kSoftmaxLanes <= block_end; v += kSoftmaxLanes)
-      for (int l = 0; l < kSoftmaxLanes; ++l)
-        lanes[l] += exp_nonpositive(load_float(logits, v + l) * inverse_temperature - running_max);
-    for (; v < block_end; ++v) lanes[0] += exp_nonpositive(load_float(logits, v) * inverse_temperature - running_max);
-    for (int l = 0; l < kSoftmaxLanes; ++l) total += static_cast<double>(lanes[l]);
+    for (; v + kLanes <= block_end; v += kLanes)
+      sums = zip_lanes(sums, map_lanes(load_lanes(logits, v), exp_shifted),
+                       [](FloatVector a, FloatVector b) { return a + b; });
+    float tail = 0.0f;
+    for (; v < block_end; ++v) tail += exp_nonpositive(load_float(logits, v) * inverse_temperature - running_max);
+    total = sum_float_lanes_in_order(sums, total) + static_cast<double>(tail);
   }
   // No finite logit (all -inf or NaN): every mass is 0.
   if (!(running_max > -INFINITY)) return SoftmaxStats{-INFINITY, 0.0f};
   return SoftmaxStats{running_max, static_cast<float>(1.0 / total)};
-}
-
-// Sum over [begin, end) of max(0, p - q) (residual) or of p alone (draft == nullptr).
-template <typename Row>
-double residual_or_target_mass(const Row& target, const Row* draft, int64_t begin, int64_t end) {
-  DoubleLanes lanes = {};
-  const FloatLanes zero = {};
-  int64_t v = begin;
-  if (draft) {
-    for (; v + kLanes <= end; v += kLanes) {
-      const FloatLanes difference = mass_lanes(target, v) - mass_lanes(*draft, v);
-      lanes += __builtin_convertvector(difference > zero ? difference : zero, DoubleLanes);  // residual_mass
-    }
-    for (; v < end; ++v) lanes[0] += static_cast<double>(residual_mass(target.mass(v), draft->mass(v)));
-  } else {
-    for (; v + kLanes <= end; v += kLanes) lanes += __builtin_convertvector(mass_lanes(target, v), DoubleLanes);
-    for (; v < end; ++v) lanes[0] += static_cast<double>(target.mass(v));
-  }
-  return sum_lanes(lanes);
 }
 
 template <typename Row>
@@ -165,19 +153,47 @@ float sample_mass(const Row& target, const Row* draft, int64_t v) {
   return draft ? residual_mass(p, draft->mass(v)) : p;
 }
 
-// Inverse CDF inside [begin, end) from `prefix`: the first index whose running sum exceeds `threshold`. Whole blocks
-// are skipped with a vectorised sum; only the block holding the threshold is scanned element by element. Falls back to
-// the last index with positive mass (block sums and the running sum may round differently), so the result has
-// positive mass whenever the range has any; -1 when it has none.
+// Sum over [begin, end) of max(0, p - q) (residual) or of p alone (draft == nullptr): float64 lanes over whole groups
+// of kLanes elements, combined by reduce_lanes, then the short tail in order.
 template <typename Row>
-int64_t inverse_cdf_in_range(const Row& target, const Row* draft, int64_t begin, int64_t end, double prefix,
-                             double threshold) {
-  double running = prefix;
+double range_mass(const Row& target, const Row* draft, int64_t begin, int64_t end) {
+  DoubleLanes sums = {};
+  int64_t v = begin;
+  if (draft) {
+    for (; v + kLanes <= end; v += kLanes)
+      accumulate(sums, zip_lanes(target.mass_lanes(v), draft->mass_lanes(v),
+                                 [](FloatVector p, FloatVector q) { return residual_mass(p, q); }));
+  } else {
+    for (; v + kLanes <= end; v += kLanes) accumulate(sums, target.mass_lanes(v));
+  }
+  double total = reduce_lanes(sums);
+  for (; v < end; ++v) total += static_cast<double>(sample_mass(target, draft, v));
+  return total;
+}
+
+// The number of kBlock blocks of a row of `vocab` elements (the last may be short).
+inline int64_t blocks_of(int64_t vocab) { return (vocab + kBlock - 1) / kBlock; }
+
+// The mass of every block of [begin, end) into block_sums[(block - begin) / kBlock]; begin is a multiple of kBlock
+// (whole blocks, so every layout forms the same block sums).
+template <typename Row>
+void block_masses(const Row& target, const Row* draft, int64_t begin, int64_t end, double* block_sums) {
+  for (int64_t block = begin; block < end; block += kBlock)
+    block_sums[(block - begin) / kBlock] = range_mass(target, draft, block, std::min(end, block + kBlock));
+}
+
+// Inverse CDF over a row of `vocab` elements from its block sums: the first index whose running sum exceeds
+// `threshold`. Whole blocks are skipped on their stored sums; only the block holding the threshold is scanned element
+// by element. Falls back to the last index with positive mass (block sums and the running sum may round
+// differently), so the result has positive mass whenever the row has any; -1 when it has none.
+template <typename Row>
+int64_t inverse_cdf(const Row& target, const Row* draft, const double* block_sums, int64_t vocab, double threshold) {
+  double running = 0.0;
   int64_t last_positive = -1;
   int64_t last_nonempty_block = -1;
-  for (int64_t block = begin; block < end; block += kScanBlock) {
-    const int64_t block_end = std::min(end, block + kScanBlock);
-    const double block_total = residual_or_target_mass(target, draft, block, block_end);
+  for (int64_t block = 0; block < vocab; block += kBlock) {
+    const int64_t block_end = std::min(vocab, block + kBlock);
+    const double block_total = block_sums[block / kBlock];
     if (!(block_total > 0.0)) continue;
     last_nonempty_block = block;
     if (running + block_total <= threshold) {
@@ -194,7 +210,7 @@ int64_t inverse_cdf_in_range(const Row& target, const Row* draft, int64_t begin,
     }
   }
   if (last_positive < 0 && last_nonempty_block >= 0) {
-    const int64_t block_end = std::min(end, last_nonempty_block + kScanBlock);
+    const int64_t block_end = std::min(vocab, last_nonempty_block + kBlock);
     for (int64_t v = last_nonempty_block; v < block_end; ++v)
       if (sample_mass(target, draft, v) > 0.0f) last_positive = v;
   }

@@ -30,14 +30,16 @@ void with_rows(const PairProblem<T>& pair, int64_t index, F f) {
 template <typename Row>
 void token_stats_row(const Row& target, const Row& draft, int64_t vocab, int64_t token, float* target_prob,
                      float* draft_prob, float* total_variation) {
-  DoubleLanes lanes = {};
+  DoubleLanes sums = {};
   int64_t v = 0;
-  for (; v + kLanes <= vocab; v += kLanes) {
-    const FloatLanes difference = mass_lanes(target, v) - mass_lanes(draft, v);
-    lanes += __builtin_convertvector(difference > 0.0f ? difference : -difference, DoubleLanes);  // |p - q|
-  }
-  for (; v < vocab; ++v) lanes[0] += static_cast<double>(std::fabs(target.mass(v) - draft.mass(v)));
-  *total_variation = static_cast<float>(0.5 * sum_lanes(lanes));
+  for (; v + kLanes <= vocab; v += kLanes)
+    accumulate(sums, zip_lanes(target.mass_lanes(v), draft.mass_lanes(v), [](FloatVector p, FloatVector q) {
+                 const FloatVector difference = p - q;
+                 return difference > 0.0f ? difference : -difference;  // |p - q|
+               }));
+  double total = reduce_lanes(sums);
+  for (; v < vocab; ++v) total += static_cast<double>(std::fabs(target.mass(v) - draft.mass(v)));
+  *total_variation = static_cast<float>(0.5 * total);
   const bool valid = token >= 0 && token < vocab;
   *target_prob = valid ? target.mass(token) : 0.0f;
   *draft_prob = valid ? draft.mass(token) : 0.0f;

@@ -3,9 +3,10 @@
 //
 // Three phases per request, whichever the input, in one parallel region (see VerifyLayout):
 //   1. accept tests on gathered values; greedy rows scan nu for its argmax;
-//   2. residual or bonus mass per vocabulary chunk (split over threads when there are fewer requests than threads);
-//   3. inverse-CDF sample inside the one chunk, and the one block, that holds the threshold.
-// No [B, K, V] temporary; extra memory is O(B) plus a bounded number of chunk sums per row. Logits are never turned
+//   2. residual or bonus mass per block of kBlock elements, kept (split over threads by vocabulary chunks when there
+//      are fewer requests than threads);
+//   3. inverse-CDF sample: the block sums find the one block that holds the threshold, which alone is read again.
+// No [B, K, V] temporary; extra memory is O(B) plus V / kBlock block sums per row in flight. Logits are never turned
 // into probabilities: each row the request reads gets its softmax normaliser (max and 1 / sum exp) in a first pass,
 // and every later pass recomputes softmax(v) on the fly.
 #pragma once
@@ -18,7 +19,7 @@ namespace cpu {
 namespace DIVERSED_CPU_CAPABILITY {
 
 constexpr int64_t kChunkElements = 8192;  // vocabulary elements per parallel task of phase 2
-constexpr int64_t kMaxChunks = 32;        // bounds per-row scratch whatever V is
+constexpr int64_t kMaxChunks = 32;        // bounds the tasks per row whatever V is
 
 // What the accept phase decides for one row.
 struct RowPlan {
@@ -84,13 +85,14 @@ auto residual_draft_row(const Rows& rows, const RowPlan& plan, int64_t row)
   return rows.draft(row, plan.num_accepted);
 }
 
-// Vocabulary chunks of the residual sums: at most kMaxChunks per row, of chunk_size elements (the last may be short).
+// Vocabulary chunks of the chunks layout: at most kMaxChunks per row, each a whole number of kBlock blocks (so the
+// block sums, and therefore the sample, do not depend on the layout); the last may be short.
 struct ChunkLayout {
   int64_t num_chunks, chunk_size, vocab;
 
   explicit ChunkLayout(int64_t V)
       : num_chunks(std::min(kMaxChunks, std::max<int64_t>(1, (V + kChunkElements - 1) / kChunkElements))),
-        chunk_size((V + num_chunks - 1) / num_chunks),
+        chunk_size(((V + num_chunks - 1) / num_chunks + kBlock - 1) / kBlock * kBlock),
         vocab(V) {}
   int64_t begin(int64_t c) const { return std::min(vocab, c * chunk_size); }
   int64_t end(int64_t c) const { return std::min(vocab, c * chunk_size + chunk_size); }
@@ -108,51 +110,36 @@ inline VerifyLayout verify_layout(int64_t batch, int64_t vocab, const ParallelFo
                                                                          : VerifyLayout::kRows;
 }
 
-// The final token of a sampled row from its chunk sums: inverse CDF inside the one chunk that holds the threshold.
+// The final token of a sampled row from its block sums (blocks_of(V) of them, filled by block_masses): the total is
+// their sum in order, and the inverse CDF reads only the block that holds the threshold.
 template <typename Rows>
 void sample_row(const VerifyProblem& problem, const Rows& rows, const RowPlan& plan, int64_t row,
-                const ChunkLayout& chunks, double* sums) {
-  const int64_t num_chunks = chunks.num_chunks;
+                double* block_sums) {
+  const int64_t V = problem.vocab, num_blocks = blocks_of(V);
   const auto target = rows.target(row, plan.num_accepted);
   const auto draft_storage = residual_draft_row(rows, plan, row);
   const auto* draft = draft_storage ? &*draft_storage : nullptr;
   double total = 0.0;
-  for (int64_t c = 0; c < num_chunks; ++c) total += sums[c];
+  for (int64_t b = 0; b < num_blocks; ++b) total += block_sums[b];
   if (!(total > 0.0) && draft) {
     // Zero residual: the target puts no more mass anywhere than the draft does, so sample p itself.
     draft = nullptr;
+    block_masses(target, draft, 0, V, block_sums);
     total = 0.0;
-    for (int64_t c = 0; c < num_chunks; ++c) {
-      sums[c] = residual_or_target_mass(target, draft, chunks.begin(c), chunks.end(c));
-      total += sums[c];
-    }
+    for (int64_t b = 0; b < num_blocks; ++b) total += block_sums[b];
   }
   int64_t chosen = 0;  // a target row without mass has no valid sample; 0 keeps the id in range
-  if (total > 0.0) {
-    const double threshold = problem.uniform(row, problem.num_positions) * total;
-    double prefix = 0.0;
-    int64_t last_nonempty = -1;
-    chosen = -1;
-    for (int64_t c = 0; c < num_chunks && chosen < 0; ++c) {
-      if (!(sums[c] > 0.0)) continue;
-      last_nonempty = c;
-      if (prefix + sums[c] > threshold)
-        chosen = inverse_cdf_in_range(target, draft, chunks.begin(c), chunks.end(c), prefix, threshold);
-      prefix += sums[c];
-    }
-    if (chosen < 0)  // rounding put the threshold past the last chunk: its last positive entry
-      chosen = inverse_cdf_in_range(target, draft, chunks.begin(last_nonempty), chunks.end(last_nonempty), 0.0,
-                                    INFINITY);
-  }
+  if (total > 0.0) chosen = inverse_cdf(target, draft, block_sums, V, problem.uniform(row, problem.num_positions) * total);
   problem.out_tokens[row * (problem.num_positions + 1) + plan.num_accepted] = chosen;
 }
 
-// Residual (or bonus) mass of one chunk of a sampled row.
+// Residual (or bonus) mass of the blocks of one vocabulary range of a sampled row, into the row's block sums.
 template <typename Rows>
-double chunk_mass(const Rows& rows, const RowPlan& plan, int64_t row, const ChunkLayout& chunks, int64_t c) {
+void range_block_masses(const Rows& rows, const RowPlan& plan, int64_t row, int64_t begin, int64_t end,
+                        double* block_sums) {
   const auto target = rows.target(row, plan.num_accepted);
   const auto draft = residual_draft_row(rows, plan, row);
-  return residual_or_target_mass(target, draft ? &*draft : nullptr, chunks.begin(c), chunks.end(c));
+  block_masses(target, draft ? &*draft : nullptr, begin, end, block_sums + begin / kBlock);
 }
 
 // Fused verification in the given layout. prepare_row(row) runs first in each request's task (the rows layout only:
@@ -160,33 +147,34 @@ double chunk_mass(const Rows& rows, const RowPlan& plan, int64_t row, const Chun
 template <typename Rows, typename Prepare>
 void run_verify(const VerifyProblem& problem, const Rows& rows, const ParallelFor& parallel_for, VerifyLayout layout,
                 const Prepare& prepare_row) {
-  const int64_t B = problem.batch, V = problem.vocab;
-  const ChunkLayout chunks(V);
-  const int64_t num_chunks = chunks.num_chunks;
+  const int64_t B = problem.batch, V = problem.vocab, num_blocks = blocks_of(V);
   if (layout == VerifyLayout::kRows) {
     parallel_for(0, B, grain_for(2 * V), [&](int64_t begin, int64_t end) {
-      std::vector<double> sums(num_chunks);
+      std::vector<double> block_sums(num_blocks);
       for (int64_t row = begin; row < end; ++row) {
         prepare_row(row);
         const RowPlan plan = accept_row(problem, rows, row);
         if (!plan.needs_sample) continue;
-        for (int64_t c = 0; c < num_chunks; ++c) sums[c] = chunk_mass(rows, plan, row, chunks, c);
-        sample_row(problem, rows, plan, row, chunks, sums.data());
+        range_block_masses(rows, plan, row, 0, V, block_sums.data());
+        sample_row(problem, rows, plan, row, block_sums.data());
       }
     });
     return;
   }
+  const ChunkLayout chunks(V);
+  const int64_t num_chunks = chunks.num_chunks;
   std::vector<RowPlan> plans(B);
   for (int64_t row = 0; row < B; ++row) plans[row] = accept_row(problem, rows, row);
-  std::vector<double> chunk_sums(B * num_chunks, 0.0);
+  std::vector<double> block_sums(B * num_blocks, 0.0);
   parallel_for(0, B * num_chunks, grain_for(chunks.chunk_size * 2), [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
-      const RowPlan& plan = plans[task / num_chunks];
-      if (plan.needs_sample) chunk_sums[task] = chunk_mass(rows, plan, task / num_chunks, chunks, task % num_chunks);
+      const int64_t row = task / num_chunks, c = task % num_chunks;
+      if (plans[row].needs_sample)
+        range_block_masses(rows, plans[row], row, chunks.begin(c), chunks.end(c), block_sums.data() + row * num_blocks);
     }
   });
   for (int64_t row = 0; row < B; ++row)
-    if (plans[row].needs_sample) sample_row(problem, rows, plans[row], row, chunks, chunk_sums.data() + row * num_chunks);
+    if (plans[row].needs_sample) sample_row(problem, rows, plans[row], row, block_sums.data() + row * num_blocks);
 }
 
 // ------------------------------------------------------------------------------------------ rows of the two paths

@@ -1,0 +1,16 @@
+// The CPU kernels compiled for AVX-512 (16 floats per vector, mask registers for the selects of the sanitising and
+// residual loops), chosen at run time by cpu_dispatch.h where the CPU has AVX-512F/BW/VL/DQ.
+//
+// As in kernels_avx2.cpp: every outside header is included BEFORE the target pragma, so standard-library inline
+// functions keep their default-target definitions. FMA stays off (the target list does not enable it, and the build
+// passes -ffp-contract=off), so the arithmetic is the baseline's, bit for bit.
+#if defined(__x86_64__) && defined(__GNUC__)
+#include "kernel_prelude.h"
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq")
+#define DIVERSED_CPU_CAPABILITY avx512
+#define DIVERSED_CPU_VECTOR_FLOATS 16
+#include "cpu_kernels.h"
+#pragma GCC pop_options
+#endif
