@@ -63,7 +63,8 @@ inline FloatLanes load_lanes(const T* values, int64_t v) {
 template <>
 inline FloatLanes load_lanes<float>(const float* values, int64_t v) {
   FloatLanes lanes;  // one native load per part: a copy of the whole struct would go through the stack
-  for (int i = 0; i < kParts; ++i) __builtin_memcpy(&lanes.part[i], values + v + i * kVectorFloats, sizeof lanes.part[i]);
+  for (int i = 0; i < kParts; ++i)
+    __builtin_memcpy(&lanes.part[i], values + v + i * kVectorFloats, sizeof lanes.part[i]);
   return lanes;
 }
 template <>

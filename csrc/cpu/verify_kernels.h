@@ -129,7 +129,8 @@ void sample_row(const VerifyProblem& problem, const Rows& rows, const RowPlan& p
     for (int64_t b = 0; b < num_blocks; ++b) total += block_sums[b];
   }
   int64_t chosen = 0;  // a target row without mass has no valid sample; 0 keeps the id in range
-  if (total > 0.0) chosen = inverse_cdf(target, draft, block_sums, V, problem.uniform(row, problem.num_positions) * total);
+  if (total > 0.0)
+    chosen = inverse_cdf(target, draft, block_sums, V, problem.uniform(row, problem.num_positions) * total);
   problem.out_tokens[row * (problem.num_positions + 1) + plan.num_accepted] = chosen;
 }
 
