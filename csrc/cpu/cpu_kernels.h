@@ -4,7 +4,7 @@
 // This header gathers the kernel headers and instantiates the four entry points for every element type the binding
 // dispatches to.
 #ifndef DIVERSED_CPU_CAPABILITY
-#error "define DIVERSED_CPU_CAPABILITY and DIVERSED_CPU_VECTOR_FLOATS before including cpu_kernels.h (see kernels_*.cpp)"
+#error "define DIVERSED_CPU_CAPABILITY and DIVERSED_CPU_VECTOR_FLOATS before including cpu_kernels.h (kernels_*.cpp)"
 #endif
 
 #include "kernel_prelude.h"
