@@ -24,7 +24,7 @@ WeightLike = Union[float, torch.Tensor]
 SeedLike = Union[int, torch.Tensor, None]
 
 
-@dataclass
+@dataclass(slots=True)  # slots: a faster constructor, on the path of every call
 class VerifyArgs:
     """Arguments in the exact layout the ``diversed::verify_*`` ops expect. Defaults stay scalars or None, so that a
     call with default arguments creates no tensor before the op; :meth:`materialized` spells them out as tensors."""
@@ -87,29 +87,37 @@ def _require_device(tensor: torch.Tensor, device: torch.device, name: str) -> No
 def check_distributions(draft: torch.Tensor, target: torch.Tensor, draft_name: str, target_name: str,
                         kind: str) -> tuple[int, int, int]:
     """Types, ranks, dtypes, devices and B/K/V agreement of the draft and target tensors; returns (B, K, V)."""
-    _require_tensor(draft, draft_name)
-    _require_tensor(target, target_name)
-    for tensor, name in ((draft, draft_name), (target, target_name)):
-        if tensor.dtype in PROB_DTYPES:
+    # Every check is a cheap test first and the helper that words the error only when it fails: this runs on every
+    # call, and each Python call or .shape read costs a fraction of a microsecond.
+    if not (isinstance(draft, torch.Tensor) and isinstance(target, torch.Tensor)):
+        _require_tensor(draft, draft_name)
+        _require_tensor(target, target_name)
+    draft_dtype, target_dtype = draft.dtype, target.dtype
+    for dtype, name in ((draft_dtype, draft_name), (target_dtype, target_name)):
+        if dtype in PROB_DTYPES:
             continue
-        if not tensor.is_floating_point():
-            raise TypeError(f"{name} must hold floating-point {kind}, got dtype {tensor.dtype}")
-        raise TypeError(f"{name} must be float32, bfloat16 or float16, got {tensor.dtype}")
-    _require_rank(draft, 3, draft_name, "[B, K, V]")
-    _require_rank(target, 3, target_name, "[B, K+1, V]")
-    if draft.dtype != target.dtype:
-        raise TypeError(f"{draft_name} ({draft.dtype}) and {target_name} ({target.dtype}) must have the same dtype")
-    _require_device(target, draft.device, target_name)
-    batch, num_positions, vocab = draft.shape
-    if vocab == 0 or target.shape[2] == 0:
+        if not dtype.is_floating_point:
+            raise TypeError(f"{name} must hold floating-point {kind}, got dtype {dtype}")
+        raise TypeError(f"{name} must be float32, bfloat16 or float16, got {dtype}")
+    draft_shape, target_shape = draft.shape, target.shape
+    if len(draft_shape) != 3 or len(target_shape) != 3:
+        _require_rank(draft, 3, draft_name, "[B, K, V]")
+        _require_rank(target, 3, target_name, "[B, K+1, V]")
+    if draft_dtype != target_dtype:
+        raise TypeError(f"{draft_name} ({draft_dtype}) and {target_name} ({target_dtype}) must have the same dtype")
+    if target.device != draft.device:
+        _require_device(target, draft.device, target_name)
+    batch, num_positions, vocab = draft_shape
+    target_batch, target_positions, target_vocab = target_shape
+    if vocab == 0 or target_vocab == 0:
         raise ValueError(f"vocabulary size V must be positive, got {draft_name} shape {tuple(draft.shape)}")
-    if target.shape[0] != batch:
-        raise ValueError(f"{target_name} has batch size {target.shape[0]} but {draft_name} has {batch}")
-    if target.shape[1] != num_positions + 1:
+    if target_batch != batch:
+        raise ValueError(f"{target_name} has batch size {target_batch} but {draft_name} has {batch}")
+    if target_positions != num_positions + 1:
         raise ValueError(f"{target_name} must have K+1 = {num_positions + 1} positions (K from {draft_name}), "
-                         f"got {target.shape[1]}")
-    if target.shape[2] != vocab:
-        raise ValueError(f"{target_name} has vocabulary size {target.shape[2]} but {draft_name} has {vocab}")
+                         f"got {target_positions}")
+    if target_vocab != vocab:
+        raise ValueError(f"{target_name} has vocabulary size {target_vocab} but {draft_name} has {vocab}")
     return batch, num_positions, vocab
 
 
@@ -121,6 +129,8 @@ def _scalar_weight(weight: Real) -> float:
 
 
 def _check_weight_type(weight) -> None:
+    if type(weight) is float:  # the common case, without the slower isinstance against the abstract Real
+        return
     if isinstance(weight, bool) or not isinstance(weight, (Real, torch.Tensor)):
         raise TypeError(f"weight must be a float or a tensor of shape [B] or [B, K], got {type(weight).__name__}")
 
@@ -167,13 +177,17 @@ def weight_argument(weight: WeightLike, batch: int, num_positions: int, device: 
 
 def normalize_tokens(draft_tokens, batch: int, num_positions: int, device: torch.device) -> torch.Tensor:
     _require_tensor(draft_tokens, "draft_tokens")
-    if draft_tokens.dtype not in TOKEN_DTYPES:
-        raise TypeError(f"draft_tokens must be int32 or int64, got {draft_tokens.dtype}")
-    _require_rank(draft_tokens, 2, "draft_tokens", "[B, K]")
-    if tuple(draft_tokens.shape) != (batch, num_positions):
+    dtype = draft_tokens.dtype
+    if dtype not in TOKEN_DTYPES:
+        raise TypeError(f"draft_tokens must be int32 or int64, got {dtype}")
+    shape = draft_tokens.shape
+    if len(shape) != 2:
+        _require_rank(draft_tokens, 2, "draft_tokens", "[B, K]")
+    if shape != (batch, num_positions):
         raise ValueError(f"draft_tokens must be [B, K] = [{batch}, {num_positions}], got {tuple(draft_tokens.shape)}")
-    _require_device(draft_tokens, device, "draft_tokens")
-    if draft_tokens.dtype != torch.int64:  # .to() costs a microsecond even when it has nothing to do
+    if draft_tokens.device != device:
+        _require_device(draft_tokens, device, "draft_tokens")
+    if dtype != torch.int64:  # .to() costs a microsecond even when it has nothing to do
         draft_tokens = draft_tokens.to(torch.int64)
     return draft_tokens.contiguous()
 
@@ -247,6 +261,8 @@ def normalize_seed(seed: SeedLike, batch: int, device: torch.device, check_input
 
 
 def normalize_offset(offset) -> int:
+    if type(offset) is int and 0 <= offset < SEED_RANGE:  # the common case, without the abstract Integral
+        return offset
     if isinstance(offset, bool) or not isinstance(offset, Integral):
         raise TypeError(f"offset must be an int, got {type(offset).__name__}")
     if not 0 <= int(offset) < SEED_RANGE:
@@ -259,6 +275,8 @@ def seed_argument(seed: SeedLike, batch: int, device: torch.device) -> tuple[Opt
     then draws a seed on the device, as normalize_seed does)."""
     if seed is None:
         return None, None, False
+    if type(seed) is int and -SEED_RANGE <= seed < SEED_RANGE:  # the common case, without the abstract Integral
+        return None, seed, False
     if isinstance(seed, bool) or not isinstance(seed, (Integral, torch.Tensor)):
         raise TypeError(f"seed must be an int or an int64 tensor of shape [B], got {type(seed).__name__}")
     if not isinstance(seed, torch.Tensor):

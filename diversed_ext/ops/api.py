@@ -30,6 +30,11 @@ from . import _fake  # noqa: F401  (registers the native ops and their fake kern
 from ._inputs import (normalize_stat_tokens, normalize_weight, prepare_pair, prepare_verify,
                       temperature_argument)
 
+# The verify overloads, looked up once: torch.ops.<namespace>.<op> is two attribute lookups and an overload resolution
+# on every call, which the serving path (one call per decoding step) should not pay.
+_VERIFY_PROBS = torch.ops.diversed.verify_probs.default
+_VERIFY_LOGITS = torch.ops.diversed.verify_logits.default
+
 
 class VerifyResult(NamedTuple):
     """What one verification call returns for a batch of B draft blocks of K tokens.
@@ -77,7 +82,7 @@ def verify(draft_tokens, draft_probs, target_probs, weight, *, num_draft=None, g
     args = prepare_verify(draft_tokens, draft_probs, target_probs, weight, num_draft=num_draft, greedy=greedy,
                           uniforms=uniforms, seed=seed, offset=offset, check_inputs=check_inputs,
                           draft_name="draft_probs", target_name="target_probs", kind="probabilities")
-    tokens, num_accepted, accept_prob = torch.ops.diversed.verify_probs(*args.op_arguments())
+    tokens, num_accepted, accept_prob = _VERIFY_PROBS(*args.op_arguments())
     return VerifyResult(tokens, num_accepted, accept_prob)
 
 
@@ -116,7 +121,7 @@ def verify_logits(draft_tokens, draft_logits, target_logits, weight, *, temperat
                           draft_name="draft_logits", target_name="target_logits", kind="logits")
     temperature_t, temperature_value = temperature_argument(temperature, args.draft.shape[0], args.draft.device,
                                                             check_inputs)
-    tokens, num_accepted, accept_prob = torch.ops.diversed.verify_logits(
+    tokens, num_accepted, accept_prob = _VERIFY_LOGITS(
         args.draft_tokens, args.draft, args.target, args.weight, args.num_draft, temperature_t, args.uniforms,
         args.seeds, args.offset, args.per_row_seed, args.weight_value, temperature_value, args.seed)
     return VerifyResult(tokens, num_accepted, accept_prob)
