@@ -1,8 +1,10 @@
 """Microbenchmarks: fused diversed_ext ops against their pure-PyTorch references, side by side in one run.
 
-For every configuration the same inputs go to both implementations; each is warmed up, then timed over many repeats
-and the median is reported, with the speed-up (reference / fused) and the effective bandwidth over the bytes the fused
-kernel must read. Uses CUDA when a GPU is present (pass --device cpu to force the CPU).
+For every configuration the same inputs go to every implementation; each is warmed up, then all are timed in
+interleaved rounds (so a passing load on a shared machine hits them alike) and the medians are reported, with the
+speed-up (reference / fused) and the effective bandwidth over the bytes the fused kernel must read. Uses CUDA when a
+GPU is present (pass --device cpu to force the CPU). The run ends with the Python cost of a call: an unchecked
+dx.verify with default arguments against the registered op alone.
 
     python bench/bench_verify.py                 # full grid, CSV in bench/results/
     python bench/bench_verify.py --quick         # a few configurations
@@ -207,22 +209,44 @@ OPS = {
 STATS_CONFIG = (8, 256, 49152)
 
 
-def median_seconds(function: Callable[[], object], device: torch.device) -> float:
+def interleaved_medians(functions: dict[str, Callable[[], object]], device: torch.device) -> dict[str, float]:
+    """Median seconds per call of each function, timed in interleaved rounds (one call of each per round, after
+    warm-up), so that a load which comes and goes on a shared machine falls on every implementation alike."""
     def synchronize():
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    for _ in range(WARMUP_CALLS):
-        function()
+    for function in functions.values():
+        for _ in range(WARMUP_CALLS):
+            function()
     synchronize()
-    samples = []
-    budget_end = time.perf_counter() + TIME_BUDGET_S
-    while len(samples) < MAX_REPEATS and (len(samples) < MIN_REPEATS or time.perf_counter() < budget_end):
-        start = time.perf_counter()
-        function()
-        synchronize()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+    samples = {name: [] for name in functions}
+    budget_end = time.perf_counter() + TIME_BUDGET_S * len(functions)
+    while (len(samples[next(iter(functions))]) < MAX_REPEATS
+           and (len(samples[next(iter(functions))]) < MIN_REPEATS or time.perf_counter() < budget_end)):
+        for name, function in functions.items():
+            start = time.perf_counter()
+            function()
+            synchronize()
+            samples[name].append(time.perf_counter() - start)
+    return {name: statistics.median(times) for name, times in samples.items()}
+
+
+def call_overhead(device: torch.device, calls_per_sample: int = 50) -> dict[str, float]:
+    """Microseconds per call at B = 8, K = 4, V = 8, where the kernel is negligible: an unchecked dx.verify with
+    default arguments against the registered op it dispatches to, called directly with the same arguments."""
+    problem = make_problem(8, 4, 8, torch.float32, device)
+    tokens, draft, target = problem.draft_tokens, problem.draft_probs, problem.target_probs
+    op = torch.ops.diversed.verify_probs.default
+
+    def repeat(call):
+        return lambda: [call() for _ in range(calls_per_sample)]
+
+    medians = interleaved_medians({
+        "dx.verify": repeat(lambda: dx.verify(tokens, draft, target, WEIGHT, seed=0, check_inputs=False)),
+        "registered op": repeat(lambda: op(tokens, draft, target, None, None, None, None, None, 0, False, WEIGHT, 0)),
+    }, device)
+    return {name: seconds / calls_per_sample * 1e6 for name, seconds in medians.items()}
 
 
 def run(args) -> list[dict]:
@@ -237,15 +261,18 @@ def run(args) -> list[dict]:
         op = OPS[op_name]
         dtype = getattr(torch, dtype_name)
         problem = make_problem(batch, num_positions, vocab, dtype, device)
-        fused_s = median_seconds(lambda: op.fused(problem), device)
-        reference_s = median_seconds(lambda: op.reference(problem), device)
-        checked_s = median_seconds(lambda: op.fused_checked(problem), device) if op.fused_checked else float("nan")
-        stream_s = median_seconds(lambda: op.streaming(problem), device)
-        plain_s, plain_equal = float("nan"), ""
+        functions = {"fused": lambda: op.fused(problem), "reference": lambda: op.reference(problem),
+                     "stream": lambda: op.streaming(problem)}
+        if op.fused_checked:
+            functions["checked"] = lambda: op.fused_checked(problem)
+        plain_equal = ""
         if op.plain is not None and num_positions > 0:
             uniforms = torch.rand(batch, num_positions + 1, dtype=torch.float64, device=device)
             plain_equal = bool(torch.equal(op.plain(problem, uniforms)[0], op.reference_on(problem, uniforms)[0]))
-            plain_s = median_seconds(lambda: op.plain(problem, uniforms), device)
+            functions["plain"] = lambda: op.plain(problem, uniforms)
+        medians = interleaved_medians(functions, device)
+        fused_s, reference_s, stream_s = medians["fused"], medians["reference"], medians["stream"]
+        checked_s, plain_s = medians.get("checked", float("nan")), medians.get("plain", float("nan"))
         bytes_read = op.bytes_read(batch, num_positions, vocab, problem.draft_probs.element_size())
         rows.append({
             "op": op_name, "device": device.type, "B": batch, "K": num_positions, "V": vocab, "dtype": dtype_name,
@@ -307,9 +334,14 @@ def parse_args(argv=None):
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    print(f"torch {torch.__version__}, device {args.device}, threads {torch.get_num_threads()}")
+    print(f"torch {torch.__version__}, device {args.device}, threads {torch.get_num_threads()}, "
+          f"load average {os.getloadavg()[0]:.2f}")
     rows = run(args)
     print_table(rows)
+    overhead = call_overhead(torch.device(args.device))
+    print(f"unchecked dx.verify with default arguments: {overhead['dx.verify']:.2f} us per call, the registered op "
+          f"alone {overhead['registered op']:.2f} us: {overhead['dx.verify'] - overhead['registered op']:+.2f} us "
+          f"(B=8, K=4, V=8); load average at the end {os.getloadavg()[0]:.2f}")
     write_csv(rows, args.csv)
 
 
