@@ -87,11 +87,16 @@ def test_rope_scaling_is_taken_from_the_model():
     assert (plain_logits - scaled_logits).abs().max() > 1e-3
 
 
-def test_runner_matches_an_int8_copy():
-    model = tiny_llama(2)
-    draft = quantize_int8(model)
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_runner_matches_an_int8_copy(name):
+    """The lean int8 draft (fused int8_linear products over packed weights) against the copy's own forward through
+    its quantised layers: the same int32 sums, so only float rounding apart."""
+    draft = quantize_int8(tiny_llama(2, **CONFIGS[name]))
     assert supports_fast_forward(draft)
-    run_schedule(draft, LlamaRunner(draft), seed=3, incremental=True)
+    runner = LlamaRunner(draft)
+    assert all(group.int8 is not None for products in runner.projections for group in products)
+    assert runner.head.int8 is not None
+    run_schedule(draft, runner, seed=3, incremental=True)
 
 
 @pytest.mark.parametrize("capacity", [1, 3, 8])

@@ -10,8 +10,9 @@
 //      does it;
 //   3. acc[m, n] = sum_k xq[m, k] * W[n, k] in int32 (exact: no product or partial sum can overflow), minus
 //      zero_point * sum_k W[n, k];
-//   4. out[m, n] = acc * x_scale * w_scale[n] + bias[n] in float.
-// The int32 sums are therefore identical to the layer's; outputs differ from it only by float rounding in step 4.
+//   4. out[m, n] = fma(float(acc), x_scale * w_scale[n], bias[n]) in float, rounded as fbgemm's AVX2 epilogue rounds.
+// The int32 sums are therefore identical to the layer's, and on this CPU so are the outputs, bit for bit (checked
+// against the layer on random problems; fbgemm's other code paths may round step 4 differently).
 //
 // Packed layout: output features in tiles of 16, the reduction in groups of 4: packed[tile][k4][16][4], zero padded
 // past N and K. One 64-byte load then feeds one vpdpbusd (16 lanes, each a 4-term u8 x s8 dot product).
@@ -150,9 +151,9 @@ inline void store_tile(const GemmProblem& p, int64_t row, int64_t tile, const in
   float* out = p.out + row * p.N + first;
   for (int64_t j = 0; j < count; ++j) {
     const int32_t corrected = sums[j] - p.x.zero_point * p.col_sums[first + j];
-    float value = static_cast<float>(corrected) * p.x.scale * p.w_scale[first + j];
-    if (p.bias != nullptr) value += p.bias[first + j];
-    out[j] = value;
+    const float multiplier = p.x.scale * p.w_scale[first + j];
+    const float value = static_cast<float>(corrected);
+    out[j] = p.bias != nullptr ? std::fma(value, multiplier, p.bias[first + j]) : value * multiplier;
   }
 }
 
