@@ -29,7 +29,7 @@ import torch
 
 from .decoding import METHODS, SpeculativeDecoder, encode_prompt, eos_ids, summarize
 from .head import load_head
-from .research.harness import DEMO_PROMPTS, DEMO_WEIGHTS, demo_methods, run_demo
+from .research.harness import DEMO_NUM_DRAFT, DEMO_PROMPTS, DEMO_WEIGHTS, demo_methods, run_demo
 from .research.report import format_table
 
 
@@ -91,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--prompts", type=_positive_int, default=len(DEMO_PROMPTS),
                       help=f"how many of the built-in prompts to run (default {len(DEMO_PROMPTS)}, cycled past that)")
     _add_model_arguments(demo)
-    demo.set_defaults(max_new_tokens=48)
+    demo.set_defaults(max_new_tokens=48, k=DEMO_NUM_DRAFT)
 
     bench = commands.add_parser("bench", help="run a benchmark script from bench/")
     bench.add_argument("which", choices=("verify", "e2e"), help="verify: bench_verify.py, e2e: bench_e2e.py")

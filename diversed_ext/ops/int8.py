@@ -61,8 +61,13 @@ def pack_int8(weights: Sequence[tuple]) -> Int8Weights:
                        in_features)
 
 
-def int8_linear(input: torch.Tensor, weights: Int8Weights) -> torch.Tensor:
-    """``input`` float32 [..., K] times the packed weights: [..., sum N_i], as the dynamically quantised layers give."""
+def int8_linear(input: torch.Tensor, weights: Int8Weights, *, check: bool = True) -> torch.Tensor:
+    """``input`` float32 [..., K] times the packed weights: [..., sum N_i], as the dynamically quantised layers give.
+
+    ``check=False`` skips the Python argument checks (a caller whose shapes are fixed, like the decoding loop); the
+    native op still checks shapes and dtypes, so a bad call raises there instead of reading out of bounds."""
+    if not check:
+        return torch.ops.diversed.int8_linear(input, weights.packed, weights.col_sums, weights.w_scale, weights.bias)
     if not isinstance(input, torch.Tensor) or input.dtype != torch.float32:
         raise TypeError(f"input must be a float32 tensor, got {getattr(input, 'dtype', type(input).__name__)}")
     if input.device.type != "cpu":
