@@ -26,10 +26,10 @@ DEMO_PROMPTS = (
     "What is the capital of France, and what is it famous for?",
 )
 DEMO_WEIGHTS = (0.75, 0.5)
-# Drafts per round in the demo: the K with the most tokens/s in `bench/bench_e2e.py --k 2 3 4 5 6` (4 demo prompts,
-# 48 new tokens, 2 threads, 2026-11-23, lean int8 draft): diversed 1.54/1.91/1.41/1.41/1.46x ar at K = 2..6,
-# static w=0.5 1.73/1.85/1.58/1.51/1.42x, sd 1.54/1.57/1.59/1.19/1.03x (K = 3 and 4 within noise). Past K = 4 the
-# target's verify pass grows faster than acceptance pays (docs/RESULTS.md).
+# Drafts per round in the demo: the K with the most diversed tokens/s in `bench/bench_e2e.py --k 1 2 3 4 5` (4 demo
+# prompts, 48 new tokens, 2 threads, 2026-11-23, lean int8 draft, two-row target products): diversed 1.31/1.26/1.38/
+# 1.18/1.00x ar at K = 1..5; static w=0.5 1.37/1.28/1.30/1.37/1.09x and sd 1.31/1.29/1.15/1.21/0.89x are flat within
+# noise up to K = 4. Past K = 4 the target's verify pass grows faster than acceptance pays (docs/RESULTS.md).
 DEMO_NUM_DRAFT = 3
 PARETO_WEIGHTS = (0.0, 0.25, 0.5, 0.75, 1.0)
 WARMUP_TOKENS = 4  # new tokens of each method's untimed first run
