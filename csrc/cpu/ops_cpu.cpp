@@ -109,6 +109,7 @@ std::tuple<at::Tensor, at::Tensor> int8_pack_cpu(const at::Tensor& weight) {
   const int64_t N = weight.size(0), K = weight.size(1);
   at::Tensor packed = at::empty({int8::packed_size(N, K)}, weight.options());
   at::Tensor col_sums = at::empty({N}, weight.options().dtype(at::kInt));
+  poison_outputs(col_sums);  // packed is zeroed by pack_weight itself (its padding must be zero)
   int8::pack_weight(contiguous.data_ptr<int8_t>(), N, K, packed.data_ptr<int8_t>(), col_sums.data_ptr<int32_t>());
   return {packed, col_sums};
 }
@@ -133,6 +134,7 @@ at::Tensor int8_linear_cpu(const at::Tensor& input, const at::Tensor& packed, co
   at::Tensor out = at::empty(shape, input.options());
   const int64_t M = input.numel() / K;
   if (M == 0 || N == 0) return out;
+  poison_outputs(out);
   const at::Tensor x = input.contiguous();
   float min = 0.f, max = 0.f;
   int8::find_min_max(x.data_ptr<float>(), M * K, &min, &max);
