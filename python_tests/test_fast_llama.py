@@ -99,6 +99,22 @@ def test_runner_matches_an_int8_copy(name):
     run_schedule(draft, runner, seed=3, incremental=True)
 
 
+def test_int8_weights_are_packed_again_when_they_change():
+    """Runners share packed weights per module; new int8 weights (set_weight_bias) must not reuse the old packing."""
+    draft = quantize_int8(tiny_llama(2))
+    feed = list(range(6))
+    before, _, _ = LlamaRunner(draft)(feed, None, 6)
+    head = draft.lm_head
+    weight, bias = head._weight_bias()
+    negated = torch.quantize_per_tensor(-weight.dequantize(), weight.q_scale(), 0, torch.qint8)
+    head.set_weight_bias(negated, bias)
+    after, _, _ = LlamaRunner(draft)(feed, None, 6)
+    with torch.inference_mode():
+        expected = draft(torch.tensor([feed])).logits[0]
+    torch.testing.assert_close(after, expected, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(before, after)
+
+
 @pytest.mark.parametrize("capacity", [1, 3, 8])
 def test_cache_grows_past_its_capacity_and_keeps_the_prefix(capacity):
     model = tiny_llama(3)

@@ -20,7 +20,7 @@ from ..ops.int8 import Int8Weights, int8_linear, pack_int8
 
 # Packed weights per module group, kept while the first module lives: decoders made one after another over the same
 # draft (the demo makes one per method) pack it once.
-_PACKED: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
+_PACKED: "weakref.WeakKeyDictionary[torch.nn.Module, list]" = weakref.WeakKeyDictionary()
 
 
 def int8_parts(module: torch.nn.Module) -> Optional[tuple]:
@@ -37,15 +37,17 @@ def int8_parts(module: torch.nn.Module) -> Optional[tuple]:
 
 
 def _packed(modules: Sequence[torch.nn.Module]) -> Optional[Int8Weights]:
-    key = tuple(id(module._packed_params) for module in modules if hasattr(module, "_packed_params"))
-    cached = _PACKED.get(modules[0], {}).get(key)
-    if cached is not None:
-        return cached
+    # Keyed by the modules' packed weight objects themselves (set_weight_bias replaces them), held by the cache entry,
+    # so new weights are packed afresh and an old object's id cannot be mistaken for a new one.
+    sources = tuple(getattr(getattr(module, "_packed_params", None), "_packed_params", None) for module in modules)
+    for cached_sources, packed in _PACKED.get(modules[0], ()):
+        if all(a is b for a, b in zip(cached_sources, sources)):
+            return packed
     parts = [int8_parts(module) for module in modules]
     if any(part is None for part in parts) or len({part[0].shape[1] for part in parts}) != 1:
         return None
     packed = pack_int8(parts)
-    _PACKED.setdefault(modules[0], {})[key] = packed
+    _PACKED.setdefault(modules[0], []).append((sources, packed))
     return packed
 
 
