@@ -86,7 +86,7 @@ inline ActivationParams choose_activation_params(float min, float max) {
   const double error_max = std::abs(qmax) - std::abs(max / scale);
   const double initial = error_min < error_max ? from_min : from_max;
   int32_t zero_point;
-  if (initial < qmin) {
+  if (std::isnan(initial) || initial < qmin) {  // NaN from an infinite input: any value is garbage, but a defined one
     zero_point = qmin;
   } else if (initial > qmax) {
     zero_point = qmax;
