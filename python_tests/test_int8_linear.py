@@ -75,11 +75,18 @@ def test_portable_build_equals_the_vnni_build(monkeypatch):
     assert torch.equal(int8_linear(x, packed), default)
 
 
-def test_non_finite_inputs_stay_memory_safe():
-    packed = pack_int8([parts_of(int8_layer(20, 9, False, seed=5))])
-    x = torch.randn(2, 9)
-    x[0, 3], x[1, 0] = float("nan"), float("inf")
-    assert int8_linear(x, packed).shape == (2, 20)
+@pytest.mark.parametrize("in_features", [9, 40])  # the scalar loops only, and 16-lane vectors with a tail
+def test_non_finite_inputs_stay_memory_safe_and_agree_across_builds(in_features, monkeypatch):
+    packed = pack_int8([parts_of(int8_layer(20, in_features, False, seed=5))])
+    cases = [torch.randn(2, in_features) for _ in range(3)]
+    cases[0][0, 3], cases[0][1, 0] = float("nan"), float("inf")
+    cases[1][:, 5] = float("nan")
+    cases[2][:] = float("nan")
+    default = [int8_linear(x, packed) for x in cases]
+    monkeypatch.setenv("DIVERSED_CPU_CAPABILITY", "baseline")
+    for x, expected in zip(cases, default):
+        assert expected.shape == (2, 20)
+        torch.testing.assert_close(int8_linear(x, packed), expected, rtol=0, atol=0, equal_nan=True)
 
 
 def test_bad_arguments_name_the_argument():

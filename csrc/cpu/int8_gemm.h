@@ -179,6 +179,8 @@ inline void gemm_tiles_portable(const GemmProblem& p, int64_t tile_begin, int64_
 // The AVX-512 VNNI tiles (int8_gemm_vnni.cpp, the only code compiled for that instruction set). Call them only where
 // use_vnni() says so.
 void gemm_tiles_vnni(const GemmProblem& p, int64_t tile_begin, int64_t tile_end);
+void find_min_max_vnni(const float* x, int64_t count, float* min_out, float* max_out);
+void quantize_rows_vnni(const float* x, int64_t M, int64_t K, int64_t stride, ActivationParams params, uint8_t* xq);
 bool vnni_build_available();
 
 // VNNI where this build has it and the CPU runs it; DIVERSED_CPU_CAPABILITY=baseline forces the portable tiles (the
@@ -187,12 +189,31 @@ inline bool use_vnni() {
   const char* forced = std::getenv("DIVERSED_CPU_CAPABILITY");
   if (forced != nullptr && std::strcmp(forced, "baseline") == 0) return false;
 #if defined(__x86_64__) && defined(__GNUC__)
-  static const bool supported =
-      vnni_build_available() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vnni");
+  static const bool supported = vnni_build_available() && __builtin_cpu_supports("avx512f") &&
+                                __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+                                __builtin_cpu_supports("avx512vnni");
   return supported;
 #else
   return false;
 #endif
+}
+
+// Quantises x [M, K] into xq [M, groups * 4] as fbgemm does (steps 1 and 2 above) and returns the parameters; the
+// VNNI build's vector loops give the same bytes as the scalar ones.
+inline ActivationParams quantize_input(const float* x, int64_t M, int64_t K, int64_t stride, bool vnni, uint8_t* xq) {
+  float min = 0.f, max = 0.f;
+  if (vnni) {
+    find_min_max_vnni(x, M * K, &min, &max);
+  } else {
+    find_min_max(x, M * K, &min, &max);
+  }
+  const ActivationParams params = choose_activation_params(min, max);
+  if (vnni) {
+    quantize_rows_vnni(x, M, K, stride, params, xq);
+  } else {
+    quantize_rows(x, M, K, stride, params, xq);
+  }
+  return params;
 }
 
 // The whole product, its tiles spread over threads; a task of fewer than kMinTaskElements weight bytes x rows is not

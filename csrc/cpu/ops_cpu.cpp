@@ -136,16 +136,15 @@ at::Tensor int8_linear_cpu(const at::Tensor& input, const at::Tensor& packed, co
   if (M == 0 || N == 0) return out;
   poison_outputs(out);
   const at::Tensor x = input.contiguous();
-  float min = 0.f, max = 0.f;
-  int8::find_min_max(x.data_ptr<float>(), M * K, &min, &max);
-  const int8::ActivationParams params = int8::choose_activation_params(min, max);
   const int64_t groups = int8::group_count(K);
+  const bool vnni = int8::use_vnni();
   at::Tensor xq = at::empty({M, groups * int8::kGroup}, input.options().dtype(at::kByte));
-  int8::quantize_rows(x.data_ptr<float>(), M, K, groups * int8::kGroup, params, xq.data_ptr<uint8_t>());
+  const int8::ActivationParams params =
+      int8::quantize_input(x.data_ptr<float>(), M, K, groups * int8::kGroup, vnni, xq.data_ptr<uint8_t>());
   const int8::GemmProblem problem{xq.data_ptr<uint8_t>(), packed.data_ptr<int8_t>(), col_sums.data_ptr<int32_t>(),
                                   w_scale.data_ptr<float>(), bias.has_value() ? bias->data_ptr<float>() : nullptr,
                                   out.data_ptr<float>(), M, N, groups, params};
-  int8::gemm(problem, int8::use_vnni(), kParallelFor);
+  int8::gemm(problem, vnni, kParallelFor);
   return out;
 }
 
