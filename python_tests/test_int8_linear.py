@@ -67,6 +67,35 @@ def test_fused_parts_equal_separate_calls():
     assert torch.equal(fused, torch.cat(separate, dim=-1))
 
 
+@pytest.mark.parametrize("build", ["default", "baseline"])
+def test_row_groups_give_each_group_what_it_gets_alone(build, monkeypatch):
+    """Sequences stacked into one call (a batched decoding pass) each get exactly their own call's result, though
+    their ranges differ widely (one group all positive, one around zero, one large)."""
+    if build == "baseline":
+        monkeypatch.setenv("DIVERSED_CPU_CAPABILITY", "baseline")
+    layer = int8_layer(40, 37, True, seed=8)
+    packed = pack_int8([parts_of(layer)])
+    generator = torch.Generator().manual_seed(9)
+    groups = [torch.rand(3, 37, generator=generator) + 1.0, torch.randn(1, 37, generator=generator),
+              torch.randn(2, 37, generator=generator) * 50.0]
+    stacked = int8_linear(torch.cat(groups), packed, row_groups=[3, 1, 2])
+    alone = torch.cat([int8_linear(group, packed) for group in groups])
+    assert torch.equal(stacked, alone)
+    assert not torch.equal(int8_linear(torch.cat(groups), packed), alone)  # one shared quantisation differs
+    assert torch.equal(int8_linear(torch.cat(groups), packed, row_groups=[6]), int8_linear(torch.cat(groups), packed))
+    assert_matches_layer(layer, groups[1])  # a group alone is still the layer's own arithmetic
+
+
+def test_bad_row_groups_are_refused_by_both_checks():
+    packed = pack_int8([parts_of(int8_layer(8, 8, False, seed=10))])
+    x = torch.randn(3, 8)
+    for groups in ([1, 1], [2, 2], [3, 0], [-1, 4]):
+        with pytest.raises(ValueError, match="row_groups"):
+            int8_linear(x, packed, row_groups=groups)
+        with pytest.raises(RuntimeError, match="row_groups"):
+            int8_linear(x, packed, row_groups=groups, check=False)
+
+
 def test_portable_build_equals_the_vnni_build(monkeypatch):
     packed = pack_int8([parts_of(int8_layer(70, 45, True, seed=4))])
     x = torch.randn(6, 45)
@@ -129,3 +158,5 @@ def test_opcheck():
                               (x, packed.packed, packed.col_sums, packed.w_scale, packed.bias))
     torch.library.opcheck(torch.ops.diversed.int8_linear.default,
                           (torch.randn(4, 13), packed.packed, packed.col_sums, packed.w_scale, None))
+    torch.library.opcheck(torch.ops.diversed.int8_linear.default,
+                          (torch.randn(5, 13), packed.packed, packed.col_sums, packed.w_scale, packed.bias, [2, 3]))

@@ -5,7 +5,9 @@
 // point 0, one scale per output feature here so that several layers' weights can share one call) and float input
 // X [M, K]:
 //   1. one (scale, zero point) for the whole of X, from its min and max over every row, with the uint8 range halved
-//      to [0, 127] (reduce_range: fbgemm's non-VNNI path sums pairs of u8 x s8 products in int16);
+//      to [0, 127] (reduce_range: fbgemm's non-VNNI path sums pairs of u8 x s8 products in int16). Here X may also
+//      be split into groups of consecutive rows, each quantised on its own as if it were the layer's whole input:
+//      a batch of sequences stacked into one call then gets, row for row, what each sequence alone would get;
 //   2. xq = clamp(nearbyint(x * (1 / scale) + zero_point), 0, 255), the multiply-add fused as fbgemm's AVX2 quantiser
 //      does it;
 //   3. acc[m, n] = sum_k xq[m, k] * W[n, k] in int32 (exact: no product or partial sum can overflow), minus
@@ -142,7 +144,7 @@ struct GemmProblem {
   const float* bias;        // [N] or nullptr
   float* out;               // [M, N]
   int64_t M, N, groups;
-  ActivationParams x;
+  const ActivationParams* x;  // [M]: each row's input quantisation
 };
 
 // The float epilogue for one row and one tile, from its 16 int32 sums (step 4 above).
@@ -150,8 +152,8 @@ inline void store_tile(const GemmProblem& p, int64_t row, int64_t tile, const in
   const int64_t first = tile * kTileRows, count = std::min(kTileRows, p.N - first);
   float* out = p.out + row * p.N + first;
   for (int64_t j = 0; j < count; ++j) {
-    const int32_t corrected = sums[j] - p.x.zero_point * p.col_sums[first + j];
-    const float multiplier = p.x.scale * p.w_scale[first + j];
+    const int32_t corrected = sums[j] - p.x[row].zero_point * p.col_sums[first + j];
+    const float multiplier = p.x[row].scale * p.w_scale[first + j];
     const float value = static_cast<float>(corrected);
     out[j] = p.bias != nullptr ? std::fma(value, multiplier, p.bias[first + j]) : value * multiplier;
   }
@@ -198,22 +200,30 @@ inline bool use_vnni() {
 #endif
 }
 
-// Quantises x [M, K] into xq [M, groups * 4] as fbgemm does (steps 1 and 2 above) and returns the parameters; the
+// Quantises x [M, K] into xq [M, groups * 4] as fbgemm does (steps 1 and 2 above), one (scale, zero point) per
+// group of consecutive rows (group_rows[g] rows each, summing to M), written for each row into row_params [M]. The
 // VNNI build's vector loops give the same bytes as the scalar ones.
-inline ActivationParams quantize_input(const float* x, int64_t M, int64_t K, int64_t stride, bool vnni, uint8_t* xq) {
-  float min = 0.f, max = 0.f;
-  if (vnni) {
-    find_min_max_vnni(x, M * K, &min, &max);
-  } else {
-    find_min_max(x, M * K, &min, &max);
+inline void quantize_input(const float* x, int64_t M, int64_t K, int64_t stride, const int64_t* group_rows,
+                           int64_t group_count, bool vnni, uint8_t* xq, ActivationParams* row_params) {
+  int64_t row = 0;
+  for (int64_t g = 0; g < group_count && row < M; ++g) {
+    const int64_t rows = std::min(group_rows[g], M - row);
+    const float* group = x + row * K;
+    float min = 0.f, max = 0.f;
+    if (vnni) {
+      find_min_max_vnni(group, rows * K, &min, &max);
+    } else {
+      find_min_max(group, rows * K, &min, &max);
+    }
+    const ActivationParams params = choose_activation_params(min, max);
+    if (vnni) {
+      quantize_rows_vnni(group, rows, K, stride, params, xq + row * stride);
+    } else {
+      quantize_rows(group, rows, K, stride, params, xq + row * stride);
+    }
+    for (int64_t r = 0; r < rows; ++r) row_params[row + r] = params;
+    row += rows;
   }
-  const ActivationParams params = choose_activation_params(min, max);
-  if (vnni) {
-    quantize_rows_vnni(x, M, K, stride, params, xq);
-  } else {
-    quantize_rows(x, M, K, stride, params, xq);
-  }
-  return params;
 }
 
 // The whole product, its tiles spread over threads; a task of fewer than kMinTaskElements weight bytes x rows is not

@@ -116,7 +116,8 @@ std::tuple<at::Tensor, at::Tensor> int8_pack_cpu(const at::Tensor& weight) {
 
 // input float32 [..., K] -> [..., N], N = w_scale's length: fbgemm's dynamic int8 linear layer over packed weights.
 at::Tensor int8_linear_cpu(const at::Tensor& input, const at::Tensor& packed, const at::Tensor& col_sums,
-                           const at::Tensor& w_scale, const c10::optional<at::Tensor>& bias) {
+                           const at::Tensor& w_scale, const c10::optional<at::Tensor>& bias,
+                           at::OptionalIntArrayRef row_groups) {
   TORCH_CHECK(input.scalar_type() == at::kFloat && input.dim() >= 1 && input.size(-1) > 0, kInt8LinearOp,
               ": input must be float32 with a non-empty last dimension");
   const int64_t K = input.size(-1), N = w_scale.numel();
@@ -133,17 +134,29 @@ at::Tensor int8_linear_cpu(const at::Tensor& input, const at::Tensor& packed, co
   shape.back() = N;
   at::Tensor out = at::empty(shape, input.options());
   const int64_t M = input.numel() / K;
+  // Rows quantised together: the whole input by default, else consecutive groups of the given sizes.
+  std::vector<int64_t> group_rows{M};
+  if (row_groups.has_value()) {
+    group_rows.assign(row_groups->begin(), row_groups->end());
+    int64_t total = 0;
+    for (const int64_t rows : group_rows) {
+      TORCH_CHECK(rows >= 1, kInt8LinearOp, ": row_groups must hold sizes >= 1, got ", rows);
+      total += rows;
+    }
+    TORCH_CHECK(total == M, kInt8LinearOp, ": row_groups must add up to the input's ", M, " rows, got ", total);
+  }
   if (M == 0 || N == 0) return out;
   poison_outputs(out);
   const at::Tensor x = input.contiguous();
   const int64_t groups = int8::group_count(K);
   const bool vnni = int8::use_vnni();
   at::Tensor xq = at::empty({M, groups * int8::kGroup}, input.options().dtype(at::kByte));
-  const int8::ActivationParams params =
-      int8::quantize_input(x.data_ptr<float>(), M, K, groups * int8::kGroup, vnni, xq.data_ptr<uint8_t>());
+  std::vector<int8::ActivationParams> row_params(static_cast<size_t>(M));
+  int8::quantize_input(x.data_ptr<float>(), M, K, groups * int8::kGroup, group_rows.data(),
+                       static_cast<int64_t>(group_rows.size()), vnni, xq.data_ptr<uint8_t>(), row_params.data());
   const int8::GemmProblem problem{xq.data_ptr<uint8_t>(), packed.data_ptr<int8_t>(), col_sums.data_ptr<int32_t>(),
                                   w_scale.data_ptr<float>(), bias.has_value() ? bias->data_ptr<float>() : nullptr,
-                                  out.data_ptr<float>(), M, N, groups, params};
+                                  out.data_ptr<float>(), M, N, groups, row_params.data()};
   int8::gemm(problem, vnni, kParallelFor);
   return out;
 }

@@ -62,9 +62,13 @@ class Projections:
         self.int8 = _packed(self.modules)
         self.out_features = tuple(module.out_features for module in self.modules)
 
-    def __call__(self, states: torch.Tensor) -> torch.Tensor:
+    def __call__(self, states: torch.Tensor, row_groups: Optional[Sequence[int]] = None) -> torch.Tensor:
+        """``row_groups``: row counts of the sequences stacked in ``states`` (None: one sequence). The int8 path
+        quantises each sequence's rows on their own, as a pass over that sequence alone would; float products need
+        no grouping (rows never mix in them)."""
         if self.int8 is not None and states.device.type == "cpu" and states.dtype == torch.float32:
-            return int8_linear(states, self.int8, check=False)  # shapes fixed by the model; saves a per-call check
+            # Shapes are fixed by the model: the Python check is skipped, the native op still checks.
+            return int8_linear(states, self.int8, row_groups=row_groups, check=False)
         if len(self.modules) == 1:
             return self.linear(states, self.modules[0])
         return torch.cat([self.linear(states, module) for module in self.modules], dim=-1)

@@ -55,5 +55,5 @@ def _int8_pack_fake(weight):
 
 
 @torch.library.register_fake("diversed::int8_linear")
-def _int8_linear_fake(input, packed, col_sums, w_scale, bias):
+def _int8_linear_fake(input, packed, col_sums, w_scale, bias, row_groups=None):
     return input.new_empty((*input.shape[:-1], w_scale.shape[0]))

@@ -61,13 +61,22 @@ def pack_int8(weights: Sequence[tuple]) -> Int8Weights:
                        in_features)
 
 
-def int8_linear(input: torch.Tensor, weights: Int8Weights, *, check: bool = True) -> torch.Tensor:
+def int8_linear(input: torch.Tensor, weights: Int8Weights, *, row_groups: Optional[Sequence[int]] = None,
+                check: bool = True) -> torch.Tensor:
     """``input`` float32 [..., K] times the packed weights: [..., sum N_i], as the dynamically quantised layers give.
 
+    ``row_groups``: sizes of consecutive groups of the input's rows (flattened to [M, K]) that are quantised
+    separately, each exactly as the layer would quantise it alone (None: all rows together, as the layer does). A
+    batch of sequences stacked into one call passes each sequence's row count, so a sequence's result does not depend
+    on its neighbours.
+
     ``check=False`` skips the Python argument checks (a caller whose shapes are fixed, like the decoding loop); the
-    native op still checks shapes and dtypes, so a bad call raises there instead of reading out of bounds."""
+    native op still checks shapes, dtypes and ``row_groups``, so a bad call raises there instead of reading out of
+    bounds."""
+    groups = None if row_groups is None else [int(rows) for rows in row_groups]
     if not check:
-        return torch.ops.diversed.int8_linear(input, weights.packed, weights.col_sums, weights.w_scale, weights.bias)
+        return torch.ops.diversed.int8_linear(input, weights.packed, weights.col_sums, weights.w_scale, weights.bias,
+                                              groups)
     if not isinstance(input, torch.Tensor) or input.dtype != torch.float32:
         raise TypeError(f"input must be a float32 tensor, got {getattr(input, 'dtype', type(input).__name__)}")
     if input.device.type != "cpu":
@@ -75,4 +84,8 @@ def int8_linear(input: torch.Tensor, weights: Int8Weights, *, check: bool = True
     if input.dim() < 1 or input.shape[-1] != weights.in_features:
         raise ValueError(f"input must have {weights.in_features} features in its last dimension, got shape "
                          f"{tuple(input.shape)}")
-    return torch.ops.diversed.int8_linear(input, weights.packed, weights.col_sums, weights.w_scale, weights.bias)
+    rows = input.numel() // weights.in_features
+    if groups is not None and (any(size < 1 for size in groups) or sum(groups) != rows):
+        raise ValueError(f"row_groups must be sizes >= 1 adding up to the input's {rows} rows, got {groups}")
+    return torch.ops.diversed.int8_linear(input, weights.packed, weights.col_sums, weights.w_scale, weights.bias,
+                                          groups)
