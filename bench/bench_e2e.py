@@ -38,8 +38,12 @@ length budget, so this equals the verifier's count except where a round is cut a
 available for transformers (overhead n/a); ours is from RoundStats: the share of the rounds' time outside the two
 models' forward passes.
 
-    python bench/bench_e2e.py [--prompts N] [--max-new-tokens N] [--k K] [--weight W] [--temperature T] [--seed S]
-                              [--data gsm8k/test.jsonl] [--csv PATH]
+    python bench/bench_e2e.py [--prompts N] [--max-new-tokens N] [--k K [K ...]] [--weight W] [--temperature T]
+                              [--seed S] [--data gsm8k/test.jsonl] [--csv PATH] [--pass-repeats N]
+
+Before that table it prints the per-pass costs (bench/pass_costs.py: draft 1-token, target 1-token, target K+1-token,
+medians, and the draft's weight-streaming floor) and, when --k names several values, a sweep of ar / sd / static /
+diversed over them: the table above then runs at the K with the most sd tokens/s, so no K is picked by hand.
 
 Writes a markdown table to stdout and a CSV under bench/results/ (or --csv).
 """
@@ -62,6 +66,7 @@ from diversed_ext.decoding.stats import add_summaries
 from diversed_ext.research.harness import DEMO_PROMPTS, run_interleaved
 from diversed_ext.research.report import cell, markdown_rows, paired_difference, standard_error, with_error
 from diversed_ext.models import load_default_pair
+from pass_costs import k_sweep_table, pass_cost_table, pass_costs, sweep_methods
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
@@ -229,19 +234,45 @@ def write_csv(table: list[dict], path: Path) -> None:
         writer.writerows(table)
 
 
+def print_pass_costs(target, draft, prompt: list[int], args) -> None:
+    print(f"Per-pass costs (median of {args.pass_repeats} after warm-up, torch threads {torch.get_num_threads()}):")
+    print(pass_cost_table(pass_costs(target, draft, prompt, args.k, args.pass_repeats)))
+
+
+def run_k_sweep(target, draft, tokenizer, prompts, args) -> int:
+    """Every sweep method at every K (methods alternate prompt by prompt); prints the table, returns sd's best K."""
+    eos = eos_ids(tokenizer, target)
+    methods = sweep_methods(target, draft, args.weight, args.k)
+    runners = []
+    for label, k, kwargs in methods:
+        at_k = argparse.Namespace(**{**vars(args), "k": max(k, 1)})  # ar drafts nothing; its K is unused
+        run = ours(target, draft if label != "ar" else None, at_k, eos, **kwargs)
+        runners.append(((label, k), lambda index, seed, max_new_tokens, run=run: run(prompts[index], seed,
+                                                                                      max_new_tokens)))
+    per_prompt = run_interleaved(runners, len(prompts), seed=args.seed, max_new_tokens=args.max_new_tokens,
+                                 desc="k sweep")
+    table, best = k_sweep_table(per_prompt, methods, args.k)
+    print(f"K sweep ({len(prompts)} prompts, up to {args.max_new_tokens} new tokens, temperature {args.temperature:g}, "
+          f"w = {args.weight:g} for static, the shipped head for diversed):")
+    print(table)
+    return best["sd"]
+
+
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompts", type=int, default=4, help="number of prompts (default 4)")
     parser.add_argument("--max-new-tokens", type=int, default=32, help="default 32")
-    parser.add_argument("--k", type=int, default=3, help="tokens drafted per round (default 3)")
+    parser.add_argument("--k", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6],
+                        help="tokens drafted per round; several values run the K sweep first (default 1 to 6)")
+    parser.add_argument("--pass-repeats", type=int, default=30, help="timed passes per pass kind (default 30)")
     parser.add_argument("--weight", type=float, default=0.5, help="w on the target for the static rows (default 0.5)")
     parser.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1)")
     parser.add_argument("--seed", type=int, default=0, help="prompt i runs with seed + i (default 0)")
     parser.add_argument("--data", help="GSM8K-style jsonl with a 'question' field (default: the demo prompts)")
     parser.add_argument("--csv", type=Path, help="CSV output (default bench/results/e2e-<time>.csv)")
     args = parser.parse_args(argv)
-    if args.prompts < 1 or args.max_new_tokens < 1 or args.k < 1:
-        parser.error("--prompts, --max-new-tokens and --k must be >= 1")
+    if args.prompts < 1 or args.max_new_tokens < 1 or min(args.k) < 1 or args.pass_repeats < 1:
+        parser.error("--prompts, --max-new-tokens, --k and --pass-repeats must be >= 1")
     if not 0.0 <= args.weight <= 1.0:
         parser.error("--weight must be in [0, 1]")
     if not args.temperature >= 0.0:
@@ -253,6 +284,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
     target, draft, tokenizer = load_default_pair()
     prompts = load_prompts(args, tokenizer)
+    print_pass_costs(target, draft, prompts[0], args)
+    args.k = run_k_sweep(target, draft, tokenizer, prompts, args) if len(args.k) > 1 else args.k[0]
     per_prompt = run_all(build_methods(target, draft, tokenizer, args), prompts, args)
     table = rows(per_prompt)
     print(f"{len(prompts)} prompts ({args.data or 'demo prompts'}), up to {args.max_new_tokens} new tokens, "

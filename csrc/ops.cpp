@@ -36,4 +36,10 @@ TORCH_LIBRARY(diversed, m) {
       "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   // nu = w p + (1 - w) q as float32 [B, K, V]; target [B, K or more, V].
   m.def("mix(Tensor draft, Tensor target, Tensor weight, Tensor temperature, bool from_logits) -> Tensor");
+  // CPU only: int8 weight [N, K] packed once, then input float32 [..., K] times it as torch's dynamic int8 linear layer
+  // computes it (csrc/cpu/int8_gemm.h); w_scale float32 [N], bias float32 [N]; row_groups: sizes of consecutive row
+  // groups quantised separately (default: all rows together, as the layer does).
+  m.def("int8_pack(Tensor weight) -> (Tensor, Tensor)");
+  m.def("int8_linear(Tensor input, Tensor packed, Tensor col_sums, Tensor w_scale, Tensor? bias, "
+        "int[]? row_groups=None) -> Tensor");
 }

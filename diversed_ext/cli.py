@@ -8,7 +8,7 @@
     diversed bench e2e    [ARGS...]   runs bench/bench_e2e.py
     diversed train    --task gsm8k --data PATH [--steps --batch-size --lr --acceptance-coef --fidelity-coef ...]
     diversed eval     --task gsm8k --data PATH --method ar sd static diversed [--weight W ...] [--head PATH]
-    diversed pareto   --task gsm8k --data PATH [--weights 0 0.25 0.5 0.75 1] [--head PATH] [--output-dir DIR]
+    diversed pareto   --task gsm8k --data PATH [--weights W ...] [--head PATH ...] [--output-dir DIR]
 
 Without ``--target`` the embedded default pair is used (SmolLM2-135M-Instruct and its int8 copy, see
 :mod:`diversed_ext.models`). Prompts go through the tokenizer's chat template when it has one.
@@ -29,7 +29,7 @@ import torch
 
 from .decoding import METHODS, SpeculativeDecoder, encode_prompt, eos_ids, summarize
 from .head import load_head
-from .research.harness import DEMO_PROMPTS, DEMO_WEIGHTS, demo_methods, run_demo
+from .research.harness import DEMO_NUM_DRAFT, DEMO_PROMPTS, DEMO_WEIGHTS, demo_methods, run_demo
 from .research.report import format_table
 
 
@@ -91,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--prompts", type=_positive_int, default=len(DEMO_PROMPTS),
                       help=f"how many of the built-in prompts to run (default {len(DEMO_PROMPTS)}, cycled past that)")
     _add_model_arguments(demo)
-    demo.set_defaults(max_new_tokens=48)
+    demo.set_defaults(max_new_tokens=48, k=DEMO_NUM_DRAFT)
 
     bench = commands.add_parser("bench", help="run a benchmark script from bench/")
     bench.add_argument("which", choices=("verify", "e2e"), help="verify: bench_verify.py, e2e: bench_e2e.py")
@@ -218,6 +218,8 @@ def _add_task_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_experiment_commands(commands) -> None:
     """The train, eval and pareto sub-commands (see :mod:`diversed_ext.research`)."""
+    from .research.harness import PARETO_WEIGHTS
+
     train = commands.add_parser("train", help="train an ensemble head with RL on a task")
     _add_task_arguments(train)
     train.add_argument("--steps", type=_positive_int, default=50, help="default 50")
@@ -251,12 +253,14 @@ def add_experiment_commands(commands) -> None:
     evaluate.add_argument("--head", help="head folder for diversed ('default': the head shipped for SmolLM2-135M)")
     _add_model_arguments(evaluate)
 
-    pareto = commands.add_parser("pareto", help="static sweep over w plus the DIVERSED point: table and PNG")
+    pareto = commands.add_parser("pareto", help="static sweep over w and every head's point: tables and PNGs")
     _add_task_arguments(pareto)
-    pareto.add_argument("--weights", type=_unit_float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0],
-                        help="static weights (default 0 0.25 0.5 0.75 1)")
-    pareto.add_argument("--head", help="head folder for the DIVERSED point ('default' for the shipped head)")
-    pareto.add_argument("--output-dir", default="runs/pareto", help="where pareto.png and pareto.md go")
+    pareto.add_argument("--weights", type=_unit_float, nargs="+", default=list(PARETO_WEIGHTS),
+                        help=f"static weights (default {' '.join(format(w, 'g') for w in PARETO_WEIGHTS)})")
+    pareto.add_argument("--head", nargs="+", help="one or more head folders, one DIVERSED point each ('default' for "
+                        "the shipped head)")
+    pareto.add_argument("--output-dir", default="runs/pareto",
+                        help="where pareto.png, pareto.md and, with heads, head_weights.png and lowest_w_tokens.md go")
     _add_model_arguments(pareto)
 
 
@@ -271,16 +275,34 @@ def _experiment_setup(args):
         examples = load_task_examples(task, args.data, args.limit)
     except (OSError, ValueError) as error:
         raise UsageError(f"--data: {error}") from None
-    if getattr(args, "head", None) is not None and args.head != "default" and not os.path.isdir(args.head):
-        raise UsageError(f"--head {args.head}: no such head folder")
+    for head in _head_paths(args):
+        if head != "default" and not os.path.isdir(head):
+            raise UsageError(f"--head {head}: no such head folder")
     if getattr(args, "output_dir", None) is not None:
         _require_writable_folder("--output-dir", args.output_dir)
     target, draft, tokenizer = load_models(args.target, args.draft)
     return task, examples, target, draft, tokenizer, eos_ids(tokenizer, target)
 
 
+def _head_paths(args) -> list[str]:
+    """The --head folders given (pareto takes several, eval one)."""
+    heads = getattr(args, "head", None)
+    return [] if heads is None else [heads] if isinstance(heads, str) else list(heads)
+
+
 def _head_for(args, target, draft):
     return _load_head(args.head, target, draft) if getattr(args, "head", None) else None
+
+
+def _heads_by_label(args, target, draft) -> dict:
+    """label -> head for pareto: "diversed" for a single head, "diversed:<folder name>" for several."""
+    paths = _head_paths(args)
+    if len(paths) == 1:
+        return {"diversed": _load_head(paths[0], target, draft)}
+    labels = [f"diversed:{os.path.basename(os.path.normpath(path))}" for path in paths]
+    if len(set(labels)) != len(labels):
+        raise UsageError(f"--head: two head folders share a name: {' '.join(paths)}")
+    return {label: _load_head(path, target, draft) for label, path in zip(labels, paths)}
 
 
 def _run_train(args) -> int:
@@ -337,24 +359,36 @@ def _run_eval(args) -> int:
 
 def _run_pareto(args) -> int:
     from .research.harness import evaluate, pareto_methods
-    from .research.report import compare_to_baselines, comparison_lines, markdown_table, plot_pareto
+    from .research.head_usage import lowest_weight_table, plot_weight_histograms
+    from .research.report import compare_to_baselines, comparison_lines, learned_rows, markdown_table, plot_pareto
 
     task, examples, target, draft, tokenizer, eos = _experiment_setup(args)
-    specs = pareto_methods(args.weights, _head_for(args, target, draft))
+    specs = pareto_methods(args.weights, heads=_heads_by_label(args, target, draft))
     results = evaluate(task, examples, target, draft, tokenizer, specs, num_draft=args.k,
                        max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
                        eos_token_id=eos, chat=not args.no_chat_template)
     table = markdown_table(results, task.metric)
-    comparisons = comparison_lines(compare_to_baselines(results))
-    if comparisons:
-        table += "\n\n" + comparisons
-    os.makedirs(args.output_dir, exist_ok=True)
-    with open(os.path.join(args.output_dir, "pareto.md"), "w") as handle:
-        handle.write(table + "\n")
-    image = plot_pareto(results, os.path.join(args.output_dir, "pareto.png"), task.metric)
+    learned = learned_rows(results)
+    comparisons = [comparison_lines(compare_to_baselines(results, row.label), row.label) for row in learned]
+    if any(comparisons):
+        table += "\n\n" + "\n".join(line for line in comparisons if line)
+    written = [_write_text(args.output_dir, "pareto.md", table),
+               plot_pareto(results, os.path.join(args.output_dir, "pareto.png"), task.metric)]
+    usages = {row.label: row.weight_usage for row in learned if row.weight_usage is not None}
+    if usages:
+        written.append(plot_weight_histograms(usages, os.path.join(args.output_dir, "head_weights.png")))
+        written.append(_write_text(args.output_dir, "lowest_w_tokens.md", lowest_weight_table(usages, tokenizer)))
     print(table)
-    print(f"\nwrote {image} and {os.path.join(args.output_dir, 'pareto.md')}")
+    print(f"\nwrote {', '.join(written)}")
     return 0
+
+
+def _write_text(folder: str, name: str, text: str) -> str:
+    path = os.path.join(folder, name)
+    os.makedirs(folder, exist_ok=True)
+    with open(path, "w") as handle:
+        handle.write(text + "\n")
+    return path
 
 
 EXPERIMENT_HANDLERS = {"train": _run_train, "eval": _run_eval, "pareto": _run_pareto}

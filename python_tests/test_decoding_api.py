@@ -116,6 +116,24 @@ def test_head_sees_the_last_hidden_states_of_both_models(wide_pair):
         context += stats.emitted
 
 
+def test_rounds_record_the_drafts_and_the_weights_the_head_chose(wide_pair):
+    target, draft = wide_pair
+    head = LinearHead(draft.config.hidden_size, target.config.hidden_size)
+    output = SpeculativeDecoder(target, draft, method="diversed", head=head, num_draft=3).generate(
+        PROMPT, max_new_tokens=12, seed=0)
+    tokens = output.sequences[0].tolist()
+    emitted = 0
+    for stats in output.rounds[0]:
+        assert len(stats.draft_tokens) == len(stats.weights) == stats.drafted
+        assert all(0.0 < weight < 1.0 for weight in stats.weights)
+        # The accepted drafts are the round's first output tokens.
+        assert list(stats.draft_tokens[:stats.accepted]) == tokens[emitted:emitted + stats.accepted][:stats.emitted]
+        emitted += stats.emitted
+    static = SpeculativeDecoder(target, draft, method="static", weight=0.5, num_draft=3).generate(
+        PROMPT, max_new_tokens=6, seed=0)
+    assert all(stats.weights == () and len(stats.draft_tokens) == stats.drafted for stats in static.rounds[0])
+
+
 def test_head_weight_one_reproduces_sd_and_zero_accepts_all(wide_pair):
     target, draft = wide_pair
     sd = SpeculativeDecoder(target, draft, method="sd", num_draft=3).generate(PROMPT, max_new_tokens=30, seed=9)

@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import shutil
 
 import pytest
 import torch
@@ -66,7 +67,8 @@ def test_eval_and_pareto_arguments():
                                           "--weight", "0.25", "0.5", "--head", "h", "--limit", "5"])
     assert args.method == ["sd", "static", "diversed"] and args.weight == [0.25, 0.5] and args.limit == 5
     args = cli.build_parser().parse_args(["pareto", "--data", "d"])
-    assert args.weights == [0.0, 0.25, 0.5, 0.75, 1.0] and args.head is None
+    assert args.weights == list(harness.PARETO_WEIGHTS) and len(args.weights) >= 8 and args.head is None
+    assert cli.build_parser().parse_args(["pareto", "--data", "d", "--head", "a", "b"]).head == ["a", "b"]
 
 
 @pytest.mark.parametrize("argv", [["eval", "--method", "beam"], ["eval", "--weight", "1.5"],
@@ -136,6 +138,8 @@ def test_evaluate_on_a_tiny_pair(pair, tmp_path):
         assert 0.0 <= row.quality <= 1.0 and row.fidelity < 0 and row.tokens_per_second > 0
     table = report.markdown_table(results, "exact_match")
     assert table.count("\n") == 1 + len(results) and "| exact_match |" in table
+    assert by_label["diversed"].weight_usage.weights and by_label["sd"].weight_usage is None
+    assert len(by_label["sd"].acceptance_per_prompt) == 3 and by_label["sd"].acceptance_se >= 0
     path = report.plot_pareto(results, str(tmp_path / "pareto.png"))
     assert os.path.getsize(path) > 1000
 
@@ -171,6 +175,23 @@ def test_cli_train_eval_pareto_end_to_end(pair, tmp_path, monkeypatch, capsys):
     assert cli.main(["pareto", "--data", str(data), "--limit", "1", "--weights", "0", "1", "--max-new-tokens", "4",
                      "--output-dir", str(tmp_path / "pareto")]) == 0
     assert (tmp_path / "pareto" / "pareto.png").is_file() and (tmp_path / "pareto" / "pareto.md").is_file()
+    assert not (tmp_path / "pareto" / "head_weights.png").exists()  # no head, no histogram
+    # Two heads: one point each, labelled by folder, a histogram of their weights and their lowest-w tokens.
+    shutil.copytree(run / "head", tmp_path / "second")
+    capsys.readouterr()
+    assert cli.main(["pareto", "--data", str(data), "--limit", "2", "--weights", "0", "0.5", "1",
+                     "--max-new-tokens", "4", "--head", str(run / "head"), str(tmp_path / "second"),
+                     "--output-dir", str(tmp_path / "heads")]) == 0
+    table = capsys.readouterr().out
+    assert "| diversed:head |" in table and "| diversed:second |" in table
+    assert table.count("static frontier at acceptance") + table.count("sd (w = 1)") >= 2
+    assert os.path.getsize(tmp_path / "heads" / "head_weights.png") > 1000
+    lowest = (tmp_path / "heads" / "lowest_w_tokens.md").read_text()
+    assert "### diversed:head:" in lowest and "### diversed:second:" in lowest
+    # Two folders with one name would give two points one label: refused before any model runs.
+    assert cli.main(["pareto", "--data", str(data), "--head", str(run / "head"), str(run / "head"),
+                     "--output-dir", str(tmp_path / "clash")]) == 2
+    assert "share a name" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(not os.path.isfile(os.path.join(DEFAULT_HEAD_DIR, "head.safetensors")),

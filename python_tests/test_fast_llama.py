@@ -87,11 +87,32 @@ def test_rope_scaling_is_taken_from_the_model():
     assert (plain_logits - scaled_logits).abs().max() > 1e-3
 
 
-def test_runner_matches_an_int8_copy():
-    model = tiny_llama(2)
-    draft = quantize_int8(model)
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_runner_matches_an_int8_copy(name):
+    """The lean int8 draft (fused int8_linear products over packed weights) against the copy's own forward through
+    its quantised layers: the same int32 sums, so only float rounding apart."""
+    draft = quantize_int8(tiny_llama(2, **CONFIGS[name]))
     assert supports_fast_forward(draft)
-    run_schedule(draft, LlamaRunner(draft), seed=3, incremental=True)
+    runner = LlamaRunner(draft)
+    assert all(group.int8 is not None for products in runner.projections for group in products)
+    assert runner.head.int8 is not None
+    run_schedule(draft, runner, seed=3, incremental=True)
+
+
+def test_int8_weights_are_packed_again_when_they_change():
+    """Runners share packed weights per module; new int8 weights (set_weight_bias) must not reuse the old packing."""
+    draft = quantize_int8(tiny_llama(2))
+    feed = list(range(6))
+    before, _, _ = LlamaRunner(draft)(feed, None, 6)
+    head = draft.lm_head
+    weight, bias = head._weight_bias()
+    negated = torch.quantize_per_tensor(-weight.dequantize(), weight.q_scale(), 0, torch.qint8)
+    head.set_weight_bias(negated, bias)
+    after, _, _ = LlamaRunner(draft)(feed, None, 6)
+    with torch.inference_mode():
+        expected = draft(torch.tensor([feed])).logits[0]
+    torch.testing.assert_close(after, expected, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(before, after)
 
 
 @pytest.mark.parametrize("capacity", [1, 3, 8])

@@ -138,6 +138,26 @@ def test_greedy_sd_equals_greedy_ar_on_the_real_pair(default_pair):
     assert summary.drafted > 0 and summary.target_passes < GREEDY_TOKENS  # the draft really helped
 
 
+def test_lean_draft_equals_the_quantised_layers_on_the_real_pair(default_pair):
+    """The draft's lean forward (packed int8 products) against its own forward through the quantised layers, feed
+    by feed as the decoding loop makes them: float rounding apart, never a different argmax."""
+    from diversed_ext.decoding.fast_llama import LlamaRunner
+    from diversed_ext.decoding.runners import HFRunner
+
+    _, draft, tokenizer = default_pair
+    lean, reference = LlamaRunner(draft), HFRunner(draft, torch.device("cpu"))
+    assert lean.head.int8 is not None
+    feeds = [encode_prompt(tokenizer, SHORT_PROMPT), [330], [2114, 314, 253], [28]]
+    lean_cache = reference_cache = None
+    with torch.inference_mode():
+        for feed in feeds:
+            logits, hidden, lean_cache = lean(feed, lean_cache, len(feed), True)
+            expected, expected_hidden, reference_cache = reference(feed, reference_cache, len(feed), True)
+            torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-3)
+            torch.testing.assert_close(hidden, expected_hidden, rtol=1e-4, atol=1e-4)
+            assert torch.equal(logits.argmax(-1), expected.argmax(-1))
+
+
 def test_missing_package_error_gives_the_pip_command(monkeypatch):
     real_find_spec = importlib.util.find_spec
 

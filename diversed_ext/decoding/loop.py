@@ -281,7 +281,9 @@ class SpeculativeDecoder:
         state.round_index += 1
         stats = RoundStats(drafted=num_drafted, accepted=num_accepted, emitted=emitted,
                            draft_seconds=draft.seconds, target_seconds=target_end - target_start,
-                           head_seconds=head_end - target_end, verify_seconds=verify_end - head_end)
+                           head_seconds=head_end - target_end, verify_seconds=verify_end - head_end,
+                           draft_tokens=tuple(draft.tokens),
+                           weights=tuple(weight.flatten().tolist()) if torch.is_tensor(weight) else ())
         stats.round_seconds = clock() - round_start
         state.rounds.append(stats)
         return stats

@@ -22,6 +22,9 @@ class RoundStats:
         head_seconds: the weight head (``diversed`` only).
         verify_seconds: the verification call (fused softmax of both models' logits, accept tests, final sample).
         round_seconds: wall time of the whole round; the rest is sampling, bookkeeping and cache cropping.
+        draft_tokens: the tokens the draft proposed, in order (accepted or not).
+        weights: the w the head chose for each of ``draft_tokens`` (``diversed`` only; empty otherwise), so a run
+            can show what its head learned.
     """
 
     drafted: int
@@ -32,6 +35,8 @@ class RoundStats:
     head_seconds: float = 0.0
     verify_seconds: float = 0.0
     round_seconds: float = 0.0
+    draft_tokens: tuple = ()
+    weights: tuple = ()
 
     @property
     def overhead_seconds(self) -> float:

@@ -45,3 +45,15 @@ def _token_stats_fake(draft, target, tokens, temperature, from_logits):
 @torch.library.register_fake("diversed::mix")
 def _mix_fake(draft, target, weight, temperature, from_logits):
     return draft.new_empty(draft.shape, dtype=torch.float32)
+
+
+@torch.library.register_fake("diversed::int8_pack")
+def _int8_pack_fake(weight):
+    out_features, in_features = weight.shape
+    tiles, groups = -(-out_features // 16), -(-in_features // 4)  # the tile layout of csrc/cpu/int8_gemm.h
+    return weight.new_empty((tiles * groups * 64,)), weight.new_empty((out_features,), dtype=torch.int32)
+
+
+@torch.library.register_fake("diversed::int8_linear")
+def _int8_linear_fake(input, packed, col_sums, w_scale, bias, row_groups=None):
+    return input.new_empty((*input.shape[:-1], w_scale.shape[0]))

@@ -10,11 +10,12 @@ Rules shared by all of them, so their numbers compare:
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 from tqdm.auto import tqdm
 
 from ..decoding import SpeculativeDecoder, encode_prompt, summarize
+from .head_usage import weight_usage
 from .report import MethodResult, _mean
 from .tasks import Task
 from .teacher_forcing import fidelity
@@ -26,7 +27,12 @@ DEMO_PROMPTS = (
     "What is the capital of France, and what is it famous for?",
 )
 DEMO_WEIGHTS = (0.75, 0.5)
-PARETO_WEIGHTS = (0.0, 0.25, 0.5, 0.75, 1.0)
+# Drafts per round in the demo: the K with the most diversed tokens/s in `bench/bench_e2e.py --k 1 2 3 4 5` (4 demo
+# prompts, 48 new tokens, 2 threads, 2026-11-23, lean int8 draft, two-row target products): diversed 1.31/1.26/1.38/
+# 1.18/1.00x ar at K = 1..5; static w=0.5 1.37/1.28/1.30/1.37/1.09x and sd 1.31/1.29/1.15/1.21/0.89x are flat within
+# noise up to K = 4. Past K = 4 the target's verify pass grows faster than acceptance pays (docs/RESULTS.md).
+DEMO_NUM_DRAFT = 3
+PARETO_WEIGHTS = (0.0, 0.125, 0.25, 0.375, 0.5, 0.625, 0.75, 0.875, 1.0)  # w = 1 is sd
 WARMUP_TOKENS = 4  # new tokens of each method's untimed first run
 
 # (prompt index, seed, max_new_tokens) -> whatever the experiment records for that run
@@ -69,23 +75,6 @@ def encode_examples(task: Task, examples: Sequence[dict], tokenizer, chat: bool 
     return [encode_prompt(tokenizer, task.prompt(example), chat=chat) for example in examples]
 
 
-class _RecordingHead:
-    """Wraps a head so the weights it hands the verifier can be averaged afterwards."""
-
-    def __init__(self, head):
-        self.head, self.total, self.count = head, 0.0, 0
-
-    def __call__(self, draft_hidden, target_hidden):
-        weights = self.head(draft_hidden, target_hidden)
-        self.total += float(weights.sum())
-        self.count += weights.numel()
-        return weights
-
-    @property
-    def mean(self) -> float:
-        return self.total / self.count if self.count else math.nan
-
-
 def method_specs(methods: Sequence[str], weights: Sequence[float], head=None) -> list[tuple[str, dict]]:
     """(label, SpeculativeDecoder kwargs) for each method name; ``static`` expands to one entry per weight."""
     specs = []
@@ -101,9 +90,15 @@ def method_specs(methods: Sequence[str], weights: Sequence[float], head=None) ->
     return specs
 
 
-def pareto_methods(weights: Sequence[float] = PARETO_WEIGHTS, head=None) -> list[tuple[str, dict]]:
-    """The static sweep (w = 1 is sd) plus the DIVERSED point when a head is given."""
-    return method_specs(["static"] + (["diversed"] if head is not None else []), weights, head)
+def pareto_methods(weights: Sequence[float] = PARETO_WEIGHTS, head=None,
+                   heads: Optional[Mapping[str, Any]] = None) -> list[tuple[str, dict]]:
+    """The static sweep (w = 1 is sd) plus one DIVERSED point per head: ``head`` is labelled "diversed", each of
+    ``heads`` (label -> head) by its label."""
+    heads = dict(heads or {})
+    if head is not None:
+        heads = {"diversed": head, **heads}
+    return method_specs(["static"], weights) + [(label, {"method": "diversed", "head": learned})
+                                                for label, learned in heads.items()]
 
 
 def demo_methods(weights: Sequence[float] = DEMO_WEIGHTS, head=None) -> list[tuple[str, dict]]:
@@ -125,8 +120,6 @@ def evaluate(task: Task, examples: Sequence[dict], target, draft, tokenizer, spe
              eos_token_id=None, chat: bool = True, progress: bool = True) -> list[MethodResult]:
     """Run every method on every example and score the outputs: task reward and fidelity per prompt."""
     prompts = encode_examples(task, examples, tokenizer, chat)
-    recorders = {label: _RecordingHead(kwargs["head"]) for label, kwargs in specs if kwargs.get("head") is not None}
-    specs = [(label, dict(kwargs, head=recorders[label]) if label in recorders else kwargs) for label, kwargs in specs]
     decoders = build_decoders(target, draft, specs, num_draft=num_draft, temperature=temperature)
 
     def scored(label: str) -> Runner:
@@ -141,17 +134,19 @@ def evaluate(task: Task, examples: Sequence[dict], target, draft, tokenizer, spe
 
     runs = run_interleaved([(label, scored(label)) for label, _ in specs], len(prompts), seed=seed,
                            max_new_tokens=max_new_tokens, warmup=False, desc=f"eval {task.name}", progress=progress)
-    return [_method_result(label, kwargs, runs[label], recorders.get(label)) for label, kwargs in specs]
+    return [_method_result(label, kwargs, runs[label]) for label, kwargs in specs]
 
 
-def _method_result(label: str, kwargs: dict, runs: list, recorder) -> MethodResult:
+def _method_result(label: str, kwargs: dict, runs: list) -> MethodResult:
     generations, quality, fidelities = ([run[i] for run in runs] for i in range(3))
     summary = summarize(generations)
-    if recorder is not None:
-        weight = recorder.mean
+    usage = weight_usage(generations)
+    if usage is not None:
+        weight = usage.mean
     else:
         weight = {"ar": math.nan, "sd": 1.0}.get(kwargs["method"], kwargs.get("weight", math.nan))
     finite_fidelities = [value for value in fidelities if not math.isnan(value)]
     return MethodResult(label, weight, summary.acceptance_rate, summary.tokens_per_pass, _mean(quality),
                         _mean(finite_fidelities), summary.tokens_per_second, summary.new_tokens, summary.seconds,
-                        tuple(fidelities), tuple(quality))
+                        tuple(fidelities), tuple(quality),
+                        tuple(generation.summary().acceptance_rate for generation in generations), usage)

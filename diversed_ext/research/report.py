@@ -29,11 +29,23 @@ class MethodResult:
     seconds: float
     fidelity_per_prompt: tuple = ()  # prompt by prompt (NaN where nothing was generated), for paired comparisons
     quality_per_prompt: tuple = ()
+    acceptance_per_prompt: tuple = ()  # NaN where nothing was drafted
+    weight_usage: Optional[object] = None  # a head's per-token weights (research.head_usage.WeightUsage)
 
     @property
     def fidelity_se(self) -> float:
         """Standard error of the mean fidelity over prompts."""
         return standard_error([value for value in self.fidelity_per_prompt if not math.isnan(value)])
+
+    @property
+    def acceptance_se(self) -> float:
+        """Standard error of the acceptance over prompts (each prompt's accepted over drafted)."""
+        return standard_error([value for value in self.acceptance_per_prompt if not math.isnan(value)])
+
+    @property
+    def quality_se(self) -> float:
+        """Standard error of the mean task quality over prompts."""
+        return standard_error(list(self.quality_per_prompt))
 
 
 def _mean(values: Sequence[float]) -> float:
@@ -138,34 +150,67 @@ def markdown_table(results: Sequence[MethodResult], metric: str = "quality") -> 
                                   for row in results])
 
 
-def plot_pareto(results: Sequence[MethodResult], path: str, metric: str = "quality") -> str:
-    """Acceptance and quality/fidelity against w and against tokens/s: static sweep as lines, DIVERSED as a star."""
+def new_figure(columns: int, figsize: tuple):
+    """A figure with ``columns`` axes side by side, drawn off-screen (no display needed)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    static = _static_rows(results, key=lambda row: row.weight)
-    learned = [row for row in results if row.label == "diversed"]
-    panels = [("weight", "acceptance", "w on the target"), ("weight", "fidelity", "w on the target"),
-              ("tokens_per_second", "fidelity", "tokens/s"), ("acceptance", "quality", "acceptance rate")]
-    figure, axes = plt.subplots(1, 4, figsize=(17, 3.8))
-    for axis, (x_name, y_name, x_label) in zip(axes, panels):
-        axis.plot([getattr(row, x_name) for row in static], [getattr(row, y_name) for row in static], "o-",
-                  label="static ensembles")
-        for row in static:
-            axis.annotate(f"{row.weight:g}", (getattr(row, x_name), getattr(row, y_name)), fontsize=7)
-        for row in learned:
-            axis.plot(getattr(row, x_name), getattr(row, y_name), "r*", markersize=13, label="DIVERSED (head)")
-        axis.set_xlabel(x_label)
-        axis.set_ylabel(metric if y_name == "quality" else y_name)
-        axis.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
+    return plt.subplots(1, columns, figsize=figsize)
+
+
+def save_figure(figure, path: str) -> str:
+    """Lay out ``figure``, write it as a PNG at ``path`` (creating its folder) and free it; returns ``path``."""
+    import matplotlib.pyplot as plt
+
     figure.tight_layout()
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     figure.savefig(path, dpi=110)
     plt.close(figure)
     return path
+
+
+def learned_rows(results: Sequence[MethodResult]) -> list[MethodResult]:
+    """The rows decided by a head (labelled "diversed" or "diversed:<name>")."""
+    return [row for row in results if row.label.split(":")[0] == "diversed"]
+
+
+_PARETO_PANELS = (  # (x, y, x label): the frontier first
+    ("acceptance", "fidelity", "acceptance rate"), ("acceptance", "quality", "acceptance rate"),
+    ("weight", "acceptance", "w on the target (a head's mean w)"), ("tokens_per_second", "fidelity", "tokens/s"))
+_ERRORS = {"acceptance": "acceptance_se", "fidelity": "fidelity_se", "quality": "quality_se"}
+_HEAD_MARKERS = "*Dsv^P"
+
+
+def _value_and_error(row: MethodResult, name: str) -> tuple[float, float]:
+    error = getattr(row, _ERRORS[name]) if name in _ERRORS else math.nan
+    return getattr(row, name), (0.0 if math.isnan(error) else error)
+
+
+def plot_pareto(results: Sequence[MethodResult], path: str, metric: str = "quality") -> str:
+    """The static frontier (a line through the sweep over w) and every head's point, +- one standard error over
+    prompts: fidelity and quality against acceptance, acceptance against w, fidelity against tokens/s."""
+    static = _static_rows(results, key=lambda row: row.weight)
+    figure, axes = new_figure(len(_PARETO_PANELS), (18, 4.2))
+    for axis, (x_name, y_name, x_label) in zip(axes, _PARETO_PANELS):
+        points = [(*_value_and_error(row, x_name), *_value_and_error(row, y_name)) for row in static]
+        if points:
+            x, x_error, y, y_error = zip(*points)
+            axis.errorbar(x, y, xerr=x_error, yerr=y_error, fmt="o-", capsize=2, label="static ensembles")
+        for row, (x_value, _, y_value, _) in zip(static, points):
+            axis.annotate(f"{row.weight:g}", (x_value, y_value), fontsize=7)
+        for marker, row in zip(_HEAD_MARKERS * len(results), learned_rows(results)):
+            x_value, x_error = _value_and_error(row, x_name)
+            y_value, y_error = _value_and_error(row, y_name)
+            axis.errorbar([x_value], [y_value], xerr=[x_error], yerr=[y_error], fmt=marker, markersize=10,
+                          capsize=2, label=row.label)
+        axis.set_xlabel(x_label)
+        axis.set_ylabel(metric if y_name == "quality" else y_name)
+        axis.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    axes[0].set_title("fidelity: mean target log-prob per token", fontsize=9)
+    return save_figure(figure, path)
 
 
 def format_table(rows: Sequence[tuple[str, DecodingSummary]], baseline: str = "ar") -> str:
@@ -185,13 +230,8 @@ def plot_training_curve(records: list[dict], path: str) -> Optional[str]:
     """Mean weight, expected acceptance, task reward and fidelity against the step, as a PNG."""
     if not records:
         return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     steps = [record["step"] for record in records]
-    figure, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    figure, axes = new_figure(3, (13, 3.6))
     axes[0].plot(steps, [r["mean_weight"] for r in records], label="mean w (on target)")
     axes[0].plot(steps, [r["expected_acceptance"] for r in records], label="expected acceptance 1 - w TV")
     axes[0].set_ylim(0, 1)
@@ -203,8 +243,4 @@ def plot_training_curve(records: list[dict], path: str) -> Optional[str]:
     for axis in axes:
         axis.set_xlabel("step")
         axis.grid(alpha=0.3)
-    figure.tight_layout()
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-    return path
+    return save_figure(figure, path)

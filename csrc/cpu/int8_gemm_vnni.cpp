@@ -1,0 +1,139 @@
+// The int8 product tiles of int8_gemm.h with AVX-512 VNNI (vpdpbusd: 16 lanes of 4-term u8 x s8 dot products added to
+// int32), the only code built for that instruction set; use_vnni() checks the CPU at run time before calling it.
+//
+// As in kernels_avx2.cpp, every outside header is included BEFORE the target pragma, so inline functions of the
+// standard library keep their default-target definitions. The int32 sums are exact, so these tiles agree with
+// gemm_tiles_portable bit for bit (the epilogue is the same store_tile).
+#include "int8_gemm.h"
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512vnni,avx512bw,avx512vl")
+
+namespace diversed {
+namespace cpu {
+namespace int8 {
+namespace {
+
+// Rows [row, row + R) of one tile: the tile's weights are read once per R rows; two accumulators per row over
+// alternate groups keep two vpdpbusd chains in flight (its latency is several cycles).
+template <int R>
+void tile_rows(const GemmProblem& p, int64_t tile, int64_t row) {
+  const int64_t stride = p.groups * kGroup;
+  const int8_t* weights = p.packed + tile * p.groups * kTileBytes;
+  const uint8_t* x = p.xq + row * stride;
+  __m512i even[R], odd[R];
+  for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm512_setzero_si512();
+  int64_t g = 0;
+  for (; g + 2 <= p.groups; g += 2) {
+    const __m512i w0 = _mm512_loadu_si512(weights + g * kTileBytes);
+    const __m512i w1 = _mm512_loadu_si512(weights + (g + 1) * kTileBytes);
+    for (int r = 0; r < R; ++r) {
+      int32_t a0, a1;
+      std::memcpy(&a0, x + r * stride + g * kGroup, sizeof(a0));
+      std::memcpy(&a1, x + r * stride + (g + 1) * kGroup, sizeof(a1));
+      even[r] = _mm512_dpbusd_epi32(even[r], _mm512_set1_epi32(a0), w0);
+      odd[r] = _mm512_dpbusd_epi32(odd[r], _mm512_set1_epi32(a1), w1);
+    }
+  }
+  if (g < p.groups) {
+    const __m512i w0 = _mm512_loadu_si512(weights + g * kTileBytes);
+    for (int r = 0; r < R; ++r) {
+      int32_t a0;
+      std::memcpy(&a0, x + r * stride + g * kGroup, sizeof(a0));
+      even[r] = _mm512_dpbusd_epi32(even[r], _mm512_set1_epi32(a0), w0);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    alignas(64) int32_t sums[kTileRows];
+    _mm512_store_si512(sums, _mm512_add_epi32(even[r], odd[r]));
+    store_tile(p, row + r, tile, sums);
+  }
+}
+
+}  // namespace
+
+void gemm_tiles_vnni(const GemmProblem& p, int64_t tile_begin, int64_t tile_end) {
+  for (int64_t tile = tile_begin; tile < tile_end; ++tile) {
+    int64_t row = 0;
+    for (; row + kMaxRowBlock <= p.M; row += kMaxRowBlock) tile_rows<kMaxRowBlock>(p, tile, row);
+    switch (p.M - row) {
+      case 3: tile_rows<3>(p, tile, row); break;
+      case 2: tile_rows<2>(p, tile, row); break;
+      case 1: tile_rows<1>(p, tile, row); break;
+      default: break;
+    }
+  }
+}
+
+// find_min_max with 16 lanes at a time: max/min_ps return their second operand when either is NaN, so NaNs are
+// skipped as in the scalar version; a tensor of NaNs only gives (0, 0) as there.
+void find_min_max_vnni(const float* x, int64_t count, float* min_out, float* max_out) {
+  __m512 lo = _mm512_set1_ps(INFINITY), hi = _mm512_set1_ps(-INFINITY);
+  int64_t i = 0;
+  for (; i + 16 <= count; i += 16) {
+    const __m512 v = _mm512_loadu_ps(x + i);
+    lo = _mm512_min_ps(v, lo);
+    hi = _mm512_max_ps(v, hi);
+  }
+  float low = _mm512_reduce_min_ps(lo), high = _mm512_reduce_max_ps(hi);
+  for (; i < count; ++i) {
+    if (std::isnan(x[i])) continue;
+    low = std::min(low, x[i]);
+    high = std::max(high, x[i]);
+  }
+  if (low > high) low = high = 0.f;  // nothing but NaNs
+  *min_out = low;
+  *max_out = high;
+}
+
+// quantize_rows with 16 lanes at a time: the same fused multiply-add, clamped to [0, 255] before the conversion
+// (max_ps turns NaN into 0) and rounded to nearest even by the conversion, which equals rounding first.
+void quantize_rows_vnni(const float* x, int64_t M, int64_t K, int64_t stride, ActivationParams params, uint8_t* xq) {
+  const float inverse = 1.0f / params.scale;
+  const __m512 inverse_v = _mm512_set1_ps(inverse), zero_point_v = _mm512_set1_ps(float(params.zero_point));
+  const __m512 low = _mm512_setzero_ps(), high = _mm512_set1_ps(255.f);
+  for (int64_t m = 0; m < M; ++m) {
+    const float* row = x + m * K;
+    uint8_t* out = xq + m * stride;
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) {
+      __m512 v = _mm512_fmadd_ps(_mm512_loadu_ps(row + k), inverse_v, zero_point_v);
+      v = _mm512_min_ps(_mm512_max_ps(v, low), high);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + k), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(v)));
+    }
+    quantize_rows(row + k, 1, K - k, K - k, params, out + k);
+    std::memset(out + K, 0, static_cast<size_t>(stride - K));
+  }
+}
+
+bool vnni_build_available() { return true; }
+
+}  // namespace int8
+}  // namespace cpu
+}  // namespace diversed
+
+#pragma GCC pop_options
+
+#else  // no x86-64 GCC/Clang: the portable tiles only
+
+namespace diversed {
+namespace cpu {
+namespace int8 {
+void gemm_tiles_vnni(const GemmProblem& p, int64_t tile_begin, int64_t tile_end) {
+  gemm_tiles_portable(p, tile_begin, tile_end);
+}
+void find_min_max_vnni(const float* x, int64_t count, float* min_out, float* max_out) {
+  find_min_max(x, count, min_out, max_out);
+}
+void quantize_rows_vnni(const float* x, int64_t M, int64_t K, int64_t stride, ActivationParams params, uint8_t* xq) {
+  quantize_rows(x, M, K, stride, params, xq);
+}
+bool vnni_build_available() { return false; }
+}  // namespace int8
+}  // namespace cpu
+}  // namespace diversed
+
+#endif

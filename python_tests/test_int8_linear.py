@@ -1,0 +1,162 @@
+"""diversed::int8_pack / int8_linear against torch's dynamically quantised linear layer (quantize_dynamic, fbgemm).
+
+The op quantises its input as that layer does, so the int32 sums are the same and the outputs differ only by float
+rounding in the rescaling: the comparisons below allow a few ulps of the output's magnitude, far below one step of
+the input's quantisation (which would move an output by x_scale * w_scale * |w|, i.e. about 1e-3 relative)."""
+
+import pytest
+import torch
+
+from diversed_ext.models import quantize_int8
+from diversed_ext.ops.int8 import int8_linear, pack_int8
+
+ROUNDING = 2e-6  # relative to the largest output: float rounding of the rescaling, nothing more
+
+
+def int8_layer(out_features, in_features, bias, seed):
+    torch.manual_seed(seed)
+    return quantize_int8(torch.nn.Sequential(torch.nn.Linear(in_features, out_features, bias=bias)))[0]
+
+
+def parts_of(layer):
+    weight, bias = layer._weight_bias()
+    return weight.int_repr(), weight.q_scale(), bias
+
+
+def assert_matches_layer(layer, x):
+    expected = layer(x)
+    got = int8_linear(x, pack_int8([parts_of(layer)]))
+    assert got.shape == expected.shape
+    tolerance = ROUNDING * max(1.0, float(expected.abs().max()))
+    assert float((got - expected).abs().max()) <= tolerance
+
+
+@pytest.mark.parametrize("out_features,in_features,rows", [(1, 1, 1), (17, 5, 1), (16, 4, 1), (33, 63, 3),
+                                                          (96, 130, 4), (50, 7, 5), (576, 576, 1), (200, 1536, 9)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_matches_the_quantised_layer(out_features, in_features, rows, bias):
+    layer = int8_layer(out_features, in_features, bias, seed=out_features + in_features + rows)
+    generator = torch.Generator().manual_seed(rows)
+    for shift in (0.0, 1.5, -1.5):  # inputs of both signs, all positive (zero point 0), all negative (zero point 127)
+        assert_matches_layer(layer, torch.randn(rows, in_features, generator=generator) * 2.0 + shift)
+
+
+@pytest.mark.parametrize("scale", [0.0, 1e-7, 1e4])
+def test_matches_the_layer_on_zero_tiny_and_large_inputs(scale):
+    """Zero input (scale falls back to 0.1), tiny inputs (the minimum scale kicks in), large ones."""
+    layer = int8_layer(40, 24, True, seed=1)
+    assert_matches_layer(layer, torch.randn(3, 24, generator=torch.Generator().manual_seed(2)) * scale)
+
+
+def test_leading_dimensions_and_zero_rows():
+    layer = int8_layer(10, 12, True, seed=3)
+    packed = pack_int8([parts_of(layer)])
+    x = torch.randn(2, 3, 12)
+    assert int8_linear(x, packed).shape == (2, 3, 10)
+    torch.testing.assert_close(int8_linear(x, packed), layer(x), rtol=0, atol=1e-5)
+    assert int8_linear(torch.empty(0, 12), packed).shape == (0, 10)
+    assert int8_linear(torch.empty(4, 0, 12), packed).shape == (4, 0, 10)
+
+
+def test_fused_parts_equal_separate_calls():
+    """q/k/v read the same input, so one call over the three packed together gives each part's own output exactly."""
+    layers = [int8_layer(n, 24, bias, seed=n) for n, bias in ((32, False), (8, True), (8, False))]
+    x = torch.randn(3, 24)
+    fused = int8_linear(x, pack_int8([parts_of(layer) for layer in layers]))
+    separate = [int8_linear(x, pack_int8([parts_of(layer)])) for layer in layers]
+    assert torch.equal(fused, torch.cat(separate, dim=-1))
+
+
+@pytest.mark.parametrize("build", ["default", "baseline"])
+def test_row_groups_give_each_group_what_it_gets_alone(build, monkeypatch):
+    """Sequences stacked into one call (a batched decoding pass) each get exactly their own call's result, though
+    their ranges differ widely (one group all positive, one around zero, one large)."""
+    if build == "baseline":
+        monkeypatch.setenv("DIVERSED_CPU_CAPABILITY", "baseline")
+    layer = int8_layer(40, 37, True, seed=8)
+    packed = pack_int8([parts_of(layer)])
+    generator = torch.Generator().manual_seed(9)
+    groups = [torch.rand(3, 37, generator=generator) + 1.0, torch.randn(1, 37, generator=generator),
+              torch.randn(2, 37, generator=generator) * 50.0]
+    stacked = int8_linear(torch.cat(groups), packed, row_groups=[3, 1, 2])
+    alone = torch.cat([int8_linear(group, packed) for group in groups])
+    assert torch.equal(stacked, alone)
+    assert not torch.equal(int8_linear(torch.cat(groups), packed), alone)  # one shared quantisation differs
+    assert torch.equal(int8_linear(torch.cat(groups), packed, row_groups=[6]), int8_linear(torch.cat(groups), packed))
+    assert_matches_layer(layer, groups[1])  # a group alone is still the layer's own arithmetic
+
+
+def test_bad_row_groups_are_refused_by_both_checks():
+    packed = pack_int8([parts_of(int8_layer(8, 8, False, seed=10))])
+    x = torch.randn(3, 8)
+    for groups in ([1, 1], [2, 2], [3, 0], [-1, 4]):
+        with pytest.raises(ValueError, match="row_groups"):
+            int8_linear(x, packed, row_groups=groups)
+        with pytest.raises(RuntimeError, match="row_groups"):
+            int8_linear(x, packed, row_groups=groups, check=False)
+
+
+def test_portable_build_equals_the_vnni_build(monkeypatch):
+    packed = pack_int8([parts_of(int8_layer(70, 45, True, seed=4))])
+    x = torch.randn(6, 45)
+    default = int8_linear(x, packed)
+    monkeypatch.setenv("DIVERSED_CPU_CAPABILITY", "baseline")
+    assert torch.equal(int8_linear(x, packed), default)
+
+
+@pytest.mark.parametrize("in_features", [9, 40])  # the scalar loops only, and 16-lane vectors with a tail
+def test_non_finite_inputs_stay_memory_safe_and_agree_across_builds(in_features, monkeypatch):
+    packed = pack_int8([parts_of(int8_layer(20, in_features, False, seed=5))])
+    cases = [torch.randn(2, in_features) for _ in range(3)]
+    cases[0][0, 3], cases[0][1, 0] = float("nan"), float("inf")
+    cases[1][:, 5] = float("nan")
+    cases[2][:] = float("nan")
+    default = [int8_linear(x, packed) for x in cases]
+    monkeypatch.setenv("DIVERSED_CPU_CAPABILITY", "baseline")
+    for x, expected in zip(cases, default):
+        assert expected.shape == (2, 20)
+        torch.testing.assert_close(int8_linear(x, packed), expected, rtol=0, atol=0, equal_nan=True)
+
+
+def test_bad_arguments_name_the_argument():
+    layer = int8_layer(16, 8, True, seed=6)
+    packed = pack_int8([parts_of(layer)])
+    weight, scale, bias = parts_of(layer)
+    with pytest.raises(ValueError, match="input"):
+        int8_linear(torch.randn(2, 9), packed)
+    with pytest.raises(TypeError, match="input"):
+        int8_linear(torch.randn(2, 8, dtype=torch.float64), packed)
+    with pytest.raises(ValueError, match="weights"):
+        pack_int8([])
+    with pytest.raises(TypeError, match=r"weights\[0\]"):
+        pack_int8([(weight.float(), scale, bias)])
+    with pytest.raises(ValueError, match=r"weights\[1\].*in_features"):
+        pack_int8([(weight, scale, bias), (weight[:, :4].contiguous(), scale, None)])
+    with pytest.raises(ValueError, match=r"weights\[0\].*scale"):
+        pack_int8([(weight, 0.0, bias)])
+    with pytest.raises(ValueError, match=r"weights\[0\].*bias"):
+        pack_int8([(weight, scale, bias[:3])])
+    # The native op checks its own arguments too: never a read past a buffer.
+    with pytest.raises(RuntimeError, match="packed"):
+        torch.ops.diversed.int8_linear(torch.randn(1, 8), packed.packed[:-1], packed.col_sums, packed.w_scale, None)
+    with pytest.raises(RuntimeError, match="col_sums"):
+        torch.ops.diversed.int8_linear(torch.randn(1, 8), packed.packed, packed.col_sums[:3], packed.w_scale, None)
+    with pytest.raises(RuntimeError, match="bias"):
+        torch.ops.diversed.int8_linear(torch.randn(1, 8), packed.packed, packed.col_sums, packed.w_scale,
+                                       packed.bias[:2])
+    with pytest.raises(RuntimeError, match="weight"):
+        torch.ops.diversed.int8_pack(torch.zeros(3, dtype=torch.int8))
+
+
+def test_opcheck():
+    layer = int8_layer(21, 13, True, seed=7)
+    weight, scale, bias = parts_of(layer)
+    torch.library.opcheck(torch.ops.diversed.int8_pack.default, (weight,))
+    packed = pack_int8([(weight, scale, bias)])
+    for x in (torch.randn(1, 13), torch.randn(2, 3, 13)):
+        torch.library.opcheck(torch.ops.diversed.int8_linear.default,
+                              (x, packed.packed, packed.col_sums, packed.w_scale, packed.bias))
+    torch.library.opcheck(torch.ops.diversed.int8_linear.default,
+                          (torch.randn(4, 13), packed.packed, packed.col_sums, packed.w_scale, None))
+    torch.library.opcheck(torch.ops.diversed.int8_linear.default,
+                          (torch.randn(5, 13), packed.packed, packed.col_sums, packed.w_scale, packed.bias, [2, 3]))
