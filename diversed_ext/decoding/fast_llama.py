@@ -120,50 +120,87 @@ class LlamaRunner:
 
     @torch.no_grad()
     def __call__(self, feed: list[int], cache: Optional[StaticKVCache], num_logits: int, want_hidden: bool = True):
-        if not feed:
+        logits, hidden, caches = self.run_rows([feed], [cache], [num_logits], want_hidden)
+        return logits, hidden, caches[0]
+
+    @torch.no_grad()
+    def run_rows(self, feeds: list[list[int]], caches: list, num_logits: list[int], want_hidden: bool = True):
+        """Several sequences in one pass: row r appends ``feeds[r]`` to ``caches[r]`` (a new cache when None).
+
+        Every product runs once over all rows' new tokens stacked (``[sum of feeds, H] @ W``); attention runs row by
+        row over the row's own cache, so no token sees another row and nothing is padded. Returns ``(logits, hidden,
+        caches)`` with the last ``num_logits[r]`` positions of each row stacked in row order.
+        """
+        if not feeds or any(not feed for feed in feeds):
             raise ValueError("feed must hold at least one token id")
-        cache = StaticKVCache() if cache is None else cache
         base = self.model.model
         embed = base.embed_tokens
-        input_ids = torch.tensor([feed], dtype=torch.int64, device=embed.weight.device)
-        states = embed(input_ids)  # [1, n, H]
-        start, count = cache.length, len(feed)
-        end = start + count
-        positions = torch.arange(start, end, device=states.device).unsqueeze(0)
-        cos, sin = (part.unsqueeze(1) for part in base.rotary_emb(states, positions))  # [1, 1, n, head_dim]
-        # New token i sees the prefix and new tokens 0..i; a single token sees everything, so it needs no mask.
-        mask = None
-        if count > 1:
-            mask = torch.ones(count, end, dtype=torch.bool, device=states.device).tril(start)
-        cache.reserve(end, len(self.layers), self.num_kv_heads, self.head_dim, states)
+        caches = [StaticKVCache() if cache is None else cache for cache in caches]
+        input_ids = torch.tensor([[token for feed in feeds for token in feed]], dtype=torch.int64,
+                                 device=embed.weight.device)
+        states = embed(input_ids)  # [1, n, H]: every row's new tokens, one after another
+        spans = _row_spans(feeds, caches, states.device)
+        positions = torch.cat([torch.arange(span.start, span.end, device=states.device) for span in spans])
+        cos, sin = (part.unsqueeze(1) for part in base.rotary_emb(states, positions.unsqueeze(0)))
+        for span in spans:
+            span.cache.reserve(span.end, len(self.layers), self.num_kv_heads, self.head_dim, states)
         for index, layer in enumerate(self.layers):
-            states = states + self._attention(layer.self_attn, layer.input_layernorm(states), cos, sin, mask,
-                                              cache, index, start, end)
+            states = states + self._attention(layer.self_attn, layer.input_layernorm(states), cos, sin, spans, index)
             states = states + self._mlp(layer.mlp, layer.post_attention_layernorm(states))
-        cache.length = end
-        hidden = base.norm(states[0, -num_logits:])
-        return _linear(hidden, self.model.lm_head), hidden, cache
+        for span in spans:
+            span.cache.length = span.end
+        last = [span.offset + span.count - wanted + position for span, wanted in zip(spans, num_logits)
+                for position in range(wanted)]
+        hidden = base.norm(states[0, last])
+        return _linear(hidden, self.model.lm_head), hidden, caches
 
-    def _attention(self, attention, states, cos, sin, mask, cache: StaticKVCache, index: int, start: int,
-                   end: int) -> torch.Tensor:
+    def _attention(self, attention, states, cos, sin, spans: list["_RowSpan"], index: int) -> torch.Tensor:
         count = states.shape[1]
         query = _linear(states, attention.q_proj).view(1, count, self.num_heads, self.head_dim).transpose(1, 2)
         key = _linear(states, attention.k_proj).view(1, count, self.num_kv_heads, self.head_dim).transpose(1, 2)
         value = _linear(states, attention.v_proj).view(1, count, self.num_kv_heads, self.head_dim).transpose(1, 2)
         query = query * cos + _rotate_half(query) * sin
         key = key * cos + _rotate_half(key) * sin
-        cache.keys[index, :, start:end] = key[0]
-        cache.values[index, :, start:end] = value[0]
-        keys = cache.keys[index, :, :end].unsqueeze(0)
-        values = cache.values[index, :, :end].unsqueeze(0)
-        output = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=attention.scaling,
-                                                enable_gqa=self.num_kv_heads != self.num_heads)
+        output = self._attend_rows(attention, query, key, value, spans, index)
         return _linear(output.transpose(1, 2).reshape(1, count, -1), attention.o_proj)
+
+    def _attend_rows(self, attention, query, key, value, spans: list["_RowSpan"], index: int) -> torch.Tensor:
+        """Each row's queries against its own cache (its new keys and values written there first): [1, heads, n, d]."""
+        outputs = []
+        for span in spans:
+            rows = slice(span.offset, span.offset + span.count)
+            span.cache.keys[index, :, span.start:span.end] = key[0, :, rows]
+            span.cache.values[index, :, span.start:span.end] = value[0, :, rows]
+            keys = span.cache.keys[index, :, :span.end].unsqueeze(0)
+            values = span.cache.values[index, :, :span.end].unsqueeze(0)
+            outputs.append(F.scaled_dot_product_attention(query[:, :, rows], keys, values, attn_mask=span.mask,
+                                                          scale=attention.scaling,
+                                                          enable_gqa=self.num_kv_heads != self.num_heads))
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
 
     @staticmethod
     def _mlp(mlp, states: torch.Tensor) -> torch.Tensor:
         gate = mlp.act_fn(_linear(states, mlp.gate_proj))
         return _linear(gate * _linear(states, mlp.up_proj), mlp.down_proj)
+
+
+class _RowSpan:
+    """Where one row's new tokens sit in a batched pass: ``count`` tokens from ``offset`` in the stacked states,
+    cache positions ``start..end``, and the causal mask over them (None for one token, which sees everything)."""
+
+    def __init__(self, cache: StaticKVCache, offset: int, count: int, device: torch.device):
+        self.cache, self.offset, self.count = cache, offset, count
+        self.start, self.end = cache.length, cache.length + count
+        # New token i sees the prefix and new tokens 0..i.
+        self.mask = None if count == 1 else torch.ones(count, self.end, dtype=torch.bool, device=device).tril(self.start)
+
+
+def _row_spans(feeds: list[list[int]], caches: list[StaticKVCache], device: torch.device) -> list[_RowSpan]:
+    spans, offset = [], 0
+    for feed, cache in zip(feeds, caches):
+        spans.append(_RowSpan(cache, offset, len(feed), device))
+        offset += len(feed)
+    return spans
 
 
 def _linear(states: torch.Tensor, module: torch.nn.Module) -> torch.Tensor:
