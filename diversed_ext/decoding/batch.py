@@ -200,7 +200,9 @@ def _verify(decoder, states: list[DecodingState], drafts: _Drafts, target_logits
     else:
         draft_logits = target_logits.new_zeros(rows, 0, vocab)
     target_logits = target_logits[..., :vocab]
-    if draft_logits.dtype != target_logits.dtype:  # a bfloat16 target next to a float32 int8 draft
+    # The verifier reads float32, bfloat16 or float16 and both in one dtype: a bfloat16 target next to a float32 int8
+    # draft, or a float64 model, is verified in float32.
+    if draft_logits.dtype != target_logits.dtype or target_logits.dtype == torch.float64:
         draft_logits, target_logits = draft_logits.float(), target_logits.float()
     device = target_logits.device
     draft_tokens = torch.tensor([tokens + [0] * (width - len(tokens)) for tokens in drafts.tokens],
