@@ -105,8 +105,8 @@ class SpeculativeDecoder:
             max_new_tokens: the most tokens generated per prompt (>= 0).
             eos_token_id: an id or a list of ids ending a generation (the EOS is kept in the output); None: no EOS.
             seed: prompt i runs with seed + i (draft sampling and the verifier's uniforms), so a prompt's output does
-                not depend on the others. None draws a seed from torch's default generator (``torch.manual_seed``
-                repeats runs).
+                not depend on the others; or a list of one seed per prompt. None draws a seed from torch's default
+                generator (``torch.manual_seed`` repeats runs).
             progress: show a tqdm bar over the new tokens.
             batch_size: the most prompts decoded together (>= 1; None: all). Prompts enter in order; when one
                 finishes (EOS or its budget), the next waiting prompt takes its slot in the next round. Prompt i's
@@ -124,7 +124,7 @@ class SpeculativeDecoder:
             check_prompt(prompt, vocab)  # every prompt before any work, so a bad one late in the list wastes none
         check_max_new_tokens(max_new_tokens)
         size = check_batch_size(batch_size, len(prompts))
-        base_seed = check_seed(seed)
+        seeds = self._prompt_seeds(seed, len(prompts))
         waiting = deque(enumerate(prompts))
         live: list[tuple[int, DecodingState]] = []
         generations: list[Optional[Generation]] = [None] * len(prompts)
@@ -135,7 +135,7 @@ class SpeculativeDecoder:
                 while waiting and len(live) < size:
                     index, prompt = waiting.popleft()
                     live.append((index, self.start(prompt, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
-                                                   seed=(base_seed + index) % SEED_RANGE)))
+                                                   seed=seeds[index])))
                 running = [(index, state) for index, state in live if not state.finished]
                 if running:
                     bar.update(sum(stats.emitted for stats in self.step_batch([state for _, state in running])))
@@ -145,6 +145,15 @@ class SpeculativeDecoder:
                         generations[index] = self.finish(state)
                 live = [(index, state) for index, state in live if not state.finished]
         return GenerationOutput(generations, seconds=time.perf_counter() - started)
+
+    @staticmethod
+    def _prompt_seeds(seed, num_prompts: int) -> list[int]:
+        if isinstance(seed, (list, tuple)):
+            if len(seed) != num_prompts:
+                raise ValueError(f"seed: a list needs one seed per prompt ({num_prompts}), got {len(seed)}")
+            return [check_seed(value) for value in seed]
+        base_seed = check_seed(seed)
+        return [(base_seed + index) % SEED_RANGE for index in range(num_prompts)]
 
     def start(self, prompt: PromptLike, *, max_new_tokens: int, eos_token_id=None, seed: Optional[int] = None
               ) -> DecodingState:
