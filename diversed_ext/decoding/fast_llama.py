@@ -14,6 +14,8 @@ config asks for, the projections, the MLP activation, the final norm, the LM hea
 - a preallocated key/value cache per layer (:class:`StaticKVCache`) that grows by doubling and is cropped by moving
   its length, so no step copies the prefix;
 - scaled-dot-product attention with grouped-query heads and an explicit causal mask over [prefix + new tokens];
+- several sequences per pass (:meth:`LlamaRunner.run_rows`): every product over all rows' new tokens stacked, attention
+  row by row over each row's own cache, so no token sees another row and nothing is padded;
 - float ``nn.Linear`` layers on the CPU as ``(W @ x^T)^T`` when more than one row is multiplied; any other linear
   module (int8 ``DynamicQuantizedLinear`` of the draft, CUDA) is called as it is.
 
