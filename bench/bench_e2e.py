@@ -40,10 +40,14 @@ models' forward passes.
 
     python bench/bench_e2e.py [--prompts N] [--max-new-tokens N] [--k K [K ...]] [--weight W] [--temperature T]
                               [--seed S] [--data gsm8k/test.jsonl] [--csv PATH] [--pass-repeats N]
+                              [--batch-size B [--batched-only]]
 
 Before that table it prints the per-pass costs (bench/pass_costs.py: draft 1-token, target 1-token, target K+1-token,
 medians, and the draft's weight-streaming floor) and, when --k names several values, a sweep of ar / sd / static /
 diversed over them: the table above then runs at the K with the most sd tokens/s, so no K is picked by hand.
+
+--batch-size B adds the batched comparison of bench/bench_e2e_batched.py (its docstring says how it counts), at the
+K the sweep chose; --batched-only runs that comparison alone, at the first --k.
 
 Writes a markdown table to stdout and a CSV under bench/results/ (or --csv).
 """
@@ -179,7 +183,7 @@ def build_methods(target, draft, tokenizer, args) -> list[tuple[str, Callable]]:
 
 def run_all(methods, prompts, args) -> dict[str, list[DecodingSummary]]:
     """Every method on every prompt through the research harness (warm-up, interleaving, seed + i)."""
-    runners = [(name, lambda index, seed, max_new_tokens, run=run: run(prompts[index], seed, max_new_tokens))
+    runners = [(name, lambda indices, seed, max_new_tokens, run=run: [run(prompts[indices[0]], seed, max_new_tokens)])
                for name, run in methods]
     return run_interleaved(runners, len(prompts), seed=args.seed, max_new_tokens=args.max_new_tokens,
                            desc="bench_e2e")
@@ -270,9 +274,13 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="prompt i runs with seed + i (default 0)")
     parser.add_argument("--data", help="GSM8K-style jsonl with a 'question' field (default: the demo prompts)")
     parser.add_argument("--csv", type=Path, help="CSV output (default bench/results/e2e-<time>.csv)")
+    parser.add_argument("--batch-size", type=int, default=0,
+                        help="also run the batched comparison at this batch size (default 0: off)")
+    parser.add_argument("--batched-only", action="store_true", help="skip the B = 1 table")
     args = parser.parse_args(argv)
-    if args.prompts < 1 or args.max_new_tokens < 1 or min(args.k) < 1 or args.pass_repeats < 1:
-        parser.error("--prompts, --max-new-tokens, --k and --pass-repeats must be >= 1")
+    if (args.prompts < 1 or args.max_new_tokens < 1 or min(args.k) < 1 or args.pass_repeats < 1
+            or args.batch_size < 0):
+        parser.error("--prompts, --max-new-tokens, --k and --pass-repeats must be >= 1, --batch-size >= 0")
     if not 0.0 <= args.weight <= 1.0:
         parser.error("--weight must be in [0, 1]")
     if not args.temperature >= 0.0:
@@ -284,8 +292,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
     target, draft, tokenizer = load_default_pair()
     prompts = load_prompts(args, tokenizer)
-    print_pass_costs(target, draft, prompts[0], args)
-    args.k = run_k_sweep(target, draft, tokenizer, prompts, args) if len(args.k) > 1 else args.k[0]
+    if args.batched_only:
+        args.k = args.k[0]
+    else:
+        print_pass_costs(target, draft, prompts[0], args)
+        args.k = run_k_sweep(target, draft, tokenizer, prompts, args) if len(args.k) > 1 else args.k[0]
+    if args.batch_size:
+        from bench_e2e_batched import print_batched
+
+        print_batched(target, draft, tokenizer, prompts, args)
+        if args.batched_only:
+            return 0
     per_prompt = run_all(build_methods(target, draft, tokenizer, args), prompts, args)
     table = rows(per_prompt)
     print(f"{len(prompts)} prompts ({args.data or 'demo prompts'}), up to {args.max_new_tokens} new tokens, "

@@ -27,9 +27,10 @@ from typing import Optional, Sequence
 
 import torch
 
-from .decoding import METHODS, SpeculativeDecoder, encode_prompt, eos_ids, summarize
+from .decoding import METHODS, SpeculativeDecoder, encode_prompt, eos_ids
 from .head import load_head
-from .research.harness import DEMO_NUM_DRAFT, DEMO_PROMPTS, DEMO_WEIGHTS, demo_methods, run_demo
+from .research.harness import (DEMO_NUM_DRAFT, DEMO_PROMPTS, DEMO_WEIGHTS, demo_methods, run_demo,
+                               throughput_summary)
 from .research.report import format_table
 
 
@@ -72,6 +73,12 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-chat-template", action="store_true", help="tokenize the prompt as plain text")
 
 
+def _add_batch_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--batch-size", type=_positive_int, default=8,
+                        help="prompts decoded together per target pass (default %(default)s; 1: one after another); "
+                             "tokens/s is then every token over the wall time of the batches")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argparse parser of the ``diversed`` command."""
     parser = argparse.ArgumentParser(prog="diversed", description="DIVERSED relaxed speculative decoding")
@@ -90,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help=f"static ensemble weights (default {' '.join(map(str, DEMO_WEIGHTS))})")
     demo.add_argument("--prompts", type=_positive_int, default=len(DEMO_PROMPTS),
                       help=f"how many of the built-in prompts to run (default {len(DEMO_PROMPTS)}, cycled past that)")
+    _add_batch_argument(demo)
     _add_model_arguments(demo)
     demo.set_defaults(max_new_tokens=48, k=DEMO_NUM_DRAFT)
 
@@ -156,11 +164,13 @@ def _run_demo(args) -> int:
     # The shipped head was trained for the default pair only; other pairs get the static rows.
     default_pair = args.target is None and args.draft is None
     specs = demo_methods(args.weights, head=_load_head("default", target, draft) if default_pair else None)
+    wall = {}
     generations = run_demo(target, draft, prompts, specs, num_draft=args.k, max_new_tokens=args.max_new_tokens,
-                           temperature=args.temperature, seed=args.seed, eos_token_id=eos_ids(tokenizer, target))
-    print(f"{len(prompts)} prompts, up to {args.max_new_tokens} new tokens, K = {args.k}, "
-          f"temperature {args.temperature:g}, torch threads {torch.get_num_threads()}")
-    print(format_table([(label, summarize(generations[label])) for label, _ in specs]))
+                           temperature=args.temperature, seed=args.seed, eos_token_id=eos_ids(tokenizer, target),
+                           batch_size=args.batch_size, wall_seconds=wall)
+    print(f"{len(prompts)} prompts, up to {args.max_new_tokens} new tokens, K = {args.k}, batch size "
+          f"{args.batch_size}, temperature {args.temperature:g}, torch threads {torch.get_num_threads()}")
+    print(format_table([(label, throughput_summary(generations[label], wall[label])) for label, _ in specs]))
     sample = generations["sd"][0].tokens.tolist()
     print(f"\nsd on \"{DEMO_PROMPTS[0]}\":\n{tokenizer.decode(sample, skip_special_tokens=True)}")
     return 0
@@ -223,7 +233,8 @@ def add_experiment_commands(commands) -> None:
     train = commands.add_parser("train", help="train an ensemble head with RL on a task")
     _add_task_arguments(train)
     train.add_argument("--steps", type=_positive_int, default=50, help="default 50")
-    train.add_argument("--batch-size", type=_positive_int, default=4, help="rollouts per step (default 4)")
+    train.add_argument("--batch-size", type=_positive_int, default=4,
+                       help="rollouts per step, decoded together (default 4)")
     train.add_argument("--lr", type=_positive_float, default=1e-2, help="AdamW learning rate (default 1e-2)")
     train.add_argument("--warmup-steps", type=_non_negative_int, default=2, help="default 2")
     train.add_argument("--acceptance-coef", type=_non_negative_float, default=0.05,
@@ -251,6 +262,7 @@ def add_experiment_commands(commands) -> None:
     evaluate.add_argument("--weight", type=_unit_float, nargs="+", default=[0.5],
                           help="w of each static ensemble (default 0.5)")
     evaluate.add_argument("--head", help="head folder for diversed ('default': the head shipped for SmolLM2-135M)")
+    _add_batch_argument(evaluate)
     _add_model_arguments(evaluate)
 
     pareto = commands.add_parser("pareto", help="static sweep over w and every head's point: tables and PNGs")
@@ -261,6 +273,7 @@ def add_experiment_commands(commands) -> None:
                         "the shipped head)")
     pareto.add_argument("--output-dir", default="runs/pareto",
                         help="where pareto.png, pareto.md and, with heads, head_weights.png and lowest_w_tokens.md go")
+    _add_batch_argument(pareto)
     _add_model_arguments(pareto)
 
 
@@ -347,7 +360,7 @@ def _run_eval(args) -> int:
     specs = method_specs(args.method, args.weight, _head_for(args, target, draft))
     results = evaluate(task, examples, target, draft, tokenizer, specs, num_draft=args.k,
                        max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
-                       eos_token_id=eos, chat=not args.no_chat_template)
+                       eos_token_id=eos, chat=not args.no_chat_template, batch_size=args.batch_size)
     print(f"{task.name}: {len(examples)} prompts, up to {args.max_new_tokens} new tokens, K = {args.k}, "
           f"temperature {args.temperature:g}, seeds {args.seed}..{args.seed + len(examples) - 1}\n")
     print(markdown_table(results, task.metric))
@@ -366,7 +379,7 @@ def _run_pareto(args) -> int:
     specs = pareto_methods(args.weights, heads=_heads_by_label(args, target, draft))
     results = evaluate(task, examples, target, draft, tokenizer, specs, num_draft=args.k,
                        max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
-                       eos_token_id=eos, chat=not args.no_chat_template)
+                       eos_token_id=eos, chat=not args.no_chat_template, batch_size=args.batch_size)
     table = markdown_table(results, task.metric)
     learned = learned_rows(results)
     comparisons = [comparison_lines(compare_to_baselines(results, row.label), row.label) for row in learned]

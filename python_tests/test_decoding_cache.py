@@ -75,9 +75,9 @@ class RunnerCounter:
         self.runner = getattr(decoder, attribute)
         setattr(decoder, attribute, self)
 
-    def __call__(self, feed, cache, num_logits, want_hidden):
-        self.tokens_read.append(len(feed))
-        return self.runner(feed, cache, num_logits, want_hidden)
+    def run_rows(self, feeds, caches, num_logits, want_hidden):
+        self.tokens_read += [len(feed) for feed in feeds]
+        return self.runner.run_rows(feeds, caches, num_logits, want_hidden)
 
     def remove(self):
         setattr(self.decoder, self.attribute, self.runner)

@@ -200,3 +200,16 @@ def test_shipped_head_loads_for_the_default_pair():
     head = load_head("default", draft_hidden=576, target_hidden=576)
     weights = head(torch.zeros(1, 2, 576), torch.randn(1, 2, 576))
     assert weights.shape == (1, 2) and bool(((weights > 0) & (weights < 1)).all())
+
+
+def test_evaluate_batched_gives_the_same_results_per_prompt(pair):
+    target, draft, tokenizer = pair
+    specs = harness.method_specs(["ar", "static"], [0.5], None)
+    runs = [harness.evaluate(TASKS["gsm8k"], gsm8k_examples(), target, draft, tokenizer, specs, num_draft=3,
+                             max_new_tokens=8, temperature=0.0, seed=5, progress=False, batch_size=batch_size)
+            for batch_size in (1, 2)]
+    for alone, batched in zip(*runs):
+        assert alone.label == batched.label
+        assert (alone.acceptance, alone.tokens_per_pass) == (batched.acceptance, batched.tokens_per_pass)
+        assert alone.quality_per_prompt == batched.quality_per_prompt
+        assert alone.fidelity_per_prompt == pytest.approx(batched.fidelity_per_prompt, rel=1e-5)

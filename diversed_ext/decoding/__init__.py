@@ -1,13 +1,15 @@
 """The speculative decoding loop over Hugging Face model pairs (``ar``, ``sd``, ``static``, ``diversed``).
 
-``loop`` holds :class:`SpeculativeDecoder`; ``stats`` what a run measured; ``runners`` how a model is run (its own
+``loop`` holds :class:`SpeculativeDecoder`; ``batch`` one round for several requests; ``state`` one request in
+flight; ``stats`` what a run measured; ``runners`` how a model is run (its own
 forward, or the lean Llama forward of ``fast_llama``); ``prompts`` prompt encoding and EOS ids; ``checks`` the
 argument checks. Uses only the ops below it.
 """
 
 from .checks import METHODS
-from .loop import DecodingState, SpeculativeDecoder
+from .loop import SpeculativeDecoder
 from .prompts import encode_prompt, eos_ids
+from .state import DecodingState
 from .stats import DecodingSummary, Generation, GenerationOutput, RoundStats, summarize
 
 __all__ = ["SpeculativeDecoder", "DecodingState", "METHODS", "RoundStats", "Generation", "DecodingSummary",

@@ -88,3 +88,14 @@ def check_seed(seed) -> int:
     if isinstance(seed, bool) or not isinstance(seed, Integral):
         raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
     return int(seed) % SEED_RANGE
+
+
+def check_batch_size(batch_size, num_prompts: int) -> int:
+    """Rows decoded together: ``batch_size`` (an int >= 1), or every prompt for None."""
+    if batch_size is None:
+        return max(num_prompts, 1)
+    if isinstance(batch_size, bool) or not isinstance(batch_size, Integral):
+        raise TypeError(f"batch_size must be an int >= 1 or None, got {type(batch_size).__name__}")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1 (or None for all prompts), got {batch_size}")
+    return int(batch_size)

@@ -14,11 +14,14 @@ config asks for, the projections, the MLP activation, the final norm, the LM hea
 - a preallocated key/value cache per layer (:class:`StaticKVCache`) that grows by doubling and is cropped by moving
   its length, so no step copies the prefix;
 - scaled-dot-product attention with grouped-query heads and an explicit causal mask over [prefix + new tokens];
+- several sequences per pass (:meth:`LlamaRunner.run_rows`): every product over all rows' new tokens stacked, attention
+  row by row over each row's own cache, so no token sees another row and nothing is padded;
 - float ``nn.Linear`` layers on the CPU as ``(W @ x^T)^T``, a single row doubled (MKL's one-row path is slower);
 - the products grouped by the input they read (q/k/v, o, gate/up, down, the LM head; :mod:`.projections`): for the
   int8 draft each group is one ``diversed::int8_linear`` call over weights packed once, with the quantised layers'
-  exact arithmetic (the draft's 1-token pass went from about 21 ms to about 15 ms, most of the rest being the ops
-  between products); float groups are their modules' products concatenated; any other module is called as it is;
+  exact arithmetic, each sequence's rows quantised on their own (so a row's draft distribution does not depend on
+  its neighbours); the draft's 1-token pass went from about 21 ms to about 15 ms, most of the rest being the ops
+  between products; float groups are their modules' products concatenated; any other module is called as it is;
 - per layer, one rotary rotation over queries and keys together and RMSNorm in six ops (the module's own forward
   runs seven for the norm and fourteen for the two rotations), giving the same values up to float rounding.
 
@@ -149,55 +152,97 @@ class LlamaRunner:
 
     @torch.no_grad()
     def __call__(self, feed: list[int], cache: Optional[StaticKVCache], num_logits: int, want_hidden: bool = True):
-        if not feed:
+        logits, hidden, caches = self.run_rows([feed], [cache], [num_logits], want_hidden)
+        return logits, hidden, caches[0]
+
+    @torch.no_grad()
+    def run_rows(self, feeds: list[list[int]], caches: list, num_logits: list[int], want_hidden: bool = True):
+        """Several sequences in one pass: row r appends ``feeds[r]`` to ``caches[r]`` (a new cache when None).
+
+        Every product runs once over all rows' new tokens stacked (``[sum of feeds, H] @ W``); attention runs row by
+        row over the row's own cache, so no token sees another row and nothing is padded. Returns ``(logits, hidden,
+        caches)`` with the last ``num_logits[r]`` positions of each row stacked in row order.
+        """
+        if not feeds or any(not feed for feed in feeds):
             raise ValueError("feed must hold at least one token id")
-        cache = StaticKVCache() if cache is None else cache
         base = self.model.model
         embed = base.embed_tokens
-        input_ids = torch.tensor([feed], dtype=torch.int64, device=embed.weight.device)
-        states = embed(input_ids)  # [1, n, H]
-        start, count = cache.length, len(feed)
-        end = start + count
-        positions = torch.arange(start, end, device=states.device).unsqueeze(0)
-        cos, sin = _rotary_tables(*base.rotary_emb(states, positions))  # [1, n, 1, head_dim]
-        # New token i sees the prefix and new tokens 0..i; a single token sees everything, so it needs no mask.
-        mask = None
-        if count > 1:
-            mask = torch.ones(count, end, dtype=torch.bool, device=states.device).tril(start)
-        cache.reserve(end, len(self.layers), self.num_kv_heads, self.head_dim, states)
+        caches = [StaticKVCache() if cache is None else cache for cache in caches]
+        input_ids = torch.tensor([[token for feed in feeds for token in feed]], dtype=torch.int64,
+                                 device=embed.weight.device)
+        states = embed(input_ids)  # [1, n, H]: every row's new tokens, one after another
+        spans = _row_spans(feeds, caches, states.device)
+        row_groups = [span.count for span in spans]  # int8 products quantise each row's tokens on their own
+        positions = torch.cat([torch.arange(span.start, span.end, device=states.device) for span in spans])
+        cos, sin = _rotary_tables(*base.rotary_emb(states, positions.unsqueeze(0)))  # [1, n, 1, head_dim]
+        for span in spans:
+            span.cache.reserve(span.end, len(self.layers), self.num_kv_heads, self.head_dim, states)
         for index, layer in enumerate(self.layers):
             products = self.projections[index]
             states = states + self._attention(layer.self_attn, _rms_norm(layer.input_layernorm, states), cos, sin,
-                                              mask, cache, index, start, end)
-            states = states + self._mlp(layer.mlp, _rms_norm(layer.post_attention_layernorm, states), products)
-        cache.length = end
-        hidden = _rms_norm(base.norm, states[0, -num_logits:])
-        return self.head(hidden), hidden, cache
+                                              spans, index, row_groups)
+            states = states + self._mlp(layer.mlp, _rms_norm(layer.post_attention_layernorm, states), products,
+                                        row_groups)
+        for span in spans:
+            span.cache.length = span.end
+        last = [span.offset + span.count - wanted + position for span, wanted in zip(spans, num_logits)
+                for position in range(wanted)]
+        hidden = _rms_norm(base.norm, states[0, last])
+        return self.head(hidden, num_logits), hidden, caches
 
-    def _attention(self, attention, states, cos, sin, mask, cache: StaticKVCache, index: int, start: int,
-                   end: int) -> torch.Tensor:
+    def _attention(self, attention, states, cos, sin, spans: list["_RowSpan"], index: int,
+                   row_groups: list[int]) -> torch.Tensor:
         count = states.shape[1]
-        query, key, value = self._qkv(states, self.projections[index], cos, sin)
-        cache.keys[index, :, start:end] = key[0]
-        cache.values[index, :, start:end] = value[0]
-        keys = cache.keys[index, :, :end].unsqueeze(0)
-        values = cache.values[index, :, :end].unsqueeze(0)
-        output = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=attention.scaling,
-                                                enable_gqa=self.num_kv_heads != self.num_heads)
-        return self.projections[index].o(output.transpose(1, 2).reshape(1, count, -1))
+        products = self.projections[index]
+        query, key, value = self._qkv(states, products, cos, sin, row_groups)
+        output = self._attend_rows(attention, query, key, value, spans, index)
+        return products.o(output.transpose(1, 2).reshape(1, count, -1), row_groups)
 
-    def _qkv(self, states: torch.Tensor, products: LayerProjections, cos, signed_sin) -> tuple:
+    def _qkv(self, states: torch.Tensor, products: LayerProjections, cos, signed_sin, row_groups) -> tuple:
         """Rotated query [1, heads, n, d], rotated key and value [1, kv_heads, n, d] of ``states`` [1, n, H], from
         one product over q/k/v and one rotation over queries and keys together."""
         count, rotated_heads = states.shape[1], self.num_heads + self.num_kv_heads
-        fused = products.qkv(states).view(1, count, rotated_heads + self.num_kv_heads, self.head_dim)
+        fused = products.qkv(states, row_groups).view(1, count, rotated_heads + self.num_kv_heads, self.head_dim)
         rotated = _rotate(fused[:, :, :rotated_heads], cos, signed_sin).transpose(1, 2)
         return rotated[:, :self.num_heads], rotated[:, self.num_heads:], fused[:, :, rotated_heads:].transpose(1, 2)
 
+    def _attend_rows(self, attention, query, key, value, spans: list["_RowSpan"], index: int) -> torch.Tensor:
+        """Each row's queries against its own cache (its new keys and values written there first): [1, heads, n, d]."""
+        outputs = []
+        for span in spans:
+            rows = slice(span.offset, span.offset + span.count)
+            span.cache.keys[index, :, span.start:span.end] = key[0, :, rows]
+            span.cache.values[index, :, span.start:span.end] = value[0, :, rows]
+            keys = span.cache.keys[index, :, :span.end].unsqueeze(0)
+            values = span.cache.values[index, :, :span.end].unsqueeze(0)
+            outputs.append(F.scaled_dot_product_attention(query[:, :, rows], keys, values, attn_mask=span.mask,
+                                                          scale=attention.scaling,
+                                                          enable_gqa=self.num_kv_heads != self.num_heads))
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
+
     @staticmethod
-    def _mlp(mlp, states: torch.Tensor, products: LayerProjections) -> torch.Tensor:
-        gate, up = products.gate_up(states).split(products.gate_up.out_features, dim=-1)
-        return products.down(mlp.act_fn(gate) * up)
+    def _mlp(mlp, states: torch.Tensor, products: LayerProjections, row_groups: list[int]) -> torch.Tensor:
+        gate, up = products.gate_up(states, row_groups).split(products.gate_up.out_features, dim=-1)
+        return products.down(mlp.act_fn(gate) * up, row_groups)
+
+
+class _RowSpan:
+    """Where one row's new tokens sit in a batched pass: ``count`` tokens from ``offset`` in the stacked states,
+    cache positions ``start..end``, and the causal mask over them (None for one token, which sees everything)."""
+
+    def __init__(self, cache: StaticKVCache, offset: int, count: int, device: torch.device):
+        self.cache, self.offset, self.count = cache, offset, count
+        self.start, self.end = cache.length, cache.length + count
+        # New token i sees the prefix and new tokens 0..i.
+        self.mask = None if count == 1 else torch.ones(count, self.end, dtype=torch.bool, device=device).tril(self.start)
+
+
+def _row_spans(feeds: list[list[int]], caches: list[StaticKVCache], device: torch.device) -> list[_RowSpan]:
+    spans, offset = [], 0
+    for feed, cache in zip(feeds, caches):
+        spans.append(_RowSpan(cache, offset, len(feed), device))
+        offset += len(feed)
+    return spans
 
 
 def _linear(states: torch.Tensor, module: torch.nn.Module) -> torch.Tensor:

@@ -65,6 +65,18 @@ class HFRunner:
         hidden = output.hidden_states[-1][0, -num_logits:] if want_hidden else None
         return output.logits[0, -num_logits:], hidden, output.past_key_values
 
+    def run_rows(self, feeds: list[list[int]], caches: list, num_logits: list[int], want_hidden: bool):
+        """Several sequences, each through its own cache, one forward call per row; the outputs stacked in row order
+        as :meth:`diversed_ext.fast_llama.LlamaRunner.run_rows` gives them.
+
+        One call per row rather than one padded call: a transformers cache crops every row by the same count, while
+        the loop crops each row to its own accepted length, and per-row calls keep each row's result independent of
+        its neighbours (no padding, no shared activation scale in int8 layers)."""
+        outputs = [self(feed, cache, wanted, want_hidden) for feed, cache, wanted in zip(feeds, caches, num_logits)]
+        logits = torch.cat([output[0] for output in outputs])
+        hidden = torch.cat([output[1] for output in outputs]) if want_hidden else None
+        return logits, hidden, [output[2] for output in outputs]
+
 
 def make_runner(model: torch.nn.Module, device: torch.device, fast_forward: bool):
     if fast_forward and supports_fast_forward(model):

@@ -118,9 +118,17 @@ class DecodingSummary:
 
 @dataclass
 class GenerationOutput:
-    """What :meth:`SpeculativeDecoder.generate` returns: one :class:`Generation` per prompt, in order."""
+    """What :meth:`SpeculativeDecoder.generate` returns: one :class:`Generation` per prompt, in order, and the wall
+    time of the whole call (``seconds``): with several prompts in the same passes, the prompts' own times overlap, so
+    throughput is their tokens over this time (:attr:`tokens_per_second`)."""
 
     generations: list[Generation]
+    seconds: float = math.nan
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Throughput: every prompt's new tokens over the wall time of the call."""
+        return sum(len(tokens) for tokens in self.sequences) / self.seconds if self.seconds > 0 else math.nan
 
     @property
     def sequences(self) -> list[torch.Tensor]:

@@ -30,12 +30,14 @@ def _mul_hi_lo(constant: int, value: torch.Tensor) -> tuple[torch.Tensor, torch.
     return hi & _MASK32, lo & _MASK32
 
 
-def philox_uniforms(seeds: torch.Tensor, offset: int, num_positions: int, per_row_seed: bool) -> torch.Tensor:
+def philox_uniforms(seeds: torch.Tensor, offset, num_positions: int, per_row_seed: bool) -> torch.Tensor:
     """Uniforms [B, num_positions] float64 in [0, 1), identical to the native kernels' draws.
 
     Args:
         seeds: int64 [B], one seed per row (a shared seed is simply repeated).
-        offset: step counter; successive decoding steps pass successive offsets to draw fresh numbers.
+        offset: step counter; successive decoding steps pass successive offsets to draw fresh numbers. An int, or an
+            int64 tensor [B] of per-row offsets in [0, 2**63): a batch whose requests are at different decoding steps
+            (the batched decoding loop) then draws, for each row, what a call with that row alone would draw.
         num_positions: positions per row (K + 1 for a verify call).
         per_row_seed: True when each row has its own seed (the row index then stays out of the counter).
     """
@@ -46,9 +48,9 @@ def philox_uniforms(seeds: torch.Tensor, offset: int, num_positions: int, per_ro
     c0 = torch.arange(num_positions, device=device, dtype=torch.int64).expand(shape)
     rows = torch.zeros(batch, dtype=torch.int64, device=device) if per_row_seed else torch.arange(batch, device=device)
     c1 = (rows & _MASK32).unsqueeze(1).expand(shape)
-    offset = int(offset) & 0xFFFFFFFFFFFFFFFF
-    c2 = torch.full(shape, offset & _MASK32, dtype=torch.int64, device=device)
-    c3 = torch.full(shape, offset >> 32, dtype=torch.int64, device=device)
+    offsets = torch.as_tensor(offset, dtype=torch.int64, device=device).expand(batch)
+    c2 = (offsets & _MASK32).unsqueeze(1).expand(shape)
+    c3 = ((offsets >> 32) & _MASK32).unsqueeze(1).expand(shape)
     k0 = (seeds & _MASK32).unsqueeze(1).expand(shape)
     k1 = ((seeds >> 32) & _MASK32).unsqueeze(1).expand(shape)
     for _ in range(PHILOX_ROUNDS):

@@ -4,12 +4,17 @@ end-to-end benchmark.
 Rules shared by all of them, so their numbers compare:
   * prompt i runs with seed ``seed + i`` for every method (paired comparisons over prompts);
   * every method first runs once untimed (the first forward passes pay for allocations and lazy imports);
-  * methods alternate prompt by prompt, so a slow spell of a shared machine does not land on one method.
+  * prompts run in batches of ``batch_size`` consecutive prompts decoded together (1: one after another), and methods
+    alternate batch by batch, so a slow spell of a shared machine does not land on one method;
+  * per-prompt statistics (acceptance, tokens per pass) are the prompt's own; speed is counted as throughput: a
+    method's new tokens over the wall time of its batches (with batch_size 1, each prompt's own time).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import time
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 from tqdm.auto import tqdm
@@ -35,32 +40,48 @@ DEMO_NUM_DRAFT = 3
 PARETO_WEIGHTS = (0.0, 0.125, 0.25, 0.375, 0.5, 0.625, 0.75, 0.875, 1.0)  # w = 1 is sd
 WARMUP_TOKENS = 4  # new tokens of each method's untimed first run
 
-# (prompt index, seed, max_new_tokens) -> whatever the experiment records for that run
-Runner = Callable[[int, int, int], Any]
+# (consecutive prompt indices, the first one's seed, max_new_tokens) -> what the experiment records for each prompt
+# (prompt i of the batch runs with seed + i)
+Runner = Callable[[Sequence[int], int, int], list]
 
 
 def run_interleaved(runners: Sequence[tuple[str, Runner]], num_prompts: int, *, seed: int, max_new_tokens: int,
-                    warmup: bool = True, desc: str = "run", progress: bool = True) -> dict[str, list]:
-    """Every runner on every prompt under the rules above; returns label -> one result per prompt, in order."""
-    if warmup and num_prompts:
+                    batch_size: Optional[int] = 1, warmup: bool = True, desc: str = "run", progress: bool = True,
+                    wall_seconds: Optional[dict] = None) -> dict[str, list]:
+    """Every runner on every prompt under the rules above; returns label -> one result per prompt, in order.
+    ``wall_seconds``, when given, receives label -> the wall time of that runner's timed batches."""
+    size = num_prompts if batch_size is None else batch_size
+    batches = [list(range(start, min(start + size, num_prompts))) for start in range(0, num_prompts, max(size, 1))]
+    if warmup and batches:
         for _, run in runners:
-            run(0, seed, min(WARMUP_TOKENS, max_new_tokens))
+            run(batches[0], seed, min(WARMUP_TOKENS, max_new_tokens))
     results = {label: [] for label, _ in runners}
-    runs = [(index, label, run) for index in range(num_prompts) for label, run in runners]
-    for index, label, run in tqdm(runs, desc=desc, unit="run", disable=not progress):
-        results[label].append(run(index, seed + index, max_new_tokens))
+    seconds = dict.fromkeys(results, 0.0)
+    runs = [(batch, label, run) for batch in batches for label, run in runners]
+    for batch, label, run in tqdm(runs, desc=desc, unit="batch", disable=not progress):
+        start = time.perf_counter()
+        results[label].extend(run(batch, seed + batch[0], max_new_tokens))
+        seconds[label] += time.perf_counter() - start
+    if wall_seconds is not None:
+        wall_seconds.update(seconds)
     return results
 
 
 def decoder_runner(decoder: SpeculativeDecoder, prompts: Sequence[Sequence[int]], eos_token_id=None) -> Runner:
-    """A runner returning the :class:`~diversed_ext.decoding.Generation` of ``decoder`` on prompt i."""
+    """A runner returning the :class:`~diversed_ext.decoding.Generation` of ``decoder`` on each prompt of a batch,
+    the batch's prompts decoded together."""
 
-    def run(index: int, seed: int, max_new_tokens: int):
-        output = decoder.generate(list(prompts[index]), max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
-                                  seed=seed)
-        return output.generations[0]
+    def run(indices: Sequence[int], seed: int, max_new_tokens: int):
+        output = decoder.generate([list(prompts[index]) for index in indices], max_new_tokens=max_new_tokens,
+                                  eos_token_id=eos_token_id, seed=seed)
+        return output.generations
 
     return run
+
+
+def throughput_summary(generations, wall_seconds: float):
+    """The generations' totals, with their time replaced by the wall time they took together (tokens/s = throughput)."""
+    return dataclasses.replace(summarize(generations), seconds=wall_seconds)
 
 
 def build_decoders(target, draft, specs: Sequence[tuple[str, dict]], *, num_draft: int,
@@ -107,17 +128,19 @@ def demo_methods(weights: Sequence[float] = DEMO_WEIGHTS, head=None) -> list[tup
 
 
 def run_demo(target, draft, prompts: Sequence[Sequence[int]], specs: Sequence[tuple[str, dict]], *, num_draft: int,
-             max_new_tokens: int, temperature: float, seed: int, eos_token_id=None, progress: bool = True):
-    """label -> the generations of each method on every prompt."""
+             max_new_tokens: int, temperature: float, seed: int, eos_token_id=None, progress: bool = True,
+             batch_size: Optional[int] = 1, wall_seconds: Optional[dict] = None):
+    """label -> the generations of each method on every prompt (``wall_seconds`` as in :func:`run_interleaved`)."""
     decoders = build_decoders(target, draft, specs, num_draft=num_draft, temperature=temperature)
     runners = [(label, decoder_runner(decoders[label], prompts, eos_token_id)) for label, _ in specs]
-    return run_interleaved(runners, len(prompts), seed=seed, max_new_tokens=max_new_tokens, desc="demo",
-                           progress=progress)
+    return run_interleaved(runners, len(prompts), seed=seed, max_new_tokens=max_new_tokens, batch_size=batch_size,
+                           desc="demo", progress=progress, wall_seconds=wall_seconds)
 
 
 def evaluate(task: Task, examples: Sequence[dict], target, draft, tokenizer, specs: Sequence[tuple[str, dict]], *,
              num_draft: int = 3, max_new_tokens: int = 64, temperature: float = 1.0, seed: int = 0,
-             eos_token_id=None, chat: bool = True, progress: bool = True) -> list[MethodResult]:
+             eos_token_id=None, chat: bool = True, progress: bool = True,
+             batch_size: Optional[int] = 1) -> list[MethodResult]:
     """Run every method on every example and score the outputs: task reward and fidelity per prompt."""
     prompts = encode_examples(task, examples, tokenizer, chat)
     decoders = build_decoders(target, draft, specs, num_draft=num_draft, temperature=temperature)
@@ -125,21 +148,28 @@ def evaluate(task: Task, examples: Sequence[dict], target, draft, tokenizer, spe
     def scored(label: str) -> Runner:
         generate = decoder_runner(decoders[label], prompts, eos_token_id)
 
-        def run(index: int, seed: int, max_new_tokens: int):
-            generation = generate(index, seed, max_new_tokens)
-            tokens = generation.tokens.tolist()
-            quality = float(task.reward(examples[index], tokenizer.decode(tokens, skip_special_tokens=True)))
-            return generation, quality, fidelity(target, prompts[index], tokens, temperature)
+        def run(indices: Sequence[int], seed: int, max_new_tokens: int):
+            start = time.perf_counter()
+            generations = generate(indices, seed, max_new_tokens)
+            decode_seconds[label] += time.perf_counter() - start  # scoring below is not decoding time
+            return [(generation, *_score(generation, index)) for generation, index in zip(generations, indices)]
         return run
 
+    def _score(generation, index: int) -> tuple[float, float]:
+        tokens = generation.tokens.tolist()
+        quality = float(task.reward(examples[index], tokenizer.decode(tokens, skip_special_tokens=True)))
+        return quality, fidelity(target, prompts[index], tokens, temperature)
+
+    decode_seconds = {label: 0.0 for label, _ in specs}
     runs = run_interleaved([(label, scored(label)) for label, _ in specs], len(prompts), seed=seed,
-                           max_new_tokens=max_new_tokens, warmup=False, desc=f"eval {task.name}", progress=progress)
-    return [_method_result(label, kwargs, runs[label]) for label, kwargs in specs]
+                           max_new_tokens=max_new_tokens, batch_size=batch_size, warmup=False,
+                           desc=f"eval {task.name}", progress=progress)
+    return [_method_result(label, kwargs, runs[label], decode_seconds[label]) for label, kwargs in specs]
 
 
-def _method_result(label: str, kwargs: dict, runs: list) -> MethodResult:
+def _method_result(label: str, kwargs: dict, runs: list, seconds: float) -> MethodResult:
     generations, quality, fidelities = ([run[i] for run in runs] for i in range(3))
-    summary = summarize(generations)
+    summary = throughput_summary(generations, seconds)
     usage = weight_usage(generations)
     if usage is not None:
         weight = usage.mean

@@ -15,20 +15,22 @@ from ..decoding import SpeculativeDecoder
 from ..head import EnsembleHead
 from ..ops import distribution_temperature, is_greedy_temperature
 
-# (prompt token ids, rollout seed) -> completion token ids
-Rollout = Callable[[Sequence[int], int], Sequence[int]]
+# (prompts' token ids, one rollout seed per prompt) -> one completion's token ids per prompt
+Rollout = Callable[[Sequence[Sequence[int]], Sequence[int]], list[Sequence[int]]]
 
 
 def speculative_rollout(target, draft, head, *, num_draft: int, max_new_tokens: int, temperature: float = 1.0,
-                        eos_token_id=None):
+                        eos_token_id=None, batch_size: Optional[int] = None):
     """A rollout that samples from nu through the speculative loop with the current head (the same
-    distribution as :func:`mixture_rollout`, at the cost of deployment)."""
+    distribution as :func:`mixture_rollout`, at the cost of deployment); the prompts are decoded together, up to
+    ``batch_size`` at a time (None: all), each with its own seed."""
     decoder = SpeculativeDecoder(target, draft, method="diversed", head=head, num_draft=num_draft,
                                  temperature=temperature)
 
-    def rollout(prompt: Sequence[int], seed: int) -> list[int]:
-        output = decoder.generate(list(prompt), max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, seed=seed)
-        return output.sequences[0].tolist()
+    def rollout(prompts: Sequence[Sequence[int]], seeds: Sequence[int]) -> list[list[int]]:
+        output = decoder.generate([list(prompt) for prompt in prompts], max_new_tokens=max_new_tokens,
+                                  eos_token_id=eos_token_id, seed=list(seeds), batch_size=batch_size)
+        return [tokens.tolist() for tokens in output.sequences]
 
     return rollout
 
@@ -41,8 +43,11 @@ def mixture_rollout(target, draft, head: EnsembleHead, *, max_new_tokens: int, t
     the tests and a fallback for models the speculative decoder does not support.
     """
 
+    def rollout(prompts: Sequence[Sequence[int]], seeds: Sequence[int]) -> list[list[int]]:
+        return [rollout_one(prompt, seed) for prompt, seed in zip(prompts, seeds)]
+
     @torch.no_grad()
-    def rollout(prompt: Sequence[int], seed: int) -> list[int]:
+    def rollout_one(prompt: Sequence[int], seed: int) -> list[int]:
         generator = torch.Generator().manual_seed(int(seed))
         sequence = list(prompt)
         for _ in range(max_new_tokens):

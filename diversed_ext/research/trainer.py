@@ -142,8 +142,9 @@ class Trainer:
         examples: the task examples the prompts came from, passed to ``reward``.
         reward: (example, completion text) -> task reward.
         decode: completion token ids -> text (the tokenizer's decode).
-        rollout: (prompt ids, seed) -> completion ids, sampled with the current head: through the speculative loop
-            (:func:`.rollouts.speculative_rollout`) or token by token (:func:`.rollouts.mixture_rollout`).
+        rollout: (prompts' ids, seeds) -> one completion's ids per prompt, sampled with the current head: through the
+            speculative loop, all prompts of a step decoded together (:func:`.rollouts.speculative_rollout`), or
+            token by token (:func:`.rollouts.mixture_rollout`).
         config: :class:`TrainerConfig`.
 
     With ``config.epochs`` > 1 every batch of rollouts feeds that many optimiser updates (rollouts are the expensive
@@ -221,8 +222,10 @@ class Trainer:
         indices = self._batch_indices()
         self.head.eval()
         with torch.no_grad():
-            completions = [list(self.rollout(self.prompts[index], self._rollout_seed(slot)))
-                           for slot, index in enumerate(indices)]
+            # One call for the whole batch: the speculative rollout decodes the prompts together.
+            completions = [list(tokens) for tokens in self.rollout([self.prompts[index] for index in indices],
+                                                                    [self._rollout_seed(slot)
+                                                                     for slot in range(len(indices))])]
         tokens = teacher_forced_tokens(self.target, self.draft, [self.prompts[i] for i in indices], completions,
                                        self.config.temperature)
         task_rewards = torch.tensor([float(self.reward(self.examples[index], self.decode(completion)))

@@ -1,0 +1,228 @@
+"""One decoding round for several requests at once: batched draft passes, one batched target pass, the head on every
+drafted token, one verify call, then per-row commits and cache crops.
+
+Rows are ragged: row r drafts ``min(K, remaining_r - 1)`` tokens (a round emits at most k + 1) and stops after an EOS
+draft, so a draft pass carries only the rows still drafting. Each row keeps its own caches (no token of one request
+attends to another's, nothing is padded inside a model), its own generator for draft sampling, and its own verifier
+uniforms: row r draws Philox uniforms for (its seed, its round index), its final sample taking the uniform of position
+k_r, exactly what a call with that row alone would draw. A request's tokens therefore depend only on its prompt and
+seed, whatever its neighbours, up to the float rounding of products over more rows. The lean Llama runner quantises
+an int8 draft's activations row by row, so its int8 products are exact whatever the batch; an int8 draft run through
+its own forward (``fast_forward=False``) quantises each call's rows with one scale, so there a neighbour can move a
+row's draft distribution by one quantisation step.
+
+Padding exists only between the models and the verifier: drafts, logits and weights of short rows are padded to the
+longest row, and ``num_draft`` tells the verifier where each row ends.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Union
+
+import torch
+
+from ..ops import distribution_temperature, is_greedy_temperature, philox_uniforms, verify_logits
+from .runners import crop_cache
+from .state import DecodingState, commit_tokens
+from .stats import RoundStats
+
+
+@dataclass
+class _Drafts:
+    """What the draft phase of a round produced, rows in order."""
+
+    tokens: list[list[int]]
+    logits: list[torch.Tensor]  # [n, V] per draft pass, for the rows that drafted in it
+    slots: list[tuple[int, int]]  # (row, position) of every logits row above, in the same order
+    hidden: list[torch.Tensor]  # [n, Hd] per draft pass (only when the head needs them)
+    seconds: float
+
+    @property
+    def width(self) -> int:
+        """K of this round's verify call: the most drafts of any row."""
+        return max(len(tokens) for tokens in self.tokens)
+
+    def flat_slots(self) -> list[int]:
+        """Where each logits row goes in a [B, K] layout, flattened."""
+        width = self.width
+        return [row * width + position for row, position in self.slots]
+
+
+def _as_probabilities(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """softmax(logits / T) in float32 (the draft's sampling distribution); T = 0 gives the T = 1 distribution."""
+    logits = logits.float()
+    scale = distribution_temperature(temperature)
+    return (logits / scale if scale != 1.0 else logits).softmax(-1)
+
+
+def sample_drafts(logits: torch.Tensor, temperature: float, generators: list[torch.Generator]) -> list[int]:
+    """One draft token per row of ``logits`` [n, V]: the argmax at temperature 0, else a sample of
+    softmax(logits / T) drawn with that row's generator (one call per row, so a row's draw ignores the others)."""
+    if is_greedy_temperature(temperature):
+        return logits.argmax(-1).tolist()
+    tokens = []
+    for row, generator in zip(logits, generators):
+        probs = _as_probabilities(row, temperature)
+        if probs.device != generator.device:
+            probs = probs.to(generator.device)
+        tokens.append(int(torch.multinomial(probs, 1, generator=generator)))
+    return tokens
+
+
+def _padded(rows: torch.Tensor, slots: list[int], shape: tuple[int, ...], fill: float = 0.0) -> torch.Tensor:
+    """``rows`` [n, ...] scattered to the flat slots of a new tensor of ``shape``; the rest is ``fill``."""
+    out = rows.new_full((shape[0] * shape[1], *shape[2:]), fill)
+    if slots:
+        out[torch.tensor(slots, device=rows.device)] = rows
+    return out.view(shape)
+
+
+def run_round(decoder, states: list[DecodingState]) -> list[RoundStats]:
+    """One round for every state (none finished); returns each row's statistics, the round's times shared."""
+    clock = decoder._clock
+    round_start = clock()
+    remaining = [state.remaining for state in states]
+    budgets = [min(decoder.num_draft, left - 1) if decoder.draft is not None else 0 for left in remaining]
+    drafts = _run_draft(decoder, states, budgets)
+    drafted = [len(tokens) for tokens in drafts.tokens]
+
+    target_start = clock()
+    target_logits, target_hidden = _run_target(decoder, states, drafts.tokens)
+    target_end = clock()
+    weight = _weights(decoder, drafts, target_hidden)
+    head_end = clock()
+    result = _verify(decoder, states, drafts, target_logits, weight)
+    verify_end = clock()
+
+    accepted = result.num_accepted.tolist()
+    tokens = result.tokens.tolist()
+    head_chose = weight.tolist() if torch.is_tensor(weight) else None  # [B, K]: what the head handed the verifier
+    all_stats = []
+    for row, state in enumerate(states):
+        emitted = commit_tokens(state, tokens[row][:accepted[row] + 1], remaining[row])
+        keep = len(state.tokens) - 1
+        state.target_cached = crop_cache(state.target_cache, state.target_cached, keep)
+        state.draft_cached = crop_cache(state.draft_cache, state.draft_cached, keep)
+        state.round_index += 1
+        all_stats.append(RoundStats(drafted=drafted[row], accepted=accepted[row], emitted=emitted,
+                                    draft_seconds=drafts.seconds, target_seconds=target_end - target_start,
+                                    head_seconds=head_end - target_end, verify_seconds=verify_end - head_end,
+                                    draft_tokens=tuple(drafts.tokens[row]),
+                                    weights=tuple(head_chose[row][:drafted[row]]) if head_chose else ()))
+    round_seconds = clock() - round_start
+    for state, stats in zip(states, all_stats):
+        stats.round_seconds = round_seconds
+        state.rounds.append(stats)
+    return all_stats
+
+
+def _run_draft(decoder, states: list[DecodingState], budgets: list[int]) -> _Drafts:
+    """Up to ``budgets[r]`` drafts for row r, one batched draft pass per position over the rows still drafting."""
+    drafts = _Drafts(tokens=[[] for _ in states], logits=[], slots=[], hidden=[], seconds=0.0)
+    want_hidden = decoder.head is not None
+    active = [row for row, budget in enumerate(budgets) if budget > 0]
+    position = 0
+    while active:
+        # A row's first pass reads whatever its draft has not seen (the prompt, or the last token or two); later
+        # passes read its previous draft.
+        feeds = [drafts.tokens[row][-1:] if position else states[row].tokens[states[row].draft_cached:]
+                 for row in active]
+        start = decoder._clock()
+        logits, hidden, caches = decoder._draft_runner.run_rows(
+            feeds, [states[row].draft_cache for row in active], [1] * len(active), want_hidden)
+        drafts.seconds += decoder._clock() - start
+        for row, feed, cache in zip(active, feeds, caches):
+            states[row].draft_cache = cache
+            states[row].draft_cached += len(feed)
+        logits = logits.to(decoder.device)
+        new_tokens = sample_drafts(logits, decoder.temperature, [states[row].generator for row in active])
+        drafts.logits.append(logits)
+        drafts.slots += [(row, position) for row in active]
+        if want_hidden:
+            drafts.hidden.append(hidden.to(decoder.device))
+        for row, token in zip(active, new_tokens):
+            drafts.tokens[row].append(token)
+        position += 1
+        # A row stops at its budget and after an EOS draft: tokens after an accepted EOS would be thrown away.
+        active = [row for row, token in zip(active, new_tokens)
+                  if position < budgets[row] and token not in states[row].eos_token_ids]
+    return drafts
+
+
+def _run_target(decoder, states: list[DecodingState], draft_tokens: list[list[int]]):
+    """One target pass over every row's unseen tokens and drafts: logits [B, K + 1, V] padded past each row's
+    k_r + 1 positions, and, for the head, the last hidden states [N, Ht] at the positions that predicted each draft
+    (N drafts over all rows, row by row)."""
+    feeds = [state.tokens[state.target_cached:] + tokens for state, tokens in zip(states, draft_tokens)]
+    num_logits = [len(tokens) + 1 for tokens in draft_tokens]
+    want_hidden = decoder.head is not None and any(draft_tokens)
+    logits, hidden, caches = decoder._target_runner.run_rows(
+        feeds, [state.target_cache for state in states], num_logits, want_hidden)
+    for state, feed, cache in zip(states, feeds, caches):
+        state.target_cache = cache
+        state.target_cached += len(feed)
+    width = max(num_logits)
+    slots, drafted_rows, first = [], [], 0
+    for row, count in enumerate(num_logits):
+        slots += range(row * width, row * width + count)
+        drafted_rows += range(first, first + count - 1)  # every position but the last predicted a draft
+        first += count
+    padded = _padded(logits, slots, (len(states), width, logits.shape[-1]))
+    return padded, hidden[drafted_rows] if want_hidden else None
+
+
+def _weights(decoder, drafts: _Drafts, target_hidden) -> Union[float, torch.Tensor]:
+    """The static weight, or the head's weight for every drafted token, padded to [B, K] with 1."""
+    if decoder.head is None or not drafts.slots:
+        return decoder.weight
+    slots = drafts.flat_slots()
+    order = sorted(range(len(slots)), key=slots.__getitem__)  # draft passes go position by position, the head row by row
+    weight = head_weights(decoder.head, torch.cat(drafts.hidden)[order], target_hidden, decoder.device)
+    return _padded(weight.reshape(-1), sorted(slots), (len(drafts.tokens), drafts.width), fill=1.0)
+
+
+def head_weights(head, draft_hidden: torch.Tensor, target_hidden: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The head's weights [1, N] for N drafted tokens, from both models' hidden states [N, H]. The rows' drafts are
+    handed over as one sequence: the head weighs each token from its own two hidden states."""
+    weight = torch.as_tensor(head(draft_hidden.unsqueeze(0), target_hidden.unsqueeze(0)), device=device).float()
+    num_drafted = draft_hidden.shape[0]
+    if weight.numel() != num_drafted:
+        raise ValueError(f"head must return one weight per drafted token, shape [1, {num_drafted}], got "
+                         f"{tuple(weight.shape)}")
+    return weight.reshape(1, num_drafted)
+
+
+def _verify(decoder, states: list[DecodingState], drafts: _Drafts, target_logits: torch.Tensor, weight):
+    """One verify call for the whole batch, straight from both models' logits (no [B, K, V] probabilities)."""
+    rows, width = len(states), target_logits.shape[1] - 1
+    num_draft = [len(tokens) for tokens in drafts.tokens]
+    vocab = target_logits.shape[-1]
+    if drafts.logits:
+        # Pairs whose LM heads are padded to different widths share the first min(V) ids.
+        vocab = min(vocab, drafts.logits[0].shape[-1])
+        draft_logits = _padded(torch.cat(drafts.logits)[:, :vocab], drafts.flat_slots(), (rows, width, vocab))
+    else:
+        draft_logits = target_logits.new_zeros(rows, 0, vocab)
+    target_logits = target_logits[..., :vocab]
+    # The verifier reads float32, bfloat16 or float16 and both in one dtype: a bfloat16 target next to a float32 int8
+    # draft, or a float64 model, is verified in float32.
+    if draft_logits.dtype != target_logits.dtype or target_logits.dtype == torch.float64:
+        draft_logits, target_logits = draft_logits.float(), target_logits.float()
+    device = target_logits.device
+    draft_tokens = torch.tensor([tokens + [0] * (width - len(tokens)) for tokens in drafts.tokens],
+                                dtype=torch.int64, device=device).reshape(rows, width)
+    num_draft_t = torch.tensor(num_draft, dtype=torch.int64, device=device)
+    return verify_logits(draft_tokens, draft_logits, target_logits, weight, temperature=decoder.temperature,
+                         num_draft=num_draft_t, uniforms=row_uniforms(states, num_draft_t, width, device),
+                         check_inputs=decoder.check_inputs)
+
+
+def row_uniforms(states: list[DecodingState], num_draft: torch.Tensor, width: int, device) -> torch.Tensor:
+    """The verifier's uniforms [B, K + 1]: row r's Philox draws for its own seed at offset = its round index, its final
+    sample's uniform (that of position k_r, as a call with the row alone would use) moved to column K."""
+    seeds = torch.tensor([state.seed for state in states], dtype=torch.int64, device=device)
+    offsets = torch.tensor([state.round_index for state in states], dtype=torch.int64, device=device)
+    uniforms = philox_uniforms(seeds, offsets, width + 1, per_row_seed=True)
+    uniforms[:, width] = uniforms.gather(1, num_draft.unsqueeze(1)).squeeze(1)
+    return uniforms
