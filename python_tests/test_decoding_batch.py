@@ -155,6 +155,24 @@ def test_float32_rows_match_one_row_passes_up_to_rounding():
     torch.testing.assert_close(batched, alone, rtol=1e-5, atol=1e-5)
 
 
+def test_int8_draft_rows_equal_one_row_passes_exactly():
+    """The lean runner quantises each row's activations on their own, so an int8 draft's batched pass is, row for
+    row, bit for bit the pass over that row alone (a shared per-call quantisation would fail this)."""
+    from diversed_ext.decoding.fast_llama import LlamaRunner
+    from diversed_ext.models import quantize_int8
+
+    target, _ = wide_pair_models()
+    runner = LlamaRunner(quantize_int8(target))
+    assert runner.projections[0].qkv.int8 is not None  # the fused int8 path is the one under test
+    feeds = [PROMPT, [3], [5, 1, 4, 4, 2]]
+    cached = runner([7, 7, 1], None, 1, True)[2]  # a row with a prefix already cached
+    batched, hidden, _ = runner.run_rows(feeds + [[2]], [None] * 3 + [copy.deepcopy(cached)], [1, 1, 2, 1], True)
+    alone = [runner(feed, None, count, True) for feed, count in zip(feeds, [1, 1, 2])]
+    alone.append(runner([2], copy.deepcopy(cached), 1, True))
+    assert torch.equal(batched, torch.cat([logits for logits, _, _ in alone]))
+    assert torch.equal(hidden, torch.cat([states for _, states, _ in alone]))
+
+
 def test_philox_uniforms_take_per_row_offsets():
     seeds = torch.tensor([3, 3, 9, 2**40], dtype=torch.int64)
     offsets = torch.tensor([0, 7, 2**33 + 5, 1], dtype=torch.int64)
