@@ -17,7 +17,7 @@ Layout, one floor per folder, imports pointing down only:
     models/     model pairs: the embedded default pair, loading, the int8 draft
     head.py     the DIVERSED ensemble head (per-token weights from both models' hidden states)
     research/   tasks, the RL trainer, the evaluation harness, reports and plots
-    cli.py      the ``diversed`` command; nothing imports it
+    cli/        the ``diversed`` command; nothing imports it
 """
 
 from .ops import (TokenStats, VerifyResult, cuda_kernels_registered, mix, mix_reference, philox_uniforms,

@@ -160,7 +160,7 @@ def test_build_trainer_trains_through_the_speculative_loop(pair, tmp_path):
 
 def test_cli_train_eval_pareto_end_to_end(pair, tmp_path, monkeypatch, capsys):
     target, draft, tokenizer = pair
-    monkeypatch.setattr(cli, "load_models", lambda target_name, draft_name: (target, draft, tokenizer))
+    monkeypatch.setattr(cli.common, "load_models", lambda target_name, draft_name: (target, draft, tokenizer))
     data = tmp_path / "gsm8k.jsonl"
     data.write_text("".join(json.dumps(example) + "\n" for example in gsm8k_examples()))
     run = tmp_path / "run"

@@ -189,6 +189,6 @@ def test_cli_demo_with_tiny_settings(default_pair, capsys):
 
 def test_cli_bench_names_the_checkout_when_scripts_are_missing(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(cli, "__file__", str(tmp_path / "site-packages" / "diversed_ext" / "cli.py"))
+    monkeypatch.setattr(cli, "__file__", str(tmp_path / "site-packages" / "diversed_ext" / "cli" / "__init__.py"))
     with pytest.raises(cli.UsageError, match="source checkout"):
         cli.find_bench_script("bench_e2e.py")

@@ -20,7 +20,7 @@ def no_models(monkeypatch):
     """Fails the test if a command gets as far as loading models: every check must come first."""
     def refuse(*args, **kwargs):
         raise AssertionError("models were loaded before the arguments were checked")
-    monkeypatch.setattr(cli, "load_models", refuse)
+    monkeypatch.setattr(cli.common, "load_models", refuse)
 
 
 def run_cli(argv, capsys):

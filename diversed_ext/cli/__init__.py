@@ -1,0 +1,138 @@
+"""The ``diversed`` command line.
+
+    diversed generate --prompt "..." [--method ar|sd|static|diversed] [--weight W] [--head PATH] [--k K]
+                      [--temperature T] [--max-new-tokens N] [--seed S] [--target NAME_OR_PATH [--draft ...]]
+    diversed demo     [--prompts N] [--max-new-tokens N] [--weights W ...] ...
+                      ar, sd and static ensembles on the default pair and a few built-in prompts: one table
+    diversed bench verify [ARGS...]   runs bench/bench_verify.py (from the source checkout: bench/ is not installed)
+    diversed bench e2e    [ARGS...]   runs bench/bench_e2e.py
+    diversed train    --task gsm8k --data PATH [--steps --batch-size --lr --acceptance-coef --fidelity-coef ...]
+    diversed eval     --task gsm8k --data PATH --method ar sd static diversed [--weight W ...] [--head PATH]
+    diversed pareto   --task gsm8k --data PATH [--weights W ...] [--head PATH ...] [--output-dir DIR]
+
+Without ``--target`` the embedded default pair is used (SmolLM2-135M-Instruct and its int8 copy, see
+:mod:`diversed_ext.models`). Prompts go through the tokenizer's chat template when it has one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+
+from ..decoding import METHODS, SpeculativeDecoder, encode_prompt, eos_ids
+from ..research.harness import (DEMO_NUM_DRAFT, DEMO_PROMPTS, DEMO_WEIGHTS, demo_methods, run_demo,
+                                throughput_summary)
+from ..research.report import format_table
+from . import common
+from .common import (USAGE_EXIT_STATUS, UsageError, _add_batch_argument, _add_model_arguments, _load_head,
+                     _positive_int, _unit_float, load_models)
+from .experiments import EXPERIMENT_HANDLERS, add_experiment_commands
+
+__all__ = ["build_parser", "main", "UsageError", "load_models", "find_bench_script"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argparse parser of the ``diversed`` command."""
+    parser = argparse.ArgumentParser(prog="diversed", description="DIVERSED relaxed speculative decoding")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    generate = commands.add_parser("generate", help="generate a continuation of one prompt")
+    generate.add_argument("--prompt", required=True, help="the prompt text")
+    generate.add_argument("--method", choices=METHODS, default="sd", help="default sd")
+    generate.add_argument("--weight", type=_unit_float, help="weight w on the target, for --method static")
+    generate.add_argument("--head", help="head folder for --method diversed ('default': the head shipped for the "
+                                         "default SmolLM2-135M pair)")
+    _add_model_arguments(generate)
+
+    demo = commands.add_parser("demo", help="compare ar, sd and static ensembles on built-in prompts")
+    demo.add_argument("--weights", type=_unit_float, nargs="+", default=list(DEMO_WEIGHTS),
+                      help=f"static ensemble weights (default {' '.join(map(str, DEMO_WEIGHTS))})")
+    demo.add_argument("--prompts", type=_positive_int, default=len(DEMO_PROMPTS),
+                      help=f"how many of the built-in prompts to run (default {len(DEMO_PROMPTS)}, cycled past that)")
+    _add_batch_argument(demo)
+    _add_model_arguments(demo)
+    demo.set_defaults(max_new_tokens=48, k=DEMO_NUM_DRAFT)
+
+    bench = commands.add_parser("bench", help="run a benchmark script from bench/")
+    bench.add_argument("which", choices=("verify", "e2e"), help="verify: bench_verify.py, e2e: bench_e2e.py")
+    bench.add_argument("args", nargs=argparse.REMAINDER, help="passed on to the script")
+    add_experiment_commands(commands)
+    return parser
+
+
+def _run_generate(args) -> int:
+    if args.method == "static" and args.weight is None:
+        raise UsageError("--method static needs --weight W in [0, 1]")
+    if args.method == "diversed" and args.head is None:
+        raise UsageError("--method diversed needs --head PATH (or --head default for the shipped head)")
+    if args.weight is not None and args.method != "static":
+        raise UsageError("--weight applies to --method static")
+    target, draft, tokenizer = common.load_models(args.target, args.draft)
+    head = _load_head(args.head, target, draft) if args.head else None
+    decoder = SpeculativeDecoder(target, draft, method=args.method, weight=args.weight, head=head,
+                                 num_draft=args.k, temperature=args.temperature)
+    prompt = encode_prompt(tokenizer, args.prompt, chat=not args.no_chat_template)
+    output = decoder.generate(prompt, max_new_tokens=args.max_new_tokens, eos_token_id=eos_ids(tokenizer, target),
+                              seed=args.seed, progress=args.max_new_tokens >= 32)
+    print(tokenizer.decode(output.sequences[0].tolist(), skip_special_tokens=True))
+    summary = output.summary()
+    acceptance = "n/a" if math.isnan(summary.acceptance_rate) else f"{summary.acceptance_rate:.3f}"
+    print(f"\n[{args.method}] {summary.new_tokens} tokens in {summary.seconds:.2f} s "
+          f"({summary.tokens_per_second:.1f} tokens/s), {summary.target_passes} target passes, "
+          f"{summary.tokens_per_pass:.2f} tokens/pass, acceptance {acceptance}", file=sys.stderr)
+    return 0
+
+
+def _run_demo(args) -> int:
+    target, draft, tokenizer = common.load_models(args.target, args.draft)
+    texts = [DEMO_PROMPTS[index % len(DEMO_PROMPTS)] for index in range(args.prompts)]
+    prompts = [encode_prompt(tokenizer, text, chat=not args.no_chat_template) for text in texts]
+    # The shipped head was trained for the default pair only; other pairs get the static rows.
+    default_pair = args.target is None and args.draft is None
+    specs = demo_methods(args.weights, head=_load_head("default", target, draft) if default_pair else None)
+    wall = {}
+    generations = run_demo(target, draft, prompts, specs, num_draft=args.k, max_new_tokens=args.max_new_tokens,
+                           temperature=args.temperature, seed=args.seed, eos_token_id=eos_ids(tokenizer, target),
+                           batch_size=args.batch_size, wall_seconds=wall)
+    print(f"{len(prompts)} prompts, up to {args.max_new_tokens} new tokens, K = {args.k}, batch size "
+          f"{args.batch_size}, temperature {args.temperature:g}, torch threads {torch.get_num_threads()}")
+    print(format_table([(label, throughput_summary(generations[label], wall[label])) for label, _ in specs]))
+    sample = generations["sd"][0].tokens.tolist()
+    print(f"\nsd on \"{DEMO_PROMPTS[0]}\":\n{tokenizer.decode(sample, skip_special_tokens=True)}")
+    return 0
+
+
+def find_bench_script(name: str) -> Path:
+    """bench/<name> in the current directory or in the source checkout this package was installed from."""
+    candidates = [Path.cwd() / "bench" / name, Path(__file__).resolve().parents[2] / "bench" / name]
+    for path in candidates:
+        if path.is_file():
+            return path
+    raise UsageError(f"bench/{name} not found. The benchmark scripts are not part of the installed package; "
+                     f"they live in the source checkout: cd into it (the folder holding bench/) and run again "
+                     f"(looked in {', '.join(str(path.parent) for path in candidates)})")
+
+
+def _run_bench(args) -> int:
+    script = find_bench_script("bench_verify.py" if args.which == "verify" else "bench_e2e.py")
+    extra = args.args[1:] if args.args[:1] == ["--"] else args.args
+    return subprocess.call([sys.executable, str(script), *extra], env=os.environ.copy())
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of the ``diversed`` console script; returns the exit status (2 for a user's mistake)."""
+    args = build_parser().parse_args(argv)
+    handlers = {"generate": _run_generate, "demo": _run_demo, "bench": _run_bench, **EXPERIMENT_HANDLERS}
+    try:
+        return handlers[args.command](args)
+    except UsageError as error:
+        print(f"diversed: {error}", file=sys.stderr)
+        return USAGE_EXIT_STATUS
+

@@ -1,0 +1,101 @@
+"""What every ``diversed`` sub-command shares: the one-line user error, argument types that name what they accept,
+the model and head arguments, and loading the pair and the head with errors that name the flag."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import tempfile
+from typing import Optional
+
+from ..head import load_head
+
+
+class UsageError(Exception):
+    """A mistake on the command line or in a file it names: printed as one line, exit status 2, no traceback."""
+
+
+USAGE_EXIT_STATUS = 2
+
+
+def _number_in(convert, accept, description: str):
+    """An argparse type: ``convert(text)``, finite and satisfying ``accept``, else "must be <description>"."""
+    def parse(text: str):
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {description}, got {text!r}") from None
+        if not (math.isfinite(value) and accept(value)):  # also refuses nan and inf
+            raise argparse.ArgumentTypeError(f"must be {description}, got {text}")
+        return value
+    return parse
+
+
+_positive_int = _number_in(int, lambda value: value >= 1, "an integer >= 1")
+_non_negative_int = _number_in(int, lambda value: value >= 0, "an integer >= 0")
+_unit_float = _number_in(float, lambda value: 0.0 <= value <= 1.0, "a number in [0, 1]")
+_non_negative_float = _number_in(float, lambda value: value >= 0.0, "a finite number >= 0")
+_positive_float = _number_in(float, lambda value: value > 0.0, "a finite number > 0")
+_weight_of_untrained_head = _number_in(float, lambda value: 0.0 < value <= 1.0, "a number in (0, 1]")
+
+
+def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", help="target model name or folder (default: the embedded SmolLM2-135M pair)")
+    parser.add_argument("--draft", help="draft model name or folder (default: an int8 copy of the target)")
+    parser.add_argument("--k", type=_positive_int, default=3, help="most tokens drafted per round (default %(default)s)")
+    parser.add_argument("--temperature", type=_non_negative_float, default=1.0,
+                        help="0 = greedy (default %(default)s)")
+    parser.add_argument("--max-new-tokens", type=_positive_int, default=64, help="default %(default)s")
+    parser.add_argument("--seed", type=_non_negative_int, default=0, help="default %(default)s")
+    parser.add_argument("--no-chat-template", action="store_true", help="tokenize the prompt as plain text")
+
+
+def _add_batch_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--batch-size", type=_positive_int, default=8,
+                        help="prompts decoded together per target pass (default %(default)s; 1: one after another); "
+                             "tokens/s is then every token over the wall time of the batches")
+
+
+def load_models(target: Optional[str], draft: Optional[str]):
+    """(target, draft, tokenizer): the default pair, or the pair named on the command line."""
+    from ..models import load_default_pair, load_pair
+
+    if target is None:
+        if draft is not None:
+            raise UsageError("--draft needs --target")
+        return load_default_pair()
+    for flag, name in (("--target", target), ("--draft", draft)):
+        # Nothing is downloaded here, so a name that is not a folder cannot load: say so before transformers does.
+        if name is not None and not os.path.isdir(name):
+            raise UsageError(f"{flag} {name}: no such model folder")
+    try:
+        return load_pair(target, draft)
+    except (OSError, ValueError) as error:
+        raise UsageError(f"cannot load --target {target}: {error}") from None
+
+
+def _load_head(path: str, target, draft):
+    """The head at ``path`` for this pair, or a one-line error (exit 2) naming the folder and what is wrong."""
+    try:
+        return load_head(path, target=target, draft=draft)
+    except (OSError, ValueError) as error:
+        raise UsageError(f"cannot load --head {path}: {error}") from None
+
+
+def _require_writable_folder(flag: str, path: str) -> None:
+    """Create ``path`` and prove it writable now, before hours of work produce results that cannot be saved."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path):
+            pass
+    except OSError as error:
+        raise UsageError(f"{flag} {path}: not writable ({error.strerror or error})") from None
+
+
+def _write_text(folder: str, name: str, text: str) -> str:
+    path = os.path.join(folder, name)
+    os.makedirs(folder, exist_ok=True)
+    with open(path, "w") as handle:
+        handle.write(text + "\n")
+    return path

@@ -1,0 +1,197 @@
+"""The research sub-commands: ``diversed train``, ``eval`` and ``pareto`` (see :mod:`diversed_ext.research`)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+
+from ..decoding import METHODS, eos_ids
+from . import common
+from .common import (UsageError, _add_batch_argument, _add_model_arguments, _load_head, _non_negative_float,
+                     _non_negative_int, _positive_float, _positive_int, _require_writable_folder, _unit_float,
+                     _weight_of_untrained_head, _write_text)
+
+
+def _add_task_arguments(parser: argparse.ArgumentParser) -> None:
+    from ..research.tasks import TASKS
+
+    parser.add_argument("--task", choices=sorted(TASKS), default="gsm8k", help="default gsm8k")
+    parser.add_argument("--data", help="jsonl file of the task's examples (gsm8k: .../gsm8k/test.jsonl)")
+    parser.add_argument("--limit", type=_positive_int, help="use the first N examples only")
+    parser.add_argument("--threads", type=_positive_int, help="torch threads (default: torch's choice)")
+
+
+def add_experiment_commands(commands) -> None:
+    """The train, eval and pareto sub-commands (see :mod:`diversed_ext.research`)."""
+    from ..research.harness import PARETO_WEIGHTS
+
+    train = commands.add_parser("train", help="train an ensemble head with RL on a task")
+    _add_task_arguments(train)
+    train.add_argument("--steps", type=_positive_int, default=50, help="default 50")
+    train.add_argument("--batch-size", type=_positive_int, default=4,
+                       help="rollouts per step, decoded together (default 4)")
+    train.add_argument("--lr", type=_positive_float, default=1e-2, help="AdamW learning rate (default 1e-2)")
+    train.add_argument("--warmup-steps", type=_non_negative_int, default=2, help="default 2")
+    train.add_argument("--acceptance-coef", type=_non_negative_float, default=0.05,
+                       help="lambda of the acceptance regulariser (default 0.05)")
+    train.add_argument("--fidelity-coef", type=_non_negative_float, default=1.0,
+                       help="weight of the fidelity (mean target log-prob per token) in the reward (default 1)")
+    train.add_argument("--expected-fidelity-coef", type=_non_negative_float, default=0.0,
+                       help="mu of the closed-form expected next-token fidelity term of the loss (default 0: off)")
+    train.add_argument("--epochs", type=_positive_int, default=1,
+                       help="optimiser updates per batch of rollouts (default 1)")
+    train.add_argument("--head-hidden", type=_positive_int, help="hidden width of the head (default: linear head)")
+    train.add_argument("--init-weight", type=_weight_of_untrained_head, default=0.5,
+                       help="w of the untrained head, in (0, 1] (default 0.5)")
+    train.add_argument("--rollout", choices=("speculative", "mixture"), default="speculative",
+                       help="sample rollouts through the speculative loop (default) or token by token")
+    train.add_argument("--output-dir", default="runs/head", help="checkpoints, log, curve, head/ (default runs/head)")
+    train.add_argument("--checkpoint-every", type=_positive_int, default=5, help="default 5")
+    train.add_argument("--resume", action="store_true", help="continue from the checkpoint in --output-dir")
+    _add_model_arguments(train)
+    train.set_defaults(max_new_tokens=48)
+
+    evaluate = commands.add_parser("eval", help="acceptance, task quality, fidelity and speed per method")
+    _add_task_arguments(evaluate)
+    evaluate.add_argument("--method", choices=METHODS, nargs="+", default=["sd"], help="one or more (default sd)")
+    evaluate.add_argument("--weight", type=_unit_float, nargs="+", default=[0.5],
+                          help="w of each static ensemble (default 0.5)")
+    evaluate.add_argument("--head", help="head folder for diversed ('default': the head shipped for SmolLM2-135M)")
+    _add_batch_argument(evaluate)
+    _add_model_arguments(evaluate)
+
+    pareto = commands.add_parser("pareto", help="static sweep over w and every head's point: tables and PNGs")
+    _add_task_arguments(pareto)
+    pareto.add_argument("--weights", type=_unit_float, nargs="+", default=list(PARETO_WEIGHTS),
+                        help=f"static weights (default {' '.join(format(w, 'g') for w in PARETO_WEIGHTS)})")
+    pareto.add_argument("--head", nargs="+", help="one or more head folders, one DIVERSED point each ('default' for "
+                        "the shipped head)")
+    pareto.add_argument("--output-dir", default="runs/pareto",
+                        help="where pareto.png, pareto.md and, with heads, head_weights.png and lowest_w_tokens.md go")
+    _add_batch_argument(pareto)
+    _add_model_arguments(pareto)
+
+
+def _experiment_setup(args):
+    """(task, examples, target, draft, tokenizer, eos) for the experiment commands."""
+    from ..research.tasks import get_task, load_task_examples
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    task = get_task(args.task)
+    try:
+        examples = load_task_examples(task, args.data, args.limit)
+    except (OSError, ValueError) as error:
+        raise UsageError(f"--data: {error}") from None
+    for head in _head_paths(args):
+        if head != "default" and not os.path.isdir(head):
+            raise UsageError(f"--head {head}: no such head folder")
+    if getattr(args, "output_dir", None) is not None:
+        _require_writable_folder("--output-dir", args.output_dir)
+    target, draft, tokenizer = common.load_models(args.target, args.draft)
+    return task, examples, target, draft, tokenizer, eos_ids(tokenizer, target)
+
+
+def _head_paths(args) -> list[str]:
+    """The --head folders given (pareto takes several, eval one)."""
+    heads = getattr(args, "head", None)
+    return [] if heads is None else [heads] if isinstance(heads, str) else list(heads)
+
+
+def _head_for(args, target, draft):
+    return _load_head(args.head, target, draft) if getattr(args, "head", None) else None
+
+
+def _heads_by_label(args, target, draft) -> dict:
+    """label -> head for pareto: "diversed" for a single head, "diversed:<folder name>" for several."""
+    paths = _head_paths(args)
+    if len(paths) == 1:
+        return {"diversed": _load_head(paths[0], target, draft)}
+    labels = [f"diversed:{os.path.basename(os.path.normpath(path))}" for path in paths]
+    if len(set(labels)) != len(labels):
+        raise UsageError(f"--head: two head folders share a name: {' '.join(paths)}")
+    return {label: _load_head(path, target, draft) for label, path in zip(labels, paths)}
+
+
+def _run_train(args) -> int:
+    from ..models import DEFAULT_PAIR
+    from ..research.recipes import build_trainer
+    from ..research.checkpoints import CheckpointError
+    from ..research.trainer import TrainerConfig, distributed_session
+
+    if not args.data and args.task != "humaneval":
+        raise UsageError("train needs --data PATH (a jsonl of training examples)")
+    task, examples, target, draft, tokenizer, eos = _experiment_setup(args)
+    config = TrainerConfig(output_dir=args.output_dir, steps=args.steps, batch_size=args.batch_size,
+                           learning_rate=args.lr, warmup_steps=args.warmup_steps,
+                           acceptance_coef=args.acceptance_coef, fidelity_coef=args.fidelity_coef,
+                           expected_fidelity_coef=args.expected_fidelity_coef, epochs=args.epochs,
+                           temperature=args.temperature, seed=args.seed, checkpoint_every=args.checkpoint_every)
+    # Under torchrun every rank joins the job here; train() releases DDP before the group is destroyed.
+    with distributed_session():
+        trainer = build_trainer(task, examples, target, draft, tokenizer, config, head_hidden=args.head_hidden,
+                                init_weight=args.init_weight, num_draft=args.k, max_new_tokens=args.max_new_tokens,
+                                rollout=args.rollout, eos_token_id=eos, pair=None if args.target else DEFAULT_PAIR,
+                                chat=not args.no_chat_template)
+        try:
+            history = trainer.train(resume=args.resume)
+        except CheckpointError as error:
+            raise UsageError(f"--resume: {error}") from None
+    if history:
+        last = history[-1]
+        print(f"step {last['step']}: mean w {last['mean_weight']:.3f}, expected acceptance "
+              f"{last['expected_acceptance']:.3f}, task reward {last['task_reward']:.3f}, "
+              f"fidelity {last['fidelity']:.3f}; head saved in {os.path.join(args.output_dir, 'head')}")
+    return 0
+
+
+def _run_eval(args) -> int:
+    from ..research.harness import evaluate, method_specs
+    from ..research.report import compare_to_baselines, comparison_lines, markdown_table
+
+    if "diversed" in args.method and not args.head:
+        raise UsageError("--method diversed needs --head PATH (or --head default for the shipped head)")
+    task, examples, target, draft, tokenizer, eos = _experiment_setup(args)
+    specs = method_specs(args.method, args.weight, _head_for(args, target, draft))
+    results = evaluate(task, examples, target, draft, tokenizer, specs, num_draft=args.k,
+                       max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
+                       eos_token_id=eos, chat=not args.no_chat_template, batch_size=args.batch_size)
+    print(f"{task.name}: {len(examples)} prompts, up to {args.max_new_tokens} new tokens, K = {args.k}, "
+          f"temperature {args.temperature:g}, seeds {args.seed}..{args.seed + len(examples) - 1}\n")
+    print(markdown_table(results, task.metric))
+    comparisons = comparison_lines(compare_to_baselines(results))
+    if comparisons:
+        print("\n" + comparisons)
+    return 0
+
+
+def _run_pareto(args) -> int:
+    from ..research.harness import evaluate, pareto_methods
+    from ..research.head_usage import lowest_weight_table, plot_weight_histograms
+    from ..research.report import compare_to_baselines, comparison_lines, learned_rows, markdown_table, plot_pareto
+
+    task, examples, target, draft, tokenizer, eos = _experiment_setup(args)
+    specs = pareto_methods(args.weights, heads=_heads_by_label(args, target, draft))
+    results = evaluate(task, examples, target, draft, tokenizer, specs, num_draft=args.k,
+                       max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
+                       eos_token_id=eos, chat=not args.no_chat_template, batch_size=args.batch_size)
+    table = markdown_table(results, task.metric)
+    learned = learned_rows(results)
+    comparisons = [comparison_lines(compare_to_baselines(results, row.label), row.label) for row in learned]
+    if any(comparisons):
+        table += "\n\n" + "\n".join(line for line in comparisons if line)
+    written = [_write_text(args.output_dir, "pareto.md", table),
+               plot_pareto(results, os.path.join(args.output_dir, "pareto.png"), task.metric)]
+    usages = {row.label: row.weight_usage for row in learned if row.weight_usage is not None}
+    if usages:
+        written.append(plot_weight_histograms(usages, os.path.join(args.output_dir, "head_weights.png")))
+        written.append(_write_text(args.output_dir, "lowest_w_tokens.md", lowest_weight_table(usages, tokenizer)))
+    print(table)
+    print(f"\nwrote {', '.join(written)}")
+    return 0
+
+
+EXPERIMENT_HANDLERS = {"train": _run_train, "eval": _run_eval, "pareto": _run_pareto}
+
