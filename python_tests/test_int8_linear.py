@@ -9,6 +9,9 @@ import torch
 
 from diversed_ext.models import quantize_int8
 from diversed_ext.ops.int8 import int8_linear, pack_int8
+from helpers import requires_pinned_quantised_layer
+
+pytestmark = pytest.mark.usefixtures("fbgemm_engine")
 
 ROUNDING = 2e-6  # relative to the largest output: float rounding of the rescaling, nothing more
 
@@ -31,6 +34,7 @@ def assert_matches_layer(layer, x):
     assert float((got - expected).abs().max()) <= tolerance
 
 
+@requires_pinned_quantised_layer
 @pytest.mark.parametrize("out_features,in_features,rows", [(1, 1, 1), (17, 5, 1), (16, 4, 1), (33, 63, 3),
                                                           (96, 130, 4), (50, 7, 5), (576, 576, 1), (200, 1536, 9)])
 @pytest.mark.parametrize("bias", [False, True])
@@ -41,6 +45,7 @@ def test_matches_the_quantised_layer(out_features, in_features, rows, bias):
         assert_matches_layer(layer, torch.randn(rows, in_features, generator=generator) * 2.0 + shift)
 
 
+@requires_pinned_quantised_layer
 @pytest.mark.parametrize("scale", [0.0, 1e-7, 1e4])
 def test_matches_the_layer_on_zero_tiny_and_large_inputs(scale):
     """Zero input (scale falls back to 0.1), tiny inputs (the minimum scale kicks in), large ones."""
@@ -48,6 +53,7 @@ def test_matches_the_layer_on_zero_tiny_and_large_inputs(scale):
     assert_matches_layer(layer, torch.randn(3, 24, generator=torch.Generator().manual_seed(2)) * scale)
 
 
+@requires_pinned_quantised_layer
 def test_leading_dimensions_and_zero_rows():
     layer = int8_layer(10, 12, True, seed=3)
     packed = pack_int8([parts_of(layer)])
@@ -65,6 +71,31 @@ def test_fused_parts_equal_separate_calls():
     fused = int8_linear(x, pack_int8([parts_of(layer) for layer in layers]))
     separate = [int8_linear(x, pack_int8([parts_of(layer)])) for layer in layers]
     assert torch.equal(fused, torch.cat(separate, dim=-1))
+
+
+def exact_integer_product(x, weight, scale, bias):
+    """The layer's arithmetic written out in Python: the input quantised per tensor to [0, 127] (reduce_range), exact
+    integer sums, then the float rescaling (rounded differently from the kernel's fused epilogue: a few ulps)."""
+    low, high = min(float(x.min()), 0.0), max(float(x.max()), 0.0)
+    x_scale = (high - low) / 127 if high > low else 0.1
+    zero_point = min(127, max(0, round(-low / x_scale)))
+    quantised = torch.clamp(torch.round(x / x_scale + zero_point), 0, 255).to(torch.int64)
+    sums = (quantised - zero_point) @ weight.to(torch.int64).t()
+    return sums.double() * (x_scale * scale) + (0 if bias is None else bias.double())
+
+
+@pytest.mark.parametrize("rows,in_features", [(1, 576), (9, 1536), (4, 63)])
+def test_matches_the_exact_integer_arithmetic(rows, in_features):
+    """Against the arithmetic itself, whatever torch version: equal up to one input rounding step at an exact .5
+    (x / scale computed as x * (1 / scale) in the kernel) and the float epilogue."""
+    layer = int8_layer(48, in_features, True, seed=rows)
+    weight, scale, bias = parts_of(layer)
+    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(11)) * 2.0 + 0.5
+    got = int8_linear(x, pack_int8([(weight, scale, bias)])).double()
+    expected = exact_integer_product(x, weight, scale, bias)
+    step = (max(float(x.max()), 0.0) - min(float(x.min()), 0.0)) / 127 * scale * 127  # one input step, largest |w|
+    assert float((got - expected).abs().max()) <= step + 1e-4 * float(expected.abs().max())
+    assert float((got - expected).abs().mean()) <= 1e-3 * float(expected.abs().mean())
 
 
 @pytest.mark.parametrize("build", ["default", "baseline"])

@@ -14,6 +14,7 @@ import torch
 pytest.importorskip("transformers")
 
 from diversed_ext import cli, models  # noqa: E402
+from helpers import requires_pinned_quantised_layer  # noqa: E402
 from diversed_ext.decoding import SpeculativeDecoder, encode_prompt  # noqa: E402
 
 SHORT_PROMPT = "Name a colour."
@@ -138,6 +139,7 @@ def test_greedy_sd_equals_greedy_ar_on_the_real_pair(default_pair):
     assert summary.drafted > 0 and summary.target_passes < GREEDY_TOKENS  # the draft really helped
 
 
+@requires_pinned_quantised_layer
 def test_lean_draft_equals_the_quantised_layers_on_the_real_pair(default_pair):
     """The draft's lean forward (packed int8 products) against its own forward through the quantised layers, feed
     by feed as the decoding loop makes them: float rounding apart, never a different argmax."""
