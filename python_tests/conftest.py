@@ -10,7 +10,6 @@ import os
 os.environ.setdefault("DIVERSED_POISON_OUTPUTS", "1")
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
 
 from helpers import requires_cuda  # noqa: E402
 
@@ -33,13 +32,3 @@ def wide_pair():
 
     return wide_pair_models()
 
-
-@pytest.fixture
-def fbgemm_engine():
-    """torch's quantised layers as fbgemm computes them, the arithmetic diversed::int8_linear reproduces. torch's
-    default "x86" engine may hand some shapes to oneDNN, which quantises the input differently (seen with torch 2.14:
-    one input quantisation step apart); layers packed inside the fixture run on fbgemm."""
-    previous = torch.backends.quantized.engine
-    torch.backends.quantized.engine = "fbgemm"
-    yield
-    torch.backends.quantized.engine = previous

@@ -11,8 +11,6 @@ from diversed_ext.models import quantize_int8
 from diversed_ext.ops.int8 import int8_linear, pack_int8
 from helpers import requires_pinned_quantised_layer
 
-pytestmark = pytest.mark.usefixtures("fbgemm_engine")
-
 ROUNDING = 2e-6  # relative to the largest output: float rounding of the rescaling, nothing more
 
 

@@ -6,6 +6,7 @@ paired over prompts, and standard errors are taken over prompts (drafts within o
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 from dataclasses import dataclass
@@ -200,7 +201,7 @@ def plot_pareto(results: Sequence[MethodResult], path: str, metric: str = "quali
             axis.errorbar(x, y, xerr=x_error, yerr=y_error, fmt="o-", capsize=2, label="static ensembles")
         for row, (x_value, _, y_value, _) in zip(static, points):
             axis.annotate(f"{row.weight:g}", (x_value, y_value), fontsize=7)
-        for marker, row in zip(_HEAD_MARKERS * len(results), learned_rows(results)):
+        for marker, row in zip(itertools.cycle(_HEAD_MARKERS), learned_rows(results)):
             x_value, x_error = _value_and_error(row, x_name)
             y_value, y_error = _value_and_error(row, y_name)
             axis.errorbar([x_value], [y_value], xerr=[x_error], yerr=[y_error], fmt=marker, markersize=10,
