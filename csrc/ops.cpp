@@ -36,10 +36,22 @@ TORCH_LIBRARY(diversed, m) {
       "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   // nu = w p + (1 - w) q as float32 [B, K, V]; target [B, K or more, V].
   m.def("mix(Tensor draft, Tensor target, Tensor weight, Tensor temperature, bool from_logits) -> Tensor");
+  // CPU only: float32 weight [N, K] packed once, then input float32 [..., K] times it (csrc/cpu/float_gemm.h): each
+  // output summed over k in order, whatever the number of rows; bias float32 [N].
+  m.def("float_pack(Tensor weight) -> Tensor");
+  m.def("float_linear(Tensor input, Tensor packed, Tensor? bias, int out_features) -> Tensor");
   // CPU only: int8 weight [N, K] packed once, then input float32 [..., K] times it as torch's dynamic int8 linear layer
   // computes it (csrc/cpu/int8_gemm.h); w_scale float32 [N], bias float32 [N]; row_groups: sizes of consecutive row
   // groups quantised separately (default: all rows together, as the layer does).
   m.def("int8_pack(Tensor weight) -> (Tensor, Tensor)");
   m.def("int8_linear(Tensor input, Tensor packed, Tensor col_sums, Tensor w_scale, Tensor? bias, "
         "int[]? row_groups=None) -> Tensor");
+  // CPU only: every decoder layer of an int8 Llama (csrc/cpu/int8_llama.h) over the embedded new tokens of several
+  // sequences stacked in states [M, hidden]. norms [2, layers, hidden] (input, post-attention); packed, col_sums,
+  // w_scales, biases: the qkv, o, gate_up and down products of every layer stacked [layers, ...]; cos, sin
+  // [M, head_dim]; keys/values: each sequence's cache [layers, kv_heads, capacity, head_dim], written after its
+  // cache_lengths[r] positions with its row_counts[r] new tokens. Returns the residual stream after the last layer.
+  m.def("int8_llama_layers(Tensor states, Tensor norms, Tensor[] packed, Tensor[] col_sums, Tensor[] w_scales, "
+        "Tensor?[] biases, Tensor cos, Tensor sin, Tensor(a!)[] keys, Tensor(b!)[] values, int[] cache_lengths, "
+        "int[] row_counts, int num_heads, float eps, float attention_scale) -> Tensor");
 }

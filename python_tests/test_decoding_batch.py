@@ -2,10 +2,10 @@
 the batch size; ragged rows, EOS mid-batch, refill of finished slots and the length edges (tiny random Llama pairs
 from decoding_helpers.py).
 
-Exact token equality is asserted on float64 models: there a batched product differs from a one-row product only in
-the last bits of a double, which no sampled or greedy decision of these tests comes near. On float32 models batched
-products may round differently from one-row products (another summation order); the runner test below bounds that
-difference instead of asserting equal tokens.
+Exact token equality is asserted on float64 models (whose products go through torch.mm: there a
+batched product differs from a one-row product only in the last bits of a double, which no sampled or greedy decision
+of these tests comes near), and on float32 models, whose products the lean runner computes over packed weights in
+an order that does not depend on the row count, so their batched passes equal one-row passes bit for bit.
 """
 
 import copy
@@ -145,14 +145,28 @@ def test_round_statistics_are_per_row_with_shared_times(double_pair):
         assert sum(stats.emitted for stats in generation.rounds) == len(generation.tokens)
 
 
-def test_float32_rows_match_one_row_passes_up_to_rounding():
+def test_float32_rows_equal_one_row_passes_exactly():
+    """The lean runner's float products sum every output in the same order whatever the row count, and attention
+    runs row by row: a float32 model's batched pass is, row for row, bit for bit the pass over that row alone."""
     target, _ = wide_pair_models()
     decoder = SpeculativeDecoder(target, None, method="ar")
     runner = decoder._target_runner
+    assert runner.projections[0].qkv.float is not None  # the packed float path is the one under test
     feeds = [PROMPT, [3], [5, 1, 4, 4, 2]]
-    batched, _, _ = runner.run_rows(feeds, [None] * 3, [len(feed) for feed in feeds], True)
-    alone = torch.cat([runner(feed, None, len(feed), True)[0] for feed in feeds])
-    torch.testing.assert_close(batched, alone, rtol=1e-5, atol=1e-5)
+    batched, hidden, _ = runner.run_rows(feeds, [None] * 3, [len(feed) for feed in feeds], True)
+    alone = [runner(feed, None, len(feed), True) for feed in feeds]
+    assert torch.equal(batched, torch.cat([logits for logits, _, _ in alone]))
+    assert torch.equal(hidden, torch.cat([states for _, states, _ in alone]))
+
+
+@pytest.mark.parametrize("method,kwargs", METHODS)
+def test_float32_pair_gives_each_prompt_its_own_tokens_at_any_batch_size(method, kwargs):
+    """So on float32 models, too, a prompt's sampled tokens do not depend on its neighbours or the batch size."""
+    pair = wide_pair_models()
+    outputs = [make_decoder(pair, method, kwargs, 1.0).generate(PROMPTS, max_new_tokens=12, seed=5, batch_size=size)
+               for size in (1, 4)]
+    for one, four in zip(*(output.generations for output in outputs)):
+        assert torch.equal(one.tokens, four.tokens)
 
 
 def test_int8_draft_rows_equal_one_row_passes_exactly():

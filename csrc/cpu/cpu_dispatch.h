@@ -29,6 +29,12 @@ namespace cpu {
   void token_stats(const PairProblem<T>& pair, const TokenStatsOut& out, const ParallelFor& parallel_for);            \
   template <typename T>                                                                                               \
   void mix(const PairProblem<T>& pair, const float* weight, float* mixture, const ParallelFor& parallel_for);         \
+  void llama_rms_norm(const float* x, const float* weight, float eps, int64_t rows, int64_t width, float* out);       \
+  void llama_rotate(float* qkv, const float* cos, const float* sin, int64_t tokens, int64_t row_stride, int64_t heads, \
+                    int64_t head_dim);                                                                                \
+  void llama_attention(const LlamaAttention& problem, const ParallelFor& parallel_for);                               \
+  void llama_silu_mul(const float* gate_up, int64_t tokens, int64_t width, float* out);                               \
+  void float_gemm(const FloatGemmProblem& problem, const ParallelFor& parallel_for);                                  \
   }
 
 DIVERSED_DECLARE_CPU_KERNELS(baseline)

@@ -18,6 +18,7 @@
 
 #include "../common/problems.h"
 #include "../common/verify_math.h"
+#include "forward_problems.h"
 
 namespace diversed {
 namespace cpu {

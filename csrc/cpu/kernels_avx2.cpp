@@ -5,6 +5,10 @@
 // it. Only the kernels, which live in their own namespace, are defined after it. FMA stays off (target "avx2" alone
 // does not enable it), so the arithmetic is the baseline's, bit for bit.
 #if defined(__x86_64__) && defined(__GNUC__)
+// exp_nonpositive (verify_math.h, included before the pragma) is instantiated for this build's vectors from the plain
+// functions of llama_math.h, where gcc warns that an out-of-line copy returning such a vector would have another ABI.
+// It is always inlined into the kernels (no copy exists), so no call crosses that ABI.
+#pragma GCC diagnostic ignored "-Wpsabi"
 #include "kernel_prelude.h"
 
 #pragma GCC push_options

@@ -79,9 +79,11 @@ inline void accumulate(DoubleLanes& sums, const FloatLanes& x) {
 }
 
 // The lanes' total, combined pairwise in a fixed tree (lane l + lane l + 8, then + 4, + 2, + 1): a short dependency
-// chain, the same in every build.
-inline double reduce_lanes(const DoubleLanes& sums) {
-  double lane[kLanes];
+// chain, the same in every build. Float64 accumulators, or float ones (the Llama layers' dot products).
+template <typename Element, typename Lanes>
+inline Element reduce_lane_tree(const Lanes& sums) {
+  Element lane[kLanes];
+  static_assert(sizeof lane == sizeof sums, "one element per lane");
   __builtin_memcpy(lane, &sums, sizeof lane);
 #pragma GCC unroll 4
   for (int width = kLanes / 2; width >= 1; width /= 2)
@@ -89,6 +91,8 @@ inline double reduce_lanes(const DoubleLanes& sums) {
     for (int l = 0; l < width; ++l) lane[l] += lane[l + width];
   return lane[0];
 }
+inline double reduce_lanes(const DoubleLanes& sums) { return reduce_lane_tree<double>(sums); }
+inline float reduce_lanes(const FloatLanes& sums) { return reduce_lane_tree<float>(sums); }
 
 // Float lanes added one after the other from lane 0 (a block's float partial sums flushed into a float64 total).
 inline double sum_float_lanes_in_order(const FloatLanes& x, double total) {

@@ -1,32 +1,38 @@
 """A lean incremental forward pass for Hugging Face Llama models, used by the decoding loop.
 
-Why: on a CPU, a decoding round is almost all forward passes, and two costs in ``LlamaForCausalLM.forward`` are not
+Why: on a CPU, a decoding round is almost all forward passes, and much of ``LlamaForCausalLM.forward``'s time is not
 the model's arithmetic: (1) the generic machinery around the layers (output capturing, mask building for every
-attention backend, a dynamic cache that concatenates keys and values each step), and (2) skinny matrix products.
-A verify pass multiplies only K + 1 rows by each weight, and ``F.linear`` hands MKL ``x @ W^T`` with W transposed,
-a layout MKL packs on every call; the same product as ``(W @ x^T)^T`` streams W once. On the default pair (2 cores)
-this takes the target's 4-token pass from about 110 ms to about 75 ms, and the draft's 1-token pass from about 36 ms
-to about 32 ms (``bench/bench_e2e.py`` measures the end-to-end effect).
+attention backend, a dynamic cache that concatenates keys and values each step), (2) skinny matrix products (a
+verify pass multiplies K + 1 rows by each weight; ``F.linear`` hands MKL a transposed weight that it repacks on every
+call, and MKL's products of a few rows are compute-bound well above the time it takes to stream the weights), and
+(3) a few dozen small ops per layer, each a dispatch of several microseconds.
 
 What it runs: the model's own modules (embedding, RMSNorms, the rotary embedding with whatever RoPE scaling the
 config asks for, the projections, the MLP activation, the final norm, the LM head weight) in Llama's order, with
 
 - a preallocated key/value cache per layer (:class:`StaticKVCache`) that grows by doubling and is cropped by moving
   its length, so no step copies the prefix;
-- scaled-dot-product attention with grouped-query heads and an explicit causal mask over [prefix + new tokens];
-- several sequences per pass (:meth:`LlamaRunner.run_rows`): every product over all rows' new tokens stacked, attention
-  row by row over each row's own cache, so no token sees another row and nothing is padded;
-- float ``nn.Linear`` layers on the CPU as ``(W @ x^T)^T``, a single row doubled (MKL's one-row path is slower);
-- the products grouped by the input they read (q/k/v, o, gate/up, down, the LM head; :mod:`.projections`): for the
-  int8 draft each group is one ``diversed::int8_linear`` call over weights packed once, with the quantised layers'
-  exact arithmetic, each sequence's rows quantised on their own (so a row's draft distribution does not depend on
-  its neighbours); the draft's 1-token pass went from about 21 ms to about 15 ms, most of the rest being the ops
-  between products; float groups are their modules' products concatenated; any other module is called as it is;
-- per layer, one rotary rotation over queries and keys together and RMSNorm in six ops (the module's own forward
-  runs seven for the norm and fourteen for the two rotations), giving the same values up to float rounding.
+- several sequences per pass (:meth:`LlamaRunner.run_rows`): every product over all rows' new tokens stacked,
+  attention row by row over each row's own cache, so no token sees another row and nothing is padded;
+- the products grouped by the input they read (q/k/v, o, gate/up, down, the LM head; :mod:`.projections`), each
+  group one native call over weights packed once: ``diversed::float_linear`` for float32 weights (every output
+  summed in the same order whatever the row count, so a row's result never depends on its neighbours), and
+  ``diversed::int8_linear`` for the int8 draft (the quantised layers' exact arithmetic, each sequence's rows
+  quantised on their own); any other module is called as it is;
+- for an int8 Llama with SiLU MLPs (the default draft), every decoder layer in one native call
+  (``diversed::int8_llama_layers``: RMSNorm, the int8 products, the rotation, attention over each row's cache, SiLU,
+  with no op dispatch in between); other models run the layers op by op: scaled-dot-product attention with
+  grouped-query heads and an explicit causal mask, one rotary rotation over queries and keys together, and RMSNorm
+  in six ops (the module's own forward runs seven for the norm and fourteen for the two rotations).
 
-The outputs equal the model's forward up to float rounding (products summed in another order; tests check it on
-random Llamas with grouped-query attention, biases, RoPE scaling, tied and untied heads, and int8 copies).
+Measured on the default pair (2-core AVX-512 CPU, 2 threads, about 100 cached positions): the target's 1-token pass
+went from about 37 ms to about 24 ms with the packed float products, and the draft's 1-token pass from about 11 ms to
+about 5 ms with the native layers, within 1.1-1.25x of streaming its 135 MB of int8 weights from memory
+(``bench/pass_costs.py``).
+
+The outputs equal the model's forward up to float rounding (products summed in another order, RMSNorm's squares
+summed in float64 and exp evaluated by a polynomial in the native layers; tests check it on random Llamas with
+grouped-query attention, biases, RoPE scaling, tied and untied heads, and int8 copies).
 
 Which models: exactly ``transformers.LlamaForCausalLM`` (not subclasses, which may change the forward), in eval
 mode, with ``pretraining_tp`` 1 and no hooks on the model, its decoder or its layers (a forward hook would expect to
@@ -40,7 +46,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .projections import LayerProjections, Projections, layer_projections
+from ..ops.int8 import int8_llama_layers
+from .projections import LayerProjections, Projections, layer_projections, native_int8_layers
 
 INITIAL_CAPACITY = 256  # cached positions allocated up front; the cache doubles when a sequence outgrows it
 
@@ -149,6 +156,9 @@ class LlamaRunner:
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.projections = [layer_projections(layer, _linear) for layer in self.layers]
         self.head = Projections((model.lm_head,), _linear)
+        # An int8 model on the CPU runs every decoder layer in one native call (see the module docstring).
+        self.native = native_int8_layers(self.layers, self.projections, num_heads=self.num_heads,
+                                         head_dim=self.head_dim)
 
     @torch.no_grad()
     def __call__(self, feed: list[int], cache: Optional[StaticKVCache], num_logits: int, want_hidden: bool = True):
@@ -174,21 +184,31 @@ class LlamaRunner:
         spans = _row_spans(feeds, caches, states.device)
         row_groups = [span.count for span in spans]  # int8 products quantise each row's tokens on their own
         positions = torch.cat([torch.arange(span.start, span.end, device=states.device) for span in spans])
-        cos, sin = _rotary_tables(*base.rotary_emb(states, positions.unsqueeze(0)))  # [1, n, 1, head_dim]
+        cos, sin = base.rotary_emb(states, positions.unsqueeze(0))  # [1, n, head_dim]
         for span in spans:
             span.cache.reserve(span.end, len(self.layers), self.num_kv_heads, self.head_dim, states)
-        for index, layer in enumerate(self.layers):
-            products = self.projections[index]
-            states = states + self._attention(layer.self_attn, _rms_norm(layer.input_layernorm, states), cos, sin,
-                                              spans, index, row_groups)
-            states = states + self._mlp(layer.mlp, _rms_norm(layer.post_attention_layernorm, states), products,
-                                        row_groups)
+        if self.native is not None and states.dtype == torch.float32 and states.device.type == "cpu":
+            states = int8_llama_layers(states[0], self.native, cos[0].contiguous(), sin[0].contiguous(),
+                                       [(span.cache.keys, span.cache.values) for span in spans],
+                                       [span.start for span in spans], row_groups).unsqueeze(0)
+        else:
+            states = self._layers(states, *_rotary_tables(cos, sin), spans, row_groups)
         for span in spans:
             span.cache.length = span.end
         last = [span.offset + span.count - wanted + position for span, wanted in zip(spans, num_logits)
                 for position in range(wanted)]
         hidden = _rms_norm(base.norm, states[0, last])
         return self.head(hidden, num_logits), hidden, caches
+
+    def _layers(self, states, cos, sin, spans: list["_RowSpan"], row_groups: list[int]) -> torch.Tensor:
+        """Every decoder layer, op by op: ``cos``, ``sin`` [1, n, 1, head_dim] from :func:`_rotary_tables`."""
+        for index, layer in enumerate(self.layers):
+            products = self.projections[index]
+            states = states + self._attention(layer.self_attn, _rms_norm(layer.input_layernorm, states), cos, sin,
+                                              spans, index, row_groups)
+            states = states + self._mlp(layer.mlp, _rms_norm(layer.post_attention_layernorm, states), products,
+                                        row_groups)
+        return states
 
     def _attention(self, attention, states, cos, sin, spans: list["_RowSpan"], index: int,
                    row_groups: list[int]) -> torch.Tensor:
@@ -246,11 +266,10 @@ def _row_spans(feeds: list[list[int]], caches: list[StaticKVCache], device: torc
 
 
 def _linear(states: torch.Tensor, module: torch.nn.Module) -> torch.Tensor:
-    """``module(states)``; for a float ``nn.Linear`` on the CPU, as ``(W @ x^T)^T`` with at least two rows (see the
-    module docstring: MKL streams W once in this layout instead of packing it on every call). A single row is
-    doubled: MKL's one-row path (gemv) streams W about three times slower than its two-row product (gemm) on this
-    CPU (80 of the target's layer matrices: 19.9 ms against 7.3 ms; its LM head: 11.0 ms against 3.7 ms), so the
-    target's 1-token pass went from about 61 ms to about 39 ms."""
+    """``module(states)`` for the modules the packed products do not take (:mod:`.projections`: float64 or bfloat16
+    weights, CUDA); an ``nn.Linear`` on the CPU as ``(W @ x^T)^T`` with at least two rows: MKL streams W once in this
+    layout instead of packing it on every call, and its one-row path (gemv) streams W about three times slower than
+    its two-row product on this CPU, so a single row is doubled."""
     if type(module) is not torch.nn.Linear or states.device.type != "cpu":
         return module(states)
     rows = states.reshape(-1, states.shape[-1])

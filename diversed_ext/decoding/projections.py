@@ -5,8 +5,15 @@ For the int8 draft (every linear module a ``quantize_dynamic`` layer with per-te
 sums as the layers compute, so the draft's distribution ``q`` is unchanged up to float rounding, and the shipped head
 trained on this draft stays valid. Measured on the default pair (2-core AVX-512 VNNI CPU, one thread): a 576 x 576
 product takes about 10 us against about 27 us through the layer, whose per-call work outside the sums (quantising
-the input, packing it, rescaling) costs more than the sums themselves at one row. Any other module (float, CUDA,
-per-channel int8) is multiplied by the runner's own product, module by module.
+the input, packing it, rescaling) costs more than the sums themselves at one row.
+
+For a float32 model on the CPU (the target), each group is one ``diversed::float_linear`` call over its weights
+packed once (:mod:`diversed_ext.ops.float_linear`): the weights stream from memory once per call whatever the number
+of rows, where MKL's products of 3 to 32 rows run well above that (30 of the target's layers, 2 threads: 5 rows
+15.3 ms against 24.1 ms, 8 rows 17.6 against 31.6), and a row's outputs never depend on its neighbours. Any other
+module (CUDA, bfloat16, per-channel int8) is multiplied by the runner's own product, module by module.
+
+An int8 Llama whose every layer qualifies runs all its layers in one native call (:func:`native_int8_layers`).
 """
 
 from __future__ import annotations
@@ -16,11 +23,14 @@ from typing import Callable, NamedTuple, Optional, Sequence
 
 import torch
 
-from ..ops.int8 import Int8Weights, int8_linear, pack_int8
+from ..ops.float_linear import FloatWeights, float_linear, pack_float
+from ..ops.int8 import Int8LlamaLayers, Int8Weights, int8_linear, pack_int8, stack_int8_layers
 
 # Packed weights per module group, kept while the first module lives: decoders made one after another over the same
-# draft (the demo makes one per method) pack it once.
+# models (the demo makes one per method) pack them once.
 _PACKED: "weakref.WeakKeyDictionary[torch.nn.Module, list]" = weakref.WeakKeyDictionary()
+# Stacked layers per decoder (its first layer), with the packed weights they were stacked from.
+_STACKED: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()
 
 
 def int8_parts(module: torch.nn.Module) -> Optional[tuple]:
@@ -36,30 +46,49 @@ def int8_parts(module: torch.nn.Module) -> Optional[tuple]:
     return weight.int_repr(), weight.q_scale(), bias
 
 
-def _packed(modules: Sequence[torch.nn.Module]) -> Optional[Int8Weights]:
-    # Keyed by the modules' packed weight objects themselves (set_weight_bias replaces them), held by the cache entry,
-    # so new weights are packed afresh and an old object's id cannot be mistaken for a new one.
-    sources = tuple(getattr(getattr(module, "_packed_params", None), "_packed_params", None) for module in modules)
-    for cached_sources, packed in _PACKED.get(modules[0], ()):
-        if all(a is b for a, b in zip(cached_sources, sources)):
+def _cached(modules: Sequence[torch.nn.Module], sources: tuple, versions: tuple, pack: Callable):
+    """``pack()`` once per module group: reused while the group keeps the same source objects (held by the cache
+    entry, so an old object's id cannot be mistaken for a new one) at the same versions (in-place changes)."""
+    for cached_sources, cached_versions, packed in _PACKED.get(modules[0], ()):
+        if cached_versions == versions and all(a is b for a, b in zip(cached_sources, sources)):
             return packed
+    packed = pack()
+    if packed is not None:
+        _PACKED.setdefault(modules[0], []).append((sources, versions, packed))
+    return packed
+
+
+def _packed_int8(modules: Sequence[torch.nn.Module]) -> Optional[Int8Weights]:
+    # Keyed by the modules' packed weight objects themselves: set_weight_bias replaces them.
+    sources = tuple(getattr(getattr(module, "_packed_params", None), "_packed_params", None) for module in modules)
     parts = [int8_parts(module) for module in modules]
     if any(part is None for part in parts) or len({part[0].shape[1] for part in parts}) != 1:
         return None
-    packed = pack_int8(parts)
-    _PACKED.setdefault(modules[0], []).append((sources, packed))
-    return packed
+    return _cached(modules, sources, (), lambda: pack_int8(parts))
+
+
+def _packed_float(modules: Sequence[torch.nn.Module]) -> Optional[FloatWeights]:
+    def packable(module):
+        return (type(module) is torch.nn.Linear and module.weight.dtype == torch.float32
+                and module.weight.device.type == "cpu" and module.in_features == modules[0].in_features)
+
+    if not all(packable(module) for module in modules):
+        return None
+    tensors = tuple(tensor for module in modules for tensor in (module.weight, module.bias) if tensor is not None)
+    return _cached(modules, tensors, tuple(tensor._version for tensor in tensors),
+                   lambda: pack_float([(module.weight, module.bias) for module in modules]))
 
 
 class Projections:
     """``projections(states)`` is every module's output for ``states`` [..., K], concatenated along the last
-    dimension in module order (``out_features`` each): one fused int8 call when the modules allow it, else
-    ``linear(states, module)`` per module."""
+    dimension in module order (``out_features`` each): one fused int8 or float call over weights packed once when
+    the modules allow it, else ``linear(states, module)`` per module."""
 
     def __init__(self, modules: Sequence[torch.nn.Module], linear: Callable):
         self.modules = tuple(modules)
         self.linear = linear
-        self.int8 = _packed(self.modules)
+        self.int8 = _packed_int8(self.modules)
+        self.float = None if self.int8 is not None else _packed_float(self.modules)
         self.out_features = tuple(module.out_features for module in self.modules)
 
     def __call__(self, states: torch.Tensor, row_groups: Optional[Sequence[int]] = None) -> torch.Tensor:
@@ -69,6 +98,8 @@ class Projections:
         if self.int8 is not None and states.device.type == "cpu" and states.dtype == torch.float32:
             # Shapes are fixed by the model: the Python check is skipped, the native op still checks.
             return int8_linear(states, self.int8, row_groups=row_groups, check=False)
+        if self.float is not None and states.device.type == "cpu" and states.dtype == torch.float32:
+            return float_linear(states, self.float)
         if len(self.modules) == 1:
             return self.linear(states, self.modules[0])
         return torch.cat([self.linear(states, module) for module in self.modules], dim=-1)
@@ -87,3 +118,44 @@ def layer_projections(layer: torch.nn.Module, linear: Callable) -> LayerProjecti
                             Projections((attention.o_proj,), linear),
                             Projections((mlp.gate_proj, mlp.up_proj), linear),
                             Projections((mlp.down_proj,), linear))
+
+
+def _is_silu(module: torch.nn.Module) -> bool:
+    return isinstance(module, torch.nn.SiLU) or type(module).__name__ in ("SiLU", "SiLUActivation")
+
+
+def _float_rms_norm(norm: torch.nn.Module) -> bool:
+    return type(norm).__name__ == "LlamaRMSNorm" and norm.weight.dtype == torch.float32
+
+
+def native_int8_layers(layers: Sequence[torch.nn.Module], products: Sequence[LayerProjections], *, num_heads: int,
+                       head_dim: int) -> Optional[Int8LlamaLayers]:
+    """The decoder ``layers`` stacked for the native int8 pass (:func:`diversed_ext.ops.int8.int8_llama_layers`), or
+    None where it does not apply: some product is not int8 on the CPU, an activation other than SiLU, an RMSNorm
+    that is not a float32 LlamaRMSNorm, or norms and attentions that differ between layers."""
+    if not layers or any(group.int8 is None for layer in products for group in layer):
+        return None
+    first = layers[0]
+    eps, scaling = first.input_layernorm.variance_epsilon, first.self_attn.scaling
+    for layer in layers:
+        norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        if not all(_float_rms_norm(norm) and norm.variance_epsilon == eps for norm in norms):
+            return None
+        if not _is_silu(layer.mlp.act_fn) or layer.self_attn.scaling != scaling or norms[0].weight.device.type != "cpu":
+            return None
+    if head_dim % 2:
+        return None
+    # The stack copies the norms' weights: an in-place change of one (its version) or new packed weights restack.
+    norm_weights = [norm.weight for layer in layers for norm in (layer.input_layernorm, layer.post_attention_layernorm)]
+    sources = (*(group.int8.packed for layer in products for group in layer), *norm_weights)
+    versions = tuple(weight._version for weight in norm_weights)
+    cached = _STACKED.get(first)
+    if cached is not None and cached[1] == versions and len(cached[0]) == len(sources) and \
+            all(a is b for a, b in zip(cached[0], sources)):
+        return cached[2]
+    stacked = stack_int8_layers([tuple(group.int8 for group in layer) for layer in products],
+                                [layer.input_layernorm.weight for layer in layers],
+                                [layer.post_attention_layernorm.weight for layer in layers],
+                                num_heads=num_heads, eps=eps, attention_scale=scaling)
+    _STACKED[first] = (sources, versions, stacked)
+    return stacked

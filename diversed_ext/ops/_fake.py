@@ -57,3 +57,20 @@ def _int8_pack_fake(weight):
 @torch.library.register_fake("diversed::int8_linear")
 def _int8_linear_fake(input, packed, col_sums, w_scale, bias, row_groups=None):
     return input.new_empty((*input.shape[:-1], w_scale.shape[0]))
+
+
+@torch.library.register_fake("diversed::int8_llama_layers")
+def _int8_llama_layers_fake(states, norms, packed, col_sums, w_scales, biases, cos, sin, keys, values, cache_lengths,
+                            row_counts, num_heads, eps, attention_scale):
+    return states.new_empty(states.shape)
+
+
+@torch.library.register_fake("diversed::float_pack")
+def _float_pack_fake(weight):
+    out_features, in_features = weight.shape
+    return weight.new_empty((-(-out_features // 16), in_features, 16))  # the tile layout of csrc/cpu/float_gemm.h
+
+
+@torch.library.register_fake("diversed::float_linear")
+def _float_linear_fake(input, packed, bias, out_features):
+    return input.new_empty((*input.shape[:-1], out_features))

@@ -89,3 +89,63 @@ def int8_linear(input: torch.Tensor, weights: Int8Weights, *, row_groups: Option
         raise ValueError(f"row_groups must be sizes >= 1 adding up to the input's {rows} rows, got {groups}")
     return torch.ops.diversed.int8_linear(input, weights.packed, weights.col_sums, weights.w_scale, weights.bias,
                                           groups)
+
+
+class Int8LlamaLayers(NamedTuple):
+    """Every decoder layer of an int8 Llama, stacked for :func:`int8_llama_layers` (made by :func:`stack_int8_layers`).
+
+    Each product (qkv, o, gate_up, down, in that order) is every layer's :class:`Int8Weights` stacked along a new first
+    dimension; a product's biases are None when no layer has one."""
+
+    norms: torch.Tensor  # float32 [2, layers, hidden]: the input and post-attention RMSNorm weights
+    packed: tuple  # int8 [layers, packed size] per product
+    col_sums: tuple  # int32 [layers, N] per product
+    w_scales: tuple  # float32 [layers, N] per product
+    biases: tuple  # float32 [layers, N] or None per product
+    num_heads: int
+    eps: float  # the RMSNorms' epsilon
+    attention_scale: float  # the factor on q . k before the softmax
+
+
+def stack_int8_layers(products: Sequence[Sequence[Int8Weights]], input_norms: Sequence[torch.Tensor],
+                      post_norms: Sequence[torch.Tensor], *, num_heads: int, eps: float,
+                      attention_scale: float) -> Int8LlamaLayers:
+    """Stack every layer's packed (qkv, o, gate_up, down) products and RMSNorm weights for :func:`int8_llama_layers`.
+
+    ``products[l]`` holds layer l's four :class:`Int8Weights`: q, k and v packed together, o, gate and up packed
+    together (gate first), down."""
+    if not products or any(len(layer) != 4 for layer in products):
+        raise ValueError("products must hold, for at least one layer, the 4 packed products (qkv, o, gate_up, down)")
+    columns = list(zip(*products))
+
+    def stacked_bias(weights: Sequence[Int8Weights]) -> Optional[torch.Tensor]:
+        if all(weight.bias is None for weight in weights):
+            return None
+        return torch.stack([torch.zeros(sum(weight.out_features)) if weight.bias is None else weight.bias
+                            for weight in weights])
+
+    norms = torch.stack([torch.stack([norm.detach().float() for norm in input_norms]),
+                         torch.stack([norm.detach().float() for norm in post_norms])]).contiguous()
+    return Int8LlamaLayers(norms,
+                           tuple(torch.stack([weight.packed for weight in column]) for column in columns),
+                           tuple(torch.stack([weight.col_sums for weight in column]) for column in columns),
+                           tuple(torch.stack([weight.w_scale for weight in column]) for column in columns),
+                           tuple(stacked_bias(column) for column in columns),
+                           int(num_heads), float(eps), float(attention_scale))
+
+
+def int8_llama_layers(states: torch.Tensor, layers: Int8LlamaLayers, cos: torch.Tensor, sin: torch.Tensor,
+                      caches: Sequence[tuple], cache_lengths: Sequence[int], row_counts: Sequence[int]) -> torch.Tensor:
+    """Every decoder layer of an int8 Llama in one native call (CPU only): ``diversed::int8_llama_layers``.
+
+    ``states`` float32 [M, hidden]: the embedded new tokens of one or more sequences, row after row (row r has
+    ``row_counts[r]`` of them); ``cos``, ``sin`` float32 [M, head_dim]: the rotary tables at each token's position;
+    ``caches[r]``: row r's (keys, values), float32 [layers, kv_heads, capacity, head_dim], whose first
+    ``cache_lengths[r]`` positions are filled. Writes each row's new keys and values after them and returns the
+    residual stream after the last layer [M, hidden] (the final norm is the caller's). Each row's int8 inputs are
+    quantised on their own, so a row's result does not depend on the other rows. The native op checks every shape
+    and raises a RuntimeError naming the argument."""
+    return torch.ops.diversed.int8_llama_layers(
+        states, layers.norms, list(layers.packed), list(layers.col_sums), list(layers.w_scales), list(layers.biases),
+        cos, sin, [keys for keys, _ in caches], [values for _, values in caches], [int(n) for n in cache_lengths],
+        [int(n) for n in row_counts], layers.num_heads, layers.eps, layers.attention_scale)
