@@ -46,12 +46,16 @@ TORCH_LIBRARY(diversed, m) {
   m.def("int8_pack(Tensor weight) -> (Tensor, Tensor)");
   m.def("int8_linear(Tensor input, Tensor packed, Tensor col_sums, Tensor w_scale, Tensor? bias, "
         "int[]? row_groups=None) -> Tensor");
-  // CPU only: every decoder layer of an int8 Llama (csrc/cpu/int8_llama.h) over the embedded new tokens of several
-  // sequences stacked in states [M, hidden]. norms [2, layers, hidden] (input, post-attention); packed, col_sums,
-  // w_scales, biases: the qkv, o, gate_up and down products of every layer stacked [layers, ...]; cos, sin
-  // [M, head_dim]; keys/values: each sequence's cache [layers, kv_heads, capacity, head_dim], written after its
-  // cache_lengths[r] positions with its row_counts[r] new tokens. Returns the residual stream after the last layer.
-  m.def("int8_llama_layers(Tensor states, Tensor norms, Tensor[] packed, Tensor[] col_sums, Tensor[] w_scales, "
+  // CPU only: every decoder layer of a Llama (csrc/cpu/llama_layers.h) over the embedded new tokens of several
+  // sequences stacked in states [M, hidden]. Per layer l: norms[2l], norms[2l + 1] (input and post-attention RMSNorm
+  // weights), and products 4l..4l+3 (qkv, o, gate_up, down) in the lists: int8 (int8_pack's packed, col_sums,
+  // w_scales) or float32 (float_pack's packed); biases optional. cos, sin [M, head_dim]; keys/values: each
+  // sequence's cache [layers, kv_heads, capacity, head_dim], written after its cache_lengths[r] positions with its
+  // row_counts[r] new tokens. Returns the residual stream after the last layer.
+  m.def("int8_llama_layers(Tensor states, Tensor[] norms, Tensor[] packed, Tensor[] col_sums, Tensor[] w_scales, "
         "Tensor?[] biases, Tensor cos, Tensor sin, Tensor(a!)[] keys, Tensor(b!)[] values, int[] cache_lengths, "
         "int[] row_counts, int num_heads, float eps, float attention_scale) -> Tensor");
+  m.def("float_llama_layers(Tensor states, Tensor[] norms, Tensor[] packed, Tensor?[] biases, Tensor cos, "
+        "Tensor sin, Tensor(a!)[] keys, Tensor(b!)[] values, int[] cache_lengths, int[] row_counts, int num_heads, "
+        "float eps, float attention_scale) -> Tensor");
 }

@@ -1,6 +1,6 @@
 """The lean forward's native ops: float products over packed weights (diversed::float_pack / float_linear) and every
-layer of an int8 Llama in one call (diversed::int8_llama_layers), against plain PyTorch, across the CPU builds, for
-batch invariance, memory safety on bad arguments, and opcheck."""
+layer of a Llama in one call (diversed::int8_llama_layers, float_llama_layers), against plain PyTorch and the
+op-by-op path, across the CPU builds, for batch invariance, memory safety on bad arguments, and opcheck."""
 
 import copy
 
@@ -95,11 +95,15 @@ def test_float_ops_opcheck():
     torch.library.opcheck(torch.ops.diversed.float_linear.default, (torch.randn(9, 13), packed.packed, None, 21))
 
 
-# ------------------------------------------------------------------------------------------------ int8_llama_layers
+# ------------------------------------------------------------------------------------------------ llama layers
 
-def int8_runner(name="gqa", seed=2):
-    runner = LlamaRunner(quantize_int8(tiny_llama(seed, **CONFIGS[name])))
-    assert runner.native is not None  # the native path is the one under test
+KINDS = ["int8", "float"]
+
+
+def native_runner(kind="int8", name="gqa", seed=2):
+    model = tiny_llama(seed, **CONFIGS[name])
+    runner = LlamaRunner(quantize_int8(model) if kind == "int8" else model)
+    assert runner.native is not None and runner.native.int8 == (kind == "int8")  # the native path is under test
     return runner
 
 
@@ -110,11 +114,12 @@ def python_runner(runner):
     return other
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_native_int8_layers_match_the_op_by_op_path(name):
+def test_native_layers_match_the_op_by_op_path(kind, name):
     """Along the decoding schedule (feeds and crops), the native layers give the op-by-op path's logits up to float
-    rounding (which can move an activation across one int8 quantisation step now and then)."""
-    native = int8_runner(name)
+    rounding (which can move an int8 activation across one quantisation step now and then)."""
+    native = native_runner(kind, name)
     reference = python_runner(native)
     native_cache = reference_cache = None
     generator = torch.Generator().manual_seed(11)
@@ -131,9 +136,20 @@ def test_native_int8_layers_match_the_op_by_op_path(name):
         assert native_cache.get_seq_length() == reference_cache.get_seq_length()
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_native_rows_equal_one_row_passes_exactly(kind):
+    runner = native_runner(kind, "multi-head")
+    feeds = [[1, 5, 9, 2, 30, 4, 4], [3], [8, 8]]
+    batched, hidden, _ = runner.run_rows(feeds, [None] * 3, [len(feed) for feed in feeds], True)
+    alone = [runner(feed, None, len(feed), True) for feed in feeds]
+    assert torch.equal(batched, torch.cat([logits for logits, _, _ in alone]))
+    assert torch.equal(hidden, torch.cat([states for _, states, _ in alone]))
+
+
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("build", BUILDS[1:])
-def test_native_int8_layers_builds_agree_bit_for_bit(build, monkeypatch):
-    runner = int8_runner("biases")
+def test_native_layers_builds_agree_bit_for_bit(kind, build, monkeypatch):
+    runner = native_runner(kind, "biases")
     feeds = [[1, 5, 9, 2, 30, 4, 4], [3], [8, 8]]
     default, _, _ = runner.run_rows(feeds, [None] * 3, [len(feed) for feed in feeds], False)
     monkeypatch.setenv("DIVERSED_CPU_CAPABILITY", build)
@@ -141,9 +157,10 @@ def test_native_int8_layers_builds_agree_bit_for_bit(build, monkeypatch):
     assert torch.equal(again, default)
 
 
-def test_native_int8_layers_poisoned_scratch_changes_nothing(monkeypatch):
+@pytest.mark.parametrize("kind", KINDS)
+def test_native_layers_poisoned_scratch_changes_nothing(kind, monkeypatch):
     """Under the test hook every scratch buffer starts as NaN: a value read before it is written would show."""
-    runner = int8_runner("head-dim-16")
+    runner = native_runner(kind, "head-dim-16")
     feeds = [[1, 2, 3, 4], [5]]
     clean, _, _ = runner.run_rows(feeds, [None] * 2, [4, 1], False)
     monkeypatch.setenv("DIVERSED_POISON_OUTPUTS", "1")
@@ -152,49 +169,60 @@ def test_native_int8_layers_poisoned_scratch_changes_nothing(monkeypatch):
 
 
 def native_call(runner, tokens=3, capacity=8, cache_length=0, **overrides):
-    """The arguments of one int8_llama_layers call for one row, with any of them replaced."""
-    layers, config = runner.native, runner.model.config
+    """(op, keyword arguments) of one native call for one row, with any argument replaced."""
+    layers = runner.native
     keys = torch.zeros(len(runner.layers), runner.num_kv_heads, capacity, runner.head_dim)
-    arguments = dict(states=torch.randn(tokens, config.hidden_size), norms=layers.norms, packed=list(layers.packed),
-                     col_sums=list(layers.col_sums), w_scales=list(layers.w_scales), biases=list(layers.biases),
+    arguments = dict(states=torch.randn(tokens, runner.model.config.hidden_size), norms=list(layers.norms),
+                     packed=[weights.packed for weights in layers.products],
+                     biases=[weights.bias for weights in layers.products],
                      cos=torch.ones(tokens, runner.head_dim), sin=torch.zeros(tokens, runner.head_dim),
                      keys=[keys], values=[keys.clone()], cache_lengths=[cache_length], row_counts=[tokens],
                      num_heads=layers.num_heads, eps=layers.eps, attention_scale=layers.attention_scale)
+    op = torch.ops.diversed.float_llama_layers
+    if layers.int8:
+        op = torch.ops.diversed.int8_llama_layers
+        arguments.update(col_sums=[weights.col_sums for weights in layers.products],
+                         w_scales=[weights.w_scale for weights in layers.products])
     arguments.update(overrides)
-    return arguments
+    return op, arguments
 
 
-def test_native_int8_layers_refuse_bad_arguments_by_name():
-    runner = int8_runner()
-    torch.ops.diversed.int8_llama_layers(**native_call(runner))  # the unchanged call runs
-    layers = runner.native
+@pytest.mark.parametrize("kind", KINDS)
+def test_native_layers_refuse_bad_arguments_by_name(kind):
+    runner = native_runner(kind)
+    op, arguments = native_call(runner)
+    op(**arguments)  # the unchanged call runs
+    packed = arguments["packed"]
+    short = torch.zeros(len(runner.layers), runner.num_kv_heads, 7, runner.head_dim)  # keys hold 8 positions
     bad = {
         "room": dict(cache_length=6),  # 6 cached + 3 new > capacity 8
         "row_counts": dict(row_counts=[2]),
         "cos": dict(cos=torch.ones(3, runner.head_dim + 2)),
         "num_heads": dict(num_heads=3),
-        "norms": dict(norms=layers.norms[:, :1]),
-        "packed": dict(packed=[layers.packed[0][:, :-1], *layers.packed[1:]]),
-        "col_sums": dict(col_sums=[layers.col_sums[0], layers.col_sums[1][:, :-1], *layers.col_sums[2:]]),
+        "norms": dict(norms=arguments["norms"][:-1]),
+        r"norms\[1\]": dict(norms=[arguments["norms"][0], arguments["norms"][1][:-1], *arguments["norms"][2:]]),
+        r"packed\[1\] \(layer 0, o\)": dict(packed=[packed[0], packed[1][:-1], *packed[2:]]),
+        r"packed\[6\] \(layer 1, gate_up\)": dict(packed=[*packed[:6], packed[6].double(), *packed[7:]]),
         "keys": dict(keys=[torch.zeros(len(runner.layers), runner.num_kv_heads, 8, runner.head_dim + 2)]),
+        "values": dict(values=[short]),
         "states": dict(states=torch.randn(3, 5)),
-        "4 entries": dict(biases=[None] * 3),
+        "biases": dict(biases=[None] * (len(packed) - 1)),
     }
+    if kind == "int8":
+        bad[r"col_sums\[1\]"] = dict(col_sums=[arguments["col_sums"][0], arguments["col_sums"][1][:-1],
+                                                *arguments["col_sums"][2:]])
     for match, overrides in bad.items():
         with pytest.raises(RuntimeError, match=match):
-            torch.ops.diversed.int8_llama_layers(**native_call(runner, **overrides))
-    with pytest.raises(RuntimeError, match="values"):
-        short = torch.zeros(len(runner.layers), runner.num_kv_heads, 7, runner.head_dim)  # keys hold 8 positions
-        torch.ops.diversed.int8_llama_layers(**native_call(runner, values=[short]))
+            op(**native_call(runner, **overrides)[1])
 
 
-def test_native_int8_layers_opcheck():
-    runner = int8_runner("biases")
-    arguments = native_call(runner, tokens=2, cache_length=1)
-    torch.library.opcheck(torch.ops.diversed.int8_llama_layers.default, (), arguments)
+@pytest.mark.parametrize("kind", KINDS)
+def test_native_layers_opcheck(kind):
+    op, arguments = native_call(native_runner(kind, "biases"), tokens=2, cache_length=1)
+    torch.library.opcheck(op.default, (), arguments)
 
 
 def test_models_outside_the_native_path_keep_the_op_by_op_forward():
-    assert LlamaRunner(tiny_llama(1)).native is None  # float weights: per-group products instead
     draft = quantize_int8(tiny_llama(2, hidden_act="gelu"))
     assert LlamaRunner(draft).native is None  # not a SiLU MLP
+    assert LlamaRunner(tiny_llama(1).double()).native is None  # float64 products are not packed

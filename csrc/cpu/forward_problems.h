@@ -1,8 +1,8 @@
 // The lean forward passes' kernels' view of their inputs: raw pointers and sizes, no torch. float_gemm.h multiplies by
-// float weights packed once; int8_llama.h runs an int8 Llama's layers, with llama_math.h's float math between its
-// int8 products; model_bindings.cpp builds these from checked tensors.
+// float weights packed once; llama_layers.h runs a Llama's layers, with llama_math.h's float math between its int8 or
+// float products; model_bindings.cpp builds these from checked tensors.
 //
-// A pass carries several sequences ("rows") at once: their new tokens are stacked, row after row, into [M, ...]
+// A Llama pass carries several sequences ("rows") at once: their new tokens are stacked, row after row, into [M, ...]
 // buffers, and each row has its own key/value cache [layers, kv_heads, capacity, head_dim] (float32), of which the
 // first `start` positions are filled; the pass writes the row's `count` new positions after them and every token
 // attends to its own row's cache only, causally.

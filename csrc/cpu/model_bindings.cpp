@@ -1,6 +1,6 @@
 // CPU bindings of the lean forward's ops: argument checks, output and scratch allocation, then the torch-free kernels
-// of float_gemm.h (a float product over packed weights), int8_gemm.h (an int8 product) and int8_llama.h (every layer of
-// an int8 Llama). Whatever the arguments, nothing is read
+// of float_gemm.h (a float product over packed weights), int8_gemm.h (an int8 product) and llama_layers.h (every layer
+// of a Llama, with int8 or float products). Whatever the arguments, nothing is read
 // or written out of bounds: every size the kernels use is checked against the tensors here.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -13,7 +13,7 @@
 #include "../common/poison.h"
 #include "model_bindings.h"
 #include "int8_gemm.h"
-#include "int8_llama.h"
+#include "llama_layers.h"
 #include "cpu_dispatch.h"
 #include "parallel_binding.h"
 
@@ -126,66 +126,50 @@ at::Tensor float_linear_cpu(const at::Tensor& input, const at::Tensor& packed, c
 namespace {
 
 constexpr const char* kInt8LlamaOp = "diversed::int8_llama_layers";
-constexpr int kProducts = 4;  // qkv, o, gate_up, down, in this order in every list
-constexpr const char* kProductNames[kProducts] = {"qkv", "o", "gate_up", "down"};
+constexpr const char* kFloatLlamaOp = "diversed::float_llama_layers";
+constexpr const char* kProductNames[kProductsPerLayer] = {"qkv", "o", "gate_up", "down"};
 
-// A stacked [layers, size] tensor of the given dtype, contiguous, on the CPU.
-void check_stacked(const at::Tensor& tensor, at::ScalarType dtype, int64_t layers, int64_t size, const char* what,
-                   int product) {
+// A per-layer tensor list entry: a contiguous CPU tensor of the given dtype and shape.
+void check_part(const at::Tensor& tensor, at::ScalarType dtype, at::IntArrayRef shape, const char* op,
+                const char* what, size_t index) {
   TORCH_CHECK(tensor.device().is_cpu() && tensor.scalar_type() == dtype && tensor.is_contiguous() &&
-                  tensor.dim() == 2 && tensor.size(0) == layers && tensor.size(1) == size,
-              kInt8LlamaOp, ": ", what, "[", product, "] (", kProductNames[product], ") must be a contiguous CPU ",
-              c10::toString(dtype), " tensor of shape [", layers, ", ", size, "], got ", tensor.sizes(), " ",
-              tensor.scalar_type());
+                  tensor.sizes() == shape,
+              op, ": ", what, "[", index, "] (layer ", index / kProductsPerLayer, ", ",
+              kProductNames[index % kProductsPerLayer], ") must be a contiguous CPU ", c10::toString(dtype),
+              " tensor of shape ", shape, ", got ", tensor.sizes(), " ", tensor.scalar_type());
 }
 
-Int8LayerStack checked_stack(at::TensorList packed, at::TensorList col_sums, at::TensorList w_scales,
-                             const c10::List<c10::optional<at::Tensor>>& biases, int product, int64_t layers,
-                             int64_t out_features, int64_t in_features) {
-  TORCH_CHECK(out_features >= 1 && in_features >= 1, kInt8LlamaOp, ": ", kProductNames[product],
-              " must have at least one input and one output feature");
-  check_stacked(packed[product], at::kChar, layers, int8::packed_size(out_features, in_features), "packed", product);
-  check_stacked(col_sums[product], at::kInt, layers, out_features, "col_sums", product);
-  check_stacked(w_scales[product], at::kFloat, layers, out_features, "w_scales", product);
-  const c10::optional<at::Tensor> bias = biases.get(product);
-  if (bias.has_value()) check_stacked(*bias, at::kFloat, layers, out_features, "biases", product);
-  return {packed[product].data_ptr<int8_t>(), col_sums[product].data_ptr<int32_t>(),
-          w_scales[product].data_ptr<float>(), bias.has_value() ? bias->data_ptr<float>() : nullptr, out_features,
-          in_features};
-}
-
-void check_cache(const at::Tensor& cache, const at::Tensor& first, int64_t layers, const char* what, size_t row) {
+void check_cache(const at::Tensor& cache, const at::Tensor& first, int64_t layers, const char* op, const char* what,
+                 size_t row) {
   TORCH_CHECK(cache.device().is_cpu() && cache.scalar_type() == at::kFloat && cache.is_contiguous() &&
                   cache.dim() == 4 && cache.size(0) == layers && cache.size(1) == first.size(1) &&
                   cache.size(3) == first.size(3),
-              kInt8LlamaOp, ": ", what, "[", row, "] must be a contiguous CPU float32 cache [", layers, ", ",
-              first.size(1), ", capacity, ", first.size(3), "] like keys[0], got ", cache.sizes(), " ",
-              cache.scalar_type());
+              op, ": ", what, "[", row, "] must be a contiguous CPU float32 cache [", layers, ", ", first.size(1),
+              ", capacity, ", first.size(3), "] like keys[0], got ", cache.sizes(), " ", cache.scalar_type());
 }
 
 // The rows of the pass, each checked against its cache: offsets follow from the counts.
 std::vector<LlamaRow> checked_rows(at::TensorList keys, at::TensorList values, at::IntArrayRef cache_lengths,
-                                   at::IntArrayRef row_counts, int64_t layers, int64_t tokens) {
+                                   at::IntArrayRef row_counts, int64_t layers, int64_t tokens, const char* op) {
   TORCH_CHECK(!row_counts.empty() && keys.size() == row_counts.size() && values.size() == row_counts.size() &&
                   cache_lengths.size() == row_counts.size(),
-              kInt8LlamaOp, ": keys, values, cache_lengths and row_counts must have one entry per row (at least one), "
-              "got ", keys.size(), ", ", values.size(), ", ", cache_lengths.size(), " and ", row_counts.size());
+              op, ": keys, values, cache_lengths and row_counts must have one entry per row (at least one), got ",
+              keys.size(), ", ", values.size(), ", ", cache_lengths.size(), " and ", row_counts.size());
   std::vector<LlamaRow> rows;
   int64_t offset = 0;
   for (size_t r = 0; r < row_counts.size(); ++r) {
-    check_cache(keys[r], keys[0], layers, "keys", r);
-    check_cache(values[r], keys[0], layers, "values", r);
+    check_cache(keys[r], keys[0], layers, op, "keys", r);
+    check_cache(values[r], keys[0], layers, op, "values", r);
     const int64_t capacity = keys[r].size(2);
-    TORCH_CHECK(values[r].size(2) == capacity, kInt8LlamaOp, ": values[", r, "] must have the shape of keys[", r, "]");
-    TORCH_CHECK(row_counts[r] >= 1 && cache_lengths[r] >= 0 && cache_lengths[r] <= capacity - row_counts[r],
-                kInt8LlamaOp, ": row ", r, " appends ", row_counts[r], " token(s) after ", cache_lengths[r],
+    TORCH_CHECK(values[r].size(2) == capacity, op, ": values[", r, "] must have the shape of keys[", r, "]");
+    TORCH_CHECK(row_counts[r] >= 1 && cache_lengths[r] >= 0 && cache_lengths[r] <= capacity - row_counts[r], op,
+                ": row ", r, " appends ", row_counts[r], " token(s) after ", cache_lengths[r],
                 " cached position(s); it needs at least one token and room for them in its cache of ", capacity);
     rows.push_back({offset, row_counts[r], cache_lengths[r], capacity, keys[r].data_ptr<float>(),
                     values[r].data_ptr<float>()});
     offset += row_counts[r];
   }
-  TORCH_CHECK(offset == tokens, kInt8LlamaOp, ": row_counts must add up to the ", tokens, " rows of states, got ",
-              offset);
+  TORCH_CHECK(offset == tokens, op, ": row_counts must add up to the ", tokens, " rows of states, got ", offset);
   return rows;
 }
 
@@ -193,85 +177,160 @@ at::Tensor scratch(int64_t rows, int64_t columns, const at::Tensor& like) {
   return at::empty({rows, columns}, like.options());
 }
 
+// Everything both ops share: the checked shapes, the rows, the output (the residual stream, a copy of states) and the
+// scratch between products. The products' own tensors are the caller's to check against in_features/out_features.
+struct LlamaCall {
+  LlamaPass pass;
+  std::vector<LlamaRow> rows;
+  at::Tensor out, normed, qkv, attended, gate_up, activated, product;
+
+  // Product p's (out_features, in_features).
+  std::pair<int64_t, int64_t> product_shape(int product) const {
+    switch (product) {
+      case kQkv: return {(pass.heads + 2 * pass.kv_heads) * pass.head_dim, pass.hidden};
+      case kO: return {pass.hidden, pass.heads * pass.head_dim};
+      case kGateUp: return {2 * pass.intermediate, pass.hidden};
+      default: return {pass.hidden, pass.intermediate};
+    }
+  }
+};
+
+LlamaCall start_llama_call(const at::Tensor& states, at::TensorList norms, size_t product_count,
+                           const at::Tensor& cos, const at::Tensor& sin, at::TensorList keys, at::TensorList values,
+                           at::IntArrayRef cache_lengths, at::IntArrayRef row_counts, int64_t num_heads,
+                           int64_t intermediate, double eps, double attention_scale, const char* op) {
+  TORCH_CHECK(states.device().is_cpu() && states.scalar_type() == at::kFloat && states.dim() == 2 &&
+                  states.size(0) >= 1 && states.size(1) >= 1,
+              op, ": states must be a CPU float32 [tokens, hidden] tensor with at least one token");
+  LlamaCall call;
+  LlamaPass& pass = call.pass;
+  pass.tokens = states.size(0);
+  pass.hidden = states.size(1);
+  TORCH_CHECK(!norms.empty() && norms.size() % 2 == 0 && product_count == kProductsPerLayer * norms.size() / 2, op,
+              ": norms must hold 2 weights per layer (input and post-attention RMSNorm) and the product lists 4 per "
+              "layer (qkv, o, gate_up, down), got ", norms.size(), " and ", product_count);
+  pass.layers = static_cast<int64_t>(norms.size() / 2);
+  call.rows = checked_rows(keys, values, cache_lengths, row_counts, pass.layers, pass.tokens, op);
+  pass.kv_heads = keys[0].size(1);
+  pass.head_dim = keys[0].size(3);
+  pass.heads = num_heads;
+  pass.intermediate = intermediate;
+  TORCH_CHECK(pass.kv_heads >= 1 && pass.head_dim >= 2 && pass.head_dim % 2 == 0 && num_heads >= 1 &&
+                  num_heads % pass.kv_heads == 0 && intermediate >= 1,
+              op, ": num_heads (", num_heads, ") must be a positive multiple of the caches' ", pass.kv_heads,
+              " key/value heads, head_dim (", pass.head_dim, ") even, and the MLP at least one feature wide");
+  for (size_t index = 0; index < norms.size(); ++index) {
+    TORCH_CHECK(norms[index].device().is_cpu() && norms[index].scalar_type() == at::kFloat &&
+                    norms[index].is_contiguous() && norms[index].dim() == 1 && norms[index].size(0) == pass.hidden,
+                op, ": norms[", index, "] must be a contiguous CPU float32 vector with the hidden size of states (",
+                pass.hidden, "), got ", norms[index].sizes());
+    (index % 2 == 0 ? pass.input_norms : pass.post_norms).push_back(norms[index].data_ptr<float>());
+  }
+  for (const at::Tensor* table : {&cos, &sin}) {
+    TORCH_CHECK(table->device().is_cpu() && table->scalar_type() == at::kFloat && table->is_contiguous() &&
+                    table->dim() == 2 && table->size(0) == pass.tokens && table->size(1) == pass.head_dim,
+                op, ": cos and sin must be contiguous CPU float32 [", pass.tokens, ", ", pass.head_dim, "] tensors");
+  }
+  const int64_t M = pass.tokens;
+  call.out = states.contiguous().clone();
+  call.normed = scratch(M, pass.hidden, states);
+  call.qkv = scratch(M, call.product_shape(kQkv).first, states);
+  call.attended = scratch(M, num_heads * pass.head_dim, states);
+  call.gate_up = scratch(M, 2 * intermediate, states);
+  call.activated = scratch(M, intermediate, states);
+  call.product = scratch(M, pass.hidden, states);
+  // A scratch element read before it is written shows as NaN in the output under the test hook.
+  poison_outputs(call.normed, call.qkv, call.attended, call.gate_up, call.activated, call.product);
+  pass.states = call.out.data_ptr<float>();
+  pass.eps = static_cast<float>(eps);
+  pass.attention_scale = static_cast<float>(attention_scale);
+  pass.cos = cos.data_ptr<float>();
+  pass.sin = sin.data_ptr<float>();
+  pass.rows = call.rows.data();
+  pass.row_count = static_cast<int64_t>(call.rows.size());
+  pass.normed = call.normed.data_ptr<float>();
+  pass.qkv_out = call.qkv.data_ptr<float>();
+  pass.attended = call.attended.data_ptr<float>();
+  pass.gate_up_out = call.gate_up.data_ptr<float>();
+  pass.activated = call.activated.data_ptr<float>();
+  pass.product = call.product.data_ptr<float>();
+  return call;
+}
+
+const float* optional_bias(const c10::List<c10::optional<at::Tensor>>& biases, size_t index, int64_t out_features,
+                           const char* op) {
+  const c10::optional<at::Tensor> bias = biases.get(index);
+  if (!bias.has_value()) return nullptr;
+  check_part(*bias, at::kFloat, {out_features}, op, "biases", index);
+  return bias->data_ptr<float>();
+}
+
 }  // namespace
 
 // states float32 [M, hidden] (the embedded new tokens of every row, row after row) -> the residual stream after every
-// layer, [M, hidden]; each row's new keys and values are written to its cache (see int8_llama.h).
-at::Tensor int8_llama_layers_cpu(const at::Tensor& states, const at::Tensor& norms, at::TensorList packed,
+// layer, [M, hidden]; each row's new keys and values are written to its cache (see llama_layers.h).
+at::Tensor int8_llama_layers_cpu(const at::Tensor& states, at::TensorList norms, at::TensorList packed,
                                  at::TensorList col_sums, at::TensorList w_scales,
                                  const c10::List<c10::optional<at::Tensor>>& biases, const at::Tensor& cos,
                                  const at::Tensor& sin, at::TensorList keys, at::TensorList values,
                                  at::IntArrayRef cache_lengths, at::IntArrayRef row_counts, int64_t num_heads,
                                  double eps, double attention_scale) {
-  TORCH_CHECK(states.device().is_cpu() && states.scalar_type() == at::kFloat && states.dim() == 2 &&
-                  states.size(0) >= 1 && states.size(1) >= 1,
-              kInt8LlamaOp, ": states must be a CPU float32 [tokens, hidden] tensor with at least one token");
-  const int64_t M = states.size(0), H = states.size(1);
-  TORCH_CHECK(norms.device().is_cpu() && norms.scalar_type() == at::kFloat && norms.is_contiguous() &&
-                  norms.dim() == 3 && norms.size(0) == 2 && norms.size(1) >= 1 && norms.size(2) == H,
-              kInt8LlamaOp, ": norms must be a contiguous CPU float32 [2, layers, hidden] tensor (input and "
-              "post-attention RMSNorm weights) with the hidden size of states (", H, "), got ", norms.sizes());
-  const int64_t layers = norms.size(1);
-  TORCH_CHECK(packed.size() == kProducts && col_sums.size() == kProducts && w_scales.size() == kProducts &&
-                  biases.size() == kProducts,
-              kInt8LlamaOp, ": packed, col_sums, w_scales and biases must each hold 4 entries (qkv, o, gate_up, down)");
-  const std::vector<LlamaRow> rows = checked_rows(keys, values, cache_lengths, row_counts, layers, M);
-  const int64_t kv_heads = keys[0].size(1), head_dim = keys[0].size(3);
-  TORCH_CHECK(kv_heads >= 1 && head_dim >= 2 && head_dim % 2 == 0 && num_heads >= 1 && num_heads % kv_heads == 0,
-              kInt8LlamaOp, ": num_heads (", num_heads, ") must be a positive multiple of the caches' ", kv_heads,
-              " key/value heads, and head_dim (", head_dim, ") even");
-  for (const at::Tensor* table : {&cos, &sin}) {
-    TORCH_CHECK(table->device().is_cpu() && table->scalar_type() == at::kFloat && table->is_contiguous() &&
-                    table->dim() == 2 && table->size(0) == M && table->size(1) == head_dim,
-                kInt8LlamaOp, ": cos and sin must be contiguous CPU float32 [", M, ", ", head_dim, "] tensors");
-  }
-  TORCH_CHECK(col_sums[2].dim() == 2 && col_sums[2].size(1) % 2 == 0, kInt8LlamaOp,
+  const char* op = kInt8LlamaOp;
+  TORCH_CHECK(packed.size() >= kProductsPerLayer && col_sums.size() == packed.size() &&
+                  w_scales.size() == packed.size() && biases.size() == packed.size(),
+              op, ": packed, col_sums, w_scales and biases must each hold 4 entries per layer (qkv, o, gate_up, down)");
+  TORCH_CHECK(col_sums[kGateUp].dim() == 1 && col_sums[kGateUp].size(0) % 2 == 0, op,
               ": gate_up must stack the gate and up projections (an even number of output features)");
-  const int64_t intermediate = col_sums[2].size(1) / 2, qkv_features = (num_heads + 2 * kv_heads) * head_dim;
-  Int8LlamaPass pass{};
-  pass.qkv = checked_stack(packed, col_sums, w_scales, biases, 0, layers, qkv_features, H);
-  pass.o = checked_stack(packed, col_sums, w_scales, biases, 1, layers, H, num_heads * head_dim);
-  pass.gate_up = checked_stack(packed, col_sums, w_scales, biases, 2, layers, 2 * intermediate, H);
-  pass.down = checked_stack(packed, col_sums, w_scales, biases, 3, layers, H, intermediate);
-
-  at::Tensor out = states.contiguous().clone();
-  at::Tensor normed = scratch(M, H, states), qkv = scratch(M, qkv_features, states);
-  at::Tensor attended = scratch(M, num_heads * head_dim, states), product = scratch(M, H, states);
-  at::Tensor gate_up = scratch(M, 2 * intermediate, states), activated = scratch(M, intermediate, states);
-  const int64_t widest = std::max({H, num_heads * head_dim, intermediate});
+  LlamaCall call = start_llama_call(states, norms, packed.size(), cos, sin, keys, values, cache_lengths, row_counts,
+                                    num_heads, col_sums[kGateUp].size(0) / 2, eps, attention_scale, op);
+  Int8Products products;
+  for (size_t index = 0; index < packed.size(); ++index) {
+    const auto [N, K] = call.product_shape(static_cast<int>(index % kProductsPerLayer));
+    check_part(packed[index], at::kChar, {int8::packed_size(N, K)}, op, "packed", index);
+    check_part(col_sums[index], at::kInt, {N}, op, "col_sums", index);
+    check_part(w_scales[index], at::kFloat, {N}, op, "w_scales", index);
+    products.parts.push_back({packed[index].data_ptr<int8_t>(), col_sums[index].data_ptr<int32_t>(),
+                              w_scales[index].data_ptr<float>(), optional_bias(biases, index, N, op), N, K});
+  }
+  const LlamaPass& pass = call.pass;
+  const int64_t widest = std::max({pass.hidden, pass.heads * pass.head_dim, pass.intermediate});
   const at::Tensor quantized =
-      at::empty({M, int8::group_count(widest) * int8::kGroup}, states.options().dtype(at::kByte));
-  poison_outputs(normed, qkv, attended, product, gate_up, activated);  // a scratch element read before written shows
-  std::vector<int8::ActivationParams> row_params(static_cast<size_t>(M));
+      at::empty({pass.tokens, int8::group_count(widest) * int8::kGroup}, states.options().dtype(at::kByte));
+  std::vector<int8::ActivationParams> row_params(static_cast<size_t>(pass.tokens));
   const std::vector<int64_t> counts(row_counts.begin(), row_counts.end());
+  products.row_counts = counts.data();
+  products.row_count = static_cast<int64_t>(counts.size());
+  products.tokens = pass.tokens;
+  products.quantized = quantized.data_ptr<uint8_t>();
+  products.row_params = row_params.data();
+  products.vnni = int8::use_vnni();
+  products.parallel_for = &kParallelFor;
+  run_llama_layers(pass, products, kParallelFor);
+  return call.out;
+}
 
-  pass.states = out.data_ptr<float>();
-  pass.tokens = M;
-  pass.hidden = H;
-  pass.layers = layers;
-  pass.heads = num_heads;
-  pass.kv_heads = kv_heads;
-  pass.head_dim = head_dim;
-  pass.intermediate = intermediate;
-  pass.input_norm = norms.data_ptr<float>();
-  pass.post_norm = pass.input_norm + layers * H;
-  pass.eps = static_cast<float>(eps);
-  pass.attention_scale = static_cast<float>(attention_scale);
-  pass.cos = cos.data_ptr<float>();
-  pass.sin = sin.data_ptr<float>();
-  pass.rows = rows.data();
-  pass.row_counts = counts.data();
-  pass.row_count = static_cast<int64_t>(rows.size());
-  pass.normed = normed.data_ptr<float>();
-  pass.qkv_out = qkv.data_ptr<float>();
-  pass.attended = attended.data_ptr<float>();
-  pass.gate_up_out = gate_up.data_ptr<float>();
-  pass.activated = activated.data_ptr<float>();
-  pass.product = product.data_ptr<float>();
-  pass.quantized = quantized.data_ptr<uint8_t>();
-  pass.row_params = row_params.data();
-  run_int8_llama(pass, kParallelFor);
-  return out;
+// The same for a float32 Llama whose products are packed by float_pack.
+at::Tensor float_llama_layers_cpu(const at::Tensor& states, at::TensorList norms, at::TensorList packed,
+                                  const c10::List<c10::optional<at::Tensor>>& biases, const at::Tensor& cos,
+                                  const at::Tensor& sin, at::TensorList keys, at::TensorList values,
+                                  at::IntArrayRef cache_lengths, at::IntArrayRef row_counts, int64_t num_heads,
+                                  double eps, double attention_scale) {
+  const char* op = kFloatLlamaOp;
+  TORCH_CHECK(packed.size() >= kProductsPerLayer && biases.size() == packed.size(), op,
+              ": packed and biases must each hold 4 entries per layer (qkv, o, gate_up, down)");
+  TORCH_CHECK(packed[kDown].dim() == 3, op, ": packed[3] (down) must be a float_pack of the down projection");
+  LlamaCall call = start_llama_call(states, norms, packed.size(), cos, sin, keys, values, cache_lengths, row_counts,
+                                    num_heads, packed[kDown].size(1), eps, attention_scale, op);
+  FloatProducts products;
+  for (size_t index = 0; index < packed.size(); ++index) {
+    const auto [N, K] = call.product_shape(static_cast<int>(index % kProductsPerLayer));
+    check_part(packed[index], at::kFloat, {float_tile_count(N), K, kFloatTile}, op, "packed", index);
+    products.parts.push_back({packed[index].data_ptr<float>(), optional_bias(biases, index, N, op), N, K});
+  }
+  products.tokens = call.pass.tokens;
+  products.parallel_for = &kParallelFor;
+  run_llama_layers(call.pass, products, kParallelFor);
+  return call.out;
 }
 
 }  // namespace cpu

@@ -1,7 +1,7 @@
 // CPU bindings of the `diversed` ops: argument checks, output allocation, one kernel call per op. The kernels are
 // torch-free (verify_kernels.h, stats_kernels.h), compiled per instruction set and picked at run time
 // (cpu_dispatch.h); this file hands them raw pointers and at::parallel_for. The lean forward's ops (float and int8
-// products, int8 Llama layers) have their bindings in model_bindings.cpp; every CPU kernel is registered here.
+// products, Llama layers) have their bindings in model_bindings.cpp; every CPU kernel is registered here.
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
@@ -106,6 +106,7 @@ TORCH_LIBRARY_IMPL(diversed, CPU, m) {
   m.impl("int8_pack", &cpu::int8_pack_cpu);
   m.impl("int8_linear", &cpu::int8_linear_cpu);
   m.impl("int8_llama_layers", &cpu::int8_llama_layers_cpu);
+  m.impl("float_llama_layers", &cpu::float_llama_layers_cpu);
 }
 
 }  // namespace diversed

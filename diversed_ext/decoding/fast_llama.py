@@ -46,8 +46,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ..ops.int8 import int8_llama_layers
-from .projections import LayerProjections, Projections, layer_projections, native_int8_layers
+from ..ops.llama_layers import llama_layers
+from .projections import LayerProjections, Projections, layer_projections, native_layers
 
 INITIAL_CAPACITY = 256  # cached positions allocated up front; the cache doubles when a sequence outgrows it
 
@@ -156,9 +156,8 @@ class LlamaRunner:
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.projections = [layer_projections(layer, _linear) for layer in self.layers]
         self.head = Projections((model.lm_head,), _linear)
-        # An int8 model on the CPU runs every decoder layer in one native call (see the module docstring).
-        self.native = native_int8_layers(self.layers, self.projections, num_heads=self.num_heads,
-                                         head_dim=self.head_dim)
+        # A float32 or int8 Llama on the CPU runs every decoder layer in one native call (see the module docstring).
+        self.native = native_layers(self.layers, self.projections, num_heads=self.num_heads, head_dim=self.head_dim)
 
     @torch.no_grad()
     def __call__(self, feed: list[int], cache: Optional[StaticKVCache], num_logits: int, want_hidden: bool = True):
@@ -188,9 +187,9 @@ class LlamaRunner:
         for span in spans:
             span.cache.reserve(span.end, len(self.layers), self.num_kv_heads, self.head_dim, states)
         if self.native is not None and states.dtype == torch.float32 and states.device.type == "cpu":
-            states = int8_llama_layers(states[0], self.native, cos[0].contiguous(), sin[0].contiguous(),
-                                       [(span.cache.keys, span.cache.values) for span in spans],
-                                       [span.start for span in spans], row_groups).unsqueeze(0)
+            states = llama_layers(states[0], self.native, cos[0].contiguous(), sin[0].contiguous(),
+                                  [(span.cache.keys, span.cache.values) for span in spans],
+                                  [span.start for span in spans], row_groups).unsqueeze(0)
         else:
             states = self._layers(states, *_rotary_tables(cos, sin), spans, row_groups)
         for span in spans:

@@ -13,7 +13,7 @@ of rows, where MKL's products of 3 to 32 rows run well above that (30 of the tar
 15.3 ms against 24.1 ms, 8 rows 17.6 against 31.6), and a row's outputs never depend on its neighbours. Any other
 module (CUDA, bfloat16, per-channel int8) is multiplied by the runner's own product, module by module.
 
-An int8 Llama whose every layer qualifies runs all its layers in one native call (:func:`native_int8_layers`).
+A Llama whose every layer qualifies runs all its layers in one native call (:func:`native_layers`).
 """
 
 from __future__ import annotations
@@ -24,13 +24,12 @@ from typing import Callable, NamedTuple, Optional, Sequence
 import torch
 
 from ..ops.float_linear import FloatWeights, float_linear, pack_float
-from ..ops.int8 import Int8LlamaLayers, Int8Weights, int8_linear, pack_int8, stack_int8_layers
+from ..ops.int8 import Int8Weights, int8_linear, pack_int8
+from ..ops.llama_layers import LlamaLayers, collect_llama_layers
 
 # Packed weights per module group, kept while the first module lives: decoders made one after another over the same
 # models (the demo makes one per method) pack them once.
 _PACKED: "weakref.WeakKeyDictionary[torch.nn.Module, list]" = weakref.WeakKeyDictionary()
-# Stacked layers per decoder (its first layer), with the packed weights they were stacked from.
-_STACKED: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()
 
 
 def int8_parts(module: torch.nn.Module) -> Optional[tuple]:
@@ -125,15 +124,19 @@ def _is_silu(module: torch.nn.Module) -> bool:
 
 
 def _float_rms_norm(norm: torch.nn.Module) -> bool:
-    return type(norm).__name__ == "LlamaRMSNorm" and norm.weight.dtype == torch.float32
+    return (type(norm).__name__ == "LlamaRMSNorm" and norm.weight.dtype == torch.float32
+            and norm.weight.device.type == "cpu")
 
 
-def native_int8_layers(layers: Sequence[torch.nn.Module], products: Sequence[LayerProjections], *, num_heads: int,
-                       head_dim: int) -> Optional[Int8LlamaLayers]:
-    """The decoder ``layers`` stacked for the native int8 pass (:func:`diversed_ext.ops.int8.int8_llama_layers`), or
-    None where it does not apply: some product is not int8 on the CPU, an activation other than SiLU, an RMSNorm
-    that is not a float32 LlamaRMSNorm, or norms and attentions that differ between layers."""
-    if not layers or any(group.int8 is None for layer in products for group in layer):
+def native_layers(layers: Sequence[torch.nn.Module], products: Sequence[LayerProjections], *, num_heads: int,
+                  head_dim: int) -> Optional[LlamaLayers]:
+    """The decoder ``layers`` as the native pass takes them (:func:`diversed_ext.ops.llama_layers.llama_layers`), or
+    None where it does not apply: products that are not all packed int8 or all packed float32, an activation other
+    than SiLU, an RMSNorm that is not a float32 LlamaRMSNorm on the CPU, or norms and attentions that differ between
+    layers. The packed weights are shared with ``products``, not copied."""
+    groups = [group for layer in products for group in layer]
+    packed = [group.int8 if group.int8 is not None else group.float for group in groups]
+    if not layers or any(weights is None for weights in packed) or len({type(weights) for weights in packed}) != 1:
         return None
     first = layers[0]
     eps, scaling = first.input_layernorm.variance_epsilon, first.self_attn.scaling
@@ -141,21 +144,9 @@ def native_int8_layers(layers: Sequence[torch.nn.Module], products: Sequence[Lay
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
         if not all(_float_rms_norm(norm) and norm.variance_epsilon == eps for norm in norms):
             return None
-        if not _is_silu(layer.mlp.act_fn) or layer.self_attn.scaling != scaling or norms[0].weight.device.type != "cpu":
+        if not _is_silu(layer.mlp.act_fn) or layer.self_attn.scaling != scaling or head_dim % 2:
             return None
-    if head_dim % 2:
-        return None
-    # The stack copies the norms' weights: an in-place change of one (its version) or new packed weights restack.
-    norm_weights = [norm.weight for layer in layers for norm in (layer.input_layernorm, layer.post_attention_layernorm)]
-    sources = (*(group.int8.packed for layer in products for group in layer), *norm_weights)
-    versions = tuple(weight._version for weight in norm_weights)
-    cached = _STACKED.get(first)
-    if cached is not None and cached[1] == versions and len(cached[0]) == len(sources) and \
-            all(a is b for a, b in zip(cached[0], sources)):
-        return cached[2]
-    stacked = stack_int8_layers([tuple(group.int8 for group in layer) for layer in products],
-                                [layer.input_layernorm.weight for layer in layers],
-                                [layer.post_attention_layernorm.weight for layer in layers],
+    return collect_llama_layers([packed[index:index + 4] for index in range(0, len(packed), 4)],
+                                [(layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+                                 for layer in layers],
                                 num_heads=num_heads, eps=eps, attention_scale=scaling)
-    _STACKED[first] = (sources, versions, stacked)
-    return stacked

@@ -65,6 +65,12 @@ def _int8_llama_layers_fake(states, norms, packed, col_sums, w_scales, biases, c
     return states.new_empty(states.shape)
 
 
+@torch.library.register_fake("diversed::float_llama_layers")
+def _float_llama_layers_fake(states, norms, packed, biases, cos, sin, keys, values, cache_lengths, row_counts,
+                             num_heads, eps, attention_scale):
+    return states.new_empty(states.shape)
+
+
 @torch.library.register_fake("diversed::float_pack")
 def _float_pack_fake(weight):
     out_features, in_features = weight.shape
