@@ -168,7 +168,7 @@ def test_native_layers_poisoned_scratch_changes_nothing(kind, monkeypatch):
     assert torch.equal(clean, poisoned) and torch.isfinite(clean).all()
 
 
-def native_call(runner, tokens=3, capacity=8, cache_length=0, **overrides):
+def native_call(runner, tokens=3, capacity=16, cache_length=0, **overrides):
     """(op, keyword arguments) of one native call for one row, with any argument replaced."""
     layers = runner.native
     keys = torch.zeros(len(runner.layers), runner.num_kv_heads, capacity, runner.head_dim)
@@ -193,9 +193,9 @@ def test_native_layers_refuse_bad_arguments_by_name(kind):
     op, arguments = native_call(runner)
     op(**arguments)  # the unchanged call runs
     packed = arguments["packed"]
-    short = torch.zeros(len(runner.layers), runner.num_kv_heads, 7, runner.head_dim)  # keys hold 8 positions
+    cache = (len(runner.layers), runner.num_kv_heads)
     bad = {
-        "room": dict(cache_length=6),  # 6 cached + 3 new > capacity 8
+        "room": dict(cache_length=14),  # 14 cached + 3 new > capacity 16
         "row_counts": dict(row_counts=[2]),
         "cos": dict(cos=torch.ones(3, runner.head_dim + 2)),
         "num_heads": dict(num_heads=3),
@@ -203,8 +203,10 @@ def test_native_layers_refuse_bad_arguments_by_name(kind):
         r"norms\[1\]": dict(norms=[arguments["norms"][0], arguments["norms"][1][:-1], *arguments["norms"][2:]]),
         r"packed\[1\] \(layer 0, o\)": dict(packed=[packed[0], packed[1][:-1], *packed[2:]]),
         r"packed\[6\] \(layer 1, gate_up\)": dict(packed=[*packed[:6], packed[6].double(), *packed[7:]]),
-        "keys": dict(keys=[torch.zeros(len(runner.layers), runner.num_kv_heads, 8, runner.head_dim + 2)]),
-        "values": dict(values=[short]),
+        "keys": dict(keys=[torch.zeros(*cache, 16, runner.head_dim + 2)]),
+        "values": dict(values=[torch.zeros(*cache, 32, runner.head_dim)]),  # keys hold 16 positions
+        "multiple of 16": dict(keys=[torch.zeros(*cache, 8, runner.head_dim)],
+                               values=[torch.zeros(*cache, 8, runner.head_dim)]),
         "states": dict(states=torch.randn(3, 5)),
         "biases": dict(biases=[None] * (len(packed) - 1)),
     }

@@ -55,7 +55,8 @@ inline Capability cpu_capability() {
       __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
               __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")
           ? Capability::kAvx512
-          : (__builtin_cpu_supports("avx2") ? Capability::kAvx2 : Capability::kBaseline);
+          : (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? Capability::kAvx2
+                                                                             : Capability::kBaseline);
   const char* forced = std::getenv("DIVERSED_CPU_CAPABILITY");
   Capability cap = Capability::kAvx512;
   if (forced != nullptr && std::strcmp(forced, "baseline") == 0) cap = Capability::kBaseline;

@@ -1,6 +1,7 @@
 // Float products over weights packed once (forward_problems.h): the lean Llama forward's skinny products, a few rows
 // times a large weight. Vectorised across the kFloatTile output features of a tile, so no sum is split over lanes:
-// each output is the plain in-order sum over k, the same in every build and for every row count. The weights stream
+// each output is the in-order sum over k of fused multiply-adds (one rounding each: exactly rounded on every CPU,
+// std::fma where the build has no FMA instruction), the same in every build and for every row count. The weights stream
 // from memory once per call; a tile (16 x K floats) stays in the L1/L2 caches while groups of up to kRowBlock rows
 // run over it. Compiled per instruction set through cpu_kernels.h.
 #pragma once
@@ -16,6 +17,21 @@ static_assert(kLanes == kFloatTile, "a packed tile is one FloatLanes wide");
 
 namespace float_gemm_detail {
 
+// a * b + c with one rounding, lane by lane.
+inline FloatVector fused_multiply_add(FloatVector a, FloatVector b, FloatVector c) {
+#if DIVERSED_CPU_VECTOR_FLOATS == 16
+  return reinterpret_cast<FloatVector>(_mm512_fmadd_ps(reinterpret_cast<__m512>(a), reinterpret_cast<__m512>(b),
+                                                       reinterpret_cast<__m512>(c)));
+#elif DIVERSED_CPU_VECTOR_FLOATS == 8
+  return reinterpret_cast<FloatVector>(_mm256_fmadd_ps(reinterpret_cast<__m256>(a), reinterpret_cast<__m256>(b),
+                                                       reinterpret_cast<__m256>(c)));
+#else
+  FloatVector result;
+  for (int l = 0; l < kVectorFloats; ++l) result[l] = std::fma(a[l], b[l], c[l]);
+  return result;
+#endif
+}
+
 // Rows accumulated at once: 8 accumulators, the tile's vector and a broadcast fit in registers.
 constexpr int kRowBlock = 8;
 
@@ -29,8 +45,8 @@ inline void tile_rows(const FloatGemmProblem& p, int64_t tile, int64_t row) {
     for (int i = 0; i < kParts; ++i)
       __builtin_memcpy(&w.part[i], weights + k * kFloatTile + i * kVectorFloats, sizeof w.part[i]);
     for (int r = 0; r < R; ++r) {
-      const float x = p.x[(row + r) * p.K + k];
-      for (int i = 0; i < kParts; ++i) sums[r].part[i] += w.part[i] * x;
+      const FloatVector x = broadcast(p.x[(row + r) * p.K + k]);
+      for (int i = 0; i < kParts; ++i) sums[r].part[i] = fused_multiply_add(w.part[i], x, sums[r].part[i]);
     }
   }
   const int64_t first = tile * kFloatTile, count = std::min<int64_t>(kFloatTile, p.N - first);

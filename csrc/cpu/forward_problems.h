@@ -40,12 +40,21 @@ inline void float_pack_weight(const float* weight, int64_t N, int64_t K, float* 
   }
 }
 
+// Keys are stored in tiles of kKeyTile positions: in each (layer, kv head) plane of capacity x head_dim floats, tile t
+// holds positions [t * kKeyTile, (t + 1) * kKeyTile) as [head_dim][kKeyTile], so the scores of a tile's positions are
+// one broadcast-multiply-add loop over head_dim with no sum across lanes. The capacity is a multiple of kKeyTile, and
+// a tile's offset does not depend on it. Values stay [capacity][head_dim].
+constexpr int64_t kKeyTile = 16;
+inline int64_t key_offset(int64_t position, int64_t d, int64_t head_dim) {
+  return ((position / kKeyTile) * head_dim + d) * kKeyTile + position % kKeyTile;
+}
+
 struct LlamaRow {
   int64_t offset;    // first of the row's tokens in the stacked buffers
   int64_t count;     // new tokens of the row (>= 1)
   int64_t start;     // cached positions before them (start + count <= capacity)
-  int64_t capacity;  // positions the row's cache holds
-  float* keys;       // the row's cache, [layers, kv_heads, capacity, head_dim]
+  int64_t capacity;  // positions the row's cache holds, a multiple of kKeyTile
+  float* keys;       // the row's cache, [layers, kv_heads, capacity, head_dim], keys in tiles (above)
   float* values;
 };
 

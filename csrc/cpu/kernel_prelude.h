@@ -16,6 +16,10 @@
 #include <utility>
 #include <vector>
 
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>  // the explicit fused multiply-adds of float_gemm.h
+#endif
+
 #include "../common/problems.h"
 #include "../common/verify_math.h"
 #include "forward_problems.h"

@@ -53,9 +53,13 @@ inline FloatLanes zip_lanes(const FloatLanes& a, const FloatLanes& b, Op op) {
   return result;
 }
 
+// A native vector of `value` in every lane, as one broadcast: x - 0 is x exactly (-0 included), so the compiler drops
+// the subtraction, where `FloatVector{} + value` keeps an add (-0 + 0 is +0).
+inline FloatVector broadcast(float value) { return value - FloatVector{}; }
+
 inline FloatLanes splat_lanes(float value) {
   FloatLanes result;
-  for (int i = 0; i < kParts; ++i) result.part[i] = FloatVector{} + value;
+  for (int i = 0; i < kParts; ++i) result.part[i] = broadcast(value);
   return result;
 }
 

@@ -89,18 +89,21 @@ struct FloatProducts {
 
 namespace llama_layers_detail {
 
-// The layer's new keys and values (after the rotation) into each row's cache, after its `start` cached positions.
+// The layer's new keys (into their tiles) and values (after the rotation) into each row's cache, after its `start`
+// cached positions.
 inline void store_keys_values(const LlamaPass& pass, int64_t layer) {
-  const int64_t qkv_stride = (pass.heads + 2 * pass.kv_heads) * pass.head_dim;
-  const size_t head_bytes = static_cast<size_t>(pass.head_dim) * sizeof(float);
+  const int64_t head_dim = pass.head_dim, qkv_stride = (pass.heads + 2 * pass.kv_heads) * head_dim;
   for (int64_t r = 0; r < pass.row_count; ++r) {
     const LlamaRow& row = pass.rows[r];
     for (int64_t t = 0; t < row.count; ++t) {
       const float* token = pass.qkv_out + (row.offset + t) * qkv_stride;
+      const int64_t position = row.start + t;
       for (int64_t h = 0; h < pass.kv_heads; ++h) {
-        const int64_t slot = ((layer * pass.kv_heads + h) * row.capacity + row.start + t) * pass.head_dim;
-        std::memcpy(row.keys + slot, token + (pass.heads + h) * pass.head_dim, head_bytes);
-        std::memcpy(row.values + slot, token + (pass.heads + pass.kv_heads + h) * pass.head_dim, head_bytes);
+        const int64_t plane = (layer * pass.kv_heads + h) * row.capacity * head_dim;
+        const float* key = token + (pass.heads + h) * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) row.keys[plane + key_offset(position, d, head_dim)] = key[d];
+        std::memcpy(row.values + plane + position * head_dim, token + (pass.heads + pass.kv_heads + h) * head_dim,
+                    static_cast<size_t>(head_dim) * sizeof(float));
       }
     }
   }

@@ -15,6 +15,8 @@ namespace diversed {
 namespace cpu {
 namespace DIVERSED_CPU_CAPABILITY {
 
+static_assert(kLanes == kKeyTile, "a tile of keys is one FloatLanes wide");
+
 inline void store_lanes(float* out, const FloatLanes& lanes) {
   for (int i = 0; i < kParts; ++i) __builtin_memcpy(out + i * kVectorFloats, &lanes.part[i], sizeof lanes.part[i]);
 }
@@ -31,19 +33,6 @@ inline FloatLanes multiply(const FloatLanes& a, const FloatLanes& b) {
   FloatLanes product;
   for (int i = 0; i < kParts; ++i) product.part[i] = a.part[i] * b.part[i];
   return product;
-}
-
-// sum_d a[d] * b[d]: lane l adds the products of d = l, l + kLanes, ... in order, then the fixed tree, then the tail.
-inline float dot(const float* a, const float* b, int64_t length) {
-  int64_t d = 0;
-  float total = 0.0f;
-  if (length >= kLanes) {
-    FloatLanes sums = multiply(load_lanes(a, 0), load_lanes(b, 0));
-    for (d = kLanes; d + kLanes <= length; d += kLanes) sums = add(sums, multiply(load_lanes(a, d), load_lanes(b, d)));
-    total = reduce_lanes(sums);
-  }
-  for (; d < length; ++d) total += a[d] * b[d];
-  return total;
 }
 
 // x * sigmoid(x) given e = exp(-|x|) (an exp that cannot overflow): sigmoid(x) = 1 / (1 + e) for x > 0, else
@@ -100,17 +89,20 @@ void llama_rotate(float* qkv, const float* cos, const float* sin, int64_t tokens
 
 namespace llama_detail {
 
-// One query head of one token against the `visible` first positions of its row's cache (keys and values
-// [visible, head_dim] of its key/value head): softmax(q . k * scale) . v into out [head_dim]. `scores` has room for
-// `visible` floats.
+// One query head of one token against the `visible` first positions of its row's cache (its key/value head's keys,
+// in tiles of kKeyTile positions, and values [visible, head_dim]): softmax(q . k * scale) . v into out [head_dim].
+// `scores` has room for `visible` rounded up to kKeyTile floats. Each score sums its head_dim products in order.
 inline void attend_one(const float* query, const float* keys, const float* values, int64_t visible, int64_t head_dim,
                        float scale, float* scores, float* out) {
-  float max_score = -INFINITY;
-  for (int64_t j = 0; j < visible; ++j) {
-    const float score = dot(query, keys + j * head_dim, head_dim) * scale;
-    scores[j] = score;
-    max_score = score > max_score ? score : max_score;  // a NaN score never wins
+  for (int64_t tile = 0; tile * kKeyTile < visible; ++tile) {
+    const float* tile_keys = keys + tile * head_dim * kKeyTile;
+    FloatLanes sums = multiply(splat_lanes(query[0]), load_lanes(tile_keys, 0));
+    for (int64_t d = 1; d < head_dim; ++d)
+      sums = add(sums, multiply(splat_lanes(query[d]), load_lanes(tile_keys + d * kKeyTile, 0)));
+    store_lanes(scores + tile * kKeyTile, multiply(sums, splat_lanes(scale)));
   }
+  float max_score = -INFINITY;
+  for (int64_t j = 0; j < visible; ++j) max_score = scores[j] > max_score ? scores[j] : max_score;  // NaN never wins
   FloatLanes sums = splat_lanes(0.0f);
   int64_t j = 0;
   for (; j + kLanes <= visible; j += kLanes) {
@@ -150,8 +142,9 @@ void llama_attention(const LlamaAttention& p, const ParallelFor& parallel_for) {
   int64_t longest = 1;
   for (int64_t r = 0; r < p.row_count; ++r) longest = std::max(longest, p.rows[r].start + p.rows[r].count);
   const int64_t grain = grain_for(2 * longest * p.head_dim);
+  const int64_t score_room = (longest + kKeyTile - 1) / kKeyTile * kKeyTile;  // whole tiles of scores
   parallel_for(0, p.tokens * p.heads, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(static_cast<size_t>(longest));
+    std::vector<float> scores(static_cast<size_t>(score_room));
     int64_t r = 0;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t token = task / p.heads, head = task % p.heads;

@@ -162,6 +162,8 @@ std::vector<LlamaRow> checked_rows(at::TensorList keys, at::TensorList values, a
     check_cache(values[r], keys[0], layers, op, "values", r);
     const int64_t capacity = keys[r].size(2);
     TORCH_CHECK(values[r].size(2) == capacity, op, ": values[", r, "] must have the shape of keys[", r, "]");
+    TORCH_CHECK(capacity % kKeyTile == 0, op, ": keys[", r, "] must hold a multiple of ", kKeyTile,
+                " positions (keys are stored in tiles of that many), got ", capacity);
     TORCH_CHECK(row_counts[r] >= 1 && cache_lengths[r] >= 0 && cache_lengths[r] <= capacity - row_counts[r], op,
                 ": row ", r, " appends ", row_counts[r], " token(s) after ", cache_lengths[r],
                 " cached position(s); it needs at least one token and room for them in its cache of ", capacity);

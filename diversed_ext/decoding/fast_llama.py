@@ -50,6 +50,7 @@ from ..ops.llama_layers import llama_layers
 from .projections import LayerProjections, Projections, layer_projections, native_layers
 
 INITIAL_CAPACITY = 256  # cached positions allocated up front; the cache doubles when a sequence outgrows it
+KEY_TILE = 16  # positions per tile of keys in the native layers' layout; capacities are multiples of it
 
 
 class StaticKVCache:
@@ -57,6 +58,12 @@ class StaticKVCache:
 
     It answers the two calls the decoding loop makes of a transformers cache: ``get_seq_length()`` and
     ``crop(-n)`` (drop the last n positions), so the loop crops both kinds of cache the same way.
+
+    The runner that fills a cache owns its layout: the op-by-op layers store position p's key at ``keys[l, h, p]``;
+    the native layers store keys in tiles of ``KEY_TILE`` positions (tile t's ``[head_dim, KEY_TILE]`` block holds
+    positions ``t * KEY_TILE`` onwards, at an offset that does not depend on the capacity), so their scores need no
+    sum across vector lanes. Capacities are multiples of ``KEY_TILE`` either way, and growing the cache copies whole
+    tiles. Values are ``values[l, h, p]`` in both.
     """
 
     def __init__(self, capacity: int = INITIAL_CAPACITY):
@@ -85,11 +92,15 @@ class StaticKVCache:
         capacity = self.capacity if self.keys is None else self.keys.shape[2]
         while capacity < length:
             capacity *= 2
+        capacity = -(-capacity // KEY_TILE) * KEY_TILE
         shape = (layers, kv_heads, capacity, head_dim)
         keys, values = like.new_empty(shape), like.new_empty(shape)
         if self.keys is not None:
-            keys[:, :, :self.length] = self.keys[:, :, :self.length]
-            values[:, :, :self.length] = self.values[:, :, :self.length]
+            # Whole tiles: in either layout the first `kept` rows of the [capacity, head_dim] view hold every
+            # cached position.
+            kept = min(-(-self.length // KEY_TILE) * KEY_TILE, self.keys.shape[2])
+            keys[:, :, :kept] = self.keys[:, :, :kept]
+            values[:, :, :kept] = self.values[:, :, :kept]
         self.keys, self.values = keys, values
 
 
