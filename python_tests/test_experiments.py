@@ -179,8 +179,10 @@ def test_cli_train_eval_pareto_end_to_end(pair, tmp_path, monkeypatch, capsys):
     # Two heads: one point each, labelled by folder, a histogram of their weights and their lowest-w tokens.
     shutil.copytree(run / "head", tmp_path / "second")
     capsys.readouterr()
+    # 24 tokens a prompt: enough accept tests that w = 1 rejects some drafts whatever the draws (w = 0 rejects none),
+    # so the static rows' acceptances differ and each head has a frontier to be compared with.
     assert cli.main(["pareto", "--data", str(data), "--limit", "2", "--weights", "0", "0.5", "1",
-                     "--max-new-tokens", "4", "--head", str(run / "head"), str(tmp_path / "second"),
+                     "--max-new-tokens", "24", "--head", str(run / "head"), str(tmp_path / "second"),
                      "--output-dir", str(tmp_path / "heads")]) == 0
     table = capsys.readouterr().out
     assert "| diversed:head |" in table and "| diversed:second |" in table

@@ -22,7 +22,7 @@ from typing import Union
 
 import torch
 
-from ..ops import distribution_temperature, is_greedy_temperature, philox_uniforms, verify_logits
+from ..ops import is_greedy_temperature, philox_uniforms, verify_logits
 from .runners import crop_cache
 from .state import DecodingState, commit_tokens
 from .stats import RoundStats
@@ -49,25 +49,21 @@ class _Drafts:
         return [row * width + position for row, position in self.slots]
 
 
-def _as_probabilities(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """softmax(logits / T) in float32 (the draft's sampling distribution); T = 0 gives the T = 1 distribution."""
-    logits = logits.float()
-    scale = distribution_temperature(temperature)
-    return (logits / scale if scale != 1.0 else logits).softmax(-1)
-
-
 def sample_drafts(logits: torch.Tensor, temperature: float, generators: list[torch.Generator]) -> list[int]:
     """One draft token per row of ``logits`` [n, V]: the argmax at temperature 0, else a sample of
-    softmax(logits / T) drawn with that row's generator (one call per row, so a row's draw ignores the others)."""
+    softmax(logits / T) by inverse CDF with one uniform drawn from that row's generator (so a row's draw ignores the
+    others). All rows are sampled in one call of the verifier's final-sample path with no drafts (a fused softmax and
+    inverse CDF over the logits: about 0.1 ms a row where ``torch.multinomial`` over the probabilities takes 1 ms)."""
     if is_greedy_temperature(temperature):
         return logits.argmax(-1).tolist()
-    tokens = []
-    for row, generator in zip(logits, generators):
-        probs = _as_probabilities(row, temperature)
-        if probs.device != generator.device:
-            probs = probs.to(generator.device)
-        tokens.append(int(torch.multinomial(probs, 1, generator=generator)))
-    return tokens
+    rows = logits.shape[0]
+    uniforms = torch.cat([torch.rand(1, generator=generator, dtype=torch.float64, device=generator.device)
+                          for generator in generators]).to(logits.device).view(rows, 1)
+    logits = logits if logits.dtype in (torch.float32, torch.bfloat16, torch.float16) else logits.float()
+    no_drafts = torch.zeros(rows, 0, dtype=torch.int64, device=logits.device)
+    result = verify_logits(no_drafts, logits.new_zeros(rows, 0, logits.shape[-1]), logits.unsqueeze(1), 1.0,
+                           temperature=temperature, uniforms=uniforms, check_inputs=False)
+    return result.tokens[:, 0].tolist()
 
 
 def _padded(rows: torch.Tensor, slots: list[int], shape: tuple[int, ...], fill: float = 0.0) -> torch.Tensor:
