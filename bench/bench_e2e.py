@@ -181,10 +181,15 @@ def build_methods(target, draft, tokenizer, args) -> list[tuple[str, Callable]]:
     return methods
 
 
+def one_prompt_at_a_time(run: Callable, prompts) -> Callable:
+    """A harness runner (batch of prompt indices, seed, max_new_tokens) -> [result] from a one-prompt runner ``run``
+    (prompt, seed, max_new_tokens) -> result; the harness hands it batches of one prompt (its batch_size 1)."""
+    return lambda indices, seed, max_new_tokens: [run(prompts[indices[0]], seed, max_new_tokens)]
+
+
 def run_all(methods, prompts, args) -> dict[str, list[DecodingSummary]]:
     """Every method on every prompt through the research harness (warm-up, interleaving, seed + i)."""
-    runners = [(name, lambda indices, seed, max_new_tokens, run=run: [run(prompts[indices[0]], seed, max_new_tokens)])
-               for name, run in methods]
+    runners = [(name, one_prompt_at_a_time(run, prompts)) for name, run in methods]
     return run_interleaved(runners, len(prompts), seed=args.seed, max_new_tokens=args.max_new_tokens,
                            desc="bench_e2e")
 
@@ -251,8 +256,7 @@ def run_k_sweep(target, draft, tokenizer, prompts, args) -> int:
     for label, k, kwargs in methods:
         at_k = argparse.Namespace(**{**vars(args), "k": max(k, 1)})  # ar drafts nothing; its K is unused
         run = ours(target, draft if label != "ar" else None, at_k, eos, **kwargs)
-        runners.append(((label, k), lambda index, seed, max_new_tokens, run=run: run(prompts[index], seed,
-                                                                                      max_new_tokens)))
+        runners.append(((label, k), one_prompt_at_a_time(run, prompts)))
     per_prompt = run_interleaved(runners, len(prompts), seed=args.seed, max_new_tokens=args.max_new_tokens,
                                  desc="k sweep")
     table, best = k_sweep_table(per_prompt, methods, args.k)

@@ -32,10 +32,10 @@ DEMO_PROMPTS = (
     "What is the capital of France, and what is it famous for?",
 )
 DEMO_WEIGHTS = (0.75, 0.5)
-# Drafts per round in the demo: the K with the most diversed tokens/s in `bench/bench_e2e.py --k 1 2 3 4 5` (4 demo
-# prompts, 48 new tokens, 2 threads, 2026-11-23, lean int8 draft, two-row target products): diversed 1.31/1.26/1.38/
-# 1.18/1.00x ar at K = 1..5; static w=0.5 1.37/1.28/1.30/1.37/1.09x and sd 1.31/1.29/1.15/1.21/0.89x are flat within
-# noise up to K = 4. Past K = 4 the target's verify pass grows faster than acceptance pays (docs/RESULTS.md).
+# Drafts per round in the demo: the K with the most diversed tokens/s in `bench/bench_e2e.py --k 2 3 4 5` (4 demo
+# prompts, 32 new tokens, 2 threads, 2026-11-24, both models' layers native): diversed 1.18/1.31/1.10/1.19x ar at
+# K = 2..5, static w=0.5 1.25/1.39/1.26/1.37x; sd is best at K = 2 (1.13x against 1.05x at K = 3): each draft pass
+# costs a third of a target pass, more than sd's acceptance repays past K = 2 (docs/RESULTS.md).
 DEMO_NUM_DRAFT = 3
 PARETO_WEIGHTS = (0.0, 0.125, 0.25, 0.375, 0.5, 0.625, 0.75, 0.875, 1.0)  # w = 1 is sd
 WARMUP_TOKENS = 4  # new tokens of each method's untimed first run
