@@ -19,16 +19,16 @@ config asks for, the projections, the MLP activation, the final norm, the LM hea
   summed in the same order whatever the row count, so a row's result never depends on its neighbours), and
   ``diversed::int8_linear`` for the int8 draft (the quantised layers' exact arithmetic, each sequence's rows
   quantised on their own); any other module is called as it is;
-- for an int8 Llama with SiLU MLPs (the default draft), every decoder layer in one native call
-  (``diversed::int8_llama_layers``: RMSNorm, the int8 products, the rotation, attention over each row's cache, SiLU,
-  with no op dispatch in between); other models run the layers op by op: scaled-dot-product attention with
+- for a float32 or int8 Llama with SiLU MLPs on the CPU (both models of the default pair), every decoder layer in
+  one native call (``diversed::float_llama_layers`` / ``int8_llama_layers``, :mod:`diversed_ext.ops.llama_layers`:
+  RMSNorm, the products, the rotation, attention over each row's cache with keys in tiles of ``KEY_TILE`` positions,
+  SiLU, with no op dispatch in between); other models run the layers op by op: scaled-dot-product attention with
   grouped-query heads and an explicit causal mask, one rotary rotation over queries and keys together, and RMSNorm
   in six ops (the module's own forward runs seven for the norm and fourteen for the two rotations).
 
 Measured on the default pair (2-core AVX-512 CPU, 2 threads, about 100 cached positions): the target's 1-token pass
-went from about 37 ms to about 24 ms with the packed float products, and the draft's 1-token pass from about 11 ms to
-about 5 ms with the native layers, within 1.1-1.25x of streaming its 135 MB of int8 weights from memory
-(``bench/pass_costs.py``).
+went from about 37 ms to about 18 ms and the draft's from about 11 ms to about 5-6 ms, each within 1.1-1.5x of
+streaming its weights (540 MB float32, 135 MB int8) from memory (``bench/pass_costs.py``, docs/RESULTS.md).
 
 The outputs equal the model's forward up to float rounding (products summed in another order, RMSNorm's squares
 summed in float64 and exp evaluated by a polynomial in the native layers; tests check it on random Llamas with
@@ -263,8 +263,14 @@ class _RowSpan:
     def __init__(self, cache: StaticKVCache, offset: int, count: int, device: torch.device):
         self.cache, self.offset, self.count = cache, offset, count
         self.start, self.end = cache.length, cache.length + count
-        # New token i sees the prefix and new tokens 0..i.
-        self.mask = None if count == 1 else torch.ones(count, self.end, dtype=torch.bool, device=device).tril(self.start)
+        self.device = device
+
+    @property
+    def mask(self) -> Optional[torch.Tensor]:
+        """New token i sees the prefix and new tokens 0..i (built only by the op-by-op layers, which read it)."""
+        if self.count == 1:
+            return None
+        return torch.ones(self.count, self.end, dtype=torch.bool, device=self.device).tril(self.start)
 
 
 def _row_spans(feeds: list[list[int]], caches: list[StaticKVCache], device: torch.device) -> list[_RowSpan]:

@@ -10,7 +10,7 @@ the input, packing it, rescaling) costs more than the sums themselves at one row
 For a float32 model on the CPU (the target), each group is one ``diversed::float_linear`` call over its weights
 packed once (:mod:`diversed_ext.ops.float_linear`): the weights stream from memory once per call whatever the number
 of rows, where MKL's products of 3 to 32 rows run well above that (30 of the target's layers, 2 threads: 5 rows
-15.3 ms against 24.1 ms, 8 rows 17.6 against 31.6), and a row's outputs never depend on its neighbours. Any other
+14.3 ms against 24.5 ms, 8 rows 15.9 against 32.6), and a row's outputs never depend on its neighbours. Any other
 module (CUDA, bfloat16, per-channel int8) is multiplied by the runner's own product, module by module.
 
 A Llama whose every layer qualifies runs all its layers in one native call (:func:`native_layers`).
@@ -60,10 +60,15 @@ def _cached(modules: Sequence[torch.nn.Module], sources: tuple, versions: tuple,
 def _packed_int8(modules: Sequence[torch.nn.Module]) -> Optional[Int8Weights]:
     # Keyed by the modules' packed weight objects themselves: set_weight_bias replaces them.
     sources = tuple(getattr(getattr(module, "_packed_params", None), "_packed_params", None) for module in modules)
-    parts = [int8_parts(module) for module in modules]
-    if any(part is None for part in parts) or len({part[0].shape[1] for part in parts}) != 1:
-        return None
-    return _cached(modules, sources, (), lambda: pack_int8(parts))
+    if any(source is None for source in sources):
+        return None  # not quantised layers
+
+    def pack() -> Optional[Int8Weights]:  # only on a cache miss: int8_parts copies every weight
+        parts = [int8_parts(module) for module in modules]
+        if any(part is None for part in parts) or len({part[0].shape[1] for part in parts}) != 1:
+            return None
+        return pack_int8(parts)
+    return _cached(modules, sources, (), pack)
 
 
 def _packed_float(modules: Sequence[torch.nn.Module]) -> Optional[FloatWeights]:
