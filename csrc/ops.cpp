@@ -36,6 +36,9 @@ TORCH_LIBRARY(diversed, m) {
       "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   // nu = w p + (1 - w) q as float32 [B, K, V]; target [B, K or more, V].
   m.def("mix(Tensor draft, Tensor target, Tensor weight, Tensor temperature, bool from_logits) -> Tensor");
+  // CPU only: the uniforms the kernels draw, float64 [B, num_positions], for seeds and offsets int64 [B] (row b's row
+  // key is b, or 0 with per_row_seed), as verify_math.h's philox_uniform computes them.
+  m.def("philox_uniforms(Tensor seeds, Tensor offsets, int num_positions, bool per_row_seed) -> Tensor");
   // CPU only: float32 weight [N, K] packed once, then input float32 [..., K] times it (csrc/cpu/float_gemm.h): each
   // output summed over k in order, whatever the number of rows; bias float32 [N].
   m.def("float_pack(Tensor weight) -> Tensor");

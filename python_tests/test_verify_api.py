@@ -68,6 +68,33 @@ def test_philox_uniforms_are_uniform_and_distinct():
     assert not torch.equal(uniforms[0], uniforms[1])
 
 
+@pytest.mark.parametrize("per_row_seed", [False, True])
+@pytest.mark.parametrize("offset", [0, 9, 2**33 + 5, "per row"])
+def test_native_philox_uniforms_equal_the_pytorch_generator(per_row_seed, offset):
+    """On the CPU philox_uniforms runs the kernels' own generator; the integer-op PyTorch version (used on other
+    devices) must give the same bits, for negative and 64-bit seeds, offsets past 2**32 and per-row offsets."""
+    from diversed_ext.ops._philox import philox_uniforms_torch
+
+    seeds = torch.tensor([0, 1, -7, 2**40 + 3, -(2**62), 2**63 - 1], dtype=torch.int64)
+    if offset == "per row":
+        offset = torch.tensor([0, 3, 2**32, 2**33 + 1, 5, 2**62], dtype=torch.int64)
+    for num_positions in (0, 1, 7):
+        native = dx.philox_uniforms(seeds, offset, num_positions, per_row_seed)
+        assert native.shape == (6, num_positions) and native.dtype == torch.float64
+        assert torch.equal(native, philox_uniforms_torch(seeds, offset, num_positions, per_row_seed))
+
+
+def test_native_philox_uniforms_checks_and_opcheck():
+    seeds = torch.tensor([4, 5], dtype=torch.int64)
+    torch.library.opcheck(torch.ops.diversed.philox_uniforms.default, (seeds, torch.tensor([0, 2**40]), 3, False))
+    with pytest.raises(RuntimeError, match="offsets"):
+        torch.ops.diversed.philox_uniforms(seeds, torch.tensor([1]), 3, False)
+    with pytest.raises(RuntimeError, match="seeds"):
+        torch.ops.diversed.philox_uniforms(seeds.int(), torch.tensor([1, 2]), 3, False)
+    with pytest.raises(RuntimeError, match="num_positions"):
+        torch.ops.diversed.philox_uniforms(seeds, torch.tensor([1, 2]), -1, False)
+
+
 # ------------------------------------------------------------------------------------------------------ bad inputs
 def bad_input_cases():
     tokens, draft, target = problem()

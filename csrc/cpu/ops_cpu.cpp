@@ -93,6 +93,30 @@ at::Tensor mix_cpu(const at::Tensor& draft, const at::Tensor& target, const at::
   return mixture;
 }
 
+// seeds, offsets int64 [B] -> float64 [B, num_positions]: the draws of philox_uniform (verify_math.h), which the
+// verify kernels make for the same (seed, offset, row key, position), so they are theirs bit for bit.
+at::Tensor philox_uniforms_cpu(const at::Tensor& seeds, const at::Tensor& offsets, int64_t num_positions,
+                               bool per_row_seed) {
+  constexpr const char* op = "diversed::philox_uniforms";
+  TORCH_CHECK(seeds.scalar_type() == at::kLong && seeds.dim() == 1, op, ": seeds must be a 1-D int64 tensor");
+  TORCH_CHECK(offsets.scalar_type() == at::kLong && offsets.sizes() == seeds.sizes(), op,
+              ": offsets must be an int64 tensor with the shape of seeds, got ", offsets.sizes());
+  TORCH_CHECK(num_positions >= 0, op, ": num_positions must be >= 0, got ", num_positions);
+  const at::Tensor seed_values = seeds.contiguous(), offset_values = offsets.contiguous();
+  const int64_t batch = seeds.size(0);
+  at::Tensor out = at::empty({batch, num_positions}, seeds.options().dtype(at::kDouble));
+  const int64_t* seed = seed_values.data_ptr<int64_t>();
+  const int64_t* offset = offset_values.data_ptr<int64_t>();
+  double* uniforms = out.data_ptr<double>();
+  for (int64_t row = 0; row < batch; ++row) {
+    for (int64_t position = 0; position < num_positions; ++position) {
+      uniforms[row * num_positions + position] =
+          philox_uniform(seed[row], offset[row], per_row_seed ? 0 : row, position);
+    }
+  }
+  return out;
+}
+
 }  // namespace
 }  // namespace cpu
 
@@ -101,6 +125,7 @@ TORCH_LIBRARY_IMPL(diversed, CPU, m) {
   m.impl("verify_logits", &cpu::verify_logits_cpu);
   m.impl("token_stats", &cpu::token_stats_cpu);
   m.impl("mix", &cpu::mix_cpu);
+  m.impl("philox_uniforms", &cpu::philox_uniforms_cpu);
   m.impl("float_pack", &cpu::float_pack_cpu);
   m.impl("float_linear", &cpu::float_linear_cpu);
   m.impl("int8_pack", &cpu::int8_pack_cpu);

@@ -80,3 +80,8 @@ def _float_pack_fake(weight):
 @torch.library.register_fake("diversed::float_linear")
 def _float_linear_fake(input, packed, bias, out_features):
     return input.new_empty((*input.shape[:-1], out_features))
+
+
+@torch.library.register_fake("diversed::philox_uniforms")
+def _philox_uniforms_fake(seeds, offsets, num_positions, per_row_seed):
+    return seeds.new_empty((seeds.shape[0], num_positions), dtype=torch.float64)
