@@ -96,12 +96,29 @@ def test_matches_the_exact_integer_arithmetic(rows, in_features):
     assert float((got - expected).abs().mean()) <= 1e-3 * float(expected.abs().mean())
 
 
-@pytest.mark.parametrize("build", ["default", "baseline"])
+@pytest.mark.parametrize("build", ["default", "avx2", "baseline"])
+def test_extreme_weights_and_inputs_sum_exactly(build, monkeypatch):
+    """Weights at -128 and 127 against inputs at the top of the quantised range: the largest int16 pair sums a
+    saturating u8 x s8 instruction could get wrong. Every build must give the exact integer sums."""
+    if build != "default":
+        monkeypatch.setenv("DIVERSED_CPU_CAPABILITY", build)
+    in_features = 64
+    weight = torch.full((32, in_features), -128, dtype=torch.int8)
+    weight[16:] = 127
+    x = torch.full((3, in_features), 5.0)
+    x[1, ::2] = 0.0  # inputs alternate between both ends of the range
+    x[2, 0] = -1e-3  # a zero point of 0 with every other input at the top
+    got = int8_linear(x, pack_int8([(weight, 0.01, None)]), row_groups=[1, 1, 1]).double()
+    expected = torch.cat([exact_integer_product(row[None], weight, 0.01, None) for row in x])
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("build", ["default", "avx2", "baseline"])
 def test_row_groups_give_each_group_what_it_gets_alone(build, monkeypatch):
     """Sequences stacked into one call (a batched decoding pass) each get exactly their own call's result, though
     their ranges differ widely (one group all positive, one around zero, one large)."""
-    if build == "baseline":
-        monkeypatch.setenv("DIVERSED_CPU_CAPABILITY", "baseline")
+    if build != "default":
+        monkeypatch.setenv("DIVERSED_CPU_CAPABILITY", build)
     layer = int8_layer(40, 37, True, seed=8)
     packed = pack_int8([parts_of(layer)])
     generator = torch.Generator().manual_seed(9)
@@ -125,12 +142,15 @@ def test_bad_row_groups_are_refused_by_both_checks():
             int8_linear(x, packed, row_groups=groups, check=False)
 
 
-def test_portable_build_equals_the_vnni_build(monkeypatch):
+@pytest.mark.parametrize("rows", [1, 2, 5, 7])  # the AVX2 tiles take rows in pairs, the VNNI ones in fours
+@pytest.mark.parametrize("build", ["avx2", "baseline"])
+def test_every_build_equals_the_widest(build, rows, monkeypatch):
+    """The widest build this CPU runs (VNNI on AVX-512 CPUs, else AVX2) against the narrower ones: identical bits."""
     packed = pack_int8([parts_of(int8_layer(70, 45, True, seed=4))])
-    x = torch.randn(6, 45)
-    default = int8_linear(x, packed)
-    monkeypatch.setenv("DIVERSED_CPU_CAPABILITY", "baseline")
-    assert torch.equal(int8_linear(x, packed), default)
+    x = torch.randn(rows, 45) * 3.0
+    widest = int8_linear(x, packed)
+    monkeypatch.setenv("DIVERSED_CPU_CAPABILITY", build)
+    assert torch.equal(int8_linear(x, packed), widest)
 
 
 @pytest.mark.parametrize("in_features", [9, 40])  # the scalar loops only, and 16-lane vectors with a tail
@@ -141,10 +161,11 @@ def test_non_finite_inputs_stay_memory_safe_and_agree_across_builds(in_features,
     cases[1][:, 5] = float("nan")
     cases[2][:] = float("nan")
     default = [int8_linear(x, packed) for x in cases]
-    monkeypatch.setenv("DIVERSED_CPU_CAPABILITY", "baseline")
-    for x, expected in zip(cases, default):
-        assert expected.shape == (2, 20)
-        torch.testing.assert_close(int8_linear(x, packed), expected, rtol=0, atol=0, equal_nan=True)
+    for build in ("avx2", "baseline"):
+        monkeypatch.setenv("DIVERSED_CPU_CAPABILITY", build)
+        for x, expected in zip(cases, default):
+            assert expected.shape == (2, 20)
+            torch.testing.assert_close(int8_linear(x, packed), expected, rtol=0, atol=0, equal_nan=True)
 
 
 def test_bad_arguments_name_the_argument():

@@ -1,5 +1,6 @@
 // Torch-free int8 x int8 products for the int8 draft: the arithmetic of torch's dynamically quantised linear layer
-// (quantize_dynamic, fbgemm) with the weights packed once for AVX-512 VNNI.
+// (quantize_dynamic, fbgemm) with the weights packed once, multiplied with AVX-512 VNNI, with AVX2 where the CPU lacks
+// VNNI, or with portable loops.
 //
 // What fbgemm computes, and so what these kernels compute, for an int8 weight W [N, K] (per-tensor symmetric, zero
 // point 0, one scale per output feature here so that several layers' weights can share one call) and float input
@@ -159,7 +160,7 @@ inline void store_tile(const GemmProblem& p, int64_t row, int64_t tile, const in
   }
 }
 
-// Portable tiles [tile_begin, tile_end) for every row: the reference the VNNI build matches bit for bit.
+// Portable tiles [tile_begin, tile_end) for every row: the reference the vector builds match bit for bit.
 inline void gemm_tiles_portable(const GemmProblem& p, int64_t tile_begin, int64_t tile_end) {
   const int64_t stride = p.groups * kGroup;
   for (int64_t tile = tile_begin; tile < tile_end; ++tile) {
@@ -178,49 +179,54 @@ inline void gemm_tiles_portable(const GemmProblem& p, int64_t tile_begin, int64_
   }
 }
 
-// The AVX-512 VNNI tiles (int8_gemm_vnni.cpp, the only code compiled for that instruction set). Call them only where
-// use_vnni() says so.
-void gemm_tiles_vnni(const GemmProblem& p, int64_t tile_begin, int64_t tile_end);
-void find_min_max_vnni(const float* x, int64_t count, float* min_out, float* max_out);
-void quantize_rows_vnni(const float* x, int64_t M, int64_t K, int64_t stride, ActivationParams params, uint8_t* xq);
-bool vnni_build_available();
+// Which tiles and quantisation loops run: the same bytes and int32 sums whichever it is (the tests compare them).
+enum class Isa { kPortable, kAvx2, kVnni };
 
-// VNNI where this build has it and the CPU runs it; DIVERSED_CPU_CAPABILITY=baseline forces the portable tiles (the
-// tests compare both; they agree bit for bit).
-inline bool use_vnni() {
-  const char* forced = std::getenv("DIVERSED_CPU_CAPABILITY");
-  if (forced != nullptr && std::strcmp(forced, "baseline") == 0) return false;
+// The AVX-512 VNNI tiles (int8_gemm_vnni.cpp) and the AVX2 ones (int8_gemm_avx2.cpp), the only code compiled for
+// those instruction sets, built on x86-64 only. Call them only for the Isa the binding picked from what the CPU runs;
+// elsewhere every Isa runs the portable loops.
 #if defined(__x86_64__) && defined(__GNUC__)
-  static const bool supported = vnni_build_available() && __builtin_cpu_supports("avx512f") &&
-                                __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
-                                __builtin_cpu_supports("avx512vnni");
-  return supported;
-#else
-  return false;
+#define DIVERSED_INT8_X86_BUILDS 1
+void gemm_tiles_vnni(const GemmProblem& p, int64_t tile_begin, int64_t tile_end);
+void gemm_tiles_avx2(const GemmProblem& p, int64_t tile_begin, int64_t tile_end);
+void find_min_max_avx2(const float* x, int64_t count, float* min_out, float* max_out);
+void quantize_rows_avx2(const float* x, int64_t M, int64_t K, int64_t stride, ActivationParams params, uint8_t* xq);
 #endif
+
+inline void find_min_max(const float* x, int64_t count, Isa isa, float* min_out, float* max_out) {
+  switch (isa) {
+#ifdef DIVERSED_INT8_X86_BUILDS
+    case Isa::kVnni:  // quantising is a small part of a product: the AVX2 loops serve both
+    case Isa::kAvx2: find_min_max_avx2(x, count, min_out, max_out); break;
+#endif
+    default: find_min_max(x, count, min_out, max_out); break;
+  }
+}
+
+inline void quantize_rows(const float* x, int64_t M, int64_t K, int64_t stride, ActivationParams params, Isa isa,
+                          uint8_t* xq) {
+  switch (isa) {
+#ifdef DIVERSED_INT8_X86_BUILDS
+    case Isa::kVnni:
+    case Isa::kAvx2: quantize_rows_avx2(x, M, K, stride, params, xq); break;
+#endif
+    default: quantize_rows(x, M, K, stride, params, xq); break;
+  }
 }
 
 // Quantises x [M, K] into xq [M, groups * 4] as fbgemm does (steps 1 and 2 above), one (scale, zero point) per
 // group of consecutive rows (group_rows[g] rows each, summing to M), written for each row into row_params [M]. The
-// VNNI build's vector loops give the same bytes as the scalar ones.
+// vector builds' loops give the same bytes as the scalar ones.
 inline void quantize_input(const float* x, int64_t M, int64_t K, int64_t stride, const int64_t* group_rows,
-                           int64_t group_count, bool vnni, uint8_t* xq, ActivationParams* row_params) {
+                           int64_t group_count, Isa isa, uint8_t* xq, ActivationParams* row_params) {
   int64_t row = 0;
   for (int64_t g = 0; g < group_count && row < M; ++g) {
     const int64_t rows = std::min(group_rows[g], M - row);
     const float* group = x + row * K;
     float min = 0.f, max = 0.f;
-    if (vnni) {
-      find_min_max_vnni(group, rows * K, &min, &max);
-    } else {
-      find_min_max(group, rows * K, &min, &max);
-    }
+    find_min_max(group, rows * K, isa, &min, &max);
     const ActivationParams params = choose_activation_params(min, max);
-    if (vnni) {
-      quantize_rows_vnni(group, rows, K, stride, params, xq + row * stride);
-    } else {
-      quantize_rows(group, rows, K, stride, params, xq + row * stride);
-    }
+    quantize_rows(group, rows, K, stride, params, isa, xq + row * stride);
     for (int64_t r = 0; r < rows; ++r) row_params[row + r] = params;
     row += rows;
   }
@@ -228,13 +234,15 @@ inline void quantize_input(const float* x, int64_t M, int64_t K, int64_t stride,
 
 // The whole product, its tiles spread over threads; a task of fewer than kMinTaskElements weight bytes x rows is not
 // worth a fork.
-inline void gemm(const GemmProblem& p, bool vnni, const ParallelFor& parallel_for) {
+inline void gemm(const GemmProblem& p, Isa isa, const ParallelFor& parallel_for) {
   const int64_t grain = grain_for(p.groups * kTileBytes * p.M);
   parallel_for(0, tile_count(p.N), grain, [&](int64_t begin, int64_t end) {
-    if (vnni) {
-      gemm_tiles_vnni(p, begin, end);
-    } else {
-      gemm_tiles_portable(p, begin, end);
+    switch (isa) {
+#ifdef DIVERSED_INT8_X86_BUILDS
+      case Isa::kVnni: gemm_tiles_vnni(p, begin, end); break;
+      case Isa::kAvx2: gemm_tiles_avx2(p, begin, end); break;
+#endif
+      default: gemm_tiles_portable(p, begin, end); break;
     }
   });
 }

@@ -1,5 +1,5 @@
 // The int8 product tiles of int8_gemm.h with AVX-512 VNNI (vpdpbusd: 16 lanes of 4-term u8 x s8 dot products added to
-// int32), the only code built for that instruction set; use_vnni() checks the CPU at run time before calling it.
+// int32), the only code built for that instruction set; the binding checks the CPU at run time before calling it.
 //
 // As in kernels_avx2.cpp, every outside header is included BEFORE the target pragma, so inline functions of the
 // standard library keep their default-target definitions. The int32 sums are exact, so these tiles agree with
@@ -68,72 +68,10 @@ void gemm_tiles_vnni(const GemmProblem& p, int64_t tile_begin, int64_t tile_end)
   }
 }
 
-// find_min_max with 16 lanes at a time: max/min_ps return their second operand when either is NaN, so NaNs are
-// skipped as in the scalar version; a tensor of NaNs only gives (0, 0) as there.
-void find_min_max_vnni(const float* x, int64_t count, float* min_out, float* max_out) {
-  __m512 lo = _mm512_set1_ps(INFINITY), hi = _mm512_set1_ps(-INFINITY);
-  int64_t i = 0;
-  for (; i + 16 <= count; i += 16) {
-    const __m512 v = _mm512_loadu_ps(x + i);
-    lo = _mm512_min_ps(v, lo);
-    hi = _mm512_max_ps(v, hi);
-  }
-  float low = _mm512_reduce_min_ps(lo), high = _mm512_reduce_max_ps(hi);
-  for (; i < count; ++i) {
-    if (std::isnan(x[i])) continue;
-    low = std::min(low, x[i]);
-    high = std::max(high, x[i]);
-  }
-  if (low > high) low = high = 0.f;  // nothing but NaNs
-  *min_out = low;
-  *max_out = high;
-}
-
-// quantize_rows with 16 lanes at a time: the same fused multiply-add, clamped to [0, 255] before the conversion
-// (max_ps turns NaN into 0) and rounded to nearest even by the conversion, which equals rounding first.
-void quantize_rows_vnni(const float* x, int64_t M, int64_t K, int64_t stride, ActivationParams params, uint8_t* xq) {
-  const float inverse = 1.0f / params.scale;
-  const __m512 inverse_v = _mm512_set1_ps(inverse), zero_point_v = _mm512_set1_ps(float(params.zero_point));
-  const __m512 low = _mm512_setzero_ps(), high = _mm512_set1_ps(255.f);
-  for (int64_t m = 0; m < M; ++m) {
-    const float* row = x + m * K;
-    uint8_t* out = xq + m * stride;
-    int64_t k = 0;
-    for (; k + 16 <= K; k += 16) {
-      __m512 v = _mm512_fmadd_ps(_mm512_loadu_ps(row + k), inverse_v, zero_point_v);
-      v = _mm512_min_ps(_mm512_max_ps(v, low), high);
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + k), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(v)));
-    }
-    quantize_rows(row + k, 1, K - k, K - k, params, out + k);
-    std::memset(out + K, 0, static_cast<size_t>(stride - K));
-  }
-}
-
-bool vnni_build_available() { return true; }
-
 }  // namespace int8
 }  // namespace cpu
 }  // namespace diversed
 
 #pragma GCC pop_options
-
-#else  // no x86-64 GCC/Clang: the portable tiles only
-
-namespace diversed {
-namespace cpu {
-namespace int8 {
-void gemm_tiles_vnni(const GemmProblem& p, int64_t tile_begin, int64_t tile_end) {
-  gemm_tiles_portable(p, tile_begin, tile_end);
-}
-void find_min_max_vnni(const float* x, int64_t count, float* min_out, float* max_out) {
-  find_min_max(x, count, min_out, max_out);
-}
-void quantize_rows_vnni(const float* x, int64_t M, int64_t K, int64_t stride, ActivationParams params, uint8_t* xq) {
-  quantize_rows(x, M, K, stride, params, xq);
-}
-bool vnni_build_available() { return false; }
-}  // namespace int8
-}  // namespace cpu
-}  // namespace diversed
 
 #endif

@@ -55,17 +55,17 @@ struct Int8Products {
   int64_t row_count, tokens;
   uint8_t* quantized;                  // [M, the widest input rounded up to 4]
   int8::ActivationParams* row_params;  // [M]
-  bool vnni;
+  int8::Isa isa;
   const ParallelFor* parallel_for;
 
   void operator()(int product, int64_t layer, const float* input, float* output) const {
     const Int8Part& part = parts[layer * kProductsPerLayer + product];
     const int64_t groups = int8::group_count(part.in_features);
-    int8::quantize_input(input, tokens, part.in_features, groups * int8::kGroup, row_counts, row_count, vnni,
+    int8::quantize_input(input, tokens, part.in_features, groups * int8::kGroup, row_counts, row_count, isa,
                          quantized, row_params);
     const int8::GemmProblem problem{quantized, part.packed, part.col_sums, part.w_scale, part.bias,    output,
                                     tokens,    part.out_features, groups, row_params};
-    int8::gemm(problem, vnni, *parallel_for);
+    int8::gemm(problem, isa, *parallel_for);
   }
 };
 

@@ -21,6 +21,22 @@ namespace diversed {
 namespace cpu {
 
 constexpr const char* kInt8PackOp = "diversed::int8_pack";
+
+// The int8 tiles this CPU runs under the DIVERSED_CPU_CAPABILITY cap: VNNI where the AVX-512 build may run and the CPU
+// has it, else AVX2 where that build may run (cpu_capability() has checked the CPU for it), else the portable loops.
+int8::Isa int8_isa() {
+#ifdef DIVERSED_HAS_X86_BUILDS
+  static const bool vnni = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+  switch (cpu_capability()) {
+    case Capability::kAvx512: return vnni ? int8::Isa::kVnni : int8::Isa::kAvx2;
+    case Capability::kAvx2: return int8::Isa::kAvx2;
+    default: return int8::Isa::kPortable;
+  }
+#else
+  return int8::Isa::kPortable;
+#endif
+}
 constexpr const char* kInt8LinearOp = "diversed::int8_linear";
 
 // weight int8 [N, K] -> (packed int8 [int8::packed_size(N, K)], col_sums int32 [N]): the layout int8_linear reads.
@@ -71,15 +87,15 @@ at::Tensor int8_linear_cpu(const at::Tensor& input, const at::Tensor& packed, co
   poison_outputs(out);
   const at::Tensor x = input.contiguous();
   const int64_t groups = int8::group_count(K);
-  const bool vnni = int8::use_vnni();
+  const int8::Isa isa = int8_isa();
   at::Tensor xq = at::empty({M, groups * int8::kGroup}, input.options().dtype(at::kByte));
   std::vector<int8::ActivationParams> row_params(static_cast<size_t>(M));
   int8::quantize_input(x.data_ptr<float>(), M, K, groups * int8::kGroup, group_rows.data(),
-                       static_cast<int64_t>(group_rows.size()), vnni, xq.data_ptr<uint8_t>(), row_params.data());
+                       static_cast<int64_t>(group_rows.size()), isa, xq.data_ptr<uint8_t>(), row_params.data());
   const int8::GemmProblem problem{xq.data_ptr<uint8_t>(), packed.data_ptr<int8_t>(), col_sums.data_ptr<int32_t>(),
                                   w_scale.data_ptr<float>(), bias.has_value() ? bias->data_ptr<float>() : nullptr,
                                   out.data_ptr<float>(), M, N, groups, row_params.data()};
-  int8::gemm(problem, vnni, kParallelFor);
+  int8::gemm(problem, isa, kParallelFor);
   return out;
 }
 
@@ -305,7 +321,7 @@ at::Tensor int8_llama_layers_cpu(const at::Tensor& states, at::TensorList norms,
   products.tokens = pass.tokens;
   products.quantized = quantized.data_ptr<uint8_t>();
   products.row_params = row_params.data();
-  products.vnni = int8::use_vnni();
+  products.isa = int8_isa();
   products.parallel_for = &kParallelFor;
   run_llama_layers(pass, products, kParallelFor);
   return call.out;
