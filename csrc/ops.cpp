@@ -36,6 +36,10 @@ TORCH_LIBRARY(diversed, m) {
       "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   // nu = w p + (1 - w) q as float32 [B, K, V]; target [B, K or more, V].
   m.def("mix(Tensor draft, Tensor target, Tensor weight, Tensor temperature, bool from_logits) -> Tensor");
+  // CPU only: what check_inputs=True needs of values [..., V] (probabilities, or logits with from_logits), in one
+  // pass: int32 [...] flags per row, or-ed bits: 1 a NaN, 2 a negative entry, 4 a +inf entry, 8 no positive
+  // probability (logits: no entry above -inf).
+  m.def("value_flags(Tensor values, bool from_logits) -> Tensor");
   // CPU only: the uniforms the kernels draw, float64 [B, num_positions], for seeds and offsets int64 [B] (row b's row
   // key is b, or 0 with per_row_seed), as verify_math.h's philox_uniform computes them.
   m.def("philox_uniforms(Tensor seeds, Tensor offsets, int num_positions, bool per_row_seed) -> Tensor");

@@ -29,6 +29,9 @@ namespace cpu {
   void token_stats(const PairProblem<T>& pair, const TokenStatsOut& out, const ParallelFor& parallel_for);            \
   template <typename T>                                                                                               \
   void mix(const PairProblem<T>& pair, const float* weight, float* mixture, const ParallelFor& parallel_for);         \
+  template <typename T>                                                                                               \
+  void value_flags(const T* values, int64_t rows, int64_t vocab, bool from_logits, int32_t* flags,                    \
+                   const ParallelFor& parallel_for);                                                                  \
   void llama_rms_norm(const float* x, const float* weight, float eps, int64_t rows, int64_t width, float* out);       \
   void llama_rotate(float* qkv, const float* cos, const float* sin, int64_t tokens, int64_t row_stride, int64_t heads, \
                     int64_t head_dim);                                                                                \

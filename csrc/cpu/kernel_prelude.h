@@ -66,6 +66,12 @@ class ParallelFor {
   ThreadCount threads_;
 };
 
+// The flags value_flags (check_kernels.h) sets for a row; diversed_ext/ops/_values.py reads the same bits.
+constexpr int32_t kValueFlagNan = 1;
+constexpr int32_t kValueFlagNegative = 2;
+constexpr int32_t kValueFlagPositiveInfinity = 4;
+constexpr int32_t kValueFlagNoMass = 8;
+
 // Elements of work below which a task is not worth a fork (torch's own grain for element-wise loops).
 constexpr int64_t kMinTaskElements = 32768;
 

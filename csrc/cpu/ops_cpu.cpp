@@ -93,6 +93,26 @@ at::Tensor mix_cpu(const at::Tensor& draft, const at::Tensor& target, const at::
   return mixture;
 }
 
+// values [..., V] -> int32 [...]: each row's flags (check_kernels.h), for the value checks of check_inputs=True.
+at::Tensor value_flags_cpu(const at::Tensor& values, bool from_logits) {
+  constexpr const char* op = "diversed::value_flags";
+  TORCH_CHECK(values.dim() >= 1, op, ": values must have at least one dimension (the vocabulary)");
+  TORCH_CHECK(at::isFloatingType(values.scalar_type()), op, ": values must be floating point, got ",
+              values.scalar_type());
+  const at::Tensor contiguous = values.contiguous();
+  const auto sizes = values.sizes();
+  at::Tensor flags = at::empty(sizes.slice(0, sizes.size() - 1), values.options().dtype(at::kInt));
+  const int64_t vocab = values.size(-1), rows = flags.numel();
+  if (rows == 0) return flags;
+  poison_outputs(flags);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, values.scalar_type(), "value_flags_cpu", [&] {
+    using T = CpuElement<scalar_t>;
+    DIVERSED_CPU_CALL(value_flags<T>, kernel_data<T, scalar_t>(contiguous), rows, vocab, from_logits,
+                      flags.data_ptr<int32_t>(), kParallelFor);
+  });
+  return flags;
+}
+
 // seeds, offsets int64 [B] -> float64 [B, num_positions]: the draws of philox_uniform (verify_math.h), which the
 // verify kernels make for the same (seed, offset, row key, position), so they are theirs bit for bit.
 at::Tensor philox_uniforms_cpu(const at::Tensor& seeds, const at::Tensor& offsets, int64_t num_positions,
@@ -126,6 +146,7 @@ TORCH_LIBRARY_IMPL(diversed, CPU, m) {
   m.impl("token_stats", &cpu::token_stats_cpu);
   m.impl("mix", &cpu::mix_cpu);
   m.impl("philox_uniforms", &cpu::philox_uniforms_cpu);
+  m.impl("value_flags", &cpu::value_flags_cpu);
   m.impl("float_pack", &cpu::float_pack_cpu);
   m.impl("float_linear", &cpu::float_linear_cpu);
   m.impl("int8_pack", &cpu::int8_pack_cpu);

@@ -47,6 +47,11 @@ def _mix_fake(draft, target, weight, temperature, from_logits):
     return draft.new_empty(draft.shape, dtype=torch.float32)
 
 
+@torch.library.register_fake("diversed::value_flags")
+def _value_flags_fake(values, from_logits):
+    return values.new_empty(values.shape[:-1], dtype=torch.int32)
+
+
 @torch.library.register_fake("diversed::int8_pack")
 def _int8_pack_fake(weight):
     out_features, in_features = weight.shape

@@ -1,6 +1,9 @@
 """Value checks of the ops' inputs (``check_inputs=True``): they read every value, so they synchronise with the device.
 
-Without them the kernels stay memory-safe by construction and treat bad values by fixed rules (csrc/common/verify_math.h).
+On the CPU one native pass (``diversed::value_flags``) reads every value once and flags what is wrong with each row;
+one host read of the flags then decides, and only a failing check reads more to say where. On other devices the
+checks are torch reductions. Without them the kernels stay memory-safe by construction and treat bad values by fixed
+rules (csrc/common/verify_math.h).
 """
 
 from __future__ import annotations
@@ -8,6 +11,48 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+
+from . import _fake  # noqa: F401  (loads the library with diversed::value_flags)
+
+# The bits of diversed::value_flags, per row (csrc/cpu/kernel_prelude.h sets the same ones).
+FLAG_NAN = 1
+FLAG_NEGATIVE = 2
+FLAG_POSITIVE_INFINITY = 4
+FLAG_NO_MASS = 8  # no positive probability; for logits, no entry above -inf
+PROBABILITY_ERRORS = FLAG_NAN | FLAG_NEGATIVE | FLAG_POSITIVE_INFINITY
+LOGIT_ERRORS = FLAG_NAN | FLAG_POSITIVE_INFINITY | FLAG_NO_MASS
+
+
+def _native_flags(tensor: torch.Tensor, from_logits: bool) -> Optional[torch.Tensor]:
+    """Per-row flags from the native pass on the CPU; None elsewhere (the torch reductions below serve)."""
+    if tensor.device.type != "cpu":
+        return None
+    return torch.ops.diversed.value_flags(tensor, from_logits)
+
+
+def _raise_first(name: str, flags: int, messages) -> None:
+    """The error of the first (bit, message) in ``messages`` whose bit is among ``flags`` (or-ed row flags)."""
+    for bit, message in messages:
+        if flags & bit:
+            raise ValueError(f"{name} {message}")
+
+
+def _raise_probability_error(tensor: torch.Tensor, name: str, flags: int) -> None:
+    negative = f"contains negative probabilities (minimum {float(tensor.min())})" if flags & FLAG_NEGATIVE else ""
+    _raise_first(name, flags, ((FLAG_NAN, "contains NaN"), (FLAG_NEGATIVE, negative),
+                               (FLAG_POSITIVE_INFINITY, "contains infinite values")))
+
+
+def _first_empty_row(empty: torch.Tensor, name: str) -> None:
+    if bool(empty.any()):
+        batch_index, position = (int(index) for index in empty.nonzero()[0])
+        raise ValueError(f"{name} has a row with no probability mass (all zeros) at [{batch_index}, {position}]")
+
+
+def _or_reduce(flags: torch.Tensor) -> int:
+    """The or of every row's flags (4 bits: whether any row has each), for the error message of a failed check."""
+    bits = torch.tensor([FLAG_NAN, FLAG_NEGATIVE, FLAG_POSITIVE_INFINITY, FLAG_NO_MASS], dtype=flags.dtype)
+    return int(((flags.reshape(-1, 1) & bits) != 0).any(0).mul(bits).sum())
 
 
 def _probability_row_maxima(tensor: torch.Tensor, name: str) -> torch.Tensor:
@@ -45,10 +90,15 @@ def check_verify_probabilities(draft: torch.Tensor, target: torch.Tensor, num_dr
     for tensor, name, read in ((draft, draft_name, read_draft), (target, target_name, read_target)):
         if tensor.numel() == 0:
             continue
-        empty = (_probability_row_maxima(tensor, name) == 0) & read
-        if bool(empty.any()):
-            batch_index, position = (int(index) for index in empty.nonzero()[0])
-            raise ValueError(f"{name} has a row with no probability mass (all zeros) at [{batch_index}, {position}]")
+        flags = _native_flags(tensor, from_logits=False)
+        if flags is None:
+            _first_empty_row((_probability_row_maxima(tensor, name) == 0) & read, name)
+            continue
+        # One host read: the or of the error bits, with the no-mass bit kept only on rows the verifier reads.
+        relevant = (flags & PROBABILITY_ERRORS) | torch.where(read, flags & FLAG_NO_MASS, 0)
+        if bool(relevant.any()):
+            _raise_probability_error(tensor, name, _or_reduce(relevant))
+            _first_empty_row((relevant & FLAG_NO_MASS) != 0, name)
 
 
 def check_token_ids(draft_tokens: torch.Tensor, num_draft: Optional[torch.Tensor], vocab: int) -> None:
@@ -64,9 +114,20 @@ def check_token_ids(draft_tokens: torch.Tensor, num_draft: Optional[torch.Tensor
                          f"with V = {vocab}")
 
 
+def _raise_logit_error(name: str, flags: int) -> None:
+    _raise_first(name, flags, ((FLAG_NAN, "contains NaN"), (FLAG_POSITIVE_INFINITY, "contains +inf"),
+                               (FLAG_NO_MASS, "has a row whose logits are all -inf (no token is possible)")))
+
+
 def _check_logit_values(tensor: torch.Tensor, name: str) -> None:
     """Logits may be -inf (masked vocabulary) but not NaN or +inf, and every row needs one finite entry."""
     if tensor.numel() == 0:
+        return
+    flags = _native_flags(tensor, from_logits=True)
+    if flags is not None:
+        errors = flags & LOGIT_ERRORS
+        if bool(errors.any()):
+            _raise_logit_error(name, _or_reduce(errors))
         return
     if bool(torch.isnan(tensor).any()):
         raise ValueError(f"{name} contains NaN")
@@ -83,5 +144,11 @@ def check_values(tensor: torch.Tensor, name: str, from_logits: bool) -> None:
         return
     if from_logits:
         _check_logit_values(tensor, name)
-    else:
+        return
+    flags = _native_flags(tensor, from_logits=False)
+    if flags is None:
         _probability_row_maxima(tensor, name)
+        return
+    errors = flags & PROBABILITY_ERRORS
+    if bool(errors.any()):
+        _raise_probability_error(tensor, name, _or_reduce(errors))
