@@ -23,11 +23,11 @@ namespace cpu {
 constexpr const char* kInt8PackOp = "diversed::int8_pack";
 
 // The int8 tiles this CPU runs under the DIVERSED_CPU_CAPABILITY cap: VNNI where the AVX-512 build may run and the CPU
-// has it, else AVX2 where that build may run (cpu_capability() has checked the CPU for it), else the portable loops.
+// has it, else AVX2 where that build may run, else the portable loops. cpu_capability() has checked the CPU for the
+// rest of AVX-512 (F, BW, VL) and for AVX2, so VNNI is the one feature left to ask about.
 int8::Isa int8_isa() {
 #ifdef DIVERSED_HAS_X86_BUILDS
-  static const bool vnni = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+  static const bool vnni = __builtin_cpu_supports("avx512vnni");
   switch (cpu_capability()) {
     case Capability::kAvx512: return vnni ? int8::Isa::kVnni : int8::Isa::kAvx2;
     case Capability::kAvx2: return int8::Isa::kAvx2;
