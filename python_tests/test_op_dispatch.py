@@ -51,6 +51,43 @@ def test_unchecked_verify_logits_with_defaults_dispatches_only_the_op(problem):
         assert ops == ["diversed.verify_logits"], ops
 
 
+def test_unchecked_tensors_in_the_op_layout_dispatch_only_the_op(problem):
+    """Per-request seeds, per-token weights, greedy flags, draft lengths and temperatures that are already in the op's
+    layout go to it untouched: still one op."""
+    tokens, draft, target = problem
+    batch, num_positions = tokens.shape
+    tensors = {"num_draft": torch.full((batch,), 2), "seed": torch.arange(batch)}
+    weight = torch.full((batch, num_positions), 0.5)
+    greedy, temperature = torch.zeros(batch, dtype=torch.bool), torch.ones(batch)
+    draft_logits, target_logits = draft.log(), target.log()
+    ops = dispatched(lambda: dx.verify(tokens, draft, target, weight, greedy=greedy, check_inputs=False, **tensors))
+    assert ops == ["diversed.verify_probs"]
+    ops = dispatched(lambda: dx.verify_logits(tokens, draft_logits, target_logits, weight, temperature=temperature,
+                                              check_inputs=False, **tensors))
+    assert ops == ["diversed.verify_logits"]
+
+
+def test_unchecked_tensors_outside_the_op_layout_are_converted(problem):
+    """int32 ids and seeds, a [B] weight, non-contiguous probabilities and a 0-d temperature are refused by the op as
+    they are; the call then converts them and gives what the converted arguments give."""
+    tokens, draft, target = problem
+    batch, num_positions = tokens.shape
+    seeds = torch.arange(batch)
+    weight = torch.tensor([0.2, 0.5, 0.9])
+    strided_draft = torch.cat([draft, draft], dim=-1)[..., :draft.shape[-1]]
+    assert not strided_draft.is_contiguous()
+    odd = dx.verify(tokens.int(), strided_draft, target, weight, seed=seeds.int(), check_inputs=False)
+    plain = dx.verify(tokens, draft, target, weight.unsqueeze(1).expand(batch, num_positions).contiguous(), seed=seeds,
+                      check_inputs=False)
+    for a, b in zip(odd, plain):
+        assert torch.equal(a, b)
+    odd = dx.verify_logits(tokens.int(), draft.log(), target.log(), 0.5, temperature=torch.tensor(0.7), seed=seeds,
+                           check_inputs=False)
+    plain = dx.verify_logits(tokens, draft.log(), target.log(), 0.5, temperature=0.7, seed=seeds, check_inputs=False)
+    for a, b in zip(odd, plain):
+        assert torch.equal(a, b)
+
+
 def test_scalar_defaults_give_what_their_tensors_give(problem):
     """Scalars and None in the op are the same call as the tensors they stand for."""
     tokens, draft, target = problem

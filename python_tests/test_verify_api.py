@@ -111,6 +111,7 @@ def bad_input_cases():
         "V zero": ((tokens, draft[..., :0], target[..., :0], 0.5), {}, ValueError, "V must be positive"),
         "float tokens": ((tokens.float(), draft, target, 0.5), {}, TypeError, "draft_tokens"),
         "token shape": ((tokens[:, :1], draft, target, 0.5), {}, ValueError, "draft_tokens"),
+        "tokens transposed": ((tokens.t().contiguous(), draft, target, 0.5), {}, ValueError, "draft_tokens"),
         "token id too large": ((tokens.clone().fill_(11), draft, target, 0.5), {}, ValueError, "draft_tokens"),
         "negative token id": ((tokens.clone().fill_(-1), draft, target, 0.5), {}, ValueError, "draft_tokens"),
         "negative prob": ((tokens, draft - 1, target, 0.5), {}, ValueError, "draft_probs.*negative"),
@@ -150,6 +151,19 @@ def test_bad_input_raises_naming_the_argument(verifier, case):
     args, kwargs, error, pattern = bad_input_cases()[case]
     with pytest.raises(error, match=pattern):
         verifier(*args, **kwargs)
+
+
+# Cases that need no value read: an unchecked call must name the argument just the same, although it hands tensors
+# that look ready straight to the op.
+VALUE_CASES = {"token id too large", "negative token id", "negative prob", "NaN prob", "inf prob", "weight tensor below 0",
+               "weight NaN", "num_draft above K", "num_draft negative", "uniform equal to 1", "uniform NaN"}
+
+
+@pytest.mark.parametrize("case", [case for case in bad_input_cases() if case not in VALUE_CASES])
+def test_unchecked_call_still_names_the_argument_of_a_structural_mistake(case):
+    args, kwargs, error, pattern = bad_input_cases()[case]
+    with pytest.raises(error, match=pattern):
+        dx.verify(*args, check_inputs=False, **kwargs)
 
 
 def test_meta_device_mismatch_is_reported():

@@ -15,14 +15,22 @@ constexpr const char* kVerifyLogitsOp = "diversed::verify_logits";
 constexpr const char* kTokenStatsOp = "diversed::token_stats";
 constexpr const char* kMixOp = "diversed::mix";
 
+// Exactly this dtype and shape, contiguous: the layout the Python layer produces. Shapes are compared whole, not by
+// element count, so a tensor the Python layer would refuse (say [K, B] tokens) is refused here too; an unchecked call
+// that passes its tensors straight through (diversed_ext/ops/api.py) relies on that.
+inline void check_layout(const at::Tensor& tensor, at::ScalarType dtype, at::IntArrayRef sizes, const char* op,
+                         const char* what) {
+  TORCH_CHECK(tensor.scalar_type() == dtype && tensor.is_contiguous() && tensor.sizes() == sizes, op, ": ", what,
+              " must be contiguous ", dtype, " of shape ", sizes, ", got ", tensor.scalar_type(), " of shape ",
+              tensor.sizes());
+}
+
 inline void check_float_vector(const at::Tensor& tensor, int64_t size, const char* op, const char* name) {
-  TORCH_CHECK(tensor.scalar_type() == at::kFloat && tensor.is_contiguous() && tensor.numel() == size, op, ": ", name,
-              " must be contiguous float32 with ", size, " elements");
+  check_layout(tensor, at::kFloat, {size}, op, name);
 }
 
 inline void check_int64_vector(const at::Tensor& tensor, int64_t size, const char* op, const char* what) {
-  TORCH_CHECK(tensor.scalar_type() == at::kLong && tensor.is_contiguous() && tensor.numel() == size, op, ": ", what,
-              " must be contiguous int64 with ", size, " elements");
+  check_layout(tensor, at::kLong, {size}, op, what);
 }
 
 // A draft/target pair of 3-D distributions [B, *, V] (probabilities or logits).
@@ -58,21 +66,18 @@ inline void check_verify_args(VerifyInput input, const at::Tensor& draft_tokens,
   check_pair(draft, target, op);
   const int64_t B = draft.size(0), K = draft.size(1);
   TORCH_CHECK(target.size(1) == K + 1, op, ": target must be [B, K+1, V]");
-  check_int64_vector(draft_tokens, B * K, op, "draft_tokens [B, K]");
-  if (optional.weight.has_value()) check_float_vector(*optional.weight, B * K, op, "weight");
-  if (optional.num_draft.has_value()) check_int64_vector(*optional.num_draft, B, op, "num_draft [B]");
-  if (optional.seeds.has_value()) check_int64_vector(*optional.seeds, B, op, "seeds [B]");
+  check_layout(draft_tokens, at::kLong, {B, K}, op, "draft_tokens");
+  if (optional.weight.has_value()) check_layout(*optional.weight, at::kFloat, {B, K}, op, "weight");
+  if (optional.num_draft.has_value()) check_int64_vector(*optional.num_draft, B, op, "num_draft");
+  if (optional.seeds.has_value()) check_int64_vector(*optional.seeds, B, op, "seeds");
   const auto& uniforms = optional.uniforms;
-  if (uniforms.has_value())
-    TORCH_CHECK(uniforms->scalar_type() == at::kDouble && uniforms->is_contiguous() && uniforms->numel() == B * (K + 1),
-                op, ": uniforms must be contiguous float64 [B, K+1]");
+  if (uniforms.has_value()) check_layout(*uniforms, at::kDouble, {B, K + 1}, op, "uniforms");
   if (!optional.greedy_or_temperature.has_value()) return;
   const at::Tensor& flags = *optional.greedy_or_temperature;
   if (input == VerifyInput::kLogits) {
     check_float_vector(flags, B, op, "temperature");
   } else {
-    TORCH_CHECK(flags.scalar_type() == at::kBool && flags.is_contiguous() && flags.numel() == B, op,
-                ": greedy must be contiguous bool [B]");
+    check_layout(flags, at::kBool, {B}, op, "greedy");
   }
 }
 
@@ -83,7 +88,7 @@ inline void check_token_stats_args(const at::Tensor& draft, const at::Tensor& ta
   check_pair(draft, target, op);
   const int64_t B = draft.size(0), T = draft.size(1);
   TORCH_CHECK(target.size(1) == T, op, ": draft and target must both be [B, T, V]");
-  check_int64_vector(tokens, B * T, op, "tokens [B, T]");
+  check_layout(tokens, at::kLong, {B, T}, op, "tokens");
   check_float_vector(temperature, B, op, "temperature");
 }
 
@@ -94,7 +99,7 @@ inline void check_mix_args(const at::Tensor& draft, const at::Tensor& target, co
   check_pair(draft, target, op);
   const int64_t B = draft.size(0), K = draft.size(1);
   TORCH_CHECK(target.size(1) >= K, op, ": target must have at least K positions");
-  check_float_vector(weight, B * K, op, "weight");
+  check_layout(weight, at::kFloat, {B, K}, op, "weight");
   check_float_vector(temperature, B, op, "temperature");
 }
 

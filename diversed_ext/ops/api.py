@@ -27,13 +27,46 @@ from typing import NamedTuple
 import torch
 
 from . import _fake  # noqa: F401  (registers the native ops and their fake kernels)
-from ._inputs import (normalize_stat_tokens, normalize_weight, prepare_pair, prepare_verify,
-                      temperature_argument)
+from ._inputs import (PROB_DTYPES, SEED_RANGE, normalize_stat_tokens, normalize_weight, prepare_pair,
+                      prepare_verify, temperature_argument)
 
 # The verify overloads, looked up once: torch.ops.<namespace>.<op> is two attribute lookups and an overload resolution
 # on every call, which the serving path (one call per decoding step) should not pay.
 _VERIFY_PROBS = torch.ops.diversed.verify_probs.default
 _VERIFY_LOGITS = torch.ops.diversed.verify_logits.default
+_OP_DTYPES = frozenset(PROB_DTYPES)
+
+
+def _direct_scalars(draft, weight, seed, offset, uniforms):
+    """The op's (weight, weight_value, seeds, seed, per_row_seed) for an unchecked call whose arguments can go to the
+    op as they are, or None when the checked path must normalise them first.
+
+    Scalars are checked here (a float weight in [0, 1], an int seed and offset in range: a few comparisons). Tensors
+    go through untouched: the op itself refuses any that is not exactly in its layout (dtype, shape, contiguity,
+    device), and the caller then takes the checked path, which converts what it can and names what it cannot. Those
+    checks on every call (about 3 us of Python attribute reads) are what a serving loop would otherwise pay.
+    """
+    if draft.dtype not in _OP_DTYPES:  # the kernels also accept float64, which the public ops refuse
+        return None
+    if type(weight) is float:  # the common case; NaN fails the range test
+        if not 0.0 <= weight <= 1.0:
+            return None
+        weight_t, weight_value = None, weight
+    elif isinstance(weight, torch.Tensor):
+        weight_t, weight_value = weight, 1.0
+    else:
+        return None
+    if type(offset) is not int or not 0 <= offset < SEED_RANGE:
+        return None
+    if seed is None:
+        return weight_t, weight_value, None, None, False
+    if uniforms is not None:  # both given: the checked path says which to drop
+        return None
+    if type(seed) is int and -SEED_RANGE <= seed < SEED_RANGE:
+        return weight_t, weight_value, None, seed, False
+    if isinstance(seed, torch.Tensor):
+        return weight_t, weight_value, seed, None, True
+    return None
 
 
 class VerifyResult(NamedTuple):
@@ -79,6 +112,16 @@ def verify(draft_tokens, draft_probs, target_probs, weight, *, num_draft=None, g
     Raises:
         TypeError / ValueError naming the offending argument.
     """
+    if not check_inputs and (greedy is None or isinstance(greedy, torch.Tensor)):
+        try:
+            scalars = _direct_scalars(draft_probs, weight, seed, offset, uniforms)
+            if scalars is not None:
+                weight_t, weight_value, seeds, seed_value, per_row_seed = scalars
+                return VerifyResult(*_VERIFY_PROBS(draft_tokens, draft_probs, target_probs, weight_t, num_draft,
+                                                   greedy, uniforms, seeds, offset, per_row_seed, weight_value,
+                                                   seed_value))
+        except Exception:  # noqa: BLE001  not in the op's layout: the checked path converts it or names the argument
+            pass
     args = prepare_verify(draft_tokens, draft_probs, target_probs, weight, num_draft=num_draft, greedy=greedy,
                           uniforms=uniforms, seed=seed, offset=offset, check_inputs=check_inputs,
                           draft_name="draft_probs", target_name="target_probs", kind="probabilities")
@@ -116,6 +159,18 @@ def verify_logits(draft_tokens, draft_logits, target_logits, weight, *, temperat
             greedy (accept while x_i = argmax nu_i, with nu formed from the temperature-1 softmax).
         Everything else as :func:`diversed_ext.verify` (weights, ragged rows, uniforms, seeds, offset, check_inputs).
     """
+    if not check_inputs and (type(temperature) is float or isinstance(temperature, torch.Tensor)):
+        try:
+            scalars = _direct_scalars(draft_logits, weight, seed, offset, uniforms)
+            if scalars is not None and (type(temperature) is not float or 0.0 <= temperature < float("inf")):
+                weight_t, weight_value, seeds, seed_value, per_row_seed = scalars
+                temperature_t, temperature_value = ((None, temperature) if type(temperature) is float
+                                                    else (temperature, 1.0))
+                return VerifyResult(*_VERIFY_LOGITS(draft_tokens, draft_logits, target_logits, weight_t, num_draft,
+                                                    temperature_t, uniforms, seeds, offset, per_row_seed,
+                                                    weight_value, temperature_value, seed_value))
+        except Exception:  # noqa: BLE001  as in verify
+            pass
     args = prepare_verify(draft_tokens, draft_logits, target_logits, weight, num_draft=num_draft, greedy=None,
                           uniforms=uniforms, seed=seed, offset=offset, check_inputs=check_inputs,
                           draft_name="draft_logits", target_name="target_logits", kind="logits")
