@@ -2,8 +2,9 @@
 // residual loops), chosen at run time by cpu_dispatch.h where the CPU has AVX-512F/BW/VL/DQ.
 //
 // As in kernels_avx2.cpp: every outside header is included BEFORE the target pragma, so standard-library inline
-// functions keep their default-target definitions. FMA stays off (the target list does not enable it, and the build
-// passes -ffp-contract=off), so the arithmetic is the baseline's, bit for bit.
+// functions keep their default-target definitions. FMA instructions serve the explicit fused multiply-adds only
+// (exp_nonpositive, float_gemm.h); -ffp-contract=off keeps the compiler from fusing anything else, so the arithmetic
+// is the baseline's, bit for bit.
 #if defined(__x86_64__) && defined(__GNUC__)
 // exp_nonpositive (verify_math.h, included before the pragma) is instantiated for this build's vectors from the plain
 // functions of llama_math.h, where gcc warns that an out-of-line copy returning such a vector would have another ABI.
@@ -12,7 +13,7 @@
 #include "kernel_prelude.h"
 
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq")
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma")
 #define DIVERSED_CPU_CAPABILITY avx512
 #define DIVERSED_CPU_VECTOR_FLOATS 16
 #include "cpu_kernels.h"
