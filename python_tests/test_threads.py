@@ -1,0 +1,66 @@
+"""Threads and the CPU kernels: whatever thread runs which rows, and however many Python threads call at once, a
+call gives the same results (the kernels release the GIL, so calls from several threads do overlap)."""
+
+import threading
+
+import torch
+
+import diversed_ext as dx
+from helpers import random_problem
+
+# Rows long enough that every call is split over threads (a task of at least 32768 elements per thread).
+BATCH, NUM_POSITIONS, VOCAB = 6, 3, 40_000
+JOIN_TIMEOUT_S = 120
+
+
+def _problem():
+    tokens, draft, target = random_problem(BATCH, NUM_POSITIONS, VOCAB, seed=3, sharpness=1.0)
+    uniforms = torch.rand(BATCH, NUM_POSITIONS + 1, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    return tokens, draft, target, draft.log(), target.log(), uniforms
+
+
+def _verify_both(tokens, draft, target, draft_logits, target_logits, uniforms):
+    probs = dx.verify(tokens, draft, target, 0.6, uniforms=uniforms, check_inputs=False)
+    logits = dx.verify_logits(tokens, draft_logits, target_logits, 0.6, uniforms=uniforms, check_inputs=False)
+    return probs, logits
+
+
+def _assert_same(first, second):
+    for a, b in zip(first, second):
+        for x, y in zip(a, b):
+            assert torch.equal(x, y)
+
+
+def test_one_thread_and_all_threads_agree():
+    problem = _problem()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = _verify_both(*problem)
+    finally:
+        torch.set_num_threads(threads)
+    _assert_same(alone, _verify_both(*problem))
+
+
+def test_concurrent_callers_get_what_a_lone_caller_gets():
+    """Python threads calling at once, each call splitting its rows over torch's threads."""
+    problem = _problem()
+    expected = _verify_both(*problem)
+    results, errors = [], []
+
+    def call():
+        try:
+            for _ in range(5):
+                results.append(_verify_both(*problem))
+        except Exception as error:  # noqa: BLE001  reported below, so the test fails rather than the thread
+            errors.append(error)
+
+    workers = [threading.Thread(target=call) for _ in range(4)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(timeout=JOIN_TIMEOUT_S)
+    assert not errors and not any(worker.is_alive() for worker in workers)
+    assert len(results) == 20
+    for result in results:
+        _assert_same(expected, result)
