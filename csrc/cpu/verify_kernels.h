@@ -143,11 +143,12 @@ void range_block_masses(const Rows& rows, const RowPlan& plan, int64_t row, int6
   block_masses(target, draft ? &*draft : nullptr, begin, end, block_sums + begin / kBlock);
 }
 
-// Fused verification in the given layout. prepare_row(row) runs first in each request's task (the rows layout only:
-// with chunks, the caller prepares every row beforehand).
-template <typename Rows, typename Prepare>
+// Fused verification in the given layout. In the rows layout, prepare_row(row) runs first in each request's task and
+// prepare_bonus(row) before a sampled row draws its bonus token (all drafts accepted); with chunks, the caller prepares
+// every row beforehand.
+template <typename Rows, typename Prepare, typename PrepareBonus>
 void run_verify(const VerifyProblem& problem, const Rows& rows, const ParallelFor& parallel_for, VerifyLayout layout,
-                const Prepare& prepare_row) {
+                const Prepare& prepare_row, const PrepareBonus& prepare_bonus) {
   const int64_t B = problem.batch, V = problem.vocab, num_blocks = blocks_of(V);
   if (layout == VerifyLayout::kRows) {
     parallel_for(0, B, grain_for(2 * V), [&](int64_t begin, int64_t end) {
@@ -156,6 +157,7 @@ void run_verify(const VerifyProblem& problem, const Rows& rows, const ParallelFo
         prepare_row(row);
         const RowPlan plan = accept_row(problem, rows, row);
         if (!plan.needs_sample) continue;
+        if (plan.num_accepted == problem.drafted(row)) prepare_bonus(row);
         range_block_masses(rows, plan, row, 0, V, block_sums.data());
         sample_row(problem, rows, plan, row, block_sums.data());
       }
@@ -242,9 +244,15 @@ struct SoftmaxStatsPlan {
       target_stats[index] = softmax_stats(target_logits + index * V, V, inverse_temperature[row]);
     }
   }
-  void compute_row(int64_t row) {
-    for (int64_t slot = 0; slot < slots(); ++slot) compute(row, slot);
+  // The normalisers of the rows the accept tests read; the bonus row's too when `with_bonus` (a greedy row's argmax
+  // of it is taken in the accept phase). A sampled row's bonus normaliser is computed only when the bonus is drawn:
+  // after a rejection, which is the common case, its row is never read.
+  void compute_row(int64_t row, bool with_bonus) {
+    const int64_t bonus_slot = problem.num_positions + problem.drafted(row);
+    for (int64_t slot = 0; slot < slots(); ++slot)
+      if (slot != bonus_slot || with_bonus) compute(row, slot);
   }
+  void compute_bonus(int64_t row) { compute(row, problem.num_positions + problem.drafted(row)); }
   // Every request's normalisers, in parallel over (request, slot).
   void compute_all(const ParallelFor& parallel_for) {
     parallel_for(0, problem.batch * slots(), grain_for(problem.vocab), [&](int64_t begin, int64_t end) {
@@ -281,12 +289,12 @@ void verify_probs(const VerifyProblem& problem, const T* draft_probs, const T* t
                   const ParallelFor& parallel_for) {
   const ProbRows<T> rows{draft_probs, target_probs, problem.num_positions, problem.vocab};
   run_verify(problem, rows, parallel_for, verify_layout(problem.batch, problem.vocab, parallel_for),
-             [](int64_t) {});
+             [](int64_t) {}, [](int64_t) {});
 }
 
 // verify_logits: draft logits [B, K, V], target logits [B, K+1, V], temperatures from the problem. Each row the request
-// reads gets its softmax normaliser first (inside the request's own task when the layout is by rows); the greedy flags
-// come from the temperatures.
+// reads gets its softmax normaliser first (inside the request's own task when the layout is by rows, where a sampled
+// row's bonus normaliser waits until the bonus is drawn); the greedy flags come from the temperatures.
 template <typename T>
 void verify_logits(const VerifyProblem& problem, const T* draft_logits, const T* target_logits,
                    const ParallelFor& parallel_for) {
@@ -299,9 +307,10 @@ void verify_logits(const VerifyProblem& problem, const T* draft_logits, const T*
                           stats.draft_stats.data(), stats.target_stats.data()};
   VerifyProblem with_greedy = problem;
   with_greedy.greedy = temperatures.greedy.get();
-  run_verify(with_greedy, rows, parallel_for, layout, [&](int64_t row) {
-    if (layout == VerifyLayout::kRows) stats.compute_row(row);
-  });
+  const bool* greedy = temperatures.greedy.get();
+  run_verify(
+      with_greedy, rows, parallel_for, layout, [&](int64_t row) { stats.compute_row(row, greedy[row]); },
+      [&](int64_t row) { stats.compute_bonus(row); });
 }
 
 }  // namespace DIVERSED_CPU_CAPABILITY
