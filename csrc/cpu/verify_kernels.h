@@ -307,9 +307,8 @@ void verify_logits(const VerifyProblem& problem, const T* draft_logits, const T*
                           stats.draft_stats.data(), stats.target_stats.data()};
   VerifyProblem with_greedy = problem;
   with_greedy.greedy = temperatures.greedy.get();
-  const bool* greedy = temperatures.greedy.get();
   run_verify(
-      with_greedy, rows, parallel_for, layout, [&](int64_t row) { stats.compute_row(row, greedy[row]); },
+      with_greedy, rows, parallel_for, layout, [&](int64_t row) { stats.compute_row(row, with_greedy.greedy_at(row)); },
       [&](int64_t row) { stats.compute_bonus(row); });
 }
 

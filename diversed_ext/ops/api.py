@@ -37,13 +37,30 @@ _VERIFY_LOGITS = torch.ops.diversed.verify_logits.default
 _OP_DTYPES = frozenset(PROB_DTYPES)
 
 
-def _direct_scalars(draft, weight, seed, offset, uniforms):
-    """The op's (weight, weight_value, seeds, seed, per_row_seed) for an unchecked call whose arguments can go to the
-    op as they are, or None when the checked path must normalise them first.
+class VerifyResult(NamedTuple):
+    """What one verification call returns for a batch of B draft blocks of K tokens.
+
+    Attributes:
+        tokens: int64 [B, K+1]. Row b holds its ``num_accepted[b]`` accepted drafts, then the correction token (first
+            rejection) or the bonus token (all accepted), then -1 padding.
+        num_accepted: int32 [B]. Accepted drafts, the final token not counted: row b emits ``num_accepted[b] + 1`` tokens.
+        accept_prob: float32 [B, K]. ``min(1, nu_i(x_i) / q_i(x_i))`` at every drafted position i < num_draft (for greedy
+            rows 1 if x_i is the argmax of nu_i, else 0); 0 past num_draft and for out-of-range ids.
+    """
+
+    tokens: torch.Tensor
+    num_accepted: torch.Tensor
+    accept_prob: torch.Tensor
+
+
+def _direct_call(op, draft_tokens, draft, target, weight, num_draft, row_flags, uniforms, seed, offset, *scalars):
+    """The op's result for an unchecked call whose arguments can go to the op as they are, or None when they must be
+    normalised first (``row_flags``: greedy or temperature; ``scalars``: what the op takes between weight_value and
+    seed).
 
     Scalars are checked here (a float weight in [0, 1], an int seed and offset in range: a few comparisons). Tensors
     go through untouched: the op itself refuses any that is not exactly in its layout (dtype, shape, contiguity,
-    device), and the caller then takes the checked path, which converts what it can and names what it cannot. Those
+    device), and the caller then takes the normalising path, which converts what it can and names what it cannot. Its
     checks on every call (about 3 us of Python attribute reads) are what a serving loop would otherwise pay.
     """
     if draft.dtype not in _OP_DTYPES:  # the kernels also accept float64, which the public ops refuse
@@ -59,30 +76,17 @@ def _direct_scalars(draft, weight, seed, offset, uniforms):
     if type(offset) is not int or not 0 <= offset < SEED_RANGE:
         return None
     if seed is None:
-        return weight_t, weight_value, None, None, False
-    if uniforms is not None:  # both given: the checked path says which to drop
+        seeds, seed_value, per_row_seed = None, None, False
+    elif uniforms is not None:  # both given: the normalising path says which to drop
         return None
-    if type(seed) is int and -SEED_RANGE <= seed < SEED_RANGE:
-        return weight_t, weight_value, None, seed, False
-    if isinstance(seed, torch.Tensor):
-        return weight_t, weight_value, seed, None, True
-    return None
-
-
-class VerifyResult(NamedTuple):
-    """What one verification call returns for a batch of B draft blocks of K tokens.
-
-    Attributes:
-        tokens: int64 [B, K+1]. Row b holds its ``num_accepted[b]`` accepted drafts, then the correction token (first
-            rejection) or the bonus token (all accepted), then -1 padding.
-        num_accepted: int32 [B]. Accepted drafts, the final token not counted: row b emits ``num_accepted[b] + 1`` tokens.
-        accept_prob: float32 [B, K]. ``min(1, nu_i(x_i) / q_i(x_i))`` at every drafted position i < num_draft (for greedy
-            rows 1 if x_i is the argmax of nu_i, else 0); 0 past num_draft and for out-of-range ids.
-    """
-
-    tokens: torch.Tensor
-    num_accepted: torch.Tensor
-    accept_prob: torch.Tensor
+    elif type(seed) is int and -SEED_RANGE <= seed < SEED_RANGE:
+        seeds, seed_value, per_row_seed = None, seed, False
+    elif isinstance(seed, torch.Tensor):
+        seeds, seed_value, per_row_seed = seed, None, True
+    else:
+        return None
+    return VerifyResult(*op(draft_tokens, draft, target, weight_t, num_draft, row_flags, uniforms, seeds, offset,
+                            per_row_seed, weight_value, *scalars, seed_value))
 
 
 def verify(draft_tokens, draft_probs, target_probs, weight, *, num_draft=None, greedy=None, uniforms=None, seed=None,
@@ -114,13 +118,11 @@ def verify(draft_tokens, draft_probs, target_probs, weight, *, num_draft=None, g
     """
     if not check_inputs and (greedy is None or isinstance(greedy, torch.Tensor)):
         try:
-            scalars = _direct_scalars(draft_probs, weight, seed, offset, uniforms)
-            if scalars is not None:
-                weight_t, weight_value, seeds, seed_value, per_row_seed = scalars
-                return VerifyResult(*_VERIFY_PROBS(draft_tokens, draft_probs, target_probs, weight_t, num_draft,
-                                                   greedy, uniforms, seeds, offset, per_row_seed, weight_value,
-                                                   seed_value))
-        except Exception:  # noqa: BLE001  not in the op's layout: the checked path converts it or names the argument
+            result = _direct_call(_VERIFY_PROBS, draft_tokens, draft_probs, target_probs, weight, num_draft, greedy,
+                                  uniforms, seed, offset)
+            if result is not None:
+                return result
+        except Exception:  # noqa: BLE001  not in the op's layout: the path below converts it or names the argument
             pass
     args = prepare_verify(draft_tokens, draft_probs, target_probs, weight, num_draft=num_draft, greedy=greedy,
                           uniforms=uniforms, seed=seed, offset=offset, check_inputs=check_inputs,
@@ -159,16 +161,15 @@ def verify_logits(draft_tokens, draft_logits, target_logits, weight, *, temperat
             greedy (accept while x_i = argmax nu_i, with nu formed from the temperature-1 softmax).
         Everything else as :func:`diversed_ext.verify` (weights, ragged rows, uniforms, seeds, offset, check_inputs).
     """
-    if not check_inputs and (type(temperature) is float or isinstance(temperature, torch.Tensor)):
+    scalar_temperature = type(temperature) is float
+    if not check_inputs and (isinstance(temperature, torch.Tensor)
+                             or (scalar_temperature and 0.0 <= temperature < float("inf"))):
         try:
-            scalars = _direct_scalars(draft_logits, weight, seed, offset, uniforms)
-            if scalars is not None and (type(temperature) is not float or 0.0 <= temperature < float("inf")):
-                weight_t, weight_value, seeds, seed_value, per_row_seed = scalars
-                temperature_t, temperature_value = ((None, temperature) if type(temperature) is float
-                                                    else (temperature, 1.0))
-                return VerifyResult(*_VERIFY_LOGITS(draft_tokens, draft_logits, target_logits, weight_t, num_draft,
-                                                    temperature_t, uniforms, seeds, offset, per_row_seed,
-                                                    weight_value, temperature_value, seed_value))
+            temperature_t, temperature_value = (None, temperature) if scalar_temperature else (temperature, 1.0)
+            result = _direct_call(_VERIFY_LOGITS, draft_tokens, draft_logits, target_logits, weight, num_draft,
+                                  temperature_t, uniforms, seed, offset, temperature_value)
+            if result is not None:
+                return result
         except Exception:  # noqa: BLE001  as in verify
             pass
     args = prepare_verify(draft_tokens, draft_logits, target_logits, weight, num_draft=num_draft, greedy=None,
