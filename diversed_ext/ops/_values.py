@@ -83,19 +83,25 @@ def check_verify_probabilities(draft: torch.Tensor, target: torch.Tensor, num_dr
     may leave them as zero padding. One pass over each tensor."""
     if draft.numel() + target.numel() == 0:
         return
-    num_draft = _drafted_lengths(num_draft, draft.shape[0], draft.shape[1], draft.device)
     positions = torch.arange(target.shape[1], device=target.device).unsqueeze(0)
-    read_draft = positions[:, :-1] < num_draft.unsqueeze(1)
-    read_target = positions <= num_draft.unsqueeze(1)
-    for tensor, name, read in ((draft, draft_name, read_draft), (target, target_name, read_target)):
+
+    def read_rows(last_offset: int) -> torch.Tensor:
+        """Rows the verifier reads: positions < num_draft[b] + last_offset (0 for draft rows, 1 for target rows)."""
+        drafted = _drafted_lengths(num_draft, draft.shape[0], draft.shape[1], draft.device)
+        return positions[:, :target.shape[1] - 1 + last_offset] < (drafted + last_offset).unsqueeze(1)
+
+    for tensor, name, last_offset in ((draft, draft_name, 0), (target, target_name, 1)):
         if tensor.numel() == 0:
             continue
         flags = _native_flags(tensor, from_logits=False)
         if flags is None:
-            _first_empty_row((_probability_row_maxima(tensor, name) == 0) & read, name)
+            _first_empty_row((_probability_row_maxima(tensor, name) == 0) & read_rows(last_offset), name)
             continue
-        # One host read: the or of the error bits, with the no-mass bit kept only on rows the verifier reads.
-        relevant = (flags & PROBABILITY_ERRORS) | torch.where(read, flags & FLAG_NO_MASS, 0)
+        # One host read when nothing is flagged, the common case; only then do the rows the verifier reads matter
+        # (the no-mass bit counts on those rows alone: padding past num_draft may be all zeros).
+        if not bool(flags.any()):
+            continue
+        relevant = (flags & PROBABILITY_ERRORS) | torch.where(read_rows(last_offset), flags & FLAG_NO_MASS, 0)
         if bool(relevant.any()):
             _raise_probability_error(tensor, name, _or_reduce(relevant))
             _first_empty_row((relevant & FLAG_NO_MASS) != 0, name)
@@ -105,9 +111,12 @@ def check_token_ids(draft_tokens: torch.Tensor, num_draft: Optional[torch.Tensor
     """Token ids at drafted positions (i < num_draft) must lie in [0, V); padding past num_draft is ignored."""
     if draft_tokens.numel() == 0:
         return
+    outside = (draft_tokens < 0) | (draft_tokens >= vocab)
+    if not bool(outside.any()):  # the common case: one host read, and the drafted positions do not matter
+        return
     num_draft = _drafted_lengths(num_draft, draft_tokens.shape[0], draft_tokens.shape[1], draft_tokens.device)
     drafted = torch.arange(draft_tokens.shape[1], device=draft_tokens.device) < num_draft.unsqueeze(1)
-    bad = drafted & ((draft_tokens < 0) | (draft_tokens >= vocab))
+    bad = drafted & outside
     if bool(bad.any()):
         row, position = (int(i) for i in bad.nonzero()[0])
         raise ValueError(f"draft_tokens[{row}, {position}] = {int(draft_tokens[row, position])} is outside [0, V) "
