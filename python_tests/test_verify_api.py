@@ -155,8 +155,8 @@ def test_bad_input_raises_naming_the_argument(verifier, case):
 
 # Cases that need no value read: an unchecked call must name the argument just the same, although it hands tensors
 # that look ready straight to the op.
-VALUE_CASES = {"token id too large", "negative token id", "negative prob", "NaN prob", "inf prob", "weight tensor below 0",
-               "weight NaN", "num_draft above K", "num_draft negative", "uniform equal to 1", "uniform NaN"}
+VALUE_CASES = {"token id too large", "negative token id", "negative prob", "NaN prob", "inf prob",
+               "weight tensor below 0", "weight NaN", "num_draft above K", "num_draft negative", "uniform equal to 1", "uniform NaN"}
 
 
 @pytest.mark.parametrize("case", [case for case in bad_input_cases() if case not in VALUE_CASES])

@@ -83,12 +83,12 @@ def check_verify_probabilities(draft: torch.Tensor, target: torch.Tensor, num_dr
     may leave them as zero padding. One pass over each tensor."""
     if draft.numel() + target.numel() == 0:
         return
-    positions = torch.arange(target.shape[1], device=target.device).unsqueeze(0)
 
     def read_rows(last_offset: int) -> torch.Tensor:
         """Rows the verifier reads: positions < num_draft[b] + last_offset (0 for draft rows, 1 for target rows)."""
         drafted = _drafted_lengths(num_draft, draft.shape[0], draft.shape[1], draft.device)
-        return positions[:, :target.shape[1] - 1 + last_offset] < (drafted + last_offset).unsqueeze(1)
+        positions = torch.arange(target.shape[1] - 1 + last_offset, device=target.device).unsqueeze(0)
+        return positions < (drafted + last_offset).unsqueeze(1)
 
     for tensor, name, last_offset in ((draft, draft_name, 0), (target, target_name, 1)):
         if tensor.numel() == 0:
@@ -97,8 +97,8 @@ def check_verify_probabilities(draft: torch.Tensor, target: torch.Tensor, num_dr
         if flags is None:
             _first_empty_row((_probability_row_maxima(tensor, name) == 0) & read_rows(last_offset), name)
             continue
-        # One host read when nothing is flagged, the common case; only then do the rows the verifier reads matter
-        # (the no-mass bit counts on those rows alone: padding past num_draft may be all zeros).
+        # Nothing flagged, the common case, costs one host read. Only a flagged tensor needs the rows the verifier
+        # reads: the no-mass bit counts on those rows alone (padding past num_draft may be all zeros).
         if not bool(flags.any()):
             continue
         relevant = (flags & PROBABILITY_ERRORS) | torch.where(read_rows(last_offset), flags & FLAG_NO_MASS, 0)
