@@ -1,6 +1,12 @@
-"""The DIVERSED ensemble head: a per-token weight on the target, predicted from both models' last hidden states.
+"""The DIVERSED ensemble head: a per-token weight on the target, predicted from both models' last hidden states and,
+optionally, a few numbers describing the two next-token distributions.
 
-    w_t = sigmoid(head([LayerNorm(h_draft_t) ; LayerNorm(h_target_t)]))
+    w_t = sigmoid(head([LayerNorm(h_draft_t) ; LayerNorm(h_target_t) ; f_t]))
+
+f_t (:func:`distribution_features`) holds, for the position t, the entropies of q_t and p_t (over log V), their largest
+probabilities and TV(p_t, q_t): all in [0, 1], all read from logits the loop computes anyway. They depend on the
+context only, never on the drafted token: the verifier's guarantee that tokens follow nu_t = w_t p_t + (1 - w_t) q_t
+needs w_t fixed before the draft is seen, so a feature such as q_t(x) of the drafted x is not offered.
 
 The output layer starts at zero with bias logit(init_weight), so an untrained head returns exactly ``init_weight``
 everywhere (0.5 is the midpoint of the static ensembles; 1.0 would be standard speculative decoding). Heads are saved
@@ -14,19 +20,54 @@ import json
 import math
 import os
 from dataclasses import asdict, dataclass, field
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 from torch import nn
 
 from ._atomic import atomic_path
 from .models.pairs import hidden_size
+from .ops import distribution_temperature
 
 CONFIG_NAME = "head.json"
 WEIGHTS_NAME = "head.safetensors"
 FORMAT_NAME = "diversed_ext.EnsembleHead"
 FORMAT_VERSION = 1
 WEIGHT_EPSILON = 1e-6  # init_weight is kept inside (0, 1) so its logit is finite
+# What distribution_features returns, in its order; a head takes any subset by name.
+DISTRIBUTION_FEATURES = ("draft_entropy", "target_entropy", "draft_max_prob", "target_max_prob", "total_variation")
+FEATURE_CHUNK = 64  # positions per chunk: the [chunk, V] temporaries stay a few MB
+# What a head reads, by the name the train command takes: (features, use_hidden).
+HEAD_INPUTS = {"hidden": ((), True), "distributions": (DISTRIBUTION_FEATURES, False),
+               "both": (DISTRIBUTION_FEATURES, True)}
+LOG_FLOOR = -1e4  # 0 * log 0 is taken as 0: a ruled-out token's -inf log probability is floored before the product
+
+
+def distribution_features(draft_logits: torch.Tensor, target_logits: torch.Tensor,
+                          temperature: float = 1.0) -> torch.Tensor:
+    """The :data:`DISTRIBUTION_FEATURES` of q = softmax(draft_logits / T) and p = softmax(target_logits / T) at every
+    position: [..., V] logits (the same V) -> float32 [..., 5], each in [0, 1]. Entropies are divided by log V so a
+    head sees the same scale for any vocabulary; temperature 0 (greedy) counts as 1, as for the verifier."""
+    if draft_logits.shape != target_logits.shape:
+        raise ValueError(f"draft_logits {tuple(draft_logits.shape)} and target_logits {tuple(target_logits.shape)} "
+                         "must have the same shape")
+    vocab = target_logits.shape[-1]
+    scale = 1.0 / distribution_temperature(temperature)
+    entropy_scale = 1.0 / math.log(vocab) if vocab > 1 else 0.0
+    draft_rows = draft_logits.reshape(-1, vocab).float()
+    target_rows = target_logits.reshape(-1, vocab).float()
+    chunks = []
+    for draft_chunk, target_chunk in zip(draft_rows.split(FEATURE_CHUNK), target_rows.split(FEATURE_CHUNK)):
+        draft_log = (draft_chunk * scale).log_softmax(-1)
+        target_log = (target_chunk * scale).log_softmax(-1)
+        draft_probs, target_probs = draft_log.exp(), target_log.exp()
+        chunks.append(torch.stack([
+            -(draft_probs * draft_log.clamp_min(LOG_FLOOR)).sum(-1) * entropy_scale,
+            -(target_probs * target_log.clamp_min(LOG_FLOOR)).sum(-1) * entropy_scale,
+            draft_probs.amax(-1), target_probs.amax(-1),
+            0.5 * (target_probs - draft_probs).abs().sum(-1)], dim=-1))
+    features = torch.cat(chunks) if chunks else draft_rows.new_zeros(0, len(DISTRIBUTION_FEATURES))
+    return features.clamp(0.0, 1.0).reshape(*target_logits.shape[:-1], len(DISTRIBUTION_FEATURES))
 
 
 @dataclass
@@ -38,6 +79,8 @@ class HeadConfig:
     hidden: Optional[int] = None
     init_weight: float = 0.5
     pair: dict = field(default_factory=dict)  # {"target": name, "draft": name}; empty when unknown
+    features: list = field(default_factory=list)  # names from DISTRIBUTION_FEATURES; empty: hidden states only
+    use_hidden: bool = True  # False: the distribution features alone
 
 
 class EnsembleHead(nn.Module):
@@ -49,10 +92,13 @@ class EnsembleHead(nn.Module):
         hidden: width of one hidden layer (GELU); None for a linear head.
         init_weight: the weight every token gets before training, in (0, 1].
         pair: optional {"target": name, "draft": name}, recorded when saving and checked when loading.
+        features: names from :data:`DISTRIBUTION_FEATURES` the head also reads (default none).
+        use_hidden: read the hidden states (default); False needs ``features``.
     """
 
     def __init__(self, draft_hidden: int, target_hidden: int, *, hidden: Optional[int] = None,
-                 init_weight: float = 0.5, pair: Optional[dict] = None):
+                 init_weight: float = 0.5, pair: Optional[dict] = None, features: Sequence[str] = (),
+                 use_hidden: bool = True):
         super().__init__()
         for name, value in (("draft_hidden", draft_hidden), ("target_hidden", target_hidden)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -61,10 +107,15 @@ class EnsembleHead(nn.Module):
             raise ValueError(f"hidden must be None or a positive int, got {hidden!r}")
         if not 0.0 < float(init_weight) <= 1.0:
             raise ValueError(f"init_weight must lie in (0, 1], got {init_weight}")
-        self.config = HeadConfig(draft_hidden, target_hidden, hidden, float(init_weight), dict(pair or {}))
-        self.draft_norm = nn.LayerNorm(draft_hidden)
-        self.target_norm = nn.LayerNorm(target_hidden)
-        features = draft_hidden + target_hidden
+        features = _check_features(features, use_hidden)
+        self.config = HeadConfig(draft_hidden, target_hidden, hidden, float(init_weight), dict(pair or {}),
+                                 list(features), bool(use_hidden))
+        self.register_buffer("feature_index", torch.tensor([DISTRIBUTION_FEATURES.index(name) for name in features],
+                                                           dtype=torch.int64), persistent=False)
+        if use_hidden:
+            self.draft_norm = nn.LayerNorm(draft_hidden)
+            self.target_norm = nn.LayerNorm(target_hidden)
+        features = (draft_hidden + target_hidden if use_hidden else 0) + len(features)
         layers: list[nn.Module] = []
         if hidden is not None:
             layers += [nn.Linear(features, hidden), nn.GELU()]
@@ -80,8 +131,15 @@ class EnsembleHead(nn.Module):
             self.output.weight.zero_()
             self.output.bias.fill_(math.log(clipped / (1.0 - clipped)))
 
-    def forward(self, draft_hidden_states: torch.Tensor, target_hidden_states: torch.Tensor) -> torch.Tensor:
-        """Weights on the target, shape ``draft_hidden_states.shape[:-1]``, in (0, 1)."""
+    @property
+    def wants_distributions(self) -> bool:
+        """Whether :meth:`forward` needs the :func:`distribution_features` of each position."""
+        return bool(self.config.features)
+
+    def forward(self, draft_hidden_states: torch.Tensor, target_hidden_states: torch.Tensor,
+                distributions: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Weights on the target, shape ``draft_hidden_states.shape[:-1]``, in (0, 1). ``distributions`` [..., 5]
+        (:func:`distribution_features`) is required when the head reads features, and ignored otherwise."""
         if draft_hidden_states.shape[-1] != self.config.draft_hidden:
             raise ValueError(f"draft_hidden_states has hidden size {draft_hidden_states.shape[-1]}, the head expects "
                              f"{self.config.draft_hidden}")
@@ -92,9 +150,17 @@ class EnsembleHead(nn.Module):
             raise ValueError(f"draft_hidden_states {tuple(draft_hidden_states.shape)} and target_hidden_states "
                              f"{tuple(target_hidden_states.shape)} must agree on every dimension but the last")
         dtype = self.output.weight.dtype
-        features = torch.cat([self.draft_norm(draft_hidden_states.to(dtype)),
-                              self.target_norm(target_hidden_states.to(dtype))], dim=-1)
-        return torch.sigmoid(self.output(self.body(features))).squeeze(-1)
+        inputs = []
+        if self.config.use_hidden:
+            inputs += [self.draft_norm(draft_hidden_states.to(dtype)), self.target_norm(target_hidden_states.to(dtype))]
+        if self.config.features:
+            expected = (*draft_hidden_states.shape[:-1], len(DISTRIBUTION_FEATURES))
+            if distributions is None or tuple(distributions.shape) != expected:
+                got = "none" if distributions is None else f"shape {tuple(distributions.shape)}"
+                raise ValueError(f"this head reads distribution features: distributions must have shape {expected} "
+                                 f"(distribution_features of both models' logits), got {got}")
+            inputs.append(distributions.to(device=self.feature_index.device, dtype=dtype)[..., self.feature_index])
+        return torch.sigmoid(self.output(self.body(torch.cat(inputs, dim=-1)))).squeeze(-1)
 
     # ------------------------------------------------------------------------------------------------ persistence
     def save(self, directory: str) -> None:
@@ -128,7 +194,7 @@ class EnsembleHead(nn.Module):
         config = _read_config(config_path)
         _check_matches(config, pair, draft_hidden, target_hidden, directory)
         head = cls(config.draft_hidden, config.target_hidden, hidden=config.hidden, init_weight=config.init_weight,
-                   pair=config.pair)
+                   pair=config.pair, features=config.features, use_hidden=config.use_hidden)
         head.load_state_dict(_read_weights(weights_path, head, map_location))
         return head
 
@@ -160,7 +226,26 @@ def _read_config(path: str) -> HeadConfig:
         raise ValueError(f"{path}: init_weight must be in (0, 1], got {config.init_weight!r}")
     if not isinstance(config.pair, dict):
         raise ValueError(f"{path}: pair must be an object, got {config.pair!r}")
+    if not isinstance(config.features, list) or not isinstance(config.use_hidden, bool):
+        raise ValueError(f"{path}: features must be a list and use_hidden a boolean")
+    try:
+        _check_features(config.features, config.use_hidden)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"{path}: {error}") from None
     return config
+
+
+def _check_features(features: Sequence[str], use_hidden: bool) -> list:
+    """``features`` as a list of known, distinct names; a head must read something."""
+    if isinstance(features, str):
+        raise TypeError(f"features must be a sequence of names, not the string {features!r}")
+    features = list(features)
+    unknown = [name for name in features if name not in DISTRIBUTION_FEATURES]
+    if unknown or len(set(features)) != len(features):
+        raise ValueError(f"features must be distinct names from {', '.join(DISTRIBUTION_FEATURES)}, got {features}")
+    if not use_hidden and not features:
+        raise ValueError("a head without hidden states (use_hidden=False) needs at least one feature")
+    return features
 
 
 def _read_weights(path: str, head: "EnsembleHead", map_location: str) -> dict:

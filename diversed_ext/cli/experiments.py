@@ -19,12 +19,15 @@ def _add_task_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("--task", choices=sorted(TASKS), default="gsm8k", help="default gsm8k")
     parser.add_argument("--data", help="jsonl file of the task's examples (gsm8k: .../gsm8k/test.jsonl)")
-    parser.add_argument("--limit", type=_positive_int, help="use the first N examples only")
+    parser.add_argument("--limit", type=_positive_int, help="use the first N examples only (after --skip)")
+    parser.add_argument("--skip", type=_non_negative_int, default=0,
+                        help="leave out the first N examples: train with --limit N, validate with --skip N")
     parser.add_argument("--threads", type=_positive_int, help="torch threads (default: torch's choice)")
 
 
 def add_experiment_commands(commands) -> None:
     """The train, eval and pareto sub-commands (see :mod:`diversed_ext.research`)."""
+    from ..head import HEAD_INPUTS
     from ..research.harness import PARETO_WEIGHTS
 
     train = commands.add_parser("train", help="train an ensemble head with RL on a task")
@@ -43,6 +46,9 @@ def add_experiment_commands(commands) -> None:
     train.add_argument("--epochs", type=_positive_int, default=1,
                        help="optimiser updates per batch of rollouts (default 1)")
     train.add_argument("--head-hidden", type=_positive_int, help="hidden width of the head (default: linear head)")
+    train.add_argument("--head-inputs", choices=sorted(HEAD_INPUTS), default="hidden",
+                       help="what the head reads: both models' hidden states (default), distribution features of "
+                       "their next-token distributions (entropies, largest probabilities, TV), or both")
     train.add_argument("--init-weight", type=_weight_of_untrained_head, default=0.5,
                        help="w of the untrained head, in (0, 1] (default 0.5)")
     train.add_argument("--rollout", choices=("speculative", "mixture"), default="speculative",
@@ -82,7 +88,7 @@ def _experiment_setup(args):
         torch.set_num_threads(args.threads)
     task = get_task(args.task)
     try:
-        examples = load_task_examples(task, args.data, args.limit)
+        examples = load_task_examples(task, args.data, args.limit, args.skip)
     except (OSError, ValueError) as error:
         raise UsageError(f"--data: {error}") from None
     for head in _head_paths(args):
@@ -132,9 +138,9 @@ def _run_train(args) -> int:
     # Under torchrun every rank joins the job here; train() releases DDP before the group is destroyed.
     with distributed_session():
         trainer = build_trainer(task, examples, target, draft, tokenizer, config, head_hidden=args.head_hidden,
-                                init_weight=args.init_weight, num_draft=args.k, max_new_tokens=args.max_new_tokens,
-                                rollout=args.rollout, eos_token_id=eos, pair=None if args.target else DEFAULT_PAIR,
-                                chat=not args.no_chat_template)
+                                init_weight=args.init_weight, head_inputs=args.head_inputs, num_draft=args.k,
+                                max_new_tokens=args.max_new_tokens, rollout=args.rollout, eos_token_id=eos,
+                                pair=None if args.target else DEFAULT_PAIR, chat=not args.no_chat_template)
         try:
             history = trainer.train(resume=args.resume)
         except CheckpointError as error:

@@ -18,10 +18,11 @@ longest row, and ``num_draft`` tells the verifier where each row ends.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Union
+from typing import Optional, Union
 
 import torch
 
+from ..head import distribution_features
 from ..ops import is_greedy_temperature, philox_uniforms, verify_logits
 from .runners import crop_cache
 from .state import DecodingState, commit_tokens
@@ -86,7 +87,7 @@ def run_round(decoder, states: list[DecodingState]) -> list[RoundStats]:
     target_start = clock()
     target_logits, target_hidden = _run_target(decoder, states, drafts.tokens)
     target_end = clock()
-    weight = _weights(decoder, drafts, target_hidden)
+    weight = _weights(decoder, drafts, target_hidden, target_logits)
     head_end = clock()
     result = _verify(decoder, states, drafts, target_logits, weight)
     verify_end = clock()
@@ -168,20 +169,31 @@ def _run_target(decoder, states: list[DecodingState], draft_tokens: list[list[in
     return padded, hidden[drafted_rows] if want_hidden else None
 
 
-def _weights(decoder, drafts: _Drafts, target_hidden) -> Union[float, torch.Tensor]:
+def _weights(decoder, drafts: _Drafts, target_hidden, target_logits: torch.Tensor) -> Union[float, torch.Tensor]:
     """The static weight, or the head's weight for every drafted token, padded to [B, K] with 1."""
     if decoder.head is None or not drafts.slots:
         return decoder.weight
     slots = drafts.flat_slots()
     order = sorted(range(len(slots)), key=slots.__getitem__)  # draft passes go position by position, the head row by row
-    weight = head_weights(decoder.head, torch.cat(drafts.hidden)[order], target_hidden, decoder.device)
+    distributions = None
+    if getattr(decoder.head, "wants_distributions", False):
+        # The target's logits at each drafted position, in the head's row-by-row order.
+        target_rows = [row * target_logits.shape[1] + position for row, position in sorted(drafts.slots)]
+        draft_logits = torch.cat(drafts.logits)[order]
+        vocab = min(draft_logits.shape[-1], target_logits.shape[-1])
+        distributions = distribution_features(
+            draft_logits[:, :vocab], target_logits.flatten(0, 1)[target_rows, :vocab], decoder.temperature)
+    weight = head_weights(decoder.head, torch.cat(drafts.hidden)[order], target_hidden, decoder.device, distributions)
     return _padded(weight.reshape(-1), sorted(slots), (len(drafts.tokens), drafts.width), fill=1.0)
 
 
-def head_weights(head, draft_hidden: torch.Tensor, target_hidden: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """The head's weights [1, N] for N drafted tokens, from both models' hidden states [N, H]. The rows' drafts are
-    handed over as one sequence: the head weighs each token from its own two hidden states."""
-    weight = torch.as_tensor(head(draft_hidden.unsqueeze(0), target_hidden.unsqueeze(0)), device=device).float()
+def head_weights(head, draft_hidden: torch.Tensor, target_hidden: torch.Tensor, device: torch.device,
+                 distributions: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The head's weights [1, N] for N drafted tokens, from both models' hidden states [N, H] (and, for a head that
+    reads them, the distribution features [N, F] of those positions). The rows' drafts are handed over as one
+    sequence: the head weighs each token from its own inputs."""
+    extra = () if distributions is None else (distributions.unsqueeze(0),)
+    weight = torch.as_tensor(head(draft_hidden.unsqueeze(0), target_hidden.unsqueeze(0), *extra), device=device).float()
     num_drafted = draft_hidden.shape[0]
     if weight.numel() != num_drafted:
         raise ValueError(f"head must return one weight per drafted token, shape [1, {num_drafted}], got "

@@ -53,7 +53,8 @@ class SpeculativeDecoder:
         head: for ``diversed``: a callable ``head(draft_hidden [1, k, Hd], target_hidden [1, k, Ht]) -> w`` with w of
             shape [1, k] (or [1, k, 1]) in [0, 1], e.g. :class:`diversed_ext.head.EnsembleHead`. The hidden states are
             the models' last hidden states (the input of the LM head) at the positions that predicted each draft,
-            taken from the forward passes the loop already runs.
+            taken from the forward passes the loop already runs. A head whose ``wants_distributions`` is true also
+            gets, third, the :func:`~diversed_ext.head.distribution_features` [1, k, 5] of those positions.
         num_draft: K, the most tokens drafted per round (>= 1). Fewer are drafted when fewer tokens are left, and the
             draft stops early after proposing an EOS token.
         temperature: >= 0; both models' logits are divided by it before the softmax. 0 is greedy decoding: drafts are

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from ..head import EnsembleHead
+from ..head import HEAD_INPUTS, EnsembleHead
 from ..models import hidden_size
 from .harness import encode_examples
 from .rollouts import mixture_rollout, speculative_rollout
@@ -14,17 +14,22 @@ from .trainer import Trainer, TrainerConfig
 
 def build_trainer(task: Task, examples: Sequence[dict], target, draft, tokenizer, config: TrainerConfig, *,
                   head: Optional[EnsembleHead] = None, head_hidden: Optional[int] = None, init_weight: float = 0.5,
+                  head_inputs: str = "hidden",
                   num_draft: int = 3, max_new_tokens: int = 48, rollout: str = "speculative",
                   eos_token_id=None, pair: Optional[dict] = None, chat: bool = True) -> Trainer:
     """A Trainer for ``task``: reward = the task reward (+ ``config.fidelity_coef`` x fidelity, added by the Trainer).
 
     Args:
         rollout: ``"speculative"`` (the decoding loop with the current head) or ``"mixture"`` (token by token).
-        head: a head to keep training; otherwise a new one with ``head_hidden`` and ``init_weight``.
+        head: a head to keep training; otherwise a new one with ``head_hidden``, ``init_weight`` and ``head_inputs``
+            (a key of :data:`~diversed_ext.head.HEAD_INPUTS`: hidden states, distribution features, or both).
     """
     if head is None:
+        if head_inputs not in HEAD_INPUTS:
+            raise ValueError(f"head_inputs must be one of {', '.join(HEAD_INPUTS)}, got {head_inputs!r}")
+        features, use_hidden = HEAD_INPUTS[head_inputs]
         head = EnsembleHead(hidden_size(draft), hidden_size(target), hidden=head_hidden, init_weight=init_weight,
-                            pair=pair)
+                            pair=pair, features=features, use_hidden=use_hidden)
     prompts = encode_examples(task, examples, tokenizer, chat)
     if rollout == "speculative":
         sampler = speculative_rollout(target, draft, head, num_draft=num_draft, max_new_tokens=max_new_tokens,

@@ -12,7 +12,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from ..decoding import SpeculativeDecoder
-from ..head import EnsembleHead
+from ..head import EnsembleHead, distribution_features
 from ..ops import distribution_temperature, is_greedy_temperature
 
 # (prompts' token ids, one rollout seed per prompt) -> one completion's token ids per prompt
@@ -54,7 +54,10 @@ def mixture_rollout(target, draft, head: EnsembleHead, *, max_new_tokens: int, t
             input_ids = torch.tensor([sequence])
             target_hidden, target_logits = _last_position(target, input_ids)
             draft_hidden, draft_logits = _last_position(draft, input_ids)
-            weight = head(draft_hidden, target_hidden)
+            extra = ()
+            if getattr(head, "wants_distributions", False):
+                extra = (distribution_features(draft_logits, target_logits, temperature),)
+            weight = head(draft_hidden, target_hidden, *extra)
             scale = distribution_temperature(temperature)
             mixture = weight * (target_logits / scale).softmax(-1) + (1 - weight) * (draft_logits / scale).softmax(-1)
             token = int(mixture.argmax()) if is_greedy_temperature(temperature) else int(torch.multinomial(mixture, 1, generator=generator))

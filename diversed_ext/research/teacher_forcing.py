@@ -3,8 +3,8 @@
 For a prompt x and a completion y_1..y_T, both models read x + y once (no cache, no sampling). At the position that
 predicts y_t this gives the last hidden states h_draft_t and h_target_t (the head's inputs, exactly those it saw
 while decoding) and the logits, from which :func:`diversed_ext.token_stats` takes p_t(y_t), q_t(y_t), their log
-probabilities and TV(p_t, q_t) in one pass over the vocabulary, without materialising probabilities; and
-:func:`fidelity_gap` the expected-fidelity term's G_t = E_q[log p] - E_p[log p] (chunked, so small temporaries).
+probabilities and TV(p_t, q_t) in one pass over the vocabulary, without materialising probabilities; :func:`fidelity_gap` the expected-fidelity term's G_t = E_q[log p] - E_p[log p] (chunked, so small
+temporaries); and :func:`~diversed_ext.head.distribution_features` what a head that reads them sees at each position.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from typing import Sequence
 
 import torch
 
+from ..head import DISTRIBUTION_FEATURES, distribution_features
 from ..ops import distribution_temperature, token_stats
 
 
@@ -28,6 +29,7 @@ class TokenBatch:
     total_variation: torch.Tensor  # [N, T]
     mask: torch.Tensor  # [N, T] bool, True at real completion tokens
     fidelity_gap: torch.Tensor  # [N, T] E_q[log p] - E_p[log p] (see fidelity_gap)
+    distributions: torch.Tensor  # [N, T, F] distribution_features of both models' logits at each position
 
 
 LOG_PROB_FLOOR = -100.0  # nats: a token the target rules out (-inf) costs a bounded amount in fidelity_gap
@@ -71,7 +73,7 @@ def teacher_forced_tokens(target, draft, prompts: Sequence[Sequence[int]], compl
         if len(prompt) == 0:
             raise ValueError("every prompt needs at least one token")
         rows.append(_sequence_tokens(target, draft, list(prompt), list(completion), temperature, device))
-    return TokenBatch(*(_pad_stack([row[field] for row in rows], longest) for field in range(7)))
+    return TokenBatch(*(_pad_stack([row[field] for row in rows], longest) for field in range(8)))
 
 
 def _sequence_tokens(target, draft, prompt: list[int], completion: list[int], temperature: float,
@@ -90,14 +92,15 @@ def _sequence_tokens(target, draft, prompt: list[int], completion: list[int], te
                         temperature=distribution_temperature(temperature), check_inputs=False)
     return (draft_hidden[0, positions].float(), target_hidden[0, positions].float(), stats.target_logprob[0],
             stats.draft_logprob[0], stats.total_variation[0], torch.ones(length, dtype=torch.bool),
-            fidelity_gap(draft_logits[0], target_logits[0], temperature))
+            fidelity_gap(draft_logits[0], target_logits[0], temperature),
+            distribution_features(draft_logits[0], target_logits[0], temperature))
 
 
 def _empty_row(target, draft) -> tuple:
     draft_size, target_size = draft.config.hidden_size, target.config.hidden_size
     empty = torch.zeros(0)
     return (torch.zeros(0, draft_size), torch.zeros(0, target_size), empty, empty, empty,
-            torch.zeros(0, dtype=torch.bool), empty)
+            torch.zeros(0, dtype=torch.bool), empty, torch.zeros(0, len(DISTRIBUTION_FEATURES)))
 
 
 def _pad_stack(tensors: list[torch.Tensor], length: int) -> torch.Tensor:

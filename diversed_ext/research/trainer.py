@@ -77,6 +77,11 @@ class TrainerConfig:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
 
+def _head_extras(head, tokens) -> tuple:
+    """The distribution features for a head that reads them; nothing for one that does not (or a plain callable)."""
+    return (tokens.distributions,) if getattr(head, "wants_distributions", False) else ()
+
+
 def warmup_cosine(step: int, warmup_steps: int, total_steps: int) -> float:
     """Learning-rate multiplier: linear warm-up to 1, then cosine decay to 0 at total_steps."""
     if step < warmup_steps:
@@ -236,7 +241,7 @@ class Trainer:
         self.head.train()
         first = None  # the terms before this step's first update: they describe the policy that rolled out
         for _ in range(self.config.epochs):
-            weights = self.model(tokens.draft_hidden, tokens.target_hidden)
+            weights = self.model(tokens.draft_hidden, tokens.target_hidden, *_head_extras(self.head, tokens))
             terms = diversed_objective(weights, tokens.target_logprob, tokens.draft_logprob, tokens.total_variation,
                                        rewards.to(weights.dtype), tokens.mask, self.config.acceptance_coef,
                                        tokens.fidelity_gap, self.config.expected_fidelity_coef)
