@@ -71,6 +71,20 @@ def test_loaders_report_bad_files(tmp_path):
         tasks.load_jsonl(str(path))
 
 
+def test_skip_and_limit_split_a_file_into_disjoint_parts(tmp_path):
+    path = tmp_path / "few.jsonl"
+    path.write_text("".join(json.dumps({"question": f"q{index}", "answer": f"#### {index}"}) + "\n"
+                            for index in range(7)))
+    task = tasks.get_task("gsm8k")
+    training = tasks.load_task_examples(task, str(path), limit=5)
+    validation = tasks.load_task_examples(task, str(path), skip=5)
+    assert [example["question"] for example in training] == [f"q{index}" for index in range(5)]
+    assert [example["question"] for example in validation] == ["q5", "q6"]
+    assert [example["question"] for example in tasks.load_task_examples(task, str(path), limit=1, skip=3)] == ["q3"]
+    with pytest.raises(ValueError, match="skip=7 .* leaves no examples"):
+        tasks.load_task_examples(task, str(path), skip=7)
+
+
 def test_registry_and_unknown_task():
     assert {"gsm8k", "humaneval", "rouge", "fidelity"} <= set(tasks.TASKS)
     with pytest.raises(ValueError, match="unknown task"):

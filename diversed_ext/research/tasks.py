@@ -257,9 +257,14 @@ def get_task(name: str) -> Task:
     return TASKS[name]
 
 
-def load_task_examples(task: Task, path: Optional[str], limit: Optional[int] = None) -> list[dict]:
-    """The task's examples from ``path`` (or its default location), with a clear error when neither exists."""
+def load_task_examples(task: Task, path: Optional[str], limit: Optional[int] = None, skip: int = 0) -> list[dict]:
+    """The task's examples from ``path`` (or its default location), with a clear error when neither exists: the
+    first ``limit`` (None: all) after the first ``skip``, so one file splits into disjoint training and validation
+    parts (train on ``limit=N``, validate on ``skip=N``)."""
     path = path or task.default_data
     if path is None and task.name != "humaneval":
         raise ValueError(f"task {task.name!r} needs a data path (--data PATH, a jsonl file)")
-    return task.load(path, limit)
+    examples = task.load(path, None if limit is None else skip + limit)[skip:]
+    if not examples:
+        raise ValueError(f"skip={skip} (--skip) leaves no examples: {path} holds no more than that")
+    return examples
