@@ -79,6 +79,22 @@ def add_experiment_commands(commands) -> None:
     _add_batch_argument(pareto)
     _add_model_arguments(pareto)
 
+    validate = commands.add_parser("validate", help="heads and coefficients on held-out contexts, in closed form "
+                                   "(no decoding per head): acceptance, fidelity, distance above the static line")
+    _add_task_arguments(validate)
+    validate.add_argument("--head", nargs="*", default=[], help="head folders to place ('default': the shipped head)")
+    validate.add_argument("--acceptance-coef", type=_non_negative_float, nargs="*", default=[],
+                          help="lambdas whose token-by-token loss minimiser to place (what a perfect head would do)")
+    validate.add_argument("--expected-fidelity-coef", type=_non_negative_float, default=1.0,
+                          help="mu of those minimisers (default 1)")
+    validate.add_argument("--weight", type=_unit_float, default=0.5,
+                          help="static w the held-out completions are sampled from (default 0.5)")
+    validate.add_argument("--tokens", help="safetensors file of the teacher-forced contexts: read when it exists, "
+                          "else sampled and written there")
+    _add_batch_argument(validate)
+    _add_model_arguments(validate)
+    validate.set_defaults(max_new_tokens=128, batch_size=16)
+
 
 def _experiment_setup(args):
     """(task, examples, target, draft, tokenizer, eos) for the experiment commands."""
@@ -199,5 +215,42 @@ def _run_pareto(args) -> int:
     return 0
 
 
-EXPERIMENT_HANDLERS = {"train": _run_train, "eval": _run_eval, "pareto": _run_pareto}
+def _run_validate(args) -> int:
+    from ..research.harness import PARETO_WEIGHTS, encode_examples
+    from ..research.report import cell, markdown_rows, with_error
+    from ..research.validation import (head_point, load_tokens, point_row, rule_point, sample_validation_tokens,
+                                       save_tokens, static_point)
+
+    task, examples, target, draft, tokenizer, eos = _experiment_setup(args)
+    if args.tokens and os.path.isfile(args.tokens):
+        try:
+            tokens = load_tokens(args.tokens)
+        except (OSError, ValueError) as error:
+            raise UsageError(f"--tokens {args.tokens}: {error}") from None
+    else:
+        prompts = encode_examples(task, examples, tokenizer, not args.no_chat_template)
+        tokens = sample_validation_tokens(target, draft, prompts, weight=args.weight, num_draft=args.k,
+                                          max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                          seed=args.seed, eos_token_id=eos, batch_size=args.batch_size)
+        if args.tokens:
+            try:
+                save_tokens(tokens, args.tokens)
+            except OSError as error:
+                raise UsageError(f"--tokens {args.tokens}: cannot write ({error.strerror or error})") from None
+    points = [static_point(weight, tokens) for weight in sorted(PARETO_WEIGHTS, reverse=True)]
+    points += [rule_point(coef, args.expected_fidelity_coef, tokens) for coef in args.acceptance_coef]
+    points += [head_point(path, _load_head(path, target, draft), tokens) for path in args.head]
+    header = ["weighting", "mean w", "acceptance", "x sd", "fidelity change", "above the static line"]
+    rows = []
+    for row in (point_row(point, tokens) for point in points):
+        rows.append([row["label"], cell(row["mean_weight"]), with_error(row["acceptance"], row["acceptance_se"]),
+                     cell(row["x_sd"], ".2f") + "x", cell(row["fidelity_change"]),
+                     with_error(row["gap"], row["gap_se"])])
+    print(f"{tokens.mask.shape[0]} held-out prompts, {int(tokens.mask.sum())} tokens (closed form, next token only; "
+          "+- 1 s.e. over prompts)\n")
+    print(markdown_rows(header, rows))
+    return 0
+
+
+EXPERIMENT_HANDLERS = {"train": _run_train, "eval": _run_eval, "pareto": _run_pareto, "validate": _run_validate}
 

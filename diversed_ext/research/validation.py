@@ -1,0 +1,127 @@
+"""Choosing head inputs and coefficients without decoding: closed-form next-token quantities on held-out contexts.
+
+At a context t with next-token distributions p_t (target) and q_t (draft), a weight w_t gives
+
+    expected acceptance         a_t = 1 - w_t TV(p_t, q_t)
+    expected fidelity change    f_t = (1 - w_t) G_t,     G_t = E_q[log p_t] - E_p[log p_t] <= 0 mostly
+
+(the two closed-form terms the trainer optimises). Over the same contexts a static ensemble c traces the line
+a = 1 - c mean(TV), f = (1 - c) mean(G); a head is worth keeping where its point lies above that line at its own
+acceptance. The contexts come from completions of held-out prompts, sampled once through the speculative loop
+(static w = 0.5 by default) and teacher-forced through both models. Means are taken per prompt, then over prompts,
+so standard errors and differences are paired over prompts.
+
+For coefficients (lambda on acceptance, mu on expected fidelity) the loss is minimised token by token by w_t = 1 where
+mu (-G_t) > lambda TV_t and w_t = 0 elsewhere; that rule's acceptance at each lambda shows, before any training,
+which coefficients spread the heads' acceptances over a wanted range.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Sequence
+
+import torch
+
+from ..decoding import SpeculativeDecoder
+from .report import paired_difference, standard_error
+from .teacher_forcing import TokenBatch, teacher_forced_tokens
+
+
+@dataclasses.dataclass
+class ClosedFormPoint:
+    """Per-prompt means of one weighting's closed-form quantities on a :class:`TokenBatch` (lists over prompts)."""
+
+    label: str
+    weight: list[float]
+    acceptance: list[float]
+    fidelity_change: list[float]
+
+    @staticmethod
+    def mean(values: Sequence[float]) -> float:
+        return sum(values) / len(values)
+
+
+def sample_validation_tokens(target, draft, prompts: Sequence[Sequence[int]], *, weight: float = 0.5,
+                             num_draft: int = 3, max_new_tokens: int = 128, temperature: float = 1.0, seed: int = 0,
+                             eos_token_id=None, batch_size: Optional[int] = 16) -> TokenBatch:
+    """Completions of ``prompts`` sampled from the static ensemble ``weight`` (prompt i with seed + i), then one
+    teacher-forced pass of both models over them."""
+    decoder = SpeculativeDecoder(target, draft, method="static", weight=weight, num_draft=num_draft,
+                                 temperature=temperature)
+    output = decoder.generate([list(prompt) for prompt in prompts], max_new_tokens=max_new_tokens,
+                              eos_token_id=eos_token_id, seed=seed, batch_size=batch_size, progress=True)
+    return teacher_forced_tokens(target, draft, prompts, [tokens.tolist() for tokens in output.sequences],
+                                 temperature)
+
+
+def save_tokens(tokens: TokenBatch, path: str) -> None:
+    """A :class:`TokenBatch` as a safetensors file (nothing executable in it)."""
+    from safetensors.torch import save_file
+
+    save_file({field.name: getattr(tokens, field.name).contiguous() for field in dataclasses.fields(TokenBatch)},
+              path)
+
+
+def load_tokens(path: str) -> TokenBatch:
+    """The :class:`TokenBatch` :func:`save_tokens` wrote, or a ValueError naming what is missing."""
+    from safetensors.torch import load_file
+
+    stored = load_file(path)
+    names = [field.name for field in dataclasses.fields(TokenBatch)]
+    missing = [name for name in names if name not in stored]
+    if missing:
+        raise ValueError(f"{path} lacks {', '.join(missing)}: not a token file of this version")
+    return TokenBatch(**{name: stored[name] for name in names})
+
+
+def _per_prompt(values: torch.Tensor, mask: torch.Tensor) -> list[float]:
+    counts = mask.sum(-1).clamp_min(1)
+    return ((values * mask).sum(-1) / counts).tolist()
+
+
+def weighted_point(label: str, weights: torch.Tensor, tokens: TokenBatch) -> ClosedFormPoint:
+    """The closed-form point of per-token ``weights`` [N, T] on ``tokens``."""
+    mask = tokens.mask.to(weights.dtype)
+    weights = weights.detach().to(tokens.total_variation.dtype)
+    return ClosedFormPoint(label, _per_prompt(weights, mask),
+                           _per_prompt(1.0 - weights * tokens.total_variation, mask),
+                           _per_prompt((1.0 - weights) * tokens.fidelity_gap, mask))
+
+
+@torch.no_grad()
+def head_point(label: str, head, tokens: TokenBatch) -> ClosedFormPoint:
+    """A head's closed-form point (its weights from the contexts' hidden states and distribution features)."""
+    extra = (tokens.distributions,) if getattr(head, "wants_distributions", False) else ()
+    return weighted_point(label, head(tokens.draft_hidden, tokens.target_hidden, *extra).float(), tokens)
+
+
+def static_point(weight: float, tokens: TokenBatch) -> ClosedFormPoint:
+    label = "sd" if weight == 1.0 else f"static w={weight:g}"
+    return weighted_point(label, torch.full(tokens.mask.shape, float(weight)), tokens)
+
+
+def rule_point(acceptance_coef: float, expected_fidelity_coef: float, tokens: TokenBatch) -> ClosedFormPoint:
+    """The token-by-token minimiser of the closed-form loss: w = 1 where mu (-G) > lambda TV, else 0."""
+    keep_target = expected_fidelity_coef * -tokens.fidelity_gap > acceptance_coef * tokens.total_variation
+    return weighted_point(f"rule lambda={acceptance_coef:g}", keep_target.float(), tokens)
+
+
+def gap_to_static_line(point: ClosedFormPoint, tokens: TokenBatch) -> tuple[float, float]:
+    """(mean, standard error over prompts) of the point's fidelity change minus that of the static ensemble with the
+    same mean acceptance on the same prompts."""
+    sd = static_point(1.0, tokens)
+    mean_tv = ClosedFormPoint.mean([1.0 - value for value in sd.acceptance])
+    static_weight = min(max((1.0 - ClosedFormPoint.mean(point.acceptance)) / max(mean_tv, 1e-12), 0.0), 1.0)
+    static = static_point(static_weight, tokens)
+    return paired_difference(point.fidelity_change, static.fidelity_change)
+
+
+def point_row(point: ClosedFormPoint, tokens: TokenBatch) -> dict:
+    """What the validate table shows of a point."""
+    sd_acceptance = ClosedFormPoint.mean(static_point(1.0, tokens).acceptance)
+    gap, gap_se = gap_to_static_line(point, tokens)
+    acceptance = ClosedFormPoint.mean(point.acceptance)
+    return {"label": point.label, "mean_weight": ClosedFormPoint.mean(point.weight), "acceptance": acceptance,
+            "acceptance_se": standard_error(point.acceptance), "x_sd": acceptance / sd_acceptance,
+            "fidelity_change": ClosedFormPoint.mean(point.fidelity_change), "gap": gap, "gap_se": gap_se}
