@@ -285,19 +285,37 @@ def _check_matches(config: HeadConfig, pair: Optional[dict], draft_hidden: Optio
                                  f"not {pair[role]!r}")
 
 
-DEFAULT_HEAD_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "heads", "smollm2-135m")
+SHIPPED_HEADS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "heads")
+DEFAULT_HEAD_DIR = os.path.join(SHIPPED_HEADS_DIR, "smollm2-135m")
+
+
+def shipped_heads() -> list[str]:
+    """Names of the heads shipped with the package (folders of ``diversed_ext/heads/`` holding a head.json)."""
+    if not os.path.isdir(SHIPPED_HEADS_DIR):
+        return []
+    return sorted(name for name in os.listdir(SHIPPED_HEADS_DIR)
+                  if os.path.isfile(os.path.join(SHIPPED_HEADS_DIR, name, CONFIG_NAME)))
+
+
+def resolve_head_path(path: str) -> str:
+    """The folder a head argument names: an existing path, ``"default"``, or the name of a shipped head."""
+    if path == "default":
+        return DEFAULT_HEAD_DIR
+    if not os.path.exists(path) and path in shipped_heads():
+        return os.path.join(SHIPPED_HEADS_DIR, path)
+    return path
 
 
 def load_head(path: str, *, target=None, draft=None, **checks) -> EnsembleHead:
-    """A saved :class:`EnsembleHead` in eval mode: ``path`` is its folder (or a file inside it), or ``"default"`` for
-    the head shipped with the package for the default SmolLM2-135M pair. Nothing is unpickled.
+    """A saved :class:`EnsembleHead` in eval mode: ``path`` is its folder (or a file inside it), ``"default"`` for
+    the head shipped with the package for the default SmolLM2-135M pair, or the name of another shipped head
+    (:func:`shipped_heads`). Nothing is unpickled.
 
     With ``target`` and ``draft`` given, a head built for other hidden sizes is refused; other ``checks`` go to
     :meth:`EnsembleHead.load`."""
     if target is not None and draft is not None:
         checks.update(draft_hidden=hidden_size(draft), target_hidden=hidden_size(target))
-    if path == "default":
-        path = DEFAULT_HEAD_DIR
+    path = resolve_head_path(path)
     if os.path.isfile(path):
         path = os.path.dirname(path) or "."
     return EnsembleHead.load(path, **checks).eval()

@@ -47,8 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--prompt", required=True, help="the prompt text")
     generate.add_argument("--method", choices=METHODS, default="sd", help="default sd")
     generate.add_argument("--weight", type=_unit_float, help="weight w on the target, for --method static")
-    generate.add_argument("--head", help="head folder for --method diversed ('default': the head shipped for the "
-                                         "default SmolLM2-135M pair)")
+    generate.add_argument("--head", help="head folder for --method diversed, or a shipped head's name ('default': "
+                                         "the default SmolLM2-135M pair's default head)")
     _add_model_arguments(generate)
 
     demo = commands.add_parser("demo", help="compare ar, sd and static ensembles on built-in prompts")

@@ -64,7 +64,8 @@ def add_experiment_commands(commands) -> None:
     evaluate.add_argument("--method", choices=METHODS, nargs="+", default=["sd"], help="one or more (default sd)")
     evaluate.add_argument("--weight", type=_unit_float, nargs="+", default=[0.5],
                           help="w of each static ensemble (default 0.5)")
-    evaluate.add_argument("--head", help="head folder for diversed ('default': the head shipped for SmolLM2-135M)")
+    evaluate.add_argument("--head", help="head folder for diversed, or the name of a head shipped in "
+                          "diversed_ext/heads/ ('default': the default pair's default head)")
     _add_batch_argument(evaluate)
     _add_model_arguments(evaluate)
 
@@ -72,8 +73,8 @@ def add_experiment_commands(commands) -> None:
     _add_task_arguments(pareto)
     pareto.add_argument("--weights", type=_unit_float, nargs="+", default=list(PARETO_WEIGHTS),
                         help=f"static weights (default {' '.join(format(w, 'g') for w in PARETO_WEIGHTS)})")
-    pareto.add_argument("--head", nargs="+", help="one or more head folders, one DIVERSED point each ('default' for "
-                        "the shipped head)")
+    pareto.add_argument("--head", nargs="+", help="one or more head folders or shipped head names, one DIVERSED "
+                        "point each ('default' for the default head)")
     pareto.add_argument("--output-dir", default="runs/pareto",
                         help="where pareto.png, pareto.md and, with heads, head_weights.png and lowest_w_tokens.md go")
     _add_batch_argument(pareto)
@@ -82,7 +83,8 @@ def add_experiment_commands(commands) -> None:
     validate = commands.add_parser("validate", help="heads and coefficients on held-out contexts, in closed form "
                                    "(no decoding per head): acceptance, fidelity, distance above the static line")
     _add_task_arguments(validate)
-    validate.add_argument("--head", nargs="*", default=[], help="head folders to place ('default': the shipped head)")
+    validate.add_argument("--head", nargs="*", default=[],
+                          help="head folders or shipped head names to place ('default': the default head)")
     validate.add_argument("--acceptance-coef", type=_non_negative_float, nargs="*", default=[],
                           help="lambdas whose token-by-token loss minimiser to place (what a perfect head would do)")
     validate.add_argument("--expected-fidelity-coef", type=_non_negative_float, default=1.0,
@@ -98,6 +100,7 @@ def add_experiment_commands(commands) -> None:
 
 def _experiment_setup(args):
     """(task, examples, target, draft, tokenizer, eos) for the experiment commands."""
+    from ..head import resolve_head_path, shipped_heads
     from ..research.tasks import get_task, load_task_examples
 
     if args.threads:
@@ -108,8 +111,9 @@ def _experiment_setup(args):
     except (OSError, ValueError) as error:
         raise UsageError(f"--data: {error}") from None
     for head in _head_paths(args):
-        if head != "default" and not os.path.isdir(head):
-            raise UsageError(f"--head {head}: no such head folder")
+        if not os.path.isdir(resolve_head_path(head)):
+            raise UsageError(f"--head {head}: no such head folder, and no shipped head of that name "
+                             f"({', '.join(shipped_heads())})")
     if getattr(args, "output_dir", None) is not None:
         _require_writable_folder("--output-dir", args.output_dir)
     target, draft, tokenizer = common.load_models(args.target, args.draft)
