@@ -1,10 +1,12 @@
 """One teacher-forced pass of both models over generated sequences: what the trainer needs per generated token.
 
-For a prompt x and a completion y_1..y_T, both models read x + y once (no cache, no sampling). At the position that
-predicts y_t this gives the last hidden states h_draft_t and h_target_t (the head's inputs, exactly those it saw
-while decoding) and the logits, from which :func:`diversed_ext.token_stats` takes p_t(y_t), q_t(y_t), their log
-probabilities and TV(p_t, q_t) in one pass over the vocabulary, without materialising probabilities; :func:`fidelity_gap` the expected-fidelity term's G_t = E_q[log p] - E_p[log p] (chunked, so small
-temporaries); and :func:`~diversed_ext.head.distribution_features` what a head that reads them sees at each position.
+For a prompt x and a completion y_1..y_T, both models read x + y once (no sampling), through the same runner the
+decoding loop uses for them. At the position that predicts y_t this gives the last hidden states h_draft_t and
+h_target_t (the head's inputs, those it sees while decoding) and the logits, from which :func:`diversed_ext.token_stats`
+takes p_t(y_t), q_t(y_t), their log probabilities and TV(p_t, q_t) in one pass over the vocabulary without
+materialising probabilities; :func:`fidelity_gap` the expected-fidelity term's G_t = E_q[log p] - E_p[log p]
+(chunked, so small temporaries); and :func:`~diversed_ext.head.distribution_features` what a head that reads them sees
+at each position.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Sequence
 import torch
 
 from ..head import DISTRIBUTION_FEATURES, distribution_features
+from ..decoding.runners import make_runner, model_device
 from ..ops import distribution_temperature, token_stats
 
 
@@ -48,15 +51,30 @@ def fidelity_gap(draft_logits: torch.Tensor, target_logits: torch.Tensor, temper
     return torch.cat(gaps, dim=-1) if gaps else target_logits.new_zeros(target_logits.shape[:-1], dtype=torch.float32)
 
 
-def _last_hidden_and_logits(model, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    output = model(input_ids=input_ids, output_hidden_states=True, use_cache=False)
-    return output.hidden_states[-1], output.logits
+SEQUENCES_PER_PASS = 8  # sequences per forward call: their [tokens, V] logits stay a few hundred MB
+
+
+def _completion_outputs(model, prompts: Sequence[list[int]], completions: Sequence[list[int]]):
+    """(hidden [T_n, H], logits [T_n, V]) at the positions that predicted each token of every completion, through the
+    runner the decoding loop uses for this model. On the lean Llama forward several sequences share one call, and an
+    int8 draft quantises each sequence's rows as it does while decoding, so the head trains on the very hidden states
+    and distributions it sees when it runs."""
+    runner = make_runner(model, model_device(model), fast_forward=True)
+    outputs = []
+    for start in range(0, len(prompts), SEQUENCES_PER_PASS):
+        chunk = range(start, min(start + SEQUENCES_PER_PASS, len(prompts)))
+        lengths = [len(completions[index]) for index in chunk]
+        feeds = [prompts[index] + completions[index][:-1] for index in chunk]
+        logits, hidden, _ = runner.run_rows(feeds, [None] * len(feeds), lengths, True)
+        outputs += zip(hidden.float().split(lengths), logits.float().split(lengths))
+    return outputs
 
 
 @torch.no_grad()
 def teacher_forced_tokens(target, draft, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
                           temperature: float = 1.0) -> TokenBatch:
-    """Hidden states and token statistics for every completion token (one forward pass per model and sequence).
+    """Hidden states and token statistics for every completion token (one forward pass of each model over every
+    sequence).
 
     Args:
         target, draft: Hugging Face causal LMs sharing a tokenizer.
@@ -66,34 +84,29 @@ def teacher_forced_tokens(target, draft, prompts: Sequence[Sequence[int]], compl
     """
     if len(prompts) != len(completions):
         raise ValueError(f"prompts ({len(prompts)}) and completions ({len(completions)}) must pair up")
-    device = next(target.parameters()).device
+    if any(len(prompt) == 0 for prompt in prompts):
+        raise ValueError("every prompt needs at least one token")
     longest = max([len(completion) for completion in completions] + [1])
-    rows = []
-    for prompt, completion in zip(prompts, completions):
-        if len(prompt) == 0:
-            raise ValueError("every prompt needs at least one token")
-        rows.append(_sequence_tokens(target, draft, list(prompt), list(completion), temperature, device))
+    filled = [index for index, completion in enumerate(completions) if completion]
+    pairs = [[list(prompts[index]) for index in filled], [list(completions[index]) for index in filled]]
+    target_outputs = _completion_outputs(target, *pairs)
+    draft_outputs = _completion_outputs(draft, *pairs)
+    rows = [_empty_row(target, draft) for _ in completions]
+    for index, (target_hidden, target_logits), (draft_hidden, draft_logits) in zip(filled, target_outputs,
+                                                                                  draft_outputs):
+        rows[index] = _sequence_tokens(completions[index], target_hidden, target_logits,
+                                       draft_hidden, draft_logits.to(target_logits.device), temperature)
     return TokenBatch(*(_pad_stack([row[field] for row in rows], longest) for field in range(8)))
 
 
-def _sequence_tokens(target, draft, prompt: list[int], completion: list[int], temperature: float,
-                     device: torch.device) -> tuple:
-    length = len(completion)
-    if length == 0:
-        return _empty_row(target, draft)
-    input_ids = torch.tensor([prompt + completion[:-1]], device=device)
-    target_hidden, target_logits = _last_hidden_and_logits(target, input_ids)
-    draft_hidden, draft_logits = _last_hidden_and_logits(draft, input_ids.to(next(draft.parameters()).device))
-    positions = slice(len(prompt) - 1, len(prompt) - 1 + length)
-    target_logits = target_logits[:, positions].float()
-    draft_logits = draft_logits[:, positions].float().to(target_logits.device)
-    tokens = torch.tensor([completion], device=target_logits.device)
-    stats = token_stats(draft_logits.contiguous(), target_logits.contiguous(), tokens, from_logits=True,
-                        temperature=distribution_temperature(temperature), check_inputs=False)
-    return (draft_hidden[0, positions].float(), target_hidden[0, positions].float(), stats.target_logprob[0],
-            stats.draft_logprob[0], stats.total_variation[0], torch.ones(length, dtype=torch.bool),
-            fidelity_gap(draft_logits[0], target_logits[0], temperature),
-            distribution_features(draft_logits[0], target_logits[0], temperature))
+def _sequence_tokens(completion: Sequence[int], target_hidden, target_logits, draft_hidden, draft_logits,
+                     temperature: float) -> tuple:
+    tokens = torch.tensor([list(completion)], device=target_logits.device)
+    stats = token_stats(draft_logits.unsqueeze(0).contiguous(), target_logits.unsqueeze(0).contiguous(), tokens,
+                        from_logits=True, temperature=distribution_temperature(temperature), check_inputs=False)
+    return (draft_hidden, target_hidden, stats.target_logprob[0], stats.draft_logprob[0], stats.total_variation[0],
+            torch.ones(len(completion), dtype=torch.bool), fidelity_gap(draft_logits, target_logits, temperature),
+            distribution_features(draft_logits, target_logits, temperature))
 
 
 def _empty_row(target, draft) -> tuple:
