@@ -117,3 +117,34 @@ def test_bad_arguments():
         diversed_objective(weights, log_p, log_q, tv, rewards, mask, 0.1, tv[:, :2], expected_fidelity_coef=1.0)
     with pytest.raises(ValueError, match="rewards must be 1-D"):
         normalized_advantages(torch.ones(2, 2))
+
+
+def test_logistic_surrogate_has_the_linear_minimiser_and_live_gradients():
+    generator = torch.Generator().manual_seed(5)
+    total_variation = torch.rand(3, 8, generator=generator, dtype=torch.float64)
+    gap = -3 * torch.rand(3, 8, generator=generator, dtype=torch.float64)
+    mask = torch.ones(3, 8, dtype=torch.bool)
+    zeros, rewards = torch.zeros(3, 8, dtype=torch.float64), torch.zeros(3, dtype=torch.float64)
+    slope = 2.0 * total_variation + gap
+    # A head saturated on the wrong side of every token: the linear terms' gradient has all but vanished there ...
+    logits = torch.where(slope < 0, -12.0, 12.0).to(torch.float64).requires_grad_(True)
+
+    def gradient(closed_form):
+        logits.grad = None
+        weights = torch.sigmoid(logits)
+        diversed_objective(weights, zeros, zeros, total_variation, rewards, mask, 2.0, gap, 1.0,
+                           closed_form=closed_form).loss.backward()
+        return logits.grad.clone()
+
+    assert gradient("linear").abs().max() < 1e-4
+    surrogate = gradient("logistic")  # ... the surrogate's is |c| (w - y): it points every token the right way
+    torch.testing.assert_close(surrogate, slope.abs() * (torch.sigmoid(logits.detach()) - (slope < 0).double()) / 3)
+    assert torch.all(torch.sign(surrogate) == torch.sign(slope))
+    # Its minimiser is the linear one: w = 1 exactly where lambda TV + mu G < 0.
+    best = torch.where(slope < 0, 1.0 - 1e-6, 1e-6).to(torch.float64)
+    values = [diversed_objective(candidate, zeros, zeros, total_variation, rewards, mask, 2.0, gap, 1.0,
+                                 closed_form="logistic").loss.item()
+              for candidate in (best, torch.full_like(best, 0.5), 1.0 - best)]
+    assert values[0] < values[1] < values[2]
+    with pytest.raises(ValueError, match="closed_form"):
+        diversed_objective(best, zeros, zeros, total_variation, rewards, mask, closed_form="square")

@@ -43,6 +43,10 @@ def add_experiment_commands(commands) -> None:
                        help="weight of the fidelity (mean target log-prob per token) in the reward (default 1)")
     train.add_argument("--expected-fidelity-coef", type=_non_negative_float, default=0.0,
                        help="mu of the closed-form expected next-token fidelity term of the loss (default 0: off)")
+    train.add_argument("--closed-form", choices=("linear", "logistic"), default="linear",
+                       help="the acceptance and expected-fidelity terms as written (linear, default), or their "
+                       "logistic surrogate: the same per-token optimum, gradients that do not vanish where a "
+                       "saturated head is wrong")
     train.add_argument("--epochs", type=_positive_int, default=1,
                        help="optimiser updates per batch of rollouts (default 1)")
     train.add_argument("--head-hidden", type=_positive_int, help="hidden width of the head (default: linear head)")
@@ -153,7 +157,8 @@ def _run_train(args) -> int:
     config = TrainerConfig(output_dir=args.output_dir, steps=args.steps, batch_size=args.batch_size,
                            learning_rate=args.lr, warmup_steps=args.warmup_steps,
                            acceptance_coef=args.acceptance_coef, fidelity_coef=args.fidelity_coef,
-                           expected_fidelity_coef=args.expected_fidelity_coef, epochs=args.epochs,
+                           expected_fidelity_coef=args.expected_fidelity_coef, closed_form=args.closed_form,
+                           epochs=args.epochs,
                            temperature=args.temperature, seed=args.seed, checkpoint_every=args.checkpoint_every)
     # Under torchrun every rank joins the job here; train() releases DDP before the group is destroyed.
     with distributed_session():

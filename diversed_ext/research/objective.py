@@ -20,6 +20,15 @@ Drawing token t from nu_t = w_t p_t + (1 - w_t) q_t rather than from p_t changes
 by exactly (1 - w_t) G_t, so this term is the fidelity reward's next-token part in closed form: no sampling variance,
 at the price of ignoring how w_t shapes the later context. G_t < 0 where mixing in the draft costs fidelity, so the
 term pushes w_t up there, against the acceptance regulariser; the balance of mu and lambda sets the operating point.
+
+The acceptance and expected-fidelity terms are linear in w_t, with slope c_t = lambda TV_t + mu G_t per token: their
+minimiser is w_t = 1 where c_t < 0 and 0 elsewhere, and through a sigmoid head their gradient c_t w_t (1 - w_t)
+vanishes once w_t saturates, on the wrong side too. ``closed_form="logistic"`` replaces the two terms by the surrogate
+
+    (1/N) sum_n sum_t |c_t| * BCE(w_t, 1[c_t < 0])
+
+with the same token-by-token minimiser, whose gradient |c_t| (w_t - 1[c_t < 0]) in the head's logit does not vanish
+where the head is wrong. (The logged acceptance and expected-fidelity terms stay the linear ones.)
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ from typing import Optional
 import torch
 
 ADVANTAGE_EPSILON = 1e-6
+CLOSED_FORMS = ("linear", "logistic")
 WEIGHT_CLAMP = 1e-6  # keeps log w and log(1 - w) finite at the ends of (0, 1)
 
 
@@ -66,7 +76,7 @@ class ObjectiveTerms:
 def diversed_objective(weights: torch.Tensor, target_logprob: torch.Tensor, draft_logprob: torch.Tensor,
                        total_variation: torch.Tensor, rewards: torch.Tensor, mask: Optional[torch.Tensor] = None,
                        acceptance_coef: float = 0.1, fidelity_gap: Optional[torch.Tensor] = None,
-                       expected_fidelity_coef: float = 0.0) -> ObjectiveTerms:
+                       expected_fidelity_coef: float = 0.0, closed_form: str = "linear") -> ObjectiveTerms:
     """The DIVERSED loss for a batch of N generated sequences of up to T tokens.
 
     Args:
@@ -79,7 +89,10 @@ def diversed_objective(weights: torch.Tensor, target_logprob: torch.Tensor, draf
         fidelity_gap: [N, T] G_t (see the module docstring; :func:`diversed_ext.teacher_forcing.fidelity_gap`),
             needed when ``expected_fidelity_coef`` > 0.
         expected_fidelity_coef: mu >= 0, the weight of the expected-fidelity term.
+        closed_form: ``"linear"`` (the two terms as written) or ``"logistic"`` (their surrogate; module docstring).
     """
+    if closed_form not in CLOSED_FORMS:
+        raise ValueError(f"closed_form must be one of {', '.join(CLOSED_FORMS)}, got {closed_form!r}")
     if acceptance_coef < 0:
         raise ValueError(f"acceptance_coef must be >= 0 (it rewards acceptance), got {acceptance_coef}")
     if expected_fidelity_coef < 0:
@@ -110,9 +123,13 @@ def diversed_objective(weights: torch.Tensor, target_logprob: torch.Tensor, draf
     if expected_fidelity_coef > 0:
         fidelity_change = torch.where(mask, (1.0 - weights) * fidelity_gap.to(weights.dtype), torch.zeros_like(weights))
         expected_fidelity_term = -expected_fidelity_coef * fidelity_change.sum() / num_sequences
+    closed_form_loss = acceptance_term + expected_fidelity_term
+    if closed_form == "logistic":
+        closed_form_loss = _logistic_surrogate(weights, total_variation, fidelity_gap, mask, acceptance_coef,
+                                               expected_fidelity_coef)
     num_tokens = mask.sum().clamp_min(1)
     return ObjectiveTerms(
-        loss=policy_term + acceptance_term + expected_fidelity_term,
+        loss=policy_term + closed_form_loss,
         policy_term=policy_term.detach(),
         acceptance_term=acceptance_term.detach(),
         expected_fidelity_term=expected_fidelity_term.detach(),
@@ -120,3 +137,16 @@ def diversed_objective(weights: torch.Tensor, target_logprob: torch.Tensor, draf
         expected_acceptance=(acceptance.sum() / num_tokens).detach(),
         advantages=advantages.detach(),
     )
+
+
+def _logistic_surrogate(weights, total_variation, fidelity_gap, mask, acceptance_coef: float,
+                        expected_fidelity_coef: float) -> torch.Tensor:
+    """(1/N) sum |c_t| BCE(w_t, 1[c_t < 0]) with c_t = lambda TV_t + mu G_t (see the module docstring)."""
+    slope = acceptance_coef * total_variation.to(weights.dtype)
+    if expected_fidelity_coef > 0:
+        slope = slope + expected_fidelity_coef * fidelity_gap.to(weights.dtype)
+    keep_target = (slope < 0).to(weights.dtype)
+    clamped = weights.clamp(WEIGHT_CLAMP, 1.0 - WEIGHT_CLAMP)
+    cross_entropy = -(keep_target * clamped.log() + (1.0 - keep_target) * torch.log1p(-clamped))
+    per_token = torch.where(mask, slope.abs() * cross_entropy, torch.zeros_like(weights))
+    return per_token.sum() / weights.shape[0]

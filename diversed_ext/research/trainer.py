@@ -34,7 +34,7 @@ from tqdm import tqdm
 from ..head import EnsembleHead
 from .checkpoints import (CHECKPOINT_NAME, LOG_NAME, CheckpointError, TrainingLog, load_checkpoint,
                           save_checkpoint)
-from .objective import diversed_objective
+from .objective import CLOSED_FORMS, diversed_objective
 from .report import plot_training_curve
 from .rollouts import Rollout
 from .teacher_forcing import teacher_forced_tokens
@@ -59,6 +59,7 @@ class TrainerConfig:
     acceptance_coef: float = 0.05
     fidelity_coef: float = 0.0
     expected_fidelity_coef: float = 0.0  # mu of the closed-form next-token fidelity term (objective.py)
+    closed_form: str = "linear"  # "logistic": the surrogate of the closed-form terms (objective.py)
     epochs: int = 1  # optimiser updates per batch of rollouts (see Trainer)
     temperature: float = 1.0
     seed: int = 0
@@ -75,6 +76,8 @@ class TrainerConfig:
                      "temperature"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.closed_form not in CLOSED_FORMS:
+            raise ValueError(f"closed_form must be one of {', '.join(CLOSED_FORMS)}, got {self.closed_form!r}")
 
 
 def _head_extras(head, tokens) -> tuple:
@@ -244,7 +247,8 @@ class Trainer:
             weights = self.model(tokens.draft_hidden, tokens.target_hidden, *_head_extras(self.head, tokens))
             terms = diversed_objective(weights, tokens.target_logprob, tokens.draft_logprob, tokens.total_variation,
                                        rewards.to(weights.dtype), tokens.mask, self.config.acceptance_coef,
-                                       tokens.fidelity_gap, self.config.expected_fidelity_coef)
+                                       tokens.fidelity_gap, self.config.expected_fidelity_coef,
+                                       self.config.closed_form)
             self.optimizer.zero_grad(set_to_none=True)
             terms.loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(self.head.parameters(), self.config.grad_clip)
