@@ -70,6 +70,12 @@ def distribution_features(draft_logits: torch.Tensor, target_logits: torch.Tenso
     return features.clamp(0.0, 1.0).reshape(*target_logits.shape[:-1], len(DISTRIBUTION_FEATURES))
 
 
+def wants_distributions(head) -> bool:
+    """Whether ``head`` (an :class:`EnsembleHead` or any callable) takes the :func:`distribution_features` of each
+    position as its third input; a plain callable takes the two hidden states only."""
+    return bool(getattr(head, "wants_distributions", False))
+
+
 @dataclass
 class HeadConfig:
     """What a saved head needs to be rebuilt and checked against a model pair."""

@@ -29,6 +29,7 @@ def add_experiment_commands(commands) -> None:
     """The train, eval and pareto sub-commands (see :mod:`diversed_ext.research`)."""
     from ..head import HEAD_INPUTS
     from ..research.harness import PARETO_WEIGHTS
+    from ..research.objective import CLOSED_FORMS
 
     train = commands.add_parser("train", help="train an ensemble head with RL on a task")
     _add_task_arguments(train)
@@ -43,7 +44,7 @@ def add_experiment_commands(commands) -> None:
                        help="weight of the fidelity (mean target log-prob per token) in the reward (default 1)")
     train.add_argument("--expected-fidelity-coef", type=_non_negative_float, default=0.0,
                        help="mu of the closed-form expected next-token fidelity term of the loss (default 0: off)")
-    train.add_argument("--closed-form", choices=("linear", "logistic"), default="linear",
+    train.add_argument("--closed-form", choices=CLOSED_FORMS, default="linear",
                        help="the acceptance and expected-fidelity terms as written (linear, default), or their "
                        "logistic surrogate: the same per-token optimum, gradients that do not vanish where a "
                        "saturated head is wrong")

@@ -22,7 +22,7 @@ from typing import Optional, Union
 
 import torch
 
-from ..head import distribution_features
+from ..head import distribution_features, wants_distributions
 from ..ops import is_greedy_temperature, philox_uniforms, verify_logits
 from .runners import crop_cache
 from .state import DecodingState, commit_tokens
@@ -176,7 +176,7 @@ def _weights(decoder, drafts: _Drafts, target_hidden, target_logits: torch.Tenso
     slots = drafts.flat_slots()
     order = sorted(range(len(slots)), key=slots.__getitem__)  # draft passes go position by position, the head row by row
     distributions = None
-    if getattr(decoder.head, "wants_distributions", False):
+    if wants_distributions(decoder.head):
         # The target's logits at each drafted position, in the head's row-by-row order.
         target_rows = [row * target_logits.shape[1] + position for row, position in sorted(drafts.slots)]
         draft_logits = torch.cat(drafts.logits)[order]

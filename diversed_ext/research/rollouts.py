@@ -12,7 +12,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from ..decoding import SpeculativeDecoder
-from ..head import EnsembleHead, distribution_features
+from ..head import EnsembleHead, distribution_features, wants_distributions
 from ..ops import distribution_temperature, is_greedy_temperature
 
 # (prompts' token ids, one rollout seed per prompt) -> one completion's token ids per prompt
@@ -55,7 +55,7 @@ def mixture_rollout(target, draft, head: EnsembleHead, *, max_new_tokens: int, t
             target_hidden, target_logits = _last_position(target, input_ids)
             draft_hidden, draft_logits = _last_position(draft, input_ids)
             extra = ()
-            if getattr(head, "wants_distributions", False):
+            if wants_distributions(head):
                 extra = (distribution_features(draft_logits, target_logits, temperature),)
             weight = head(draft_hidden, target_hidden, *extra)
             scale = distribution_temperature(temperature)

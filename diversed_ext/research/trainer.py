@@ -31,7 +31,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from tqdm import tqdm
 
-from ..head import EnsembleHead
+from ..head import EnsembleHead, wants_distributions
 from .checkpoints import (CHECKPOINT_NAME, LOG_NAME, CheckpointError, TrainingLog, load_checkpoint,
                           save_checkpoint)
 from .objective import CLOSED_FORMS, diversed_objective
@@ -78,11 +78,6 @@ class TrainerConfig:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.closed_form not in CLOSED_FORMS:
             raise ValueError(f"closed_form must be one of {', '.join(CLOSED_FORMS)}, got {self.closed_form!r}")
-
-
-def _head_extras(head, tokens) -> tuple:
-    """The distribution features for a head that reads them; nothing for one that does not (or a plain callable)."""
-    return (tokens.distributions,) if getattr(head, "wants_distributions", False) else ()
 
 
 def warmup_cosine(step: int, warmup_steps: int, total_steps: int) -> float:
@@ -244,7 +239,8 @@ class Trainer:
         self.head.train()
         first = None  # the terms before this step's first update: they describe the policy that rolled out
         for _ in range(self.config.epochs):
-            weights = self.model(tokens.draft_hidden, tokens.target_hidden, *_head_extras(self.head, tokens))
+            extra = (tokens.distributions,) if wants_distributions(self.head) else ()
+            weights = self.model(tokens.draft_hidden, tokens.target_hidden, *extra)
             terms = diversed_objective(weights, tokens.target_logprob, tokens.draft_logprob, tokens.total_variation,
                                        rewards.to(weights.dtype), tokens.mask, self.config.acceptance_coef,
                                        tokens.fidelity_gap, self.config.expected_fidelity_coef,

@@ -24,7 +24,8 @@ from typing import Optional, Sequence
 import torch
 
 from ..decoding import SpeculativeDecoder
-from .report import paired_difference, standard_error
+from ..head import wants_distributions
+from .report import _mean, paired_difference, standard_error
 from .teacher_forcing import TokenBatch, teacher_forced_tokens
 
 
@@ -36,10 +37,6 @@ class ClosedFormPoint:
     weight: list[float]
     acceptance: list[float]
     fidelity_change: list[float]
-
-    @staticmethod
-    def mean(values: Sequence[float]) -> float:
-        return sum(values) / len(values)
 
 
 def sample_validation_tokens(target, draft, prompts: Sequence[Sequence[int]], *, weight: float = 0.5,
@@ -92,7 +89,7 @@ def weighted_point(label: str, weights: torch.Tensor, tokens: TokenBatch) -> Clo
 @torch.no_grad()
 def head_point(label: str, head, tokens: TokenBatch) -> ClosedFormPoint:
     """A head's closed-form point (its weights from the contexts' hidden states and distribution features)."""
-    extra = (tokens.distributions,) if getattr(head, "wants_distributions", False) else ()
+    extra = (tokens.distributions,) if wants_distributions(head) else ()
     return weighted_point(label, head(tokens.draft_hidden, tokens.target_hidden, *extra).float(), tokens)
 
 
@@ -107,21 +104,25 @@ def rule_point(acceptance_coef: float, expected_fidelity_coef: float, tokens: To
     return weighted_point(f"rule lambda={acceptance_coef:g}", keep_target.float(), tokens)
 
 
+def _mean_total_variation(tokens: TokenBatch) -> float:
+    """Mean over prompts of each prompt's mean TV: 1 minus sd's closed-form acceptance."""
+    return _mean(_per_prompt(tokens.total_variation, tokens.mask.to(tokens.total_variation.dtype)))
+
+
 def gap_to_static_line(point: ClosedFormPoint, tokens: TokenBatch) -> tuple[float, float]:
     """(mean, standard error over prompts) of the point's fidelity change minus that of the static ensemble with the
     same mean acceptance on the same prompts."""
-    sd = static_point(1.0, tokens)
-    mean_tv = ClosedFormPoint.mean([1.0 - value for value in sd.acceptance])
-    static_weight = min(max((1.0 - ClosedFormPoint.mean(point.acceptance)) / max(mean_tv, 1e-12), 0.0), 1.0)
+    mean_tv = _mean_total_variation(tokens)
+    static_weight = min(max((1.0 - _mean(point.acceptance)) / max(mean_tv, 1e-12), 0.0), 1.0)
     static = static_point(static_weight, tokens)
     return paired_difference(point.fidelity_change, static.fidelity_change)
 
 
 def point_row(point: ClosedFormPoint, tokens: TokenBatch) -> dict:
     """What the validate table shows of a point."""
-    sd_acceptance = ClosedFormPoint.mean(static_point(1.0, tokens).acceptance)
+    sd_acceptance = 1.0 - _mean_total_variation(tokens)  # w = 1 everywhere
     gap, gap_se = gap_to_static_line(point, tokens)
-    acceptance = ClosedFormPoint.mean(point.acceptance)
-    return {"label": point.label, "mean_weight": ClosedFormPoint.mean(point.weight), "acceptance": acceptance,
+    acceptance = _mean(point.acceptance)
+    return {"label": point.label, "mean_weight": _mean(point.weight), "acceptance": acceptance,
             "acceptance_se": standard_error(point.acceptance), "x_sd": acceptance / sd_acceptance,
-            "fidelity_change": ClosedFormPoint.mean(point.fidelity_change), "gap": gap, "gap_se": gap_se}
+            "fidelity_change": _mean(point.fidelity_change), "gap": gap, "gap_se": gap_se}
