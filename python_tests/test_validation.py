@@ -97,3 +97,6 @@ def test_cli_validate_end_to_end(pair, tmp_path, monkeypatch, capsys):  # noqa: 
     assert capsys.readouterr().out == first
     assert cli.main(["validate", "--data", str(data), "--skip", "9"]) == 2
     assert "--skip" in capsys.readouterr().err
+    tokens.write_bytes(b"not a safetensors file")  # a damaged token file: one line naming it, exit status 2
+    assert cli.main(argv) == 2
+    assert f"--tokens {tokens}" in capsys.readouterr().err

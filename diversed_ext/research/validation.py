@@ -61,10 +61,14 @@ def save_tokens(tokens: TokenBatch, path: str) -> None:
 
 
 def load_tokens(path: str) -> TokenBatch:
-    """The :class:`TokenBatch` :func:`save_tokens` wrote, or a ValueError naming what is missing."""
+    """The :class:`TokenBatch` :func:`save_tokens` wrote, or a ValueError naming the file and what is wrong."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    stored = load_file(path)
+    try:
+        stored = load_file(path)
+    except (SafetensorError, OSError, RuntimeError) as error:
+        raise ValueError(f"{path} is not a readable safetensors file ({error})") from None
     names = [field.name for field in dataclasses.fields(TokenBatch)]
     missing = [name for name in names if name not in stored]
     if missing:
