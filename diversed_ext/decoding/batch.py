@@ -87,9 +87,10 @@ def run_round(decoder, states: list[DecodingState]) -> list[RoundStats]:
     target_start = clock()
     target_logits, target_hidden = _run_target(decoder, states, drafts.tokens)
     target_end = clock()
-    weight = _weights(decoder, drafts, target_hidden, target_logits)
+    draft_logits, target_logits = _shared_vocab_logits(drafts, target_logits)
+    weight = _weights(decoder, drafts, target_hidden, draft_logits, target_logits)
     head_end = clock()
-    result = _verify(decoder, states, drafts, target_logits, weight)
+    result = _verify(decoder, states, drafts, draft_logits, target_logits, weight)
     verify_end = clock()
 
     accepted = result.num_accepted.tolist()
@@ -169,20 +170,41 @@ def _run_target(decoder, states: list[DecodingState], draft_tokens: list[list[in
     return padded, hidden[drafted_rows] if want_hidden else None
 
 
-def _weights(decoder, drafts: _Drafts, target_hidden, target_logits: torch.Tensor) -> Union[float, torch.Tensor]:
-    """The static weight, or the head's weight for every drafted token, padded to [B, K] with 1."""
+def _shared_vocab_logits(drafts: _Drafts, target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both models' logits over the ids they share, in one dtype the verifier reads: the drafts [B, K, V'] (zero past
+    each row's k_r) and the target's [B, K + 1, V']. The head's features and the verifier read these same tensors."""
+    rows, width = target_logits.shape[0], target_logits.shape[1] - 1
+    vocab = target_logits.shape[-1]
+    if drafts.logits:
+        # Pairs whose LM heads are padded to different widths share the first min(V) ids.
+        vocab = min(vocab, drafts.logits[0].shape[-1])
+        draft_logits = _padded(torch.cat(drafts.logits)[:, :vocab], drafts.flat_slots(), (rows, width, vocab))
+    else:
+        draft_logits = target_logits.new_zeros(rows, 0, vocab)
+    target_logits = target_logits[..., :vocab]
+    # The verifier reads float32, bfloat16 or float16 and both in one dtype: a bfloat16 target next to a float32 int8
+    # draft, or a float64 model, is verified in float32.
+    if draft_logits.dtype != target_logits.dtype or target_logits.dtype == torch.float64:
+        draft_logits, target_logits = draft_logits.float(), target_logits.float()
+    return draft_logits, target_logits
+
+
+def _weights(decoder, drafts: _Drafts, target_hidden, draft_logits: torch.Tensor,
+             target_logits: torch.Tensor) -> Union[float, torch.Tensor]:
+    """The static weight, or the head's weight for every drafted token, padded to [B, K] with 1. ``draft_logits``
+    [B, K, V] and ``target_logits`` [B, K + 1, V] come from :func:`_shared_vocab_logits`."""
     if decoder.head is None or not drafts.slots:
         return decoder.weight
     slots = drafts.flat_slots()
     order = sorted(range(len(slots)), key=slots.__getitem__)  # draft passes go position by position, the head row by row
     distributions = None
     if wants_distributions(decoder.head):
-        # The target's logits at each drafted position, in the head's row-by-row order.
-        target_rows = [row * target_logits.shape[1] + position for row, position in sorted(drafts.slots)]
-        draft_logits = torch.cat(drafts.logits)[order]
-        vocab = min(draft_logits.shape[-1], target_logits.shape[-1])
-        distributions = distribution_features(
-            draft_logits[:, :vocab], target_logits.flatten(0, 1)[target_rows, :vocab], decoder.temperature)
+        # Both models' logits at each drafted position, in the head's row-by-row order.
+        drafted = sorted(drafts.slots)
+        draft_rows = [row * draft_logits.shape[1] + position for row, position in drafted]
+        target_rows = [row * target_logits.shape[1] + position for row, position in drafted]
+        distributions = distribution_features(draft_logits.flatten(0, 1)[draft_rows],
+                                              target_logits.flatten(0, 1)[target_rows], decoder.temperature)
     weight = head_weights(decoder.head, torch.cat(drafts.hidden)[order], target_hidden, decoder.device, distributions)
     return _padded(weight.reshape(-1), sorted(slots), (len(drafts.tokens), drafts.width), fill=1.0)
 
@@ -201,28 +223,16 @@ def head_weights(head, draft_hidden: torch.Tensor, target_hidden: torch.Tensor, 
     return weight.reshape(1, num_drafted)
 
 
-def _verify(decoder, states: list[DecodingState], drafts: _Drafts, target_logits: torch.Tensor, weight):
+def _verify(decoder, states: list[DecodingState], drafts: _Drafts, draft_logits: torch.Tensor,
+            target_logits: torch.Tensor, weight):
     """One verify call for the whole batch, straight from both models' logits (no [B, K, V] probabilities)."""
-    rows, width = len(states), target_logits.shape[1] - 1
-    num_draft = [len(tokens) for tokens in drafts.tokens]
-    vocab = target_logits.shape[-1]
-    if drafts.logits:
-        # Pairs whose LM heads are padded to different widths share the first min(V) ids.
-        vocab = min(vocab, drafts.logits[0].shape[-1])
-        draft_logits = _padded(torch.cat(drafts.logits)[:, :vocab], drafts.flat_slots(), (rows, width, vocab))
-    else:
-        draft_logits = target_logits.new_zeros(rows, 0, vocab)
-    target_logits = target_logits[..., :vocab]
-    # The verifier reads float32, bfloat16 or float16 and both in one dtype: a bfloat16 target next to a float32 int8
-    # draft, or a float64 model, is verified in float32.
-    if draft_logits.dtype != target_logits.dtype or target_logits.dtype == torch.float64:
-        draft_logits, target_logits = draft_logits.float(), target_logits.float()
+    rows, width = len(states), draft_logits.shape[1]
     device = target_logits.device
     draft_tokens = torch.tensor([tokens + [0] * (width - len(tokens)) for tokens in drafts.tokens],
                                 dtype=torch.int64, device=device).reshape(rows, width)
-    num_draft_t = torch.tensor(num_draft, dtype=torch.int64, device=device)
+    num_draft = torch.tensor([len(tokens) for tokens in drafts.tokens], dtype=torch.int64, device=device)
     return verify_logits(draft_tokens, draft_logits, target_logits, weight, temperature=decoder.temperature,
-                         num_draft=num_draft_t, uniforms=row_uniforms(states, num_draft_t, width, device),
+                         num_draft=num_draft, uniforms=row_uniforms(states, num_draft, width, device),
                          check_inputs=decoder.check_inputs)
 
 
