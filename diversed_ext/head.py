@@ -292,7 +292,10 @@ def _check_matches(config: HeadConfig, pair: Optional[dict], draft_hidden: Optio
 
 
 SHIPPED_HEADS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "heads")
-DEFAULT_HEAD_DIR = os.path.join(SHIPPED_HEADS_DIR, "smollm2-135m")
+# The head `--head default` and the demo load: one of the trained family, the one chosen on GSM8K test (see the
+# README's "Trained heads").
+DEFAULT_HEAD_NAME = "smollm2-135m-lambda4"
+DEFAULT_HEAD_DIR = os.path.join(SHIPPED_HEADS_DIR, DEFAULT_HEAD_NAME)
 
 
 def shipped_heads() -> list[str]:

@@ -13,7 +13,8 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from diversed_ext import cli  # noqa: E402
 from diversed_ext.research import harness, recipes, report  # noqa: E402
-from diversed_ext.head import DEFAULT_HEAD_DIR, EnsembleHead, load_head  # noqa: E402
+from diversed_ext.head import (DEFAULT_HEAD_DIR, DISTRIBUTION_FEATURES, EnsembleHead, load_head,  # noqa: E402
+                               wants_distributions)
 from diversed_ext.research.tasks import TASKS  # noqa: E402
 
 VOCAB = 32
@@ -197,10 +198,11 @@ def test_cli_train_eval_pareto_end_to_end(pair, tmp_path, monkeypatch, capsys):
 
 
 @pytest.mark.skipif(not os.path.isfile(os.path.join(DEFAULT_HEAD_DIR, "head.safetensors")),
-                    reason="no trained head shipped in diversed_ext/heads/smollm2-135m")
+                    reason="no trained head shipped as the default head")
 def test_shipped_head_loads_for_the_default_pair():
     head = load_head("default", draft_hidden=576, target_hidden=576)
-    weights = head(torch.zeros(1, 2, 576), torch.randn(1, 2, 576))
+    features = (torch.rand(1, 2, len(DISTRIBUTION_FEATURES)),) if wants_distributions(head) else ()
+    weights = head(torch.zeros(1, 2, 576), torch.randn(1, 2, 576), *features)
     assert weights.shape == (1, 2) and bool(((weights > 0) & (weights < 1)).all())
 
 

@@ -82,11 +82,11 @@ def test_load_missing_directory(tmp_path):
 
 
 def test_shipped_heads_load_by_name():
-    from diversed_ext.head import DEFAULT_HEAD_DIR, load_head, resolve_head_path, shipped_heads
+    from diversed_ext.head import DEFAULT_HEAD_DIR, DEFAULT_HEAD_NAME, load_head, resolve_head_path, shipped_heads
 
     names = shipped_heads()
-    assert "smollm2-135m" in names
-    assert resolve_head_path("default") == DEFAULT_HEAD_DIR == resolve_head_path("smollm2-135m")
+    assert DEFAULT_HEAD_NAME in names
+    assert resolve_head_path("default") == DEFAULT_HEAD_DIR == resolve_head_path(DEFAULT_HEAD_NAME)
     assert resolve_head_path("no-such-head") == "no-such-head"  # left for the loader to refuse, naming it
     for name in names:
         assert load_head(name).config.draft_hidden > 0

@@ -119,8 +119,19 @@ def test_features_round_trip_and_bad_configs(tmp_path):
             load_head(str(tmp_path))
 
 
-def test_shipped_head_reads_hidden_states_only():
+def test_shipped_default_head_reads_hidden_states_and_every_feature():
     head = load_head("default")
+    assert head.config.features == list(DISTRIBUTION_FEATURES) and head.config.use_hidden and head.wants_distributions
+
+
+def test_head_saved_before_features_loads_as_hidden_states_only(tmp_path):
+    # The first heads' head.json had neither key: they read the two hidden states alone.
+    EnsembleHead(6, 10).save(str(tmp_path))
+    config_path = tmp_path / "head.json"
+    stored = json.loads(config_path.read_text())
+    config_path.write_text(json.dumps({key: value for key, value in stored.items()
+                                       if key not in ("features", "use_hidden")}))
+    head = load_head(str(tmp_path))
     assert head.config.features == [] and head.config.use_hidden and not head.wants_distributions
 
 
