@@ -197,16 +197,15 @@ def _weights(decoder, drafts: _Drafts, target_hidden, draft_logits: torch.Tensor
         return decoder.weight
     slots = drafts.flat_slots()
     order = sorted(range(len(slots)), key=slots.__getitem__)  # draft passes go position by position, the head row by row
+    head_slots = sorted(slots)  # the drafted positions in the head's row-by-row order, in the [B, K] layout
     distributions = None
     if wants_distributions(decoder.head):
-        # Both models' logits at each drafted position, in the head's row-by-row order.
-        drafted = sorted(drafts.slots)
-        draft_rows = [row * draft_logits.shape[1] + position for row, position in drafted]
-        target_rows = [row * target_logits.shape[1] + position for row, position in drafted]
-        distributions = distribution_features(draft_logits.flatten(0, 1)[draft_rows],
+        # The target's logits are K + 1 wide per row, so (row, position) has another flat index there.
+        target_rows = [row * target_logits.shape[1] + position for row, position in sorted(drafts.slots)]
+        distributions = distribution_features(draft_logits.flatten(0, 1)[head_slots],
                                               target_logits.flatten(0, 1)[target_rows], decoder.temperature)
     weight = head_weights(decoder.head, torch.cat(drafts.hidden)[order], target_hidden, decoder.device, distributions)
-    return _padded(weight.reshape(-1), sorted(slots), (len(drafts.tokens), drafts.width), fill=1.0)
+    return _padded(weight.reshape(-1), head_slots, (len(drafts.tokens), drafts.width), fill=1.0)
 
 
 def head_weights(head, draft_hidden: torch.Tensor, target_hidden: torch.Tensor, device: torch.device,

@@ -16,7 +16,7 @@ from typing import Sequence
 
 import torch
 
-from ..head import DISTRIBUTION_FEATURES, distribution_features
+from ..head import DISTRIBUTION_FEATURES, distribution_features, wants_distributions
 from ..decoding.runners import make_runner, model_device
 from ..ops import distribution_temperature, token_stats
 
@@ -33,6 +33,12 @@ class TokenBatch:
     mask: torch.Tensor  # [N, T] bool, True at real completion tokens
     fidelity_gap: torch.Tensor  # [N, T] E_q[log p] - E_p[log p] (see fidelity_gap)
     distributions: torch.Tensor  # [N, T, F] distribution_features of both models' logits at each position
+
+    def head_inputs(self, head) -> tuple:
+        """What ``head`` reads at every position: both hidden states, and the distribution features when it takes
+        them (:func:`~diversed_ext.head.wants_distributions`)."""
+        extra = (self.distributions,) if wants_distributions(head) else ()
+        return (self.draft_hidden, self.target_hidden, *extra)
 
 
 LOG_PROB_FLOOR = -100.0  # nats: a token the target rules out (-inf) costs a bounded amount in fidelity_gap

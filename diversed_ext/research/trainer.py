@@ -31,7 +31,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from tqdm import tqdm
 
-from ..head import EnsembleHead, wants_distributions
+from ..head import EnsembleHead
 from .checkpoints import (CHECKPOINT_NAME, LOG_NAME, CheckpointError, TrainingLog, load_checkpoint,
                           save_checkpoint)
 from .objective import CLOSED_FORMS, diversed_objective
@@ -239,8 +239,7 @@ class Trainer:
         self.head.train()
         first = None  # the terms before this step's first update: they describe the policy that rolled out
         for _ in range(self.config.epochs):
-            extra = (tokens.distributions,) if wants_distributions(self.head) else ()
-            weights = self.model(tokens.draft_hidden, tokens.target_hidden, *extra)
+            weights = self.model(*tokens.head_inputs(self.head))
             terms = diversed_objective(weights, tokens.target_logprob, tokens.draft_logprob, tokens.total_variation,
                                        rewards.to(weights.dtype), tokens.mask, self.config.acceptance_coef,
                                        tokens.fidelity_gap, self.config.expected_fidelity_coef,

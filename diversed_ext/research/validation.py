@@ -24,7 +24,6 @@ from typing import Optional, Sequence
 import torch
 
 from ..decoding import SpeculativeDecoder
-from ..head import wants_distributions
 from .report import _mean, paired_difference, standard_error
 from .teacher_forcing import TokenBatch, teacher_forced_tokens
 
@@ -93,8 +92,7 @@ def weighted_point(label: str, weights: torch.Tensor, tokens: TokenBatch) -> Clo
 @torch.no_grad()
 def head_point(label: str, head, tokens: TokenBatch) -> ClosedFormPoint:
     """A head's closed-form point (its weights from the contexts' hidden states and distribution features)."""
-    extra = (tokens.distributions,) if wants_distributions(head) else ()
-    return weighted_point(label, head(tokens.draft_hidden, tokens.target_hidden, *extra).float(), tokens)
+    return weighted_point(label, head(*tokens.head_inputs(head)).float(), tokens)
 
 
 def static_point(weight: float, tokens: TokenBatch) -> ClosedFormPoint:
