@@ -243,3 +243,47 @@ def test_cpu_builds_agree_bit_for_bit(dtype, vocab, monkeypatch):
             fields = result if isinstance(result, tuple) else (result,)
             for base_field, field in zip(base_fields, fields):
                 assert torch.equal(base_field, field), capability
+
+
+def extreme_logit_rows(vocab=4099):
+    """Two rows of logits whose shifted values (logit - row max) cover [-120, 0]: densely around exp's underflow
+    threshold (about -87.34, below which the kernels flush to 0) and the float32 subnormal range, with -inf entries."""
+    generator = torch.Generator().manual_seed(5)
+    spread = torch.linspace(-120.0, 0.0, vocab)
+    near_underflow = -87.33654 + torch.linspace(-0.05, 0.05, 257)
+    rows = []
+    for offset in (0.0, 31.5):
+        row = spread[torch.randperm(vocab, generator=generator)].clone()
+        row[:257] = near_underflow
+        row[300:310] = float("-inf")
+        row[400] = 0.0  # the row's max
+        rows.append(row + offset)
+    return torch.stack(rows).unsqueeze(0)  # [1, 2, V]
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_cpu_builds_agree_on_every_exp(temperature, monkeypatch):
+    """mix from logits writes every softmax probability, so it shows each exp the vector loops take: every build gives
+    the same bits over the whole range of shifted logits, and each value is within 1e-6 of float64's softmax of the same
+    scaled logits (exactly 0 where both shifted logits lie below the underflow threshold)."""
+    logits = extreme_logit_rows()
+    draft, target = logits[:, :1], logits[:, 1:]
+    weight = torch.full((1, 1), 0.375)
+    results = {}
+    for capability in ("baseline", "avx2", "avx512"):
+        monkeypatch.setenv("DIVERSED_CPU_CAPABILITY", capability)
+        results[capability] = dx.mix(draft, target, weight, from_logits=True, temperature=temperature)
+    for capability in ("avx2", "avx512"):
+        assert torch.equal(results["baseline"], results[capability]), capability
+    scaled = logits * torch.tensor(1.0 / temperature, dtype=torch.float32)  # times float32 1/T, as the kernels do
+    expected_probs = scaled.double().softmax(-1)
+    expected = 0.375 * expected_probs[:, 1:2] + 0.625 * expected_probs[:, :1]
+    shifted = scaled - scaled.amax(-1, keepdim=True)
+    flushed = (shifted[:, :1] < -87.33654) & (shifted[:, 1:2] < -87.33654)
+    mixture = results["baseline"].double()
+    assert torch.all(mixture[flushed] == 0.0)
+    kept = ~flushed & (expected > 1e-30)
+    # At temperature 1 the shifted logits are exact; otherwise s - max rounds in float32 (up to 4e-6 at |s| ~ 100).
+    tolerance = 1e-6 if temperature == 1.0 else 1e-5
+    assert torch.allclose(mixture[kept], expected[kept], rtol=tolerance, atol=0.0)
+    assert kept.sum() > 1000 and flushed.sum() > 300

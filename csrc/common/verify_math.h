@@ -130,6 +130,14 @@ constexpr float kLn2High = 0.693145751953125f;  // ln 2 split in two so n * ln2 
 constexpr float kLn2Low = 1.42860676533018704e-06f;
 constexpr float kExpUnderflow = -87.33654f;     // exp of anything below is under FLT_MIN: flushed to 0
 constexpr float kRoundingShift = 12582912.0f;   // 1.5 * 2^23: adding and subtracting it rounds to the nearest integer
+// The polynomial of exp_nonpositive, coefficient of r^k (see there).
+constexpr float kExpPoly6 = 0.001381461275741458f;
+constexpr float kExpPoly5 = 0.008368710055947304f;
+constexpr float kExpPoly4 = 0.04166838899254799f;
+constexpr float kExpPoly3 = 0.1666652113199234f;
+constexpr float kExpPoly2 = 0.4999999403953552f;
+constexpr float kExpPoly1 = 1.0f;
+constexpr float kExpPoly0 = 1.0f;
 
 DX_HD float float_from_bits(int32_t bits) {
 #if defined(__CUDA_ARCH__)
@@ -185,13 +193,13 @@ DX_HD F exp_nonpositive(F x) {
   const F n = shifted - kRoundingShift;
   F r = fused_multiply_add(n, F{} - kLn2High, clamped);
   r = fused_multiply_add(n, F{} - kLn2Low, r);
-  F poly = F{} + 0.001381461275741458f;
-  poly = fused_multiply_add(poly, r, F{} + 0.008368710055947304f);
-  poly = fused_multiply_add(poly, r, F{} + 0.04166838899254799f);
-  poly = fused_multiply_add(poly, r, F{} + 0.1666652113199234f);
-  poly = fused_multiply_add(poly, r, F{} + 0.4999999403953552f);
-  poly = fused_multiply_add(poly, r, F{} + 1.0f);
-  poly = fused_multiply_add(poly, r, F{} + 1.0f);
+  F poly = F{} + kExpPoly6;
+  poly = fused_multiply_add(poly, r, F{} + kExpPoly5);
+  poly = fused_multiply_add(poly, r, F{} + kExpPoly4);
+  poly = fused_multiply_add(poly, r, F{} + kExpPoly3);
+  poly = fused_multiply_add(poly, r, F{} + kExpPoly2);
+  poly = fused_multiply_add(poly, r, F{} + kExpPoly1);
+  poly = fused_multiply_add(poly, r, F{} + kExpPoly0);
   const F result = poly * exp2_of_integer(n);
   return x < kExpUnderflow ? F{} : result;  // NaN compares false and stays NaN
 }
