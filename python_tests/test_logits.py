@@ -105,7 +105,7 @@ def test_token_stats_against_float64(from_logits, dtype):
 
 
 def online_softmax_rows(vocab):
-    """Rows whose running max changes between the kernel's 512-element blocks in every way the online softmax meets."""
+    """Rows whose running max changes between the kernel's 2048-element blocks in every way the online softmax meets."""
     ramp = torch.linspace(-60.0, 60.0, vocab)
     masked_start = torch.randn(vocab, generator=torch.Generator().manual_seed(3))
     masked_start[: vocab // 2] = float("-inf")  # whole leading blocks without a finite logit

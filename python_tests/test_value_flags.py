@@ -86,3 +86,76 @@ def test_checks_read_the_flags_once(monkeypatch):
     _values.check_verify_probabilities(draft, target, None, "draft_probs", "target_probs")
     _values.check_values(target, "target_logits", from_logits=True)
     assert calls == [draft.shape, target.shape, target.shape]
+
+
+def spoiled_logit_pair(batch: int, num_positions: int, vocab: int, dtype: torch.dtype):
+    """Draft [B, K, V] and target [B, K+1, V] logits where some rows carry one bad value each (NaN, +inf, all -inf) in
+    rows the verifier reads, in rows it never reads (past num_draft, the bonus row after a rejection), and a NaN after
+    a leading block of masked (-inf) logits, which the online softmax skips without summing."""
+    generator = torch.Generator().manual_seed(batch * 1000 + vocab)
+    draft = torch.randn(batch, num_positions, vocab, generator=generator)
+    target = torch.randn(batch, num_positions + 1, vocab, generator=generator)
+    bad_values = (float("nan"), float("inf"))
+    for b in range(batch):
+        for position in range(num_positions + 1):
+            kind = (b * 7 + position * 3) % 6
+            row = target[b, position] if (b + position) % 2 else draft[b, min(position, num_positions - 1)]
+            if kind < 2:
+                row[(b * 131 + position * 17) % vocab] = bad_values[kind]
+            elif kind == 2:
+                row.fill_(float("-inf"))
+            elif kind == 3 and vocab > 4096:
+                row[:4096] = float("-inf")
+                row[100] = float("nan")
+    return draft.to(dtype), target.to(dtype)
+
+
+@pytest.mark.parametrize("build", BUILDS)
+@pytest.mark.parametrize("batch,vocab", [(1, 5000), (5, 5000), (4, 37), (3, 70_001)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_verify_logits_with_flags_equal_value_flags(dtype, batch, vocab, build, monkeypatch):
+    """The fused op's flags are value_flags' on every row of both tensors (up to the negative-entry bit, which no
+    logit rule reads), whatever the layout (one request: by vocabulary chunks; several: by rows), ragged rows,
+    temperature (0.01 makes finite logits overflow when scaled) and build; its verification equals verify_logits'."""
+    if build != "default":
+        monkeypatch.setenv("DIVERSED_CPU_CAPABILITY", build)
+    num_positions = 3
+    draft, target = spoiled_logit_pair(batch, num_positions, vocab, dtype)
+    generator = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, vocab, (batch, num_positions), generator=generator)
+    num_draft = torch.arange(batch) % (num_positions + 1)
+    temperature = torch.tensor([1.0, 0.01, 0.0, 0.7, 1.3][:batch]).repeat(2)[:batch]
+    arguments = (tokens, draft, target, None, num_draft, temperature, torch.rand(batch, num_positions + 1,
+                 generator=generator, dtype=torch.float64), None, 0, False, 0.6, 1.0, None)
+    *verified, row_flags = torch.ops.diversed.verify_logits_with_flags(*arguments)
+    assert row_flags.shape == (batch, 2 * num_positions + 1) and row_flags.dtype == torch.int32
+    expected = torch.cat([torch.ops.diversed.value_flags(draft, True), torch.ops.diversed.value_flags(target, True)], 1)
+    meaningful = ~_values.FLAG_NEGATIVE
+    assert torch.equal(row_flags & meaningful, expected & meaningful)
+    assert bool((expected & _values.LOGIT_ERRORS).any(1).all()) or batch == 1  # the cases do reach every request
+    for field, plain in zip(verified, torch.ops.diversed.verify_logits(*arguments)):
+        assert torch.equal(field, plain)
+
+
+def test_verify_logits_with_flags_opcheck():
+    draft, target = torch.randn(2, 3, 33), torch.randn(2, 4, 33)
+    tokens = torch.randint(0, 33, (2, 3))
+    uniforms = torch.rand(2, 4, dtype=torch.float64)
+    torch.library.opcheck(torch.ops.diversed.verify_logits_with_flags.default,
+                          (tokens, draft, target, None, None, None, uniforms, None, 0, False, 0.5, 1.0, None))
+
+
+def test_checked_verify_logits_flags_in_the_kernel(monkeypatch):
+    """A checked CPU verify_logits makes no value_flags pass of its own, and still names the tensor of a bad value in
+    a row the verifier never reads."""
+    monkeypatch.setattr(_values, "_native_flags", lambda tensor, from_logits: pytest.fail("a separate value pass"))
+    import diversed_ext as dx
+    draft, target = torch.randn(2, 3, 50), torch.randn(2, 4, 50)
+    tokens = torch.randint(0, 50, (2, 3))
+    dx.verify_logits(tokens, draft, target, 0.5, num_draft=torch.tensor([1, 3]), seed=1)
+    target[0, 3, 7] = float("nan")  # past row 0's bonus row (num_draft 1): never read
+    with pytest.raises(ValueError, match="target_logits contains NaN"):
+        dx.verify_logits(tokens, draft, target, 0.5, num_draft=torch.tensor([1, 3]), seed=1)
+    draft[1, 2].fill_(float("-inf"))
+    with pytest.raises(ValueError, match="draft_logits has a row whose logits are all -inf"):
+        dx.verify_logits(tokens, draft, target.nan_to_num(0.0), 0.5, seed=1)

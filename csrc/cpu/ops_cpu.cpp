@@ -46,23 +46,51 @@ VerifyTuple verify_probs_cpu(const at::Tensor& draft_tokens, const at::Tensor& d
   return call.result();
 }
 
+// verify_logits, and with row_flags (int32 [B, 2K + 1]) every row's value flags from the same passes.
+VerifyTuple run_verify_logits(const at::Tensor& draft_tokens, const at::Tensor& draft_logits,
+                              const at::Tensor& target_logits, const OptionalTensor& weight,
+                              const OptionalTensor& num_draft, const OptionalTensor& temperature,
+                              const OptionalTensor& uniforms, const OptionalTensor& seeds, int64_t offset,
+                              bool per_row_seed, double weight_value, double temperature_value,
+                              c10::optional<int64_t> seed, at::Tensor* row_flags) {
+  const VerifyOptionals optional{weight, num_draft, temperature, uniforms, seeds};
+  check_verify_args(VerifyInput::kLogits, draft_tokens, draft_logits, target_logits, optional);
+  const VerifyCall call = start_verify(VerifyInput::kLogits, draft_tokens, draft_logits, optional,
+                                       VerifyScalars{weight_value, temperature_value, seed, offset, per_row_seed});
+  if (row_flags) {
+    *row_flags = at::empty({draft_logits.size(0), 2 * draft_logits.size(1) + 1}, draft_tokens.options().dtype(at::kInt));
+    poison_outputs(*row_flags);
+  }
+  if (call.empty()) return call.result();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, draft_logits.scalar_type(), "verify_logits_cpu", [&] {
+    using T = CpuElement<scalar_t>;
+    DIVERSED_CPU_CALL(verify_logits<T>, call.problem, kernel_data<T, scalar_t>(draft_logits),
+                      kernel_data<T, scalar_t>(target_logits), kParallelFor,
+                      row_flags ? row_flags->data_ptr<int32_t>() : nullptr);
+  });
+  return call.result();
+}
+
 VerifyTuple verify_logits_cpu(const at::Tensor& draft_tokens, const at::Tensor& draft_logits,
                               const at::Tensor& target_logits, const OptionalTensor& weight,
                               const OptionalTensor& num_draft, const OptionalTensor& temperature,
                               const OptionalTensor& uniforms, const OptionalTensor& seeds, int64_t offset,
                               bool per_row_seed, double weight_value, double temperature_value,
                               c10::optional<int64_t> seed) {
-  const VerifyOptionals optional{weight, num_draft, temperature, uniforms, seeds};
-  check_verify_args(VerifyInput::kLogits, draft_tokens, draft_logits, target_logits, optional);
-  const VerifyCall call = start_verify(VerifyInput::kLogits, draft_tokens, draft_logits, optional,
-                                       VerifyScalars{weight_value, temperature_value, seed, offset, per_row_seed});
-  if (call.empty()) return call.result();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, draft_logits.scalar_type(), "verify_logits_cpu", [&] {
-    using T = CpuElement<scalar_t>;
-    DIVERSED_CPU_CALL(verify_logits<T>, call.problem, kernel_data<T, scalar_t>(draft_logits),
-                      kernel_data<T, scalar_t>(target_logits), kParallelFor);
-  });
-  return call.result();
+  return run_verify_logits(draft_tokens, draft_logits, target_logits, weight, num_draft, temperature, uniforms, seeds,
+                           offset, per_row_seed, weight_value, temperature_value, seed, nullptr);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> verify_logits_with_flags_cpu(
+    const at::Tensor& draft_tokens, const at::Tensor& draft_logits, const at::Tensor& target_logits,
+    const OptionalTensor& weight, const OptionalTensor& num_draft, const OptionalTensor& temperature,
+    const OptionalTensor& uniforms, const OptionalTensor& seeds, int64_t offset, bool per_row_seed,
+    double weight_value, double temperature_value, c10::optional<int64_t> seed) {
+  at::Tensor row_flags;
+  const auto [tokens, num_accepted, accept_prob] =
+      run_verify_logits(draft_tokens, draft_logits, target_logits, weight, num_draft, temperature, uniforms, seeds,
+                        offset, per_row_seed, weight_value, temperature_value, seed, &row_flags);
+  return {tokens, num_accepted, accept_prob, row_flags};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> token_stats_cpu(
@@ -143,6 +171,7 @@ at::Tensor philox_uniforms_cpu(const at::Tensor& seeds, const at::Tensor& offset
 TORCH_LIBRARY_IMPL(diversed, CPU, m) {
   m.impl("verify_probs", &cpu::verify_probs_cpu);
   m.impl("verify_logits", &cpu::verify_logits_cpu);
+  m.impl("verify_logits_with_flags", &cpu::verify_logits_with_flags_cpu);
   m.impl("token_stats", &cpu::token_stats_cpu);
   m.impl("mix", &cpu::mix_cpu);
   m.impl("philox_uniforms", &cpu::philox_uniforms_cpu);

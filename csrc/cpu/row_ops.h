@@ -165,43 +165,89 @@ float scaled_max(const T* logits, int64_t begin, int64_t end, float inverse_temp
   return row_max;
 }
 
-// Softmax normaliser of logits[0, vocab) scaled by inverse_temperature, in ONE pass over memory (online softmax): each
-// block's max is taken while the block sits in L1, the sum so far is rescaled when the running max grows, and the
-// block's exp(s - max) are added in float lanes (as torch's softmax sums in float), flushed to float64 every block.
+// One block's exp(s - shift) summed in float lanes (whole groups of kLanes) and a float tail, and with kTrackMax the
+// block's max of s taken in the same pass.
+struct BlockExpSum {
+  FloatLanes sums;
+  float tail;
+  float max;
+};
+
+template <bool kUnitTemperature, bool kTrackMax, typename T>
+BlockExpSum block_exp_sum(const T* logits, int64_t begin, int64_t end, float inverse_temperature, float shift) {
+  FloatLanes sums = splat_lanes(0.0f), lane_max = splat_lanes(-INFINITY);
+  int64_t v = begin;
+  for (; v + kLanes <= end; v += kLanes) {
+    const FloatLanes scaled = map_lanes(
+        load_lanes(logits, v), [&](FloatVector x) { return scale_logit<kUnitTemperature>(x, inverse_temperature); });
+    if constexpr (kTrackMax)
+      lane_max = zip_lanes(scaled, lane_max, [](FloatVector x, FloatVector m) { return x > m ? x : m; });
+    sums = zip_lanes(sums, scaled, [&](FloatVector sum, FloatVector x) { return sum + exp_shifted(x - shift); });
+  }
+  BlockExpSum result{sums, 0.0f, kTrackMax ? max_lane(lane_max) : -INFINITY};
+  for (; v < end; ++v) {
+    const float scaled = scale_logit<kUnitTemperature>(load_float(logits, v), inverse_temperature);
+    if constexpr (kTrackMax) result.max = scaled > result.max ? scaled : result.max;
+    result.tail += exp_nonpositive(scaled - shift);
+  }
+  return result;
+}
+
+// Softmax normaliser of logits[0, vocab) scaled by inverse_temperature, in ONE pass over memory (online softmax), block
+// by block while the block sits in L1: the sum so far is rescaled when the running max grows, and the block's
+// exp(s - max) are added in float lanes (as torch's softmax sums in float), flushed to float64 every block. Once a
+// finite max is known, a block's exps are taken against it in the same pass that finds the block's max, and taken
+// again only in the rare block whose max exceeds it; so every block adds exactly the exps of a max-first pass.
+// `summed_every_block` (optional) tells whether every block's exps were added: a block before the first finite logit
+// is skipped, so a NaN there would leave no trace in the sum.
 template <bool kUnitTemperature, typename T>
-SoftmaxStats scaled_softmax_stats(const T* logits, int64_t vocab, float inverse_temperature) {
+SoftmaxStats scaled_softmax_stats(const T* logits, int64_t vocab, float inverse_temperature,
+                                  bool* summed_every_block) {
   float running_max = -INFINITY;
   double total = 0.0;
+  bool skipped_a_block = false;
   for (int64_t block = 0; block < vocab; block += kSoftmaxBlock) {
     const int64_t block_end = std::min(vocab, block + kSoftmaxBlock);
-    const float block_max = scaled_max<kUnitTemperature>(logits, block, block_end, inverse_temperature);
-    if (block_max > running_max) {
-      total = rescale_exp_sum(total, running_max, block_max);
-      running_max = block_max;
+    BlockExpSum block_sum;
+    if (running_max > -INFINITY) {
+      block_sum = block_exp_sum<kUnitTemperature, true>(logits, block, block_end, inverse_temperature, running_max);
+      if (block_sum.max > running_max) {
+        total = rescale_exp_sum(total, running_max, block_sum.max);
+        running_max = block_sum.max;
+        block_sum = block_exp_sum<kUnitTemperature, false>(logits, block, block_end, inverse_temperature, running_max);
+      }
+    } else {
+      running_max = scaled_max<kUnitTemperature>(logits, block, block_end, inverse_temperature);
+      if (!(running_max > -INFINITY)) {  // no finite logit so far: nothing to add
+        running_max = -INFINITY;
+        skipped_a_block = true;
+        continue;
+      }
+      block_sum = block_exp_sum<kUnitTemperature, false>(logits, block, block_end, inverse_temperature, running_max);
     }
-    if (!(running_max > -INFINITY)) continue;  // no finite logit so far: nothing to add
-    FloatLanes sums = splat_lanes(0.0f);
-    const auto exp_of_logit = [&](FloatVector x) {
-      return exp_shifted(scale_logit<kUnitTemperature>(x, inverse_temperature) - running_max);
-    };
-    int64_t v = block;
-    for (; v + kLanes <= block_end; v += kLanes)
-      sums = zip_lanes(sums, map_lanes(load_lanes(logits, v), exp_of_logit),
-                       [](FloatVector a, FloatVector b) { return a + b; });
-    float tail = 0.0f;
-    for (; v < block_end; ++v)
-      tail += exp_nonpositive(scale_logit<kUnitTemperature>(load_float(logits, v), inverse_temperature) - running_max);
-    total = sum_float_lanes_in_order(sums, total) + static_cast<double>(tail);
+    total = sum_float_lanes_in_order(block_sum.sums, total) + static_cast<double>(block_sum.tail);
   }
+  if (summed_every_block) *summed_every_block = !skipped_a_block;
   // No finite logit (all -inf or NaN): every mass is 0.
   if (!(running_max > -INFINITY)) return SoftmaxStats{-INFINITY, 0.0f};
   return SoftmaxStats{running_max, static_cast<float>(1.0 / total)};
 }
 
 template <typename T>
-SoftmaxStats softmax_stats(const T* logits, int64_t vocab, float inverse_temperature) {
-  return inverse_temperature == 1.0f ? scaled_softmax_stats<true>(logits, vocab, inverse_temperature)
-                                     : scaled_softmax_stats<false>(logits, vocab, inverse_temperature);
+SoftmaxStats softmax_stats(const T* logits, int64_t vocab, float inverse_temperature,
+                           bool* summed_every_block = nullptr) {
+  return inverse_temperature == 1.0f
+             ? scaled_softmax_stats<true>(logits, vocab, inverse_temperature, summed_every_block)
+             : scaled_softmax_stats<false>(logits, vocab, inverse_temperature, summed_every_block);
+}
+
+// Whether a row's normaliser proves its logits clean (no NaN, no +inf, some entry above -inf): a NaN or a +inf
+// logit turns the sum of exps into NaN (exp(NaN) is NaN, and +inf - +inf is NaN), and a row without a finite entry
+// has no finite max. What it cannot vouch for (a skipped block, a finite logit that overflowed when scaled by a small
+// temperature) the caller checks element by element.
+inline bool normaliser_vouches_for_row(SoftmaxStats stats, bool summed_every_block) {
+  return summed_every_block && stats.max > -INFINITY && stats.max < INFINITY && stats.inverse_sum > 0.0f &&
+         stats.inverse_sum < INFINITY;
 }
 
 template <typename Row>

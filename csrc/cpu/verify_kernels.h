@@ -11,6 +11,7 @@
 // and every later pass recomputes softmax(v) on the fly.
 #pragma once
 
+#include "check_kernels.h"
 #include "kernel_prelude.h"
 #include "row_ops.h"
 
@@ -217,42 +218,70 @@ struct LogitRows {
 };
 
 // Softmax normalisers of the rows a request reads: draft positions < num_draft and target positions <= num_draft.
-// Slots [0, K) of a request are its draft positions, slots [K, 2K + 1) its target positions.
+// Slots [0, K) of a request are its draft positions, slots [K, 2K + 1) its target positions. With `row_flags`
+// ([B, 2K + 1], check_inputs=True), every slot also gets its value flags (those of value_flags), which cost nothing
+// extra where a normaliser vouches for its row; the rows the request does not read, and those it cannot vouch for,
+// get a pass of their own.
 template <typename T>
 struct SoftmaxStatsPlan {
   const VerifyProblem& problem;
   const T* draft_logits;
   const T* target_logits;
   const float* inverse_temperature;  // [B]
+  int32_t* row_flags;                // [B, 2K + 1] or nullptr
   std::vector<SoftmaxStats> draft_stats, target_stats;
 
-  SoftmaxStatsPlan(const VerifyProblem& p, const T* draft, const T* target, const float* inverse)
-      : problem(p), draft_logits(draft), target_logits(target), inverse_temperature(inverse),
+  SoftmaxStatsPlan(const VerifyProblem& p, const T* draft, const T* target, const float* inverse, int32_t* flags)
+      : problem(p), draft_logits(draft), target_logits(target), inverse_temperature(inverse), row_flags(flags),
         draft_stats(p.batch * p.num_positions, SoftmaxStats{0.0f, 0.0f}),
         target_stats(p.batch * (p.num_positions + 1), SoftmaxStats{0.0f, 0.0f}) {}
 
   int64_t slots() const { return 2 * problem.num_positions + 1; }
+  bool is_draft(int64_t slot) const { return slot < problem.num_positions; }
+  // The index of a slot's row in its tensor, and whether the request reads that row.
+  int64_t tensor_row(int64_t row, int64_t slot) const {
+    const int64_t K = problem.num_positions;
+    return is_draft(slot) ? row * K + slot : row * (K + 1) + slot - K;
+  }
+  bool reads(int64_t row, int64_t slot) const {
+    const int64_t K = problem.num_positions, drafted = problem.drafted(row);
+    return is_draft(slot) ? slot < drafted : slot - K <= drafted;
+  }
+  const T* values(int64_t row, int64_t slot) const {
+    return (is_draft(slot) ? draft_logits : target_logits) + tensor_row(row, slot) * problem.vocab;
+  }
+  void flag_by_values(int64_t row, int64_t slot) {
+    row_flags[row * slots() + slot] = row_value_flags(values(row, slot), problem.vocab, true);
+  }
+
   void compute(int64_t row, int64_t slot) {
-    const int64_t K = problem.num_positions, V = problem.vocab, drafted = problem.drafted(row);
-    if (slot < K) {
-      if (slot >= drafted) return;
-      const int64_t index = row * K + slot;
-      draft_stats[index] = softmax_stats(draft_logits + index * V, V, inverse_temperature[row]);
-    } else {
-      if (slot - K > drafted) return;
-      const int64_t index = row * (K + 1) + slot - K;
-      target_stats[index] = softmax_stats(target_logits + index * V, V, inverse_temperature[row]);
+    if (!reads(row, slot)) {
+      if (row_flags) flag_by_values(row, slot);
+      return;
     }
+    bool summed_every_block = false;
+    const SoftmaxStats stats =
+        softmax_stats(values(row, slot), problem.vocab, inverse_temperature[row], &summed_every_block);
+    (is_draft(slot) ? draft_stats : target_stats)[tensor_row(row, slot)] = stats;
+    if (!row_flags) return;
+    if (normaliser_vouches_for_row(stats, summed_every_block)) row_flags[row * slots() + slot] = 0;
+    else flag_by_values(row, slot);
   }
   // The normalisers of the rows the accept tests read; the bonus row's too when `with_bonus` (a greedy row's argmax
   // of it is taken in the accept phase). A sampled row's bonus normaliser is computed only when the bonus is drawn:
-  // after a rejection, which is the common case, its row is never read.
+  // after a rejection, which is the common case, its row is never read (its flags come from a pass of their own).
   void compute_row(int64_t row, bool with_bonus) {
     const int64_t bonus_slot = problem.num_positions + problem.drafted(row);
-    for (int64_t slot = 0; slot < slots(); ++slot)
+    for (int64_t slot = 0; slot < slots(); ++slot) {
       if (slot != bonus_slot || with_bonus) compute(row, slot);
+      else if (row_flags) flag_by_values(row, slot);
+    }
   }
-  void compute_bonus(int64_t row) { compute(row, problem.num_positions + problem.drafted(row)); }
+  void compute_bonus(int64_t row) {
+    const int64_t bonus_slot = problem.num_positions + problem.drafted(row);
+    const int64_t index = tensor_row(row, bonus_slot);
+    target_stats[index] = softmax_stats(values(row, bonus_slot), problem.vocab, inverse_temperature[row]);
+  }
   // Every request's normalisers, in parallel over (request, slot).
   void compute_all(const ParallelFor& parallel_for) {
     parallel_for(0, problem.batch * slots(), grain_for(problem.vocab), [&](int64_t begin, int64_t end) {
@@ -295,12 +324,14 @@ void verify_probs(const VerifyProblem& problem, const T* draft_probs, const T* t
 // verify_logits: draft logits [B, K, V], target logits [B, K+1, V], temperatures from the problem. Each row the request
 // reads gets its softmax normaliser first (inside the request's own task when the layout is by rows, where a sampled
 // row's bonus normaliser waits until the bonus is drawn); the greedy flags come from the temperatures.
+// With `row_flags` ([B, 2K + 1]: draft positions, then target positions) every row of both tensors also gets its
+// value flags, as value_flags would give them, for check_inputs=True to read after the call.
 template <typename T>
 void verify_logits(const VerifyProblem& problem, const T* draft_logits, const T* target_logits,
-                   const ParallelFor& parallel_for) {
+                   const ParallelFor& parallel_for, int32_t* row_flags) {
   const int64_t K = problem.num_positions, V = problem.vocab;
   const TemperaturePlan temperatures = plan_temperatures(problem);
-  SoftmaxStatsPlan<T> stats(problem, draft_logits, target_logits, temperatures.inverse.data());
+  SoftmaxStatsPlan<T> stats(problem, draft_logits, target_logits, temperatures.inverse.data(), row_flags);
   const VerifyLayout layout = verify_layout(problem.batch, V, parallel_for);
   if (layout == VerifyLayout::kChunks) stats.compute_all(parallel_for);
   const LogitRows<T> rows{draft_logits, target_logits, K, K + 1, V, temperatures.inverse.data(),

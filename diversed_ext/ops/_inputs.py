@@ -291,9 +291,11 @@ def seed_argument(seed: SeedLike, batch: int, device: torch.device) -> tuple[Opt
 
 
 def prepare_verify(draft_tokens, draft, target, weight, *, num_draft, greedy, uniforms, seed, offset,
-                   check_inputs: bool, draft_name: str, target_name: str, kind: str) -> VerifyArgs:
+                   check_inputs: bool, draft_name: str, target_name: str, kind: str,
+                   check_logit_values: bool = True) -> VerifyArgs:
     """Validate and normalise every verify argument (probabilities or logits alike). Defaults are left as scalars or
-    None (see VerifyArgs.materialized)."""
+    None (see VerifyArgs.materialized). ``check_logit_values=False`` leaves the values of logits to the caller (the
+    CPU kernel flags them in its own passes)."""
     batch, num_positions, vocab = check_distributions(draft, target, draft_name, target_name, kind)
     device = draft.device
     tokens = normalize_tokens(draft_tokens, batch, num_positions, device)
@@ -307,10 +309,10 @@ def prepare_verify(draft_tokens, draft, target, weight, *, num_draft, greedy, un
     offset_i = normalize_offset(offset)
     if check_inputs:
         check_token_ids(tokens, num_draft_t, vocab)
-        if kind == "logits":
+        if kind == "logits" and check_logit_values:
             check_values(draft, draft_name, from_logits=True)
             check_values(target, target_name, from_logits=True)
-        else:
+        elif kind != "logits":
             check_verify_probabilities(draft, target, num_draft_t, draft_name, target_name)
     return VerifyArgs(tokens, draft.contiguous(), target.contiguous(), weight_t, weight_value, num_draft_t, greedy_t,
                       uniforms_t, seeds_t, seed_value, offset_i, per_row_seed)

@@ -128,15 +128,20 @@ def _raise_logit_error(name: str, flags: int) -> None:
                                (FLAG_NO_MASS, "has a row whose logits are all -inf (no token is possible)")))
 
 
+def check_logit_flags(flags: torch.Tensor, name: str) -> None:
+    """Raise for the first logit rule that per-row flags (value_flags' bits) break; one host read when none does."""
+    errors = flags & LOGIT_ERRORS
+    if bool(errors.any()):
+        _raise_logit_error(name, _or_reduce(errors))
+
+
 def _check_logit_values(tensor: torch.Tensor, name: str) -> None:
     """Logits may be -inf (masked vocabulary) but not NaN or +inf, and every row needs one finite entry."""
     if tensor.numel() == 0:
         return
     flags = _native_flags(tensor, from_logits=True)
     if flags is not None:
-        errors = flags & LOGIT_ERRORS
-        if bool(errors.any()):
-            _raise_logit_error(name, _or_reduce(errors))
+        check_logit_flags(flags, name)
         return
     if bool(torch.isnan(tensor).any()):
         raise ValueError(f"{name} contains NaN")

@@ -29,11 +29,13 @@ import torch
 from . import _fake  # noqa: F401  (registers the native ops and their fake kernels)
 from ._inputs import (PROB_DTYPES, SEED_RANGE, normalize_stat_tokens, normalize_weight, prepare_pair,
                       prepare_verify, temperature_argument)
+from ._values import check_logit_flags
 
 # The verify overloads, looked up once: torch.ops.<namespace>.<op> is two attribute lookups and an overload resolution
 # on every call, which the serving path (one call per decoding step) should not pay.
 _VERIFY_PROBS = torch.ops.diversed.verify_probs.default
 _VERIFY_LOGITS = torch.ops.diversed.verify_logits.default
+_VERIFY_LOGITS_WITH_FLAGS = torch.ops.diversed.verify_logits_with_flags.default
 _OP_DTYPES = frozenset(PROB_DTYPES)
 
 
@@ -172,14 +174,24 @@ def verify_logits(draft_tokens, draft_logits, target_logits, weight, *, temperat
                 return result
         except Exception:  # noqa: BLE001  as in verify
             pass
+    # On the CPU the kernel flags the logits' values in its own passes (checked after the call, which then raises);
+    # elsewhere they are checked before it.
+    flags_from_kernel = check_inputs and isinstance(draft_logits, torch.Tensor) and draft_logits.device.type == "cpu"
     args = prepare_verify(draft_tokens, draft_logits, target_logits, weight, num_draft=num_draft, greedy=None,
                           uniforms=uniforms, seed=seed, offset=offset, check_inputs=check_inputs,
-                          draft_name="draft_logits", target_name="target_logits", kind="logits")
+                          draft_name="draft_logits", target_name="target_logits", kind="logits",
+                          check_logit_values=not flags_from_kernel)
     temperature_t, temperature_value = temperature_argument(temperature, args.draft.shape[0], args.draft.device,
                                                             check_inputs)
-    tokens, num_accepted, accept_prob = _VERIFY_LOGITS(
-        args.draft_tokens, args.draft, args.target, args.weight, args.num_draft, temperature_t, args.uniforms,
-        args.seeds, args.offset, args.per_row_seed, args.weight_value, temperature_value, args.seed)
+    op_arguments = (args.draft_tokens, args.draft, args.target, args.weight, args.num_draft, temperature_t,
+                    args.uniforms, args.seeds, args.offset, args.per_row_seed, args.weight_value, temperature_value,
+                    args.seed)
+    if not flags_from_kernel:
+        return VerifyResult(*_VERIFY_LOGITS(*op_arguments))
+    tokens, num_accepted, accept_prob, row_flags = _VERIFY_LOGITS_WITH_FLAGS(*op_arguments)
+    num_positions = args.draft.shape[1]
+    check_logit_flags(row_flags[:, :num_positions], "draft_logits")
+    check_logit_flags(row_flags[:, num_positions:], "target_logits")
     return VerifyResult(tokens, num_accepted, accept_prob)
 
 
