@@ -128,11 +128,19 @@ def _raise_logit_error(name: str, flags: int) -> None:
                                (FLAG_NO_MASS, "has a row whose logits are all -inf (no token is possible)")))
 
 
-def check_logit_flags(flags: torch.Tensor, name: str) -> None:
-    """Raise for the first logit rule that per-row flags (value_flags' bits) break; one host read when none does."""
+def check_logit_flags(flags: torch.Tensor, names, split: Optional[int] = None) -> None:
+    """Raise for the first logit rule that per-row flags (value_flags' bits) break; one host read when none does.
+
+    ``names`` is the tensor's name, or with ``split`` the names of two tensors whose flags sit side by side in the
+    last dimension: the first ``split`` columns are the first tensor's."""
     errors = flags & LOGIT_ERRORS
-    if bool(errors.any()):
-        _raise_logit_error(name, _or_reduce(errors))
+    if not bool(errors.any()):
+        return
+    if split is None:
+        _raise_logit_error(names, _or_reduce(errors))
+    for name, part in zip(names, (errors[..., :split], errors[..., split:])):
+        if bool(part.any()):
+            _raise_logit_error(name, _or_reduce(part))
 
 
 def _check_logit_values(tensor: torch.Tensor, name: str) -> None:

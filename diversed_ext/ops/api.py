@@ -189,9 +189,7 @@ def verify_logits(draft_tokens, draft_logits, target_logits, weight, *, temperat
     if not flags_from_kernel:
         return VerifyResult(*_VERIFY_LOGITS(*op_arguments))
     tokens, num_accepted, accept_prob, row_flags = _VERIFY_LOGITS_WITH_FLAGS(*op_arguments)
-    num_positions = args.draft.shape[1]
-    check_logit_flags(row_flags[:, :num_positions], "draft_logits")
-    check_logit_flags(row_flags[:, num_positions:], "target_logits")
+    check_logit_flags(row_flags, ("draft_logits", "target_logits"), split=args.draft.shape[1])
     return VerifyResult(tokens, num_accepted, accept_prob)
 
 
