@@ -15,6 +15,9 @@ whole [B, K, V] mixtures), speed-up over it, a careful plain PyTorch verifier (g
 the gathered values, then the residual of the one row per request that needs it; checked equal to the reference on
 identical uniforms before it is timed) and the fused kernel's speed-up over it, effective GB/s over the bytes the fused
 kernel must read, and the streaming floor: torch.sum over exactly those bytes, with the fused kernel's ratio to it.
+That floor swings with what the caches still hold (the bytes may sit in the last-level cache after another
+implementation read them), so the last two columns give the DRAM floor too: the same bytes at the speed torch.sum
+streams a buffer far larger than the caches, measured once per run.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ MAX_REPEATS = 50
 TIME_BUDGET_S = 1.5  # per implementation and configuration, after warm-up
 DRAFT_TARGET_AGREEMENT = 1.0  # scale of the noise between draft and target logits: about half the drafts pass at w=1
 WEIGHT = 0.5
+STREAM_BUFFER_BYTES = 512 * 2**20  # for the DRAM floor: far beyond any last-level cache
 
 
 @dataclass
@@ -232,6 +236,14 @@ def interleaved_medians(functions: dict[str, Callable[[], object]], device: torc
     return {name: statistics.median(times) for name, times in samples.items()}
 
 
+def memory_bandwidth(device: torch.device) -> float:
+    """Bytes per second that torch.sum streams from memory, over a buffer of STREAM_BUFFER_BYTES (several times the
+    last-level cache, so it comes from DRAM, or HBM on a GPU): the machine's streaming speed, for the DRAM floor."""
+    buffer = torch.ones(STREAM_BUFFER_BYTES // 4, dtype=torch.float32, device=device)
+    seconds = interleaved_medians({"sum": lambda: torch.sum(buffer)}, device)["sum"]
+    return STREAM_BUFFER_BYTES / seconds
+
+
 def call_overhead(device: torch.device, calls_per_sample: int = 50) -> dict[str, float]:
     """Microseconds per call at B = 8, K = 4, V = 8, where the kernel is negligible: an unchecked dx.verify with
     default arguments against the registered op it dispatches to, called directly with the same arguments."""
@@ -255,6 +267,7 @@ def run(args) -> list[dict]:
     configs = list(itertools.product(args.ops, grid, args.dtype))
     if "token_stats" in args.ops and (args.quick or args.stats_sequence):
         configs += [("token_stats", STATS_CONFIG, dtype) for dtype in args.dtype]
+    bandwidth = memory_bandwidth(device)
     rows = []
     for op_name, (batch, num_positions, vocab), dtype_name in tqdm(configs, desc="bench", unit="config",
                                                                    file=sys.stderr):
@@ -280,6 +293,7 @@ def run(args) -> list[dict]:
             "speedup": reference_s / fused_s, "plain_us": plain_s * 1e6, "plain_over_fused": plain_s / fused_s,
             "plain_equals_reference": plain_equal, "fused_GBps": bytes_read / fused_s / 1e9,
             "stream_us": stream_s * 1e6, "fused_over_stream": fused_s / stream_s,
+            "dram_floor_us": bytes_read / bandwidth * 1e6, "fused_over_dram_floor": fused_s * bandwidth / bytes_read,
         })
         del problem
     return rows
@@ -288,7 +302,7 @@ def run(args) -> list[dict]:
 def print_table(rows: list[dict]) -> None:
     header = (f"{'op':<14}{'B':>4}{'K':>5}{'V':>8} {'dtype':<9}{'fused us':>10}{'+checks us':>11}"
               f"{'reference us':>13}{'vs ref':>8}{'plain us':>10}{'vs plain':>9}{'GB/s':>7}{'floor us':>10}"
-              f"{'fused/floor':>12}")
+              f"{'fused/floor':>12}{'DRAM floor':>11}{'fused/DRAM':>11}")
     print(header)
     print("-" * len(header))
     for row in rows:
@@ -296,7 +310,8 @@ def print_table(rows: list[dict]) -> None:
         print(f"{row['op']:<14}{row['B']:>4}{row['K']:>5}{row['V']:>8} {row['dtype']:<9}{row['fused_us']:>10.1f}"
               f"{row['fused_checked_us']:>11.1f}{row['reference_us']:>13.1f}{row['speedup']:>7.1f}x"
               f"{row['plain_us']:>10.1f}{row['plain_over_fused']:>8.1f}x{mark:1}{row['fused_GBps']:>6.1f}"
-              f"{row['stream_us']:>10.1f}{row['fused_over_stream']:>11.2f}x")
+              f"{row['stream_us']:>10.1f}{row['fused_over_stream']:>11.2f}x{row['dram_floor_us']:>11.1f}"
+              f"{row['fused_over_dram_floor']:>10.2f}x")
     speedups = [row["speedup"] for row in rows]
     print(f"\nspeed-up over the reference: min {min(speedups):.1f}x, median {statistics.median(speedups):.1f}x, "
           f"max {max(speedups):.1f}x over {len(rows)} configurations "

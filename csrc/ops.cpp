@@ -1,6 +1,7 @@
 // Operator schemas of the `diversed` namespace, and the module init that lets Python import the library. Each backend
-// registers all four kernels in one file: csrc/cpu/ops_cpu.cpp and csrc/cuda/ops_cuda.cu; the fake (meta) kernels
-// are registered from Python (diversed_ext/_ops.py).
+// registers the four public kernels in one file: csrc/cpu/ops_cpu.cpp and csrc/cuda/ops_cuda.cu (the CPU-only ops
+// below are registered by the CPU files alone); the fake (meta) kernels are registered from Python
+// (diversed_ext/ops/_fake.py).
 //
 // The Python layer (diversed_ext/ops/api.py) validates and normalises the arguments before calling these ops:
 //   draft_tokens int64 [B, K], draft_probs [B, K, V], target_probs [B, K+1, V] (float32/bfloat16/float16, contiguous),

@@ -1,8 +1,9 @@
 """Value checks of the ops' inputs (``check_inputs=True``): they read every value, so they synchronise with the device.
 
 On the CPU one native pass (``diversed::value_flags``) reads every value once and flags what is wrong with each row;
-one host read of the flags then decides, and only a failing check reads more to say where. On other devices the
-checks are torch reductions. Without them the kernels stay memory-safe by construction and treat bad values by fixed
+one host read of the flags then decides, and only a failing check reads more to say where. A checked
+``verify_logits`` on the CPU gets the same flags from its own kernel (``diversed::verify_logits_with_flags``) and
+checks them with :func:`check_logit_flags` after the call. On other devices the checks are torch reductions. Without them the kernels stay memory-safe by construction and treat bad values by fixed
 rules (csrc/common/verify_math.h).
 """
 
