@@ -32,7 +32,8 @@ TORCH_LIBRARY(diversed, m) {
       "Tensor? num_draft, Tensor? temperature, Tensor? uniforms, Tensor? seeds, int offset=0, bool per_row_seed=False, "
       "float weight_value=1., float temperature_value=1., int? seed=None) -> (Tensor, Tensor, Tensor)");
   // CPU only: verify_logits, and what check_inputs=True needs of both logit tensors from the same passes: int32
-  // [B, 2K + 1] flags per row (value_flags' bits; draft positions, then target positions).
+  // [B, 2K + 1] flags per row (value_flags' bits; draft positions, then target positions), and 16 on a drafted
+  // position whose token id lies outside [0, V).
   m.def(
       "verify_logits_with_flags(Tensor draft_tokens, Tensor draft_logits, Tensor target_logits, Tensor? weight, "
       "Tensor? num_draft, Tensor? temperature, Tensor? uniforms, Tensor? seeds, int offset=0, "

@@ -115,7 +115,7 @@ def spoiled_logit_pair(batch: int, num_positions: int, vocab: int, dtype: torch.
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_verify_logits_with_flags_equal_value_flags(dtype, batch, vocab, build, monkeypatch):
     """The fused op's flags are value_flags' on every row of both tensors (up to the negative-entry bit, which no
-    logit rule reads), whatever the layout (one request: by vocabulary chunks; several: by rows), ragged rows,
+    logit rule reads), plus the bad-token bit exactly where a drafted id lies outside [0, V), whatever the layout (one request: by vocabulary chunks; several: by rows), ragged rows,
     temperature (0.01 makes finite logits overflow when scaled) and build; its verification equals verify_logits'."""
     if build != "default":
         monkeypatch.setenv("DIVERSED_CPU_CAPABILITY", build)
@@ -125,11 +125,15 @@ def test_verify_logits_with_flags_equal_value_flags(dtype, batch, vocab, build, 
     tokens = torch.randint(0, vocab, (batch, num_positions), generator=generator)
     num_draft = torch.arange(batch) % (num_positions + 1)
     temperature = torch.tensor([1.0, 0.01, 0.0, 0.7, 1.3][:batch]).repeat(2)[:batch]
-    arguments = (tokens, draft, target, None, num_draft, temperature, torch.rand(batch, num_positions + 1,
-                 generator=generator, dtype=torch.float64), None, 0, False, 0.6, 1.0, None)
+    uniforms = torch.rand(batch, num_positions + 1, generator=generator, dtype=torch.float64)
+    tokens[:, 0] = torch.tensor([-1, vocab, 0, vocab + 7, 2])[:batch]  # bad ids at drafted positions and past them
+    bad_token = (tokens < 0) | (tokens >= vocab)
+    drafted = torch.arange(num_positions) < num_draft.unsqueeze(1)
+    expected = torch.cat([torch.ops.diversed.value_flags(draft, True), torch.ops.diversed.value_flags(target, True)], 1)
+    expected[:, :num_positions] |= torch.where(bad_token & drafted, _values.FLAG_BAD_TOKEN, 0).int()
+    arguments = (tokens, draft, target, None, num_draft, temperature, uniforms, None, 0, False, 0.6, 1.0, None)
     *verified, row_flags = torch.ops.diversed.verify_logits_with_flags(*arguments)
     assert row_flags.shape == (batch, 2 * num_positions + 1) and row_flags.dtype == torch.int32
-    expected = torch.cat([torch.ops.diversed.value_flags(draft, True), torch.ops.diversed.value_flags(target, True)], 1)
     meaningful = ~_values.FLAG_NEGATIVE
     assert torch.equal(row_flags & meaningful, expected & meaningful)
     assert bool((expected & _values.LOGIT_ERRORS).any(1).all()) or batch == 1  # the cases do reach every request
@@ -149,10 +153,16 @@ def test_checked_verify_logits_flags_in_the_kernel(monkeypatch):
     """A checked CPU verify_logits makes no value_flags pass of its own, and still names the tensor of a bad value in
     a row the verifier never reads."""
     monkeypatch.setattr(_values, "_native_flags", lambda tensor, from_logits: pytest.fail("a separate value pass"))
+    monkeypatch.setattr(_values, "check_token_ids", lambda *args: pytest.fail("a separate token check"))
     import diversed_ext as dx
     draft, target = torch.randn(2, 3, 50), torch.randn(2, 4, 50)
     tokens = torch.randint(0, 50, (2, 3))
+    tokens[0, 2] = 50  # past row 0's num_draft: ignored
     dx.verify_logits(tokens, draft, target, 0.5, num_draft=torch.tensor([1, 3]), seed=1)
+    tokens[1, 1] = -3
+    with pytest.raises(ValueError, match=r"draft_tokens\[1, 1\] = -3 is outside \[0, V\) with V = 50"):
+        dx.verify_logits(tokens, draft, target, 0.5, num_draft=torch.tensor([1, 3]), seed=1)
+    tokens[1, 1], tokens[0, 2] = 4, 5
     target[0, 3, 7] = float("nan")  # past row 0's bonus row (num_draft 1): never read
     with pytest.raises(ValueError, match="target_logits contains NaN"):
         dx.verify_logits(tokens, draft, target, 0.5, num_draft=torch.tensor([1, 3]), seed=1)

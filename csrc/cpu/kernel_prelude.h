@@ -71,6 +71,8 @@ constexpr int32_t kValueFlagNan = 1;
 constexpr int32_t kValueFlagNegative = 2;
 constexpr int32_t kValueFlagPositiveInfinity = 4;
 constexpr int32_t kValueFlagNoMass = 8;
+// Set by verify_logits with flags (verify_kernels.h) on a drafted position whose token id lies outside [0, V).
+constexpr int32_t kValueFlagBadToken = 16;
 
 // Elements of work below which a task is not worth a fork (torch's own grain for element-wise loops).
 constexpr int64_t kMinTaskElements = 32768;

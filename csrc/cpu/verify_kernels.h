@@ -221,7 +221,7 @@ struct LogitRows {
 // Slots [0, K) of a request are its draft positions, slots [K, 2K + 1) its target positions. With `row_flags`
 // ([B, 2K + 1], check_inputs=True), every slot also gets its value flags (those of value_flags), which cost nothing
 // extra where a normaliser vouches for its row; the rows the request does not read, and those it cannot vouch for,
-// get a pass of their own.
+// get a pass of their own. A drafted position also flags a token id outside [0, V) (kValueFlagBadToken).
 template <typename T>
 struct SoftmaxStatsPlan {
   const VerifyProblem& problem;
@@ -266,6 +266,10 @@ struct SoftmaxStatsPlan {
     if (!row_flags) return;
     if (normaliser_vouches_for_row(stats, summed_every_block)) row_flags[row * slots() + slot] = 0;
     else flag_by_values(row, slot);
+    if (is_draft(slot)) {
+      const int64_t token = problem.draft_tokens[tensor_row(row, slot)];
+      if (token < 0 || token >= problem.vocab) row_flags[row * slots() + slot] |= kValueFlagBadToken;
+    }
   }
   // The normalisers of the rows the accept tests read; the bonus row's too when `with_bonus` (a greedy row's argmax
   // of it is taken in the accept phase). A sampled row's bonus normaliser is computed only when the bonus is drawn:

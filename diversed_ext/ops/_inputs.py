@@ -292,10 +292,10 @@ def seed_argument(seed: SeedLike, batch: int, device: torch.device) -> tuple[Opt
 
 def prepare_verify(draft_tokens, draft, target, weight, *, num_draft, greedy, uniforms, seed, offset,
                    check_inputs: bool, draft_name: str, target_name: str, kind: str,
-                   check_logit_values: bool = True) -> VerifyArgs:
+                   checks_in_kernel: bool = False) -> VerifyArgs:
     """Validate and normalise every verify argument (probabilities or logits alike). Defaults are left as scalars or
-    None (see VerifyArgs.materialized). ``check_logit_values=False`` leaves the values of logits to the caller (the
-    CPU kernel flags them in its own passes)."""
+    None (see VerifyArgs.materialized). ``checks_in_kernel`` leaves the token ids and the logits' values to the
+    caller (the CPU logits kernel flags them in its own passes)."""
     batch, num_positions, vocab = check_distributions(draft, target, draft_name, target_name, kind)
     device = draft.device
     tokens = normalize_tokens(draft_tokens, batch, num_positions, device)
@@ -307,9 +307,9 @@ def prepare_verify(draft_tokens, draft, target, weight, *, num_draft, greedy, un
         raise ValueError("pass either uniforms or seed, not both: explicit uniforms replace the generator")
     seeds_t, seed_value, per_row_seed = seed_argument(seed, batch, device)
     offset_i = normalize_offset(offset)
-    if check_inputs:
+    if check_inputs and not checks_in_kernel:
         check_token_ids(tokens, num_draft_t, vocab)
-        if kind == "logits" and check_logit_values:
+        if kind == "logits":
             check_values(draft, draft_name, from_logits=True)
             check_values(target, target_name, from_logits=True)
         elif kind != "logits":

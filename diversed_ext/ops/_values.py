@@ -2,9 +2,10 @@
 
 On the CPU one native pass (``diversed::value_flags``) reads every value once and flags what is wrong with each row;
 one host read of the flags then decides, and only a failing check reads more to say where. A checked
-``verify_logits`` on the CPU gets the same flags from its own kernel (``diversed::verify_logits_with_flags``) and
-checks them with :func:`check_logit_flags` after the call. On other devices the checks are torch reductions. Without them the kernels stay memory-safe by construction and treat bad values by fixed
-rules (csrc/common/verify_math.h).
+``verify_logits`` on the CPU gets the same flags, and its token ids', from its own kernel
+(``diversed::verify_logits_with_flags``) and checks them with :func:`check_verify_logits_flags` after the call. On
+other devices the checks are torch reductions. Without them the kernels stay memory-safe by construction and treat bad
+values by fixed rules (csrc/common/verify_math.h).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ FLAG_NAN = 1
 FLAG_NEGATIVE = 2
 FLAG_POSITIVE_INFINITY = 4
 FLAG_NO_MASS = 8  # no positive probability; for logits, no entry above -inf
+FLAG_BAD_TOKEN = 16  # verify_logits_with_flags only: a drafted token id outside [0, V)
 PROBABILITY_ERRORS = FLAG_NAN | FLAG_NEGATIVE | FLAG_POSITIVE_INFINITY
 LOGIT_ERRORS = FLAG_NAN | FLAG_POSITIVE_INFINITY | FLAG_NO_MASS
 
@@ -117,7 +119,10 @@ def check_token_ids(draft_tokens: torch.Tensor, num_draft: Optional[torch.Tensor
         return
     num_draft = _drafted_lengths(num_draft, draft_tokens.shape[0], draft_tokens.shape[1], draft_tokens.device)
     drafted = torch.arange(draft_tokens.shape[1], device=draft_tokens.device) < num_draft.unsqueeze(1)
-    bad = drafted & outside
+    _raise_first_bad_token(draft_tokens, drafted & outside, vocab)
+
+
+def _raise_first_bad_token(draft_tokens: torch.Tensor, bad: torch.Tensor, vocab: int) -> None:
     if bool(bad.any()):
         row, position = (int(i) for i in bad.nonzero()[0])
         raise ValueError(f"draft_tokens[{row}, {position}] = {int(draft_tokens[row, position])} is outside [0, V) "
@@ -129,19 +134,24 @@ def _raise_logit_error(name: str, flags: int) -> None:
                                (FLAG_NO_MASS, "has a row whose logits are all -inf (no token is possible)")))
 
 
-def check_logit_flags(flags: torch.Tensor, names, split: Optional[int] = None) -> None:
-    """Raise for the first logit rule that per-row flags (value_flags' bits) break; one host read when none does.
-
-    ``names`` is the tensor's name, or with ``split`` the names of two tensors whose flags sit side by side in the
-    last dimension: the first ``split`` columns are the first tensor's."""
+def check_logit_flags(flags: torch.Tensor, name: str) -> None:
+    """Raise for the first logit rule that per-row flags (value_flags' bits) break; one host read when none does."""
     errors = flags & LOGIT_ERRORS
+    if bool(errors.any()):
+        _raise_logit_error(name, _or_reduce(errors))
+
+
+def check_verify_logits_flags(row_flags: torch.Tensor, draft_tokens: torch.Tensor, vocab: int) -> None:
+    """The checks of a verify_logits call from its kernel's flags ([B, 2K + 1]: draft positions, then target
+    positions): token ids first, then the draft's and the target's values, as the checks before a call order them.
+    One host read when nothing is wrong."""
+    errors = row_flags & (LOGIT_ERRORS | FLAG_BAD_TOKEN)
     if not bool(errors.any()):
         return
-    if split is None:
-        _raise_logit_error(names, _or_reduce(errors))
-    for name, part in zip(names, (errors[..., :split], errors[..., split:])):
-        if bool(part.any()):
-            _raise_logit_error(name, _or_reduce(part))
+    num_positions = draft_tokens.shape[1]
+    _raise_first_bad_token(draft_tokens, (errors[:, :num_positions] & FLAG_BAD_TOKEN) != 0, vocab)
+    check_logit_flags(errors[:, :num_positions], "draft_logits")
+    check_logit_flags(errors[:, num_positions:], "target_logits")
 
 
 def _check_logit_values(tensor: torch.Tensor, name: str) -> None:

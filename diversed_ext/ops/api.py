@@ -29,7 +29,7 @@ import torch
 from . import _fake  # noqa: F401  (registers the native ops and their fake kernels)
 from ._inputs import (PROB_DTYPES, SEED_RANGE, normalize_stat_tokens, normalize_weight, prepare_pair,
                       prepare_verify, temperature_argument)
-from ._values import check_logit_flags
+from ._values import check_verify_logits_flags
 
 # The verify overloads, looked up once: torch.ops.<namespace>.<op> is two attribute lookups and an overload resolution
 # on every call, which the serving path (one call per decoding step) should not pay.
@@ -174,13 +174,13 @@ def verify_logits(draft_tokens, draft_logits, target_logits, weight, *, temperat
                 return result
         except Exception:  # noqa: BLE001  as in verify
             pass
-    # On the CPU the kernel flags the logits' values in its own passes (checked after the call, which then raises);
-    # elsewhere they are checked before it.
+    # On the CPU the kernel flags the token ids and the logits' values in its own passes (checked after the call,
+    # which then raises); elsewhere they are checked before it.
     flags_from_kernel = check_inputs and isinstance(draft_logits, torch.Tensor) and draft_logits.device.type == "cpu"
     args = prepare_verify(draft_tokens, draft_logits, target_logits, weight, num_draft=num_draft, greedy=None,
                           uniforms=uniforms, seed=seed, offset=offset, check_inputs=check_inputs,
                           draft_name="draft_logits", target_name="target_logits", kind="logits",
-                          check_logit_values=not flags_from_kernel)
+                          checks_in_kernel=flags_from_kernel)
     temperature_t, temperature_value = temperature_argument(temperature, args.draft.shape[0], args.draft.device,
                                                             check_inputs)
     op_arguments = (args.draft_tokens, args.draft, args.target, args.weight, args.num_draft, temperature_t,
@@ -189,7 +189,7 @@ def verify_logits(draft_tokens, draft_logits, target_logits, weight, *, temperat
     if not flags_from_kernel:
         return VerifyResult(*_VERIFY_LOGITS(*op_arguments))
     tokens, num_accepted, accept_prob, row_flags = _VERIFY_LOGITS_WITH_FLAGS(*op_arguments)
-    check_logit_flags(row_flags, ("draft_logits", "target_logits"), split=args.draft.shape[1])
+    check_verify_logits_flags(row_flags, args.draft_tokens, args.draft.shape[-1])
     return VerifyResult(tokens, num_accepted, accept_prob)
 
 
