@@ -50,6 +50,7 @@ TIME_BUDGET_S = 1.5  # per implementation and configuration, after warm-up
 DRAFT_TARGET_AGREEMENT = 1.0  # scale of the noise between draft and target logits: about half the drafts pass at w=1
 WEIGHT = 0.5
 STREAM_BUFFER_BYTES = 512 * 2**20  # for the DRAM floor: far beyond any last-level cache
+STREAM_REPEATS = 10
 
 
 @dataclass
@@ -238,10 +239,20 @@ def interleaved_medians(functions: dict[str, Callable[[], object]], device: torc
 
 def memory_bandwidth(device: torch.device) -> float:
     """Bytes per second that torch.sum streams from memory, over a buffer of STREAM_BUFFER_BYTES (several times the
-    last-level cache, so it comes from DRAM, or HBM on a GPU): the machine's streaming speed, for the DRAM floor."""
+    last-level cache, so it comes from DRAM, or HBM on a GPU): the machine's streaming speed, for the DRAM floor. The
+    fastest of STREAM_REPEATS sums after a warm-up: a floor is the best the machine does."""
     buffer = torch.ones(STREAM_BUFFER_BYTES // 4, dtype=torch.float32, device=device)
-    seconds = interleaved_medians({"sum": lambda: torch.sum(buffer)}, device)["sum"]
-    return STREAM_BUFFER_BYTES / seconds
+    torch.sum(buffer)
+    times = []
+    for _ in range(STREAM_REPEATS):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        torch.sum(buffer)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    return STREAM_BUFFER_BYTES / min(times)
 
 
 def call_overhead(device: torch.device, calls_per_sample: int = 50) -> dict[str, float]:
