@@ -141,6 +141,24 @@ def test_verify_logits_with_flags_equal_value_flags(dtype, batch, vocab, build, 
         assert torch.equal(field, plain)
 
 
+@pytest.mark.parametrize("batch,num_positions,vocab", [(3, 0, 5), (2, 0, 1), (2, 2, 1), (1, 0, 70_001), (0, 3, 5)])
+def test_verify_logits_with_flags_edges(batch, num_positions, vocab):
+    """K = 0 (only the bonus row), V = 1 and B = 0: every row still gets value_flags' flags (outputs are poisoned
+    first in the suite), here with a NaN in the last target row of the second request."""
+    generator = torch.Generator().manual_seed(batch + vocab)
+    draft = torch.randn(batch, num_positions, vocab, generator=generator)
+    target = torch.randn(batch, num_positions + 1, vocab, generator=generator)
+    if batch > 1:
+        target[1, -1, 0] = float("nan")
+    tokens = torch.randint(0, vocab, (batch, num_positions), generator=generator)
+    *_, row_flags = torch.ops.diversed.verify_logits_with_flags(tokens, draft, target, None, None, None, None, None, 0,
+                                                                False, 0.5, 1.0, 3)
+    expected = torch.cat([torch.ops.diversed.value_flags(draft, True), torch.ops.diversed.value_flags(target, True)], 1)
+    meaningful = ~_values.FLAG_NEGATIVE
+    assert row_flags.shape == (batch, 2 * num_positions + 1)
+    assert torch.equal(row_flags & meaningful, expected & meaningful)
+
+
 def test_verify_logits_with_flags_opcheck():
     draft, target = torch.randn(2, 3, 33), torch.randn(2, 4, 33)
     tokens = torch.randint(0, 33, (2, 3))
