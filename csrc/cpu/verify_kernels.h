@@ -117,22 +117,23 @@ template <typename Rows>
 void sample_row(const VerifyProblem& problem, const Rows& rows, const RowPlan& plan, int64_t row,
                 double* block_sums) {
   const int64_t V = problem.vocab, num_blocks = blocks_of(V);
-  const auto target = rows.target(row, plan.num_accepted);
-  const auto draft_storage = residual_draft_row(rows, plan, row);
-  const auto* draft = draft_storage ? &*draft_storage : nullptr;
-  double total = 0.0;
-  for (int64_t b = 0; b < num_blocks; ++b) total += block_sums[b];
-  if (!(total > 0.0) && draft) {
-    // Zero residual: the target puts no more mass anywhere than the draft does, so sample p itself.
-    draft = nullptr;
-    block_masses(target, draft, 0, V, block_sums);
-    total = 0.0;
+  const auto target_row = rows.target(row, plan.num_accepted);
+  const auto draft_row = residual_draft_row(rows, plan, row);
+  with_mass_rows(target_row, draft_row ? &*draft_row : nullptr, [&](const auto& target, const auto* draft) {
+    double total = 0.0;
     for (int64_t b = 0; b < num_blocks; ++b) total += block_sums[b];
-  }
-  int64_t chosen = 0;  // a target row without mass has no valid sample; 0 keeps the id in range
-  if (total > 0.0)
-    chosen = inverse_cdf(target, draft, block_sums, V, problem.uniform(row, problem.num_positions) * total);
-  problem.out_tokens[row * (problem.num_positions + 1) + plan.num_accepted] = chosen;
+    if (!(total > 0.0) && draft) {
+      // Zero residual: the target puts no more mass anywhere than the draft does, so sample p itself.
+      draft = nullptr;
+      block_masses(target, draft, 0, V, block_sums);
+      total = 0.0;
+      for (int64_t b = 0; b < num_blocks; ++b) total += block_sums[b];
+    }
+    int64_t chosen = 0;  // a target row without mass has no valid sample; 0 keeps the id in range
+    if (total > 0.0)
+      chosen = inverse_cdf(target, draft, block_sums, V, problem.uniform(row, problem.num_positions) * total);
+    problem.out_tokens[row * (problem.num_positions + 1) + plan.num_accepted] = chosen;
+  });
 }
 
 // Residual (or bonus) mass of the blocks of one vocabulary range of a sampled row, into the row's block sums.
@@ -141,7 +142,9 @@ void range_block_masses(const Rows& rows, const RowPlan& plan, int64_t row, int6
                         double* block_sums) {
   const auto target = rows.target(row, plan.num_accepted);
   const auto draft = residual_draft_row(rows, plan, row);
-  block_masses(target, draft ? &*draft : nullptr, begin, end, block_sums + begin / kBlock);
+  with_mass_rows(target, draft ? &*draft : nullptr, [&](const auto& mass_target, const auto* mass_draft) {
+    block_masses(mass_target, mass_draft, begin, end, block_sums + begin / kBlock);
+  });
 }
 
 // Fused verification in the given layout. In the rows layout, prepare_row(row) runs first in each request's task and
@@ -206,14 +209,16 @@ struct LogitRows {
   const float* inverse_temperature;  // [B]
   const SoftmaxStats* draft_stats;   // [B * draft_positions]
   const SoftmaxStats* target_stats;  // [B * target_positions]
+  const uint8_t* draft_vouched;      // [B * draft_positions]: normaliser_vouches_for_row
+  const uint8_t* target_vouched;     // [B * target_positions]
 
   LogitRow<T> draft(int64_t row, int64_t position) const {
     const int64_t index = row * draft_positions + position;
-    return {draft_logits + index * vocab, inverse_temperature[row], draft_stats[index]};
+    return {draft_logits + index * vocab, inverse_temperature[row], draft_stats[index], draft_vouched[index] != 0};
   }
   LogitRow<T> target(int64_t row, int64_t position) const {
     const int64_t index = row * target_positions + position;
-    return {target_logits + index * vocab, inverse_temperature[row], target_stats[index]};
+    return {target_logits + index * vocab, inverse_temperature[row], target_stats[index], target_vouched[index] != 0};
   }
 };
 
@@ -230,11 +235,13 @@ struct SoftmaxStatsPlan {
   const float* inverse_temperature;  // [B]
   int32_t* row_flags;                // [B, 2K + 1] or nullptr
   std::vector<SoftmaxStats> draft_stats, target_stats;
+  std::vector<uint8_t> draft_vouched, target_vouched;  // whether each normaliser vouches for its row
 
   SoftmaxStatsPlan(const VerifyProblem& p, const T* draft, const T* target, const float* inverse, int32_t* flags)
       : problem(p), draft_logits(draft), target_logits(target), inverse_temperature(inverse), row_flags(flags),
         draft_stats(p.batch * p.num_positions, SoftmaxStats{0.0f, 0.0f}),
-        target_stats(p.batch * (p.num_positions + 1), SoftmaxStats{0.0f, 0.0f}) {}
+        target_stats(p.batch * (p.num_positions + 1), SoftmaxStats{0.0f, 0.0f}),
+        draft_vouched(draft_stats.size(), 0), target_vouched(target_stats.size(), 0) {}
 
   int64_t slots() const { return 2 * problem.num_positions + 1; }
   bool is_draft(int64_t slot) const { return slot < problem.num_positions; }
@@ -259,12 +266,9 @@ struct SoftmaxStatsPlan {
       if (row_flags) flag_by_values(row, slot);
       return;
     }
-    bool summed_every_block = false;
-    const SoftmaxStats stats =
-        softmax_stats(values(row, slot), problem.vocab, inverse_temperature[row], &summed_every_block);
-    (is_draft(slot) ? draft_stats : target_stats)[tensor_row(row, slot)] = stats;
+    const bool vouched = normalise(row, slot);
     if (!row_flags) return;
-    if (normaliser_vouches_for_row(stats, summed_every_block)) row_flags[row * slots() + slot] = 0;
+    if (vouched) row_flags[row * slots() + slot] = 0;
     else flag_by_values(row, slot);
     if (is_draft(slot)) {
       const int64_t token = problem.draft_tokens[tensor_row(row, slot)];
@@ -281,10 +285,17 @@ struct SoftmaxStatsPlan {
       else if (row_flags) flag_by_values(row, slot);
     }
   }
-  void compute_bonus(int64_t row) {
-    const int64_t bonus_slot = problem.num_positions + problem.drafted(row);
-    const int64_t index = tensor_row(row, bonus_slot);
-    target_stats[index] = softmax_stats(values(row, bonus_slot), problem.vocab, inverse_temperature[row]);
+  void compute_bonus(int64_t row) { normalise(row, problem.num_positions + problem.drafted(row)); }
+  // The normaliser of a slot's row, stored with whether it vouches for the row (returned).
+  bool normalise(int64_t row, int64_t slot) {
+    bool summed_every_block = false;
+    const SoftmaxStats stats =
+        softmax_stats(values(row, slot), problem.vocab, inverse_temperature[row], &summed_every_block);
+    const bool vouched = normaliser_vouches_for_row(stats, summed_every_block);
+    const int64_t index = tensor_row(row, slot);
+    (is_draft(slot) ? draft_stats : target_stats)[index] = stats;
+    (is_draft(slot) ? draft_vouched : target_vouched)[index] = vouched;
+    return vouched;
   }
   // Every request's normalisers, in parallel over (request, slot).
   void compute_all(const ParallelFor& parallel_for) {
@@ -339,7 +350,8 @@ void verify_logits(const VerifyProblem& problem, const T* draft_logits, const T*
   const VerifyLayout layout = verify_layout(problem.batch, V, parallel_for);
   if (layout == VerifyLayout::kChunks) stats.compute_all(parallel_for);
   const LogitRows<T> rows{draft_logits, target_logits, K, K + 1, V, temperatures.inverse.data(),
-                          stats.draft_stats.data(), stats.target_stats.data()};
+                          stats.draft_stats.data(), stats.target_stats.data(), stats.draft_vouched.data(),
+                          stats.target_vouched.data()};
   VerifyProblem with_greedy = problem;
   with_greedy.greedy = temperatures.greedy.get();
   run_verify(
