@@ -287,3 +287,26 @@ def test_cpu_builds_agree_on_every_exp(temperature, monkeypatch):
     tolerance = 1e-6 if temperature == 1.0 else 1e-5
     assert torch.allclose(mixture[kept], expected[kept], rtol=tolerance, atol=0.0)
     assert kept.sum() > 1000 and flushed.sum() > 300
+
+
+@pytest.mark.parametrize("batch,vocab", [(6, 4099), (1, 70_001)])
+def test_verify_logits_equals_verify_on_the_kernels_own_probabilities(batch, vocab):
+    """At temperature 1, verify_logits gives bit for bit what verify gives on the probabilities the logits kernels
+    themselves compute (mix with w = 1 writes p exactly): the residual and bonus passes' shortcuts for rows whose
+    normaliser vouches for them change no value. Masked (-inf) stretches included; by rows and by vocabulary chunks."""
+    generator = torch.Generator().manual_seed(vocab)
+    num_positions = 3
+    tokens, draft, target = random_logits(batch, num_positions, vocab, seed=vocab)
+    draft[:, 1, : vocab // 3] = float("-inf")
+    target[:, 2, vocab // 2:] = float("-inf")
+    tokens[:, 1] = torch.randint(vocab // 3, vocab, (batch,), generator=generator)
+    weight = torch.rand(batch, num_positions, generator=generator)
+    draft_probs = dx.mix(draft, draft, 1.0, from_logits=True)
+    target_probs = dx.mix(target, target, 1.0, from_logits=True)
+    for trial in range(8):
+        uniforms = torch.rand(batch, num_positions + 1, generator=generator, dtype=torch.float64)
+        uniforms[:, : trial % 4] = 0.0  # from no forced acceptance to every draft accepted (the bonus row)
+        from_logits = dx.verify_logits(tokens, draft, target, weight, uniforms=uniforms)
+        from_probs = dx.verify(tokens, draft_probs, target_probs, weight, uniforms=uniforms)
+        for logit_field, prob_field in zip(from_logits, from_probs):
+            assert torch.equal(logit_field, prob_field)
