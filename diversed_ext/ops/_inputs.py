@@ -293,9 +293,8 @@ def seed_argument(seed: SeedLike, batch: int, device: torch.device) -> tuple[Opt
 def prepare_verify(draft_tokens, draft, target, weight, *, num_draft, greedy, uniforms, seed, offset,
                    check_inputs: bool, draft_name: str, target_name: str, kind: str,
                    checks_in_kernel: bool = False) -> VerifyArgs:
-    """Validate and normalise every verify argument (probabilities or logits alike). Defaults are left as scalars or
-    None (see VerifyArgs.materialized). ``checks_in_kernel`` leaves the token ids and the logits' values to the
-    caller (the CPU logits kernel flags them in its own passes)."""
+    """Validate and normalise every verify argument (probabilities or logits alike); defaults stay scalars or None
+    (VerifyArgs.materialized). ``checks_in_kernel``: the CPU logits kernel flags token ids and values itself."""
     batch, num_positions, vocab = check_distributions(draft, target, draft_name, target_name, kind)
     device = draft.device
     tokens = normalize_tokens(draft_tokens, batch, num_positions, device)
@@ -312,7 +311,7 @@ def prepare_verify(draft_tokens, draft, target, weight, *, num_draft, greedy, un
         if kind == "logits":
             check_values(draft, draft_name, from_logits=True)
             check_values(target, target_name, from_logits=True)
-        elif kind != "logits":
+        else:
             check_verify_probabilities(draft, target, num_draft_t, draft_name, target_name)
     return VerifyArgs(tokens, draft.contiguous(), target.contiguous(), weight_t, weight_value, num_draft_t, greedy_t,
                       uniforms_t, seeds_t, seed_value, offset_i, per_row_seed)
