@@ -214,17 +214,19 @@ OPS = {
 STATS_CONFIG = (8, 256, 49152)
 
 
+def _synchronize(device: torch.device) -> None:
+    """Waits for the device's queued work, so that a timing covers it (nothing to wait for on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def interleaved_medians(functions: dict[str, Callable[[], object]], device: torch.device) -> dict[str, float]:
     """Median seconds per call of each function, timed in interleaved rounds (one call of each per round, after
     warm-up), so that a load which comes and goes on a shared machine falls on every implementation alike."""
-    def synchronize():
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
     for function in functions.values():
         for _ in range(WARMUP_CALLS):
             function()
-    synchronize()
+    _synchronize(device)
     samples = {name: [] for name in functions}
     budget_end = time.perf_counter() + TIME_BUDGET_S * len(functions)
     while (len(samples[next(iter(functions))]) < MAX_REPEATS
@@ -232,7 +234,7 @@ def interleaved_medians(functions: dict[str, Callable[[], object]], device: torc
         for name, function in functions.items():
             start = time.perf_counter()
             function()
-            synchronize()
+            _synchronize(device)
             samples[name].append(time.perf_counter() - start)
     return {name: statistics.median(times) for name, times in samples.items()}
 
@@ -245,12 +247,10 @@ def memory_bandwidth(device: torch.device) -> float:
     torch.sum(buffer)
     times = []
     for _ in range(STREAM_REPEATS):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        _synchronize(device)
         start = time.perf_counter()
         torch.sum(buffer)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        _synchronize(device)
         times.append(time.perf_counter() - start)
     return STREAM_BUFFER_BYTES / min(times)
 

@@ -257,8 +257,7 @@ SoftmaxStats scaled_softmax_stats(const T* logits, int64_t vocab, float inverse_
       }
     } else {
       running_max = scaled_max<kUnitTemperature>(logits, block, block_end, inverse_temperature);
-      if (!(running_max > -INFINITY)) {  // no finite logit so far: nothing to add
-        running_max = -INFINITY;
+      if (!(running_max > -INFINITY)) {  // no finite logit so far (scaled_max skips NaN): nothing to add
         skipped_a_block = true;
         continue;
       }

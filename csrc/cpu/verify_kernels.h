@@ -257,8 +257,9 @@ struct SoftmaxStatsPlan {
   const T* values(int64_t row, int64_t slot) const {
     return (is_draft(slot) ? draft_logits : target_logits) + tensor_row(row, slot) * problem.vocab;
   }
+  int32_t& flags_of(int64_t row, int64_t slot) { return row_flags[row * slots() + slot]; }
   void flag_by_values(int64_t row, int64_t slot) {
-    row_flags[row * slots() + slot] = row_value_flags(values(row, slot), problem.vocab, true);
+    flags_of(row, slot) = row_value_flags(values(row, slot), problem.vocab, true);
   }
 
   void compute(int64_t row, int64_t slot) {
@@ -268,11 +269,11 @@ struct SoftmaxStatsPlan {
     }
     const bool vouched = normalise(row, slot);
     if (!row_flags) return;
-    if (vouched) row_flags[row * slots() + slot] = 0;
+    if (vouched) flags_of(row, slot) = 0;
     else flag_by_values(row, slot);
     if (is_draft(slot)) {
       const int64_t token = problem.draft_tokens[tensor_row(row, slot)];
-      if (token < 0 || token >= problem.vocab) row_flags[row * slots() + slot] |= kValueFlagBadToken;
+      if (token < 0 || token >= problem.vocab) flags_of(row, slot) |= kValueFlagBadToken;
     }
   }
   // The normalisers of the rows the accept tests read; the bonus row's too when `with_bonus` (a greedy row's argmax
