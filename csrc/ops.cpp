@@ -7,7 +7,8 @@
 //   draft_tokens int64 [B, K], draft_probs [B, K, V], target_probs [B, K+1, V] (float32/bfloat16/float16, contiguous),
 //   weight float32 [B, K], num_draft int64 [B], greedy bool [B], uniforms float64 [B, K+1], seeds int64 [B],
 //   offset, per_row_seed (the row index joins the Philox counter only when seeds are shared).
-// Every optional tensor may be None, so that a call with default arguments creates no tensor before the op: weight is
+// draft_probs / draft_logits may be None: the drafter gave tokens only, and q is one-hot at each drafted token (B, K
+// and V then come from the target). Every other optional tensor may be None, so that a call with default arguments creates no tensor before the op: weight is
 // then weight_value everywhere, num_draft K, greedy false, temperature temperature_value; without seeds the shared
 // `seed` is used, and without it (and without uniforms) a seed is drawn on the device from its default generator.
 #include <Python.h>
@@ -23,19 +24,19 @@ PyObject* PyInit__C(void) {
 
 TORCH_LIBRARY(diversed, m) {
   m.def(
-      "verify_probs(Tensor draft_tokens, Tensor draft_probs, Tensor target_probs, Tensor? weight, Tensor? num_draft, "
+      "verify_probs(Tensor draft_tokens, Tensor? draft_probs, Tensor target_probs, Tensor? weight, Tensor? num_draft, "
       "Tensor? greedy, Tensor? uniforms, Tensor? seeds, int offset=0, bool per_row_seed=False, float weight_value=1., "
       "int? seed=None) -> (Tensor, Tensor, Tensor)");
   // Logits path: temperature float32 [B] (0 marks a greedy row), target_logits [B, K+1, V].
   m.def(
-      "verify_logits(Tensor draft_tokens, Tensor draft_logits, Tensor target_logits, Tensor? weight, "
+      "verify_logits(Tensor draft_tokens, Tensor? draft_logits, Tensor target_logits, Tensor? weight, "
       "Tensor? num_draft, Tensor? temperature, Tensor? uniforms, Tensor? seeds, int offset=0, bool per_row_seed=False, "
       "float weight_value=1., float temperature_value=1., int? seed=None) -> (Tensor, Tensor, Tensor)");
   // CPU only: verify_logits, and what check_inputs=True needs of both logit tensors from the same passes: int32
   // [B, 2K + 1] flags per row (value_flags' bits; draft positions, then target positions), and 16 on a drafted
   // position whose token id lies outside [0, V).
   m.def(
-      "verify_logits_with_flags(Tensor draft_tokens, Tensor draft_logits, Tensor target_logits, Tensor? weight, "
+      "verify_logits_with_flags(Tensor draft_tokens, Tensor? draft_logits, Tensor target_logits, Tensor? weight, "
       "Tensor? num_draft, Tensor? temperature, Tensor? uniforms, Tensor? seeds, int offset=0, "
       "bool per_row_seed=False, float weight_value=1., float temperature_value=1., int? seed=None) "
       "-> (Tensor, Tensor, Tensor, Tensor)");

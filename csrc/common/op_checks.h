@@ -60,12 +60,23 @@ struct VerifyOptionals {
   const c10::optional<at::Tensor>& seeds;
 };
 
-inline void check_verify_args(VerifyInput input, const at::Tensor& draft_tokens, const at::Tensor& draft,
-                              const at::Tensor& target, const VerifyOptionals& optional) {
+// The target alone, for a call whose drafter gave tokens only (no draft tensor): [B, K+1, V] with K + 1 >= 1.
+inline void check_target_only(const at::Tensor& target, const char* op) {
+  TORCH_CHECK(target.dim() == 3, op, ": target must be 3-D");
+  TORCH_CHECK(target.is_contiguous(), op, ": target must be contiguous");
+  TORCH_CHECK(target.size(2) > 0, op, ": the vocabulary size is zero");
+  TORCH_CHECK(target.size(1) >= 1, op, ": target must be [B, K+1, V] with K >= 0");
+}
+
+// verify's draft tensor is optional (absent: the drafter gave tokens only); B, K and V come from the target.
+inline void check_verify_args(VerifyInput input, const at::Tensor& draft_tokens,
+                              const c10::optional<at::Tensor>& draft, const at::Tensor& target,
+                              const VerifyOptionals& optional) {
   const char* op = verify_op(input);
-  check_pair(draft, target, op);
-  const int64_t B = draft.size(0), K = draft.size(1);
-  TORCH_CHECK(target.size(1) == K + 1, op, ": target must be [B, K+1, V]");
+  check_target_only(target, op);
+  if (draft.has_value()) check_pair(*draft, target, op);
+  const int64_t B = target.size(0), K = target.size(1) - 1;
+  if (draft.has_value()) TORCH_CHECK(draft->size(1) == K, op, ": target must be [B, K+1, V]");
   check_layout(draft_tokens, at::kLong, {B, K}, op, "draft_tokens");
   if (optional.weight.has_value()) check_layout(*optional.weight, at::kFloat, {B, K}, op, "weight");
   if (optional.num_draft.has_value()) check_int64_vector(*optional.num_draft, B, op, "num_draft");

@@ -31,6 +31,11 @@ const T* kernel_data(const at::Tensor& tensor) {
   static_assert(sizeof(T) == sizeof(scalar_t), "a kernel element type must have the bits of torch's");
   return reinterpret_cast<const T*>(tensor.data_ptr<scalar_t>());
 }
+// An optional tensor's data, or nullptr when it is absent (verify's draft tensor, for tokens-only drafts).
+template <typename T, typename scalar_t>
+const T* kernel_data(const c10::optional<at::Tensor>& tensor) {
+  return tensor.has_value() ? kernel_data<T, scalar_t>(*tensor) : nullptr;
+}
 
 // ------------------------------------------------------------------------------------------------ verify
 // verify_probs / verify_logits: tokens int64 [B, K+1], num_accepted int32 [B], accept_prob float32 [B, K], and the
@@ -57,9 +62,9 @@ struct VerifyScalars {
 // The largest seed torch.randint(0, 2**63 - 1) can give: the Python layer draws seeds the same way (ops/_inputs.py).
 constexpr int64_t kSeedDrawBound = INT64_MAX;
 
-inline VerifyCall start_verify(VerifyInput input, const at::Tensor& draft_tokens, const at::Tensor& draft,
+inline VerifyCall start_verify(VerifyInput input, const at::Tensor& draft_tokens, const at::Tensor& target,
                                const VerifyOptionals& optional, const VerifyScalars& scalars) {
-  const int64_t B = draft.size(0), K = draft.size(1), V = draft.size(2);
+  const int64_t B = target.size(0), K = target.size(1) - 1, V = target.size(2);
   const auto options = draft_tokens.options();
   VerifyCall call{at::empty({B, K + 1}, options.dtype(at::kLong)), at::empty({B}, options.dtype(at::kInt)),
                   at::empty({B, K}, options.dtype(at::kFloat)), at::Tensor(), VerifyProblem{}};

@@ -68,6 +68,12 @@ DX_HD F residual_mass(F p, F q) {
   return r > 0.0f ? r : F{};
 }
 
+// A drafter that gives tokens only: q is one-hot at the drafted id, so q(x) = 1 and nu(x) = w p(x) + 1 - w, and the
+// residual max(0, p - q) is p off x and 0 at x. An id outside [0, V) has no row (q = 0 everywhere) and is rejected,
+// as it is with draft distributions. Returns the id that carries q's mass, or -1 for none.
+DX_HD int64_t one_hot_draft_token(int64_t token, int64_t vocab) { return token >= 0 && token < vocab ? token : -1; }
+DX_HD float one_hot_mass(int64_t v, int64_t hot_token) { return v == hot_token ? 1.0f : 0.0f; }
+
 // Greedy comparison: strictly larger wins, so ties keep the lowest token id.
 DX_HD bool better_candidate(float value, int64_t index, float best_value, int64_t best_index) {
   return value > best_value || (value == best_value && index < best_index);

@@ -25,20 +25,19 @@ template <typename scalar_t>
 using CpuElement = kernel_element_t<HalfBits, BFloat16Bits, scalar_t>;
 
 using VerifyTuple = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
-
 using OptionalTensor = c10::optional<at::Tensor>;
 
-VerifyTuple verify_probs_cpu(const at::Tensor& draft_tokens, const at::Tensor& draft_probs,
+VerifyTuple verify_probs_cpu(const at::Tensor& draft_tokens, const OptionalTensor& draft_probs,
                              const at::Tensor& target_probs, const OptionalTensor& weight,
                              const OptionalTensor& num_draft, const OptionalTensor& greedy,
                              const OptionalTensor& uniforms, const OptionalTensor& seeds, int64_t offset,
                              bool per_row_seed, double weight_value, c10::optional<int64_t> seed) {
   const VerifyOptionals optional{weight, num_draft, greedy, uniforms, seeds};
   check_verify_args(VerifyInput::kProbs, draft_tokens, draft_probs, target_probs, optional);
-  const VerifyCall call = start_verify(VerifyInput::kProbs, draft_tokens, draft_probs, optional,
+  const VerifyCall call = start_verify(VerifyInput::kProbs, draft_tokens, target_probs, optional,
                                        VerifyScalars{weight_value, 1.0, seed, offset, per_row_seed});
   if (call.empty()) return call.result();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, draft_probs.scalar_type(), "verify_probs_cpu", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, target_probs.scalar_type(), "verify_probs_cpu", [&] {
     using T = CpuElement<scalar_t>;
     DIVERSED_CPU_CALL(verify_probs<T>, call.problem, kernel_data<T, scalar_t>(draft_probs),
                       kernel_data<T, scalar_t>(target_probs), kParallelFor);
@@ -47,7 +46,7 @@ VerifyTuple verify_probs_cpu(const at::Tensor& draft_tokens, const at::Tensor& d
 }
 
 // verify_logits, and with row_flags (int32 [B, 2K + 1]) every row's value flags from the same passes.
-VerifyTuple run_verify_logits(const at::Tensor& draft_tokens, const at::Tensor& draft_logits,
+VerifyTuple run_verify_logits(const at::Tensor& draft_tokens, const OptionalTensor& draft_logits,
                               const at::Tensor& target_logits, const OptionalTensor& weight,
                               const OptionalTensor& num_draft, const OptionalTensor& temperature,
                               const OptionalTensor& uniforms, const OptionalTensor& seeds, int64_t offset,
@@ -55,14 +54,14 @@ VerifyTuple run_verify_logits(const at::Tensor& draft_tokens, const at::Tensor& 
                               c10::optional<int64_t> seed, at::Tensor* row_flags) {
   const VerifyOptionals optional{weight, num_draft, temperature, uniforms, seeds};
   check_verify_args(VerifyInput::kLogits, draft_tokens, draft_logits, target_logits, optional);
-  const VerifyCall call = start_verify(VerifyInput::kLogits, draft_tokens, draft_logits, optional,
+  const VerifyCall call = start_verify(VerifyInput::kLogits, draft_tokens, target_logits, optional,
                                        VerifyScalars{weight_value, temperature_value, seed, offset, per_row_seed});
   if (row_flags) {
-    *row_flags = at::empty({draft_logits.size(0), 2 * draft_logits.size(1) + 1}, draft_tokens.options().dtype(at::kInt));
+    *row_flags = at::empty({target_logits.size(0), 2 * target_logits.size(1) - 1}, draft_tokens.options().dtype(at::kInt));
     poison_outputs(*row_flags);
   }
   if (call.empty()) return call.result();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, draft_logits.scalar_type(), "verify_logits_cpu", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, target_logits.scalar_type(), "verify_logits_cpu", [&] {
     using T = CpuElement<scalar_t>;
     DIVERSED_CPU_CALL(verify_logits<T>, call.problem, kernel_data<T, scalar_t>(draft_logits),
                       kernel_data<T, scalar_t>(target_logits), kParallelFor,
@@ -71,7 +70,7 @@ VerifyTuple run_verify_logits(const at::Tensor& draft_tokens, const at::Tensor& 
   return call.result();
 }
 
-VerifyTuple verify_logits_cpu(const at::Tensor& draft_tokens, const at::Tensor& draft_logits,
+VerifyTuple verify_logits_cpu(const at::Tensor& draft_tokens, const OptionalTensor& draft_logits,
                               const at::Tensor& target_logits, const OptionalTensor& weight,
                               const OptionalTensor& num_draft, const OptionalTensor& temperature,
                               const OptionalTensor& uniforms, const OptionalTensor& seeds, int64_t offset,
@@ -82,7 +81,7 @@ VerifyTuple verify_logits_cpu(const at::Tensor& draft_tokens, const at::Tensor& 
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> verify_logits_with_flags_cpu(
-    const at::Tensor& draft_tokens, const at::Tensor& draft_logits, const at::Tensor& target_logits,
+    const at::Tensor& draft_tokens, const OptionalTensor& draft_logits, const at::Tensor& target_logits,
     const OptionalTensor& weight, const OptionalTensor& num_draft, const OptionalTensor& temperature,
     const OptionalTensor& uniforms, const OptionalTensor& seeds, int64_t offset, bool per_row_seed,
     double weight_value, double temperature_value, c10::optional<int64_t> seed) {

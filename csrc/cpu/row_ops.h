@@ -1,15 +1,19 @@
-// Building blocks of the CPU kernels: element loads, row policies and the passes over one vocabulary row (softmax
-// normaliser, residual or target mass, inverse CDF, argmax of the mixture). Torch-free; compiled once per instruction
-// set inside diversed::cpu::DIVERSED_CPU_CAPABILITY (see cpu_kernels.h). Every build performs the same operations in
-// the same order (no FMA, the fixed accumulator lanes of lanes.h), so their results are bitwise identical.
+// Building blocks of the CPU kernels: row policies and the passes over one vocabulary row (softmax normaliser,
+// residual or target mass, inverse CDF, argmax of the mixture), over the element loads of element_loads.h. Torch-free;
+// compiled once per instruction set inside diversed::cpu::DIVERSED_CPU_CAPABILITY (see cpu_kernels.h). Every build
+// performs the same operations in the same order (no FMA, the fixed accumulator lanes of lanes.h), so their results
+// are bitwise identical.
 //
 // A row policy exposes `float mass(int64_t v)` and `FloatLanes mass_lanes(int64_t v)` (elements v .. v + kLanes - 1):
 //   ProbRow<T>   a row of probabilities (mass = the sanitised value);
-//   LogitRow<T>  a row of logits with its softmax normaliser (mass = softmax probability, computed on the fly).
+//   LogitRow<T>  a row of logits with its softmax normaliser (mass = softmax probability, computed on the fly);
+//   OneHotRow    the draft row of a drafter that gives tokens only: 1 at the drafted id, 0 elsewhere, read from nowhere.
+// The passes take the target row and an optional draft row of any policy (a null pointer: no draft row).
 // The loops read a row once per pass and never store a [V] temporary; the sums of a sampled row are kept per block of
 // kBlock elements (a few KiB per row), so the inverse CDF reads only the one block that holds its threshold.
 #pragma once
 
+#include "element_loads.h"
 #include "kernel_prelude.h"
 #include "lanes.h"
 
@@ -19,83 +23,27 @@ namespace DIVERSED_CPU_CAPABILITY {
 
 constexpr int64_t kBlock = 256;  // elements per stored block sum: the inverse CDF scans one block element-wise
 
-// float16 bits to float32, exactly, in selects and float arithmetic that vectorise. `twice` holds exponent and
-// mantissa at the top, the sign shifted out. Normal numbers, infinities and NaN: exponent and mantissa are moved into
-// float32 position with the exponent raised by 224, then scaled by 2^-112; the net 112 is the difference of the two
-// biases, and an all-ones exponent (Inf, NaN) stays all ones (NaN comes out quiet, as from a hardware conversion).
-// Subnormals: the mantissa m under the exponent of 0.5 reads 0.5 + m * 2^-24; subtracting 0.5 leaves m * 2^-24.
-inline float half_to_float(uint16_t half) {
-  const uint32_t word = static_cast<uint32_t>(half) << 16;
-  const uint32_t sign = word & 0x80000000u;
-  const uint32_t twice = word + word;
-  const float normal = float_from_bits(static_cast<int32_t>((twice >> 4) + (0xE0u << 23))) * 0x1p-112f;
-  const float subnormal = float_from_bits(static_cast<int32_t>((twice >> 17) | (126u << 23))) - 0.5f;
-  const uint32_t magnitude = twice < (1u << 27) ? __builtin_bit_cast(uint32_t, subnormal)
-                                                : __builtin_bit_cast(uint32_t, normal);
-  return __builtin_bit_cast(float, sign | magnitude);
-}
-
-// Element loads as float32 (exact for every element type). bfloat16 is the top half of a float32, so a shift converts
-// it; both 16-bit types are converted on their raw bits, which keeps the vocabulary loops vectorisable.
-template <typename T>
-inline float load_float(const T* values, int64_t v) {
-  return static_cast<float>(values[v]);
-}
-template <>
-inline float load_float<BFloat16Bits>(const BFloat16Bits* values, int64_t v) {
-  return float_from_bits(static_cast<int32_t>(static_cast<uint32_t>(values[v].bits) << 16));
-}
-template <>
-inline float load_float<HalfBits>(const HalfBits* values, int64_t v) {
-  return half_to_float(values[v].bits);
-}
-
-// kLanes consecutive elements as float32. float is copied, bfloat16 widened by a shift on whole vectors; the other
-// types go lane by lane.
-template <typename T>
-inline FloatLanes load_lanes(const T* values, int64_t v) {
-  float lane[kLanes];
-  for (int l = 0; l < kLanes; ++l) lane[l] = load_float(values, v + l);
-  FloatLanes lanes;
-  __builtin_memcpy(&lanes, lane, sizeof lanes);
-  return lanes;
-}
-template <>
-inline FloatLanes load_lanes<float>(const float* values, int64_t v) {
-  FloatLanes lanes;  // one native load per part: a copy of the whole struct would go through the stack
-  for (int i = 0; i < kParts; ++i)
-    __builtin_memcpy(&lanes.part[i], values + v + i * kVectorFloats, sizeof lanes.part[i]);
-  return lanes;
-}
-// The AVX2 and AVX-512 builds widen with one zero-extending load and a shift; gcc splits the generic conversion of a
-// whole 16-lane vector into four steps (two half conversions and an insert), which cost the bfloat16 softmax passes a
-// sixth of their time.
-template <>
-inline FloatLanes load_lanes<BFloat16Bits>(const BFloat16Bits* values, int64_t v) {
-  FloatLanes lanes;
-  for (int i = 0; i < kParts; ++i) {
-    const BFloat16Bits* part = values + v + i * kVectorFloats;
-#if DIVERSED_CPU_VECTOR_FLOATS == 16
-    const __m512i widened = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(part)));
-    lanes.part[i] = reinterpret_cast<FloatVector>(_mm512_slli_epi32(widened, 16));
-#elif DIVERSED_CPU_VECTOR_FLOATS == 8
-    const __m256i widened = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(part)));
-    lanes.part[i] = reinterpret_cast<FloatVector>(_mm256_slli_epi32(widened, 16));
-#else
-    Bits16Vector bits;
-    __builtin_memcpy(&bits, part, sizeof bits);
-    lanes.part[i] = __builtin_bit_cast(FloatVector, __builtin_convertvector(bits, Bits32Vector) << 16);
-#endif
-  }
-  return lanes;
-}
-
 template <typename T>
 struct ProbRow {
   const T* values;
   float mass(int64_t v) const { return sanitize_mass(load_float(values, v)); }
   FloatLanes mass_lanes(int64_t v) const {
     return map_lanes(load_lanes(values, v), [](FloatVector x) { return sanitize_mass(x); });
+  }
+};
+
+// One-hot at a drafted id (one_hot_draft_token: -1 for an id outside [0, V), whose row has no mass at all).
+struct OneHotRow {
+  int64_t token;
+  float mass(int64_t v) const { return one_hot_mass(v, token); }
+  FloatLanes mass_lanes(int64_t v) const {
+    FloatLanes lanes = splat_lanes(0.0f);
+    if (token >= v && token < v + kLanes) {  // one group of lanes in the row holds the 1
+      float lane[kLanes] = {};
+      lane[token - v] = 1.0f;
+      __builtin_memcpy(&lanes, lane, sizeof lanes);
+    }
+    return lanes;
   }
 };
 
@@ -157,9 +105,17 @@ struct VouchedLogitRow {
 
 // Calls fn(target, draft) (draft a pointer, or nullptr) with the row policies the mass passes should use: for logit
 // rows that VouchedLogitRow serves (both of them, when there are two), that policy; otherwise the rows as they are.
-template <typename Row, typename F>
-void with_mass_rows(const Row& target, const Row* draft, F&& fn) {
+template <typename Row, typename Draft, typename F>
+void with_mass_rows(const Row& target, const Draft* draft, F&& fn) {
   fn(target, draft);
+}
+template <typename T, typename F>
+void with_mass_rows(const LogitRow<T>& target, const OneHotRow* draft, F&& fn) {
+  if (!target.plain_at_unit_temperature()) {
+    fn(target, draft);
+    return;
+  }
+  fn(VouchedLogitRow<T>(target), draft);
 }
 template <typename T, typename F>
 void with_mass_rows(const LogitRow<T>& target, const LogitRow<T>* draft, F&& fn) {
@@ -288,16 +244,16 @@ inline bool normaliser_vouches_for_row(SoftmaxStats stats, bool summed_every_blo
          stats.inverse_sum < INFINITY;
 }
 
-template <typename Row>
-float sample_mass(const Row& target, const Row* draft, int64_t v) {
+template <typename Row, typename Draft>
+float sample_mass(const Row& target, const Draft* draft, int64_t v) {
   const float p = target.mass(v);
   return draft ? residual_mass(p, draft->mass(v)) : p;
 }
 
 // Sum over [begin, end) of max(0, p - q) (residual) or of p alone (draft == nullptr): float64 lanes over whole groups
 // of kLanes elements, combined by reduce_lanes, then the short tail in order.
-template <typename Row>
-double range_mass(const Row& target, const Row* draft, int64_t begin, int64_t end) {
+template <typename Row, typename Draft>
+double range_mass(const Row& target, const Draft* draft, int64_t begin, int64_t end) {
   DoubleLanes sums = {};
   int64_t v = begin;
   if (draft) {
@@ -317,16 +273,16 @@ inline int64_t blocks_of(int64_t vocab) { return (vocab + kBlock - 1) / kBlock; 
 
 // The mass of every block of [begin, end) into block_sums[(block - begin) / kBlock]; begin is a multiple of kBlock
 // (whole blocks, so every layout forms the same block sums).
-template <typename Row>
-void block_masses(const Row& target, const Row* draft, int64_t begin, int64_t end, double* block_sums) {
+template <typename Row, typename Draft>
+void block_masses(const Row& target, const Draft* draft, int64_t begin, int64_t end, double* block_sums) {
   for (int64_t block = begin; block < end; block += kBlock)
     block_sums[(block - begin) / kBlock] = range_mass(target, draft, block, std::min(end, block + kBlock));
 }
 
 // The masses of [begin, end) (at most kBlock elements) into masses[0, end - begin): whole groups of kLanes as
 // vectors, the tail element by element (the same values either way).
-template <typename Row>
-void block_sample_masses(const Row& target, const Row* draft, int64_t begin, int64_t end, float* masses) {
+template <typename Row, typename Draft>
+void block_sample_masses(const Row& target, const Draft* draft, int64_t begin, int64_t end, float* masses) {
   int64_t v = begin;
   for (; v + kLanes <= end; v += kLanes) {
     const FloatLanes lanes = draft ? zip_lanes(target.mass_lanes(v), draft->mass_lanes(v),
@@ -342,8 +298,9 @@ void block_sample_masses(const Row& target, const Row* draft, int64_t begin, int
 // masses in vectors, then added one by one in order). Falls back to the last index with positive mass (block sums and
 // the running sum may round differently), so the result has positive mass whenever the row has any; -1 when it has
 // none.
-template <typename Row>
-int64_t inverse_cdf(const Row& target, const Row* draft, const double* block_sums, int64_t vocab, double threshold) {
+template <typename Row, typename Draft>
+int64_t inverse_cdf(const Row& target, const Draft* draft, const double* block_sums, int64_t vocab,
+                    double threshold) {
   double running = 0.0;
   int64_t last_positive = -1;
   int64_t last_nonempty_block = -1;
@@ -377,8 +334,8 @@ int64_t inverse_cdf(const Row& target, const Row* draft, const double* block_sum
 }
 
 // argmax of nu = w p + (1 - w) q (or of p when draft == nullptr); ties to the lowest id.
-template <typename Row>
-int64_t argmax_mixture(const Row& target, const Row* draft, float weight, int64_t vocab) {
+template <typename Row, typename Draft>
+int64_t argmax_mixture(const Row& target, const Draft* draft, float weight, int64_t vocab) {
   float best_value = -1.0f;
   int64_t best_index = 0;
   for (int64_t v = 0; v < vocab; ++v) {

@@ -200,6 +200,20 @@ struct ProbRows {
   }
 };
 
+// Rows of a drafter that gives tokens only: the base rows' target rows, and one-hot draft rows at the drafted ids. The
+// base rows' draft rows are never built (their draft tensor is absent).
+template <typename Rows>
+struct TokenDraftRows {
+  Rows base;
+  const int64_t* draft_tokens;  // [B, K]
+  int64_t num_positions, vocab;
+
+  OneHotRow draft(int64_t row, int64_t position) const {
+    return {one_hot_draft_token(draft_tokens[row * num_positions + position], vocab)};
+  }
+  auto target(int64_t row, int64_t position) const { return base.target(row, position); }
+};
+
 // Rows of draft logits [B, K, V] and target logits [B, Kt, V] with their normalisers.
 template <typename T>
 struct LogitRows {
@@ -226,7 +240,8 @@ struct LogitRows {
 // Slots [0, K) of a request are its draft positions, slots [K, 2K + 1) its target positions. With `row_flags`
 // ([B, 2K + 1], check_inputs=True), every slot also gets its value flags (those of value_flags), which cost nothing
 // extra where a normaliser vouches for its row; the rows the request does not read, and those it cannot vouch for,
-// get a pass of their own. A drafted position also flags a token id outside [0, V) (kValueFlagBadToken).
+// get a pass of their own. A drafted position also flags a token id outside [0, V) (kValueFlagBadToken). Without draft
+// logits (tokens only), a draft slot holds that flag alone.
 template <typename T>
 struct SoftmaxStatsPlan {
   const VerifyProblem& problem;
@@ -262,7 +277,16 @@ struct SoftmaxStatsPlan {
     flags_of(row, slot) = row_value_flags(values(row, slot), problem.vocab, true);
   }
 
+  int32_t token_flag(int64_t row, int64_t slot) const {
+    const int64_t token = problem.draft_tokens[tensor_row(row, slot)];
+    return token < 0 || token >= problem.vocab ? kValueFlagBadToken : 0;
+  }
+
   void compute(int64_t row, int64_t slot) {
+    if (is_draft(slot) && draft_logits == nullptr) {
+      if (row_flags) flags_of(row, slot) = reads(row, slot) ? token_flag(row, slot) : 0;
+      return;
+    }
     if (!reads(row, slot)) {
       if (row_flags) flag_by_values(row, slot);
       return;
@@ -271,10 +295,7 @@ struct SoftmaxStatsPlan {
     if (!row_flags) return;
     if (vouched) flags_of(row, slot) = 0;
     else flag_by_values(row, slot);
-    if (is_draft(slot)) {
-      const int64_t token = problem.draft_tokens[tensor_row(row, slot)];
-      if (token < 0 || token >= problem.vocab) flags_of(row, slot) |= kValueFlagBadToken;
-    }
+    if (is_draft(slot)) flags_of(row, slot) |= token_flag(row, slot);
   }
   // The normalisers of the rows the accept tests read; the bonus row's too when `with_bonus` (a greedy row's argmax
   // of it is taken in the accept phase). A sampled row's bonus normaliser is computed only when the bonus is drawn:
@@ -328,16 +349,27 @@ inline TemperaturePlan plan_temperatures(const VerifyProblem& problem) {
 // ------------------------------------------------------------------------------------------ entry points
 // Called by the binding (ops_cpu.cpp, through cpu_dispatch.h) after the checks and the allocation of the outputs.
 
-// verify_probs: draft probabilities [B, K, V], target probabilities [B, K+1, V]; problem.greedy is set.
+// The rows as the passes see them: as they are, or with one-hot draft rows when the draft tensor is absent.
+template <typename Rows, typename Body>
+void with_draft_rows(const VerifyProblem& problem, const Rows& rows, bool has_draft, const Body& body) {
+  if (has_draft) body(rows);
+  else body(TokenDraftRows<Rows>{rows, problem.draft_tokens, problem.num_positions, problem.vocab});
+}
+
+// verify_probs: draft probabilities [B, K, V] (or nullptr: tokens only), target probabilities [B, K+1, V];
+// problem.greedy is set.
 template <typename T>
 void verify_probs(const VerifyProblem& problem, const T* draft_probs, const T* target_probs,
                   const ParallelFor& parallel_for) {
-  const ProbRows<T> rows{draft_probs, target_probs, problem.num_positions, problem.vocab};
-  run_verify(problem, rows, parallel_for, verify_layout(problem.batch, problem.vocab, parallel_for),
-             [](int64_t) {}, [](int64_t) {});
+  const ProbRows<T> prob_rows{draft_probs, target_probs, problem.num_positions, problem.vocab};
+  with_draft_rows(problem, prob_rows, draft_probs != nullptr, [&](const auto& rows) {
+    run_verify(problem, rows, parallel_for, verify_layout(problem.batch, problem.vocab, parallel_for),
+               [](int64_t) {}, [](int64_t) {});
+  });
 }
 
-// verify_logits: draft logits [B, K, V], target logits [B, K+1, V], temperatures from the problem. Each row the request
+// verify_logits: draft logits [B, K, V] (or nullptr: tokens only), target logits [B, K+1, V], temperatures from the
+// problem. Each row the request
 // reads gets its softmax normaliser first (inside the request's own task when the layout is by rows, where a sampled
 // row's bonus normaliser waits until the bonus is drawn); the greedy flags come from the temperatures.
 // With `row_flags` ([B, 2K + 1]: draft positions, then target positions) every row of both tensors also gets its
@@ -350,14 +382,17 @@ void verify_logits(const VerifyProblem& problem, const T* draft_logits, const T*
   SoftmaxStatsPlan<T> stats(problem, draft_logits, target_logits, temperatures.inverse.data(), row_flags);
   const VerifyLayout layout = verify_layout(problem.batch, V, parallel_for);
   if (layout == VerifyLayout::kChunks) stats.compute_all(parallel_for);
-  const LogitRows<T> rows{draft_logits, target_logits, K, K + 1, V, temperatures.inverse.data(),
-                          stats.draft_stats.data(), stats.target_stats.data(), stats.draft_vouched.data(),
-                          stats.target_vouched.data()};
+  const LogitRows<T> logit_rows{draft_logits, target_logits, K, K + 1, V, temperatures.inverse.data(),
+                                stats.draft_stats.data(), stats.target_stats.data(), stats.draft_vouched.data(),
+                                stats.target_vouched.data()};
   VerifyProblem with_greedy = problem;
   with_greedy.greedy = temperatures.greedy.get();
-  run_verify(
-      with_greedy, rows, parallel_for, layout, [&](int64_t row) { stats.compute_row(row, with_greedy.greedy_at(row)); },
-      [&](int64_t row) { stats.compute_bonus(row); });
+  with_draft_rows(problem, logit_rows, draft_logits != nullptr, [&](const auto& rows) {
+    run_verify(
+        with_greedy, rows, parallel_for, layout,
+        [&](int64_t row) { stats.compute_row(row, with_greedy.greedy_at(row)); },
+        [&](int64_t row) { stats.compute_bonus(row); });
+  });
 }
 
 }  // namespace DIVERSED_CPU_CAPABILITY

@@ -117,10 +117,10 @@ __device__ SoftmaxStats block_softmax_stats(const T* row, int64_t vocab, float i
 }
 
 // argmax of nu = w p + (1 - w) q (or of p without a draft row); ties to the lowest id. Always in [0, vocab).
-template <typename Row>
-__device__ int64_t block_argmax_mixture(const Row& target, const Row* draft, float weight, int64_t vocab,
+template <typename Row, typename Draft>
+__device__ int64_t block_argmax_mixture(const Row& target, const Draft* draft, float weight, int64_t vocab,
                                         BlockStorage& s) {
-  const TileLayout layout = tile_layout(target.values, draft != nullptr ? draft->values : nullptr);
+  const TileLayout layout = tile_layout(target.values, row_memory(draft));
   ArgMax best{-1.0f, vocab};  // loses to every element: masses are >= 0
   for (int64_t tile = layout.base; tile < vocab; tile += kTileElements) {
     const int64_t first = thread_first(tile);
@@ -139,9 +139,9 @@ __device__ int64_t block_argmax_mixture(const Row& target, const Row* draft, flo
 }
 
 // Sum of the sampled mass (residual with a draft row, p without), in float64.
-template <typename Row>
-__device__ double block_sample_total(const Row& target, const Row* draft, int64_t vocab, BlockStorage& s) {
-  const TileLayout layout = tile_layout(target.values, draft != nullptr ? draft->values : nullptr);
+template <typename Row, typename Draft>
+__device__ double block_sample_total(const Row& target, const Draft* draft, int64_t vocab, BlockStorage& s) {
+  const TileLayout layout = tile_layout(target.values, row_memory(draft));
   double thread_sum = 0.0;
   for (int64_t tile = layout.base; tile < vocab; tile += kTileElements) {
     float mass[kItemsPerThread];
@@ -156,10 +156,10 @@ __device__ double block_sample_total(const Row& target, const Row* draft, int64_
 // tile with a block-wide exclusive scan in float64. Only ids with positive mass can be chosen, and when rounding puts
 // the threshold past the scanned sum (the scan and the total add in different orders), the last id with positive mass
 // is returned: a parallel prefix sum is not monotone in floating point, yet the sample must have positive mass.
-template <typename Row>
-__device__ int64_t block_inverse_cdf(const Row& target, const Row* draft, int64_t vocab, double threshold,
+template <typename Row, typename Draft>
+__device__ int64_t block_inverse_cdf(const Row& target, const Draft* draft, int64_t vocab, double threshold,
                                      BlockStorage& s) {
-  const TileLayout layout = tile_layout(target.values, draft != nullptr ? draft->values : nullptr);
+  const TileLayout layout = tile_layout(target.values, row_memory(draft));
   constexpr int64_t kNone = INT64_MAX;
   double carry = 0.0;              // mass of all earlier tiles
   int64_t last_positive = -1;      // this thread's last element with positive mass

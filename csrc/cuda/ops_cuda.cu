@@ -45,20 +45,20 @@ void check_grid_rows(const char* op, int64_t rows) {
   TORCH_CHECK(rows <= std::numeric_limits<int32_t>::max(), op, ": too many rows for one launch (", rows, ")");
 }
 
-// Every tensor argument on one CUDA device; one block per request must fit in the grid.
-void check_verify_devices(const char* op, const at::Tensor& draft_tokens, const at::Tensor& draft,
-                          const at::Tensor& target, const VerifyOptionals& optional) {
-  check_cuda_device(op, draft, target, draft_tokens);
-  for (const auto* tensor : {&optional.weight, &optional.num_draft, &optional.greedy_or_temperature, &optional.uniforms,
-                             &optional.seeds})
-    if (tensor->has_value()) check_same_device(op, draft.device(), **tensor);
-  check_grid_rows(op, draft.size(0));
-}
-
 using VerifyTuple = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
 using OptionalTensor = c10::optional<at::Tensor>;
 
-VerifyTuple verify_probs_cuda(const at::Tensor& draft_tokens, const at::Tensor& draft_probs,
+// Every tensor argument on one CUDA device (the draft's may be absent); one block per request must fit in the grid.
+void check_verify_devices(const char* op, const at::Tensor& draft_tokens, const OptionalTensor& draft,
+                          const at::Tensor& target, const VerifyOptionals& optional) {
+  check_cuda_device(op, target, draft_tokens);
+  for (const auto* tensor : {&draft, &optional.weight, &optional.num_draft, &optional.greedy_or_temperature,
+                             &optional.uniforms, &optional.seeds})
+    if (tensor->has_value()) check_same_device(op, target.device(), **tensor);
+  check_grid_rows(op, target.size(0));
+}
+
+VerifyTuple verify_probs_cuda(const at::Tensor& draft_tokens, const OptionalTensor& draft_probs,
                               const at::Tensor& target_probs, const OptionalTensor& weight,
                               const OptionalTensor& num_draft, const OptionalTensor& greedy,
                               const OptionalTensor& uniforms, const OptionalTensor& seeds, int64_t offset,
@@ -66,12 +66,12 @@ VerifyTuple verify_probs_cuda(const at::Tensor& draft_tokens, const at::Tensor& 
   const VerifyOptionals optional{weight, num_draft, greedy, uniforms, seeds};
   check_verify_args(VerifyInput::kProbs, draft_tokens, draft_probs, target_probs, optional);
   check_verify_devices(kVerifyProbsOp, draft_tokens, draft_probs, target_probs, optional);
-  const c10::cuda::CUDAGuard guard(draft_probs.device());
-  const VerifyCall call = start_verify(VerifyInput::kProbs, draft_tokens, draft_probs, optional,
+  const c10::cuda::CUDAGuard guard(target_probs.device());
+  const VerifyCall call = start_verify(VerifyInput::kProbs, draft_tokens, target_probs, optional,
                                        VerifyScalars{weight_value, 1.0, seed, offset, per_row_seed});
   if (call.empty()) return call.result();
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, draft_probs.scalar_type(), "verify_probs_cuda", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, target_probs.scalar_type(), "verify_probs_cuda", [&] {
     using T = CudaElement<scalar_t>;
     launch_verify_probs(call.problem, kernel_data<T, scalar_t>(draft_probs), kernel_data<T, scalar_t>(target_probs),
                         stream);
@@ -80,7 +80,7 @@ VerifyTuple verify_probs_cuda(const at::Tensor& draft_tokens, const at::Tensor& 
   return call.result();
 }
 
-VerifyTuple verify_logits_cuda(const at::Tensor& draft_tokens, const at::Tensor& draft_logits,
+VerifyTuple verify_logits_cuda(const at::Tensor& draft_tokens, const OptionalTensor& draft_logits,
                                const at::Tensor& target_logits, const OptionalTensor& weight,
                                const OptionalTensor& num_draft, const OptionalTensor& temperature,
                                const OptionalTensor& uniforms, const OptionalTensor& seeds, int64_t offset,
@@ -89,16 +89,16 @@ VerifyTuple verify_logits_cuda(const at::Tensor& draft_tokens, const at::Tensor&
   const VerifyOptionals optional{weight, num_draft, temperature, uniforms, seeds};
   check_verify_args(VerifyInput::kLogits, draft_tokens, draft_logits, target_logits, optional);
   check_verify_devices(kVerifyLogitsOp, draft_tokens, draft_logits, target_logits, optional);
-  const c10::cuda::CUDAGuard guard(draft_logits.device());
-  const VerifyCall call = start_verify(VerifyInput::kLogits, draft_tokens, draft_logits, optional,
+  const c10::cuda::CUDAGuard guard(target_logits.device());
+  const VerifyCall call = start_verify(VerifyInput::kLogits, draft_tokens, target_logits, optional,
                                        VerifyScalars{weight_value, temperature_value, seed, offset, per_row_seed});
   if (call.empty()) return call.result();
   // Softmax normalisers of the rows each request reads, written and read back by its own block.
   static_assert(sizeof(SoftmaxStats) == 2 * sizeof(float), "SoftmaxStats is stored as two floats");
   const int64_t scratch_entries = logits_scratch_size(call.problem.batch, call.problem.num_positions);
-  const at::Tensor scratch = at::empty({2 * scratch_entries}, draft_logits.options().dtype(at::kFloat));
+  const at::Tensor scratch = at::empty({2 * scratch_entries}, target_logits.options().dtype(at::kFloat));
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, draft_logits.scalar_type(), "verify_logits_cuda", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, target_logits.scalar_type(), "verify_logits_cuda", [&] {
     using T = CudaElement<scalar_t>;
     launch_verify_logits(call.problem, kernel_data<T, scalar_t>(draft_logits), kernel_data<T, scalar_t>(target_logits),
                          reinterpret_cast<SoftmaxStats*>(scratch.data_ptr<float>()), stream);

@@ -72,7 +72,7 @@ struct TileLayout {
 };
 
 template <typename T>
-__device__ __forceinline__ TileLayout tile_layout(const T* first, const T* second) {
+__device__ __forceinline__ TileLayout tile_layout(const T* first, const void* second) {
   const uintptr_t misalignment = reinterpret_cast<uintptr_t>(first) % 16;
   const bool same = second == nullptr || reinterpret_cast<uintptr_t>(second) % 16 == misalignment;
   if (!same || misalignment % sizeof(T) != 0) return TileLayout{0, false};
@@ -118,7 +118,8 @@ __device__ __forceinline__ void load_items(const T* row, int64_t first, int64_t 
 
 // ------------------------------------------------------------------------------------------------ row policies
 // As on the CPU: a row of probabilities (mass = the sanitised value) or of logits with its softmax normaliser
-// (mass = the softmax probability, recomputed on the fly). `mass` maps a loaded element to its mass.
+// (mass = the softmax probability, recomputed on the fly). `mass` maps a loaded element to its mass. OneHotRow, the
+// draft row of a tokens-only drafter, loads nothing (see below).
 template <typename T>
 struct ProbRow {
   const T* values;
@@ -133,10 +134,24 @@ struct LogitRow {
   __device__ __forceinline__ float mass(float x) const { return softmax_mass(x, inverse_temperature, stats); }
 };
 
+// The draft row of a drafter that gives tokens only: one-hot at `token` (one_hot_draft_token: -1 for an id outside
+// [0, V), a row without mass), read from nowhere.
+struct OneHotRow {
+  int64_t token;
+};
+
 template <typename Row>
 __device__ __forceinline__ float mass_at(const Row& row, int64_t v) {
   return row.mass(load_element(row.values, v));
 }
+__device__ __forceinline__ float mass_at(const OneHotRow& row, int64_t v) { return one_hot_mass(v, row.token); }
+
+// The memory an optional second row reads, which tile_layout aligns with the first: none for a one-hot row.
+template <typename Row>
+__device__ __forceinline__ const void* row_memory(const Row* row) {
+  return row != nullptr ? row->values : nullptr;
+}
+__device__ __forceinline__ const void* row_memory(const OneHotRow*) { return nullptr; }
 
 // Masses of this thread's elements of a tile; 0 outside the row.
 template <typename Row>
@@ -147,10 +162,16 @@ __device__ __forceinline__ void load_masses(const Row& row, int64_t first, int64
   for (int k = 0; k < kItemsPerThread; ++k) mass[k] = in_row(first + k, vocab) ? row.mass(mass[k]) : 0.0f;
 }
 
+__device__ __forceinline__ void load_masses(const OneHotRow& row, int64_t first, int64_t, bool,
+                                            float (&mass)[kItemsPerThread]) {
+#pragma unroll
+  for (int k = 0; k < kItemsPerThread; ++k) mass[k] = one_hot_mass(first + k, row.token);  // token is -1 or in the row
+}
+
 // The mass sampled by the final step: max(0, p - q) with a draft row, p alone without.
-template <typename Row>
-__device__ __forceinline__ void load_sample_masses(const Row& target, const Row* draft, int64_t first, int64_t vocab,
-                                                   bool vectorised, float (&mass)[kItemsPerThread]) {
+template <typename Row, typename Draft>
+__device__ __forceinline__ void load_sample_masses(const Row& target, const Draft* draft, int64_t first,
+                                                   int64_t vocab, bool vectorised, float (&mass)[kItemsPerThread]) {
   load_masses(target, first, vocab, vectorised, mass);
   if (draft != nullptr) {
     float q[kItemsPerThread];

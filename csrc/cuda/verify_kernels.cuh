@@ -21,6 +21,7 @@ namespace gpu {
 template <typename T>
 struct ProbRows {
   using Row = ProbRow<T>;
+  using DraftRow = Row;
   const T* draft;
   const T* target;
 
@@ -40,6 +41,7 @@ struct ProbRows {
 template <typename T>
 struct LogitRows {
   using Row = LogitRow<T>;
+  using DraftRow = Row;
   const T* draft;
   const T* target;
   const float* temperature;    // [B], or nullptr: temperature_value for every row
@@ -58,7 +60,7 @@ struct LogitRows {
       const SoftmaxStats stats = block_softmax_stats(target + index * p.vocab, p.vocab, inverse_t, s);
       if (threadIdx.x == 0) target_stats[index] = stats;
     }
-    for (int64_t i = 0; i < drafted; ++i) {
+    for (int64_t i = 0; draft != nullptr && i < drafted; ++i) {  // no draft logits: the drafter gave tokens only
       const int64_t index = row * p.num_positions + i;
       const SoftmaxStats stats = block_softmax_stats(draft + index * p.vocab, p.vocab, inverse_t, s);
       if (threadIdx.x == 0) draft_stats[index] = stats;
@@ -75,6 +77,26 @@ struct LogitRows {
   }
 };
 
+// Rows of a drafter that gives tokens only: the base rows' target rows and greedy flags, and one-hot draft rows at
+// the drafted ids (the base rows' draft pointer is null and never read).
+template <typename Rows>
+struct TokenDraftRows {
+  using Row = typename Rows::Row;
+  using DraftRow = OneHotRow;
+  Rows base;
+
+  __device__ bool greedy(const VerifyProblem& p, int64_t row) const { return base.greedy(p, row); }
+  __device__ void prepare(const VerifyProblem& p, int64_t row, int64_t drafted, BlockStorage& s) const {
+    base.prepare(p, row, drafted, s);
+  }
+  __device__ DraftRow draft_row(const VerifyProblem& p, int64_t row, int64_t position) const {
+    return DraftRow{one_hot_draft_token(p.draft_tokens[row * p.num_positions + position], p.vocab)};
+  }
+  __device__ Row target_row(const VerifyProblem& p, int64_t row, int64_t position) const {
+    return base.target_row(p, row, position);
+  }
+};
+
 // SoftmaxStats entries the logits path needs as scratch: [B, K] draft and [B, K+1] target normalisers.
 inline int64_t logits_scratch_size(int64_t batch, int64_t num_positions) {
   return batch * (2 * num_positions + 1);
@@ -85,6 +107,7 @@ template <typename Rows>
 __global__ void __launch_bounds__(kThreads) verify_kernel(const VerifyProblem params, const Rows rows) {
   __shared__ BlockStorage storage;
   using Row = typename Rows::Row;
+  using DraftRow = typename Rows::DraftRow;
   const int64_t b = blockIdx.x;
   const int64_t K = params.num_positions, V = params.vocab;
   const int64_t drafted = params.drafted(b);
@@ -97,7 +120,7 @@ __global__ void __launch_bounds__(kThreads) verify_kernel(const VerifyProblem pa
   if (greedy) {
     for (int64_t i = 0; i < drafted; ++i) {
       const Row target = rows.target_row(params, b, i);
-      const Row draft = rows.draft_row(params, b, i);
+      const DraftRow draft = rows.draft_row(params, b, i);
       const int64_t best = block_argmax_mixture(target, &draft, params.weight_at(b, i), V, storage);
       const bool accepted = params.draft_tokens[b * K + i] == best;  // best lies in [0, V): ids outside are rejected
       if (threadIdx.x == 0) params.out_accept_prob[b * K + i] = accepted ? 1.0f : 0.0f;
@@ -114,7 +137,7 @@ __global__ void __launch_bounds__(kThreads) verify_kernel(const VerifyProblem pa
       bool accepted = false;
       if (in_row(token, V)) {
         const Row target = rows.target_row(params, b, i);
-        const Row draft = rows.draft_row(params, b, i);
+        const DraftRow draft = rows.draft_row(params, b, i);
         const float q = mass_at(draft, token);
         const float nu = mix_mass(params.weight_at(b, i), mass_at(target, token), q);
         probability = accept_probability(nu, q);
@@ -147,9 +170,9 @@ __global__ void __launch_bounds__(kThreads) verify_kernel(const VerifyProblem pa
     // Residual max(0, p_m - q_m) only when rejected with w_m > 0; otherwise (or when it has no mass) p_m itself.
     const bool use_residual = rejected && params.weight_at(b, m) > 0.0f;
     const Row target = rows.target_row(params, b, m);
-    Row draft_storage = target;
+    DraftRow draft_storage{};
     if (use_residual) draft_storage = rows.draft_row(params, b, m);
-    const Row* draft = use_residual ? &draft_storage : nullptr;
+    const DraftRow* draft = use_residual ? &draft_storage : nullptr;
     double total = block_sample_total(target, draft, V, storage);
     if (!(total > 0.0) && draft != nullptr) {
       draft = nullptr;
@@ -161,12 +184,20 @@ __global__ void __launch_bounds__(kThreads) verify_kernel(const VerifyProblem pa
   if (threadIdx.x == 0) row_tokens[m] = choice;
 }
 
-// Launchers; params.greedy must be set for probabilities. `scratch` holds logits_scratch_size(B, K) entries.
+// One launch over the batch, with one-hot draft rows when the draft tensor is absent (draft == nullptr).
+template <typename Rows>
+void launch_verify(const VerifyProblem& params, const Rows& rows, bool has_draft, cudaStream_t stream) {
+  const unsigned blocks = static_cast<unsigned>(params.batch);
+  if (has_draft) verify_kernel<<<blocks, kThreads, 0, stream>>>(params, rows);
+  else verify_kernel<<<blocks, kThreads, 0, stream>>>(params, TokenDraftRows<Rows>{rows});
+}
+
+// Launchers; params.greedy must be set for probabilities. `scratch` holds logits_scratch_size(B, K) entries. A null
+// draft pointer: the drafter gave tokens only.
 template <typename T>
 void launch_verify_probs(const VerifyProblem& params, const T* draft, const T* target, cudaStream_t stream) {
   if (params.batch == 0) return;
-  const ProbRows<T> rows{draft, target};
-  verify_kernel<<<static_cast<unsigned>(params.batch), kThreads, 0, stream>>>(params, rows);
+  launch_verify(params, ProbRows<T>{draft, target}, draft != nullptr, stream);
 }
 
 template <typename T>
@@ -175,7 +206,7 @@ void launch_verify_logits(const VerifyProblem& params, const T* draft, const T* 
   if (params.batch == 0) return;
   const LogitRows<T> rows{draft, target, params.temperature, params.temperature_value, scratch,
                           scratch + params.batch * params.num_positions};
-  verify_kernel<<<static_cast<unsigned>(params.batch), kThreads, 0, stream>>>(params, rows);
+  launch_verify(params, rows, draft != nullptr, stream);
 }
 
 }  // namespace gpu

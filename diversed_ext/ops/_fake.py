@@ -22,10 +22,10 @@ def cuda_kernels_registered() -> bool:
 @torch.library.register_fake("diversed::verify_probs")
 def _verify_probs_fake(draft_tokens, draft_probs, target_probs, weight, num_draft, greedy, uniforms, seeds, offset=0,
                        per_row_seed=False, weight_value=1.0, seed=None):
-    batch, num_positions, _ = draft_probs.shape
-    tokens = draft_probs.new_empty((batch, num_positions + 1), dtype=torch.int64)
-    num_accepted = draft_probs.new_empty((batch,), dtype=torch.int32)
-    accept_prob = draft_probs.new_empty((batch, num_positions), dtype=torch.float32)
+    batch, num_positions = draft_tokens.shape  # the draft's rows may be absent (tokens only)
+    tokens = target_probs.new_empty((batch, num_positions + 1), dtype=torch.int64)
+    num_accepted = target_probs.new_empty((batch,), dtype=torch.int32)
+    accept_prob = target_probs.new_empty((batch, num_positions), dtype=torch.float32)
     return tokens, num_accepted, accept_prob
 
 
@@ -40,8 +40,8 @@ def _verify_logits_fake(draft_tokens, draft_logits, target_logits, weight, num_d
 def _verify_logits_with_flags_fake(draft_tokens, draft_logits, target_logits, weight, num_draft, temperature, uniforms,
                                    seeds, offset=0, per_row_seed=False, weight_value=1.0, temperature_value=1.0,
                                    seed=None):
-    batch, num_positions, _ = draft_logits.shape
-    row_flags = draft_logits.new_empty((batch, 2 * num_positions + 1), dtype=torch.int32)
+    batch, num_positions = draft_tokens.shape
+    row_flags = target_logits.new_empty((batch, 2 * num_positions + 1), dtype=torch.int32)
     return (*_verify_probs_fake(draft_tokens, draft_logits, target_logits, weight, num_draft, None, uniforms, seeds,
                                 offset, per_row_seed), row_flags)
 

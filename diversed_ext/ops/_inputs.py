@@ -30,7 +30,7 @@ class VerifyArgs:
     call with default arguments creates no tensor before the op; :meth:`materialized` spells them out as tensors."""
 
     draft_tokens: torch.Tensor  # int64 [B, K]
-    draft: torch.Tensor  # [B, K, V] probabilities or logits, contiguous
+    draft: Optional[torch.Tensor]  # [B, K, V] probabilities or logits, contiguous; None: the draft gave tokens only
     target: torch.Tensor  # [B, K+1, V], same dtype
     weight: Optional[torch.Tensor]  # float32 [B, K], or None: weight_value everywhere
     weight_value: float
@@ -53,7 +53,7 @@ class VerifyArgs:
         uniforms are given), which is what the pure-PyTorch reference works on. A seed left to the op is drawn here
         exactly as the op draws it."""
         batch, num_positions = self.draft_tokens.shape
-        device = self.draft.device
+        device = self.target.device
         weight = self.weight
         if weight is None:
             weight = torch.full((batch, num_positions), self.weight_value, dtype=torch.float32, device=device)
@@ -68,7 +68,7 @@ class VerifyArgs:
                           self.uniforms, seeds, self.seed, self.offset, self.per_row_seed)
 
 
-def _require_tensor(value, name: str) -> torch.Tensor:
+def require_tensor(value, name: str) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
     return value
@@ -79,26 +79,48 @@ def _require_rank(tensor: torch.Tensor, rank: int, name: str, layout: str) -> No
         raise ValueError(f"{name} must have {rank} dimensions {layout}, got shape {tuple(tensor.shape)}")
 
 
-def _require_device(tensor: torch.Tensor, device: torch.device, name: str) -> None:
+def require_device(tensor: torch.Tensor, device: torch.device, name: str) -> None:
     if tensor.device != device:
         raise ValueError(f"{name} is on {tensor.device} but the probabilities are on {device}; put them on one device")
 
 
-def check_distributions(draft: torch.Tensor, target: torch.Tensor, draft_name: str, target_name: str,
+def _check_dtype(dtype: torch.dtype, name: str, kind: str) -> None:
+    if dtype in PROB_DTYPES:
+        return
+    if not dtype.is_floating_point:
+        raise TypeError(f"{name} must hold floating-point {kind}, got dtype {dtype}")
+    raise TypeError(f"{name} must be float32, bfloat16 or float16, got {dtype}")
+
+
+def check_target_only(target: torch.Tensor, target_name: str, kind: str) -> tuple[int, int, int]:
+    """The target tensor of a call without draft distributions (the draft gave tokens only); returns (B, K, V) with K
+    one less than the target's positions."""
+    require_tensor(target, target_name)
+    _check_dtype(target.dtype, target_name, kind)
+    _require_rank(target, 3, target_name, "[B, K+1, V]")
+    batch, target_positions, vocab = target.shape
+    if target_positions == 0:
+        raise ValueError(f"{target_name} must have K+1 >= 1 positions (the bonus row), got shape {tuple(target.shape)}")
+    if vocab == 0:
+        raise ValueError(f"vocabulary size V must be positive, got {target_name} shape {tuple(target.shape)}")
+    return batch, target_positions - 1, vocab
+
+
+def check_distributions(draft: Optional[torch.Tensor], target: torch.Tensor, draft_name: str, target_name: str,
                         kind: str) -> tuple[int, int, int]:
-    """Types, ranks, dtypes, devices and B/K/V agreement of the draft and target tensors; returns (B, K, V)."""
+    """Types, ranks, dtypes, devices and B/K/V agreement of the draft and target tensors; returns (B, K, V). A draft
+    of None (tokens only) leaves the target alone to check."""
+    if draft is None:
+        return check_target_only(target, target_name, kind)
     # Every check is a cheap test first and the helper that words the error only when it fails: this runs on every
     # call, and each Python call or .shape read costs a fraction of a microsecond.
     if not (isinstance(draft, torch.Tensor) and isinstance(target, torch.Tensor)):
-        _require_tensor(draft, draft_name)
-        _require_tensor(target, target_name)
+        require_tensor(draft, draft_name)
+        require_tensor(target, target_name)
     draft_dtype, target_dtype = draft.dtype, target.dtype
-    for dtype, name in ((draft_dtype, draft_name), (target_dtype, target_name)):
-        if dtype in PROB_DTYPES:
-            continue
-        if not dtype.is_floating_point:
-            raise TypeError(f"{name} must hold floating-point {kind}, got dtype {dtype}")
-        raise TypeError(f"{name} must be float32, bfloat16 or float16, got {dtype}")
+    if draft_dtype not in PROB_DTYPES or target_dtype not in PROB_DTYPES:
+        _check_dtype(draft_dtype, draft_name, kind)
+        _check_dtype(target_dtype, target_name, kind)
     draft_shape, target_shape = draft.shape, target.shape
     if len(draft_shape) != 3 or len(target_shape) != 3:
         _require_rank(draft, 3, draft_name, "[B, K, V]")
@@ -106,7 +128,7 @@ def check_distributions(draft: torch.Tensor, target: torch.Tensor, draft_name: s
     if draft_dtype != target_dtype:
         raise TypeError(f"{draft_name} ({draft_dtype}) and {target_name} ({target_dtype}) must have the same dtype")
     if target.device != draft.device:
-        _require_device(target, draft.device, target_name)
+        require_device(target, draft.device, target_name)
     batch, num_positions, vocab = draft_shape
     target_batch, target_positions, target_vocab = target_shape
     if vocab == 0 or target_vocab == 0:
@@ -143,7 +165,7 @@ def normalize_weight(weight: WeightLike, batch: int, num_positions: int, device:
         return torch.full((batch, num_positions), _scalar_weight(weight), dtype=torch.float32, device=device)
     if not weight.is_floating_point():
         raise TypeError(f"weight must be a floating-point tensor, got dtype {weight.dtype}")
-    _require_device(weight, device, "weight")
+    require_device(weight, device, "weight")
     if weight.dim() == 0:
         weight = weight.reshape(1, 1)
     elif weight.dim() == 1:
@@ -175,8 +197,10 @@ def weight_argument(weight: WeightLike, batch: int, num_positions: int, device: 
     return normalize_weight(weight, batch, num_positions, device, check_inputs), 1.0
 
 
-def normalize_tokens(draft_tokens, batch: int, num_positions: int, device: torch.device) -> torch.Tensor:
-    _require_tensor(draft_tokens, "draft_tokens")
+def normalize_tokens(draft_tokens, batch: int, num_positions: int, device: torch.device,
+                     shape_source: str = "the draft") -> torch.Tensor:
+    """int64 [B, K] drafted ids; B and K come from ``shape_source`` (the draft tensor, or the target's K+1 rows)."""
+    require_tensor(draft_tokens, "draft_tokens")
     dtype = draft_tokens.dtype
     if dtype not in TOKEN_DTYPES:
         raise TypeError(f"draft_tokens must be int32 or int64, got {dtype}")
@@ -184,9 +208,10 @@ def normalize_tokens(draft_tokens, batch: int, num_positions: int, device: torch
     if len(shape) != 2:
         _require_rank(draft_tokens, 2, "draft_tokens", "[B, K]")
     if shape != (batch, num_positions):
-        raise ValueError(f"draft_tokens must be [B, K] = [{batch}, {num_positions}], got {tuple(draft_tokens.shape)}")
+        raise ValueError(f"draft_tokens must be [B, K] = [{batch}, {num_positions}] (from {shape_source}), "
+                         f"got {tuple(draft_tokens.shape)}")
     if draft_tokens.device != device:
-        _require_device(draft_tokens, device, "draft_tokens")
+        require_device(draft_tokens, device, "draft_tokens")
     if dtype != torch.int64:  # .to() costs a microsecond even when it has nothing to do
         draft_tokens = draft_tokens.to(torch.int64)
     return draft_tokens.contiguous()
@@ -197,12 +222,12 @@ def normalize_num_draft(num_draft, batch: int, num_positions: int, device: torch
     """int64 [B], or None when absent (every row drafts K)."""
     if num_draft is None:
         return None
-    _require_tensor(num_draft, "num_draft")
+    require_tensor(num_draft, "num_draft")
     if num_draft.is_floating_point() or num_draft.is_complex() or num_draft.dtype == torch.bool:
         raise TypeError(f"num_draft must be an integer tensor, got {num_draft.dtype}")
     if tuple(num_draft.shape) != (batch,):
         raise ValueError(f"num_draft must have shape [B] = [{batch}], got {tuple(num_draft.shape)}")
-    _require_device(num_draft, device, "num_draft")
+    require_device(num_draft, device, "num_draft")
     num_draft = num_draft.to(torch.int64).contiguous()
     if check_inputs and batch > 0:
         low, high = int(num_draft.min()), int(num_draft.max())
@@ -217,12 +242,12 @@ def normalize_greedy(greedy, batch: int, device: torch.device) -> Optional[torch
         return None
     if isinstance(greedy, bool):
         return torch.full((batch,), greedy, dtype=torch.bool, device=device)
-    _require_tensor(greedy, "greedy")
+    require_tensor(greedy, "greedy")
     if greedy.dtype != torch.bool:
         raise TypeError(f"greedy must be a bool tensor of shape [B], got dtype {greedy.dtype}")
     if tuple(greedy.shape) != (batch,):
         raise ValueError(f"greedy must have shape [B] = [{batch}], got {tuple(greedy.shape)}")
-    _require_device(greedy, device, "greedy")
+    require_device(greedy, device, "greedy")
     return greedy.contiguous()
 
 
@@ -230,13 +255,13 @@ def normalize_uniforms(uniforms, batch: int, num_positions: int, device: torch.d
                        check_inputs: bool) -> Optional[torch.Tensor]:
     if uniforms is None:
         return None
-    _require_tensor(uniforms, "uniforms")
+    require_tensor(uniforms, "uniforms")
     if not uniforms.is_floating_point():
         raise TypeError(f"uniforms must be a floating-point tensor, got dtype {uniforms.dtype}")
     if tuple(uniforms.shape) != (batch, num_positions + 1):
         raise ValueError(f"uniforms must have shape [B, K+1] = [{batch}, {num_positions + 1}], "
                          f"got {tuple(uniforms.shape)}")
-    _require_device(uniforms, device, "uniforms")
+    require_device(uniforms, device, "uniforms")
     uniforms = uniforms.to(torch.float64).contiguous()
     if check_inputs and uniforms.numel() > 0:
         if bool(torch.isnan(uniforms).any()):
@@ -294,10 +319,12 @@ def prepare_verify(draft_tokens, draft, target, weight, *, num_draft, greedy, un
                    check_inputs: bool, draft_name: str, target_name: str, kind: str,
                    checks_in_kernel: bool = False) -> VerifyArgs:
     """Validate and normalise every verify argument (probabilities or logits alike); defaults stay scalars or None
-    (VerifyArgs.materialized). ``checks_in_kernel``: the CPU logits kernel flags token ids and values itself."""
+    (VerifyArgs.materialized). ``checks_in_kernel``: the CPU logits kernel flags token ids and values itself. A draft
+    of None verifies drafted tokens without their distributions (q one-hot at each drafted token)."""
     batch, num_positions, vocab = check_distributions(draft, target, draft_name, target_name, kind)
-    device = draft.device
-    tokens = normalize_tokens(draft_tokens, batch, num_positions, device)
+    device = target.device
+    tokens = normalize_tokens(draft_tokens, batch, num_positions, device,
+                              draft_name if draft is not None else f"{target_name}, which has K+1 positions")
     weight_t, weight_value = weight_argument(weight, batch, num_positions, device, check_inputs)
     num_draft_t = normalize_num_draft(num_draft, batch, num_positions, device, check_inputs)
     greedy_t = normalize_greedy(greedy, batch, device)
@@ -309,12 +336,14 @@ def prepare_verify(draft_tokens, draft, target, weight, *, num_draft, greedy, un
     if check_inputs and not checks_in_kernel:
         check_token_ids(tokens, num_draft_t, vocab)
         if kind == "logits":
-            check_values(draft, draft_name, from_logits=True)
+            if draft is not None:
+                check_values(draft, draft_name, from_logits=True)
             check_values(target, target_name, from_logits=True)
         else:
             check_verify_probabilities(draft, target, num_draft_t, draft_name, target_name)
-    return VerifyArgs(tokens, draft.contiguous(), target.contiguous(), weight_t, weight_value, num_draft_t, greedy_t,
-                      uniforms_t, seeds_t, seed_value, offset_i, per_row_seed)
+    draft = None if draft is None else draft.contiguous()
+    return VerifyArgs(tokens, draft, target.contiguous(), weight_t, weight_value, num_draft_t, greedy_t, uniforms_t,
+                      seeds_t, seed_value, offset_i, per_row_seed)
 
 
 def _scalar_temperature(temperature: Real) -> float:
@@ -332,7 +361,7 @@ def normalize_temperature(temperature, batch: int, device: torch.device, check_i
         return torch.full((batch,), _scalar_temperature(temperature), dtype=torch.float32, device=device)
     if not temperature.is_floating_point():
         raise TypeError(f"temperature must be a floating-point tensor, got dtype {temperature.dtype}")
-    _require_device(temperature, device, "temperature")
+    require_device(temperature, device, "temperature")
     if temperature.dim() == 0:
         temperature = temperature.reshape(1).expand(batch)
     if tuple(temperature.shape) != (batch,):
@@ -352,49 +381,3 @@ def temperature_argument(temperature, batch: int, device: torch.device,
     if isinstance(temperature, Real) and not isinstance(temperature, bool):
         return None, _scalar_temperature(temperature)
     return normalize_temperature(temperature, batch, device, check_inputs), 1.0
-
-
-def normalize_stat_tokens(tokens, batch: int, length: int, vocab: int, device: torch.device,
-                          check_inputs: bool) -> torch.Tensor:
-    """Tokens [B, T] of token_stats: every id must lie in [0, V)."""
-    _require_tensor(tokens, "tokens")
-    if tokens.dtype not in TOKEN_DTYPES:
-        raise TypeError(f"tokens must be int32 or int64, got {tokens.dtype}")
-    if tuple(tokens.shape) != (batch, length):
-        raise ValueError(f"tokens must be [B, T] = [{batch}, {length}], got {tuple(tokens.shape)}")
-    _require_device(tokens, device, "tokens")
-    tokens = tokens.to(torch.int64).contiguous()
-    if check_inputs and tokens.numel() > 0:
-        low, high = int(tokens.min()), int(tokens.max())
-        if low < 0 or high >= vocab:
-            raise ValueError(f"tokens must lie in [0, V) with V = {vocab}, got values in [{low}, {high}]")
-    return tokens
-
-
-def prepare_pair(draft, target, *, from_logits, temperature, check_inputs, same_positions):
-    """Checks of token_stats and mix: (B, K, V, temperature [B]) of a draft/target pair."""
-    kind = "logits" if from_logits else "probabilities"
-    batch, draft_positions, vocab = _check_pair_shapes(draft, target, kind, same_positions)
-    temperature_t = normalize_temperature(temperature, batch, draft.device, check_inputs)
-    if check_inputs:
-        check_values(draft, "draft", from_logits)
-        check_values(target, "target", from_logits)
-    return batch, draft_positions, vocab, temperature_t
-
-
-def _check_pair_shapes(draft, target, kind, same_positions):
-    """Like check_distributions, but target may have K (same_positions) or K and more positions."""
-    if isinstance(target, torch.Tensor) and isinstance(draft, torch.Tensor) and target.dim() == 3 and draft.dim() == 3:
-        if same_positions and target.shape[1] != draft.shape[1]:
-            raise ValueError(f"target must have the same number of positions as draft ({draft.shape[1]}), "
-                             f"got {target.shape[1]}")
-        if not same_positions and target.shape[1] < draft.shape[1]:
-            raise ValueError(f"target must have at least as many positions as draft ({draft.shape[1]}), "
-                             f"got {target.shape[1]}")
-        # check_distributions wants K + 1 target positions; only shapes, dtypes and devices are compared here.
-        padded_shape = (target.shape[0], draft.shape[1] + 1, target.shape[2])
-        padded = target[:, :1].expand(padded_shape) if target.shape[1] else target.new_zeros(padded_shape)
-        check_distributions(draft, padded, "draft", "target", kind)
-    else:
-        check_distributions(draft, target, "draft", "target", kind)
-    return tuple(draft.shape)

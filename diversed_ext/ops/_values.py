@@ -79,22 +79,21 @@ def _drafted_lengths(num_draft: Optional[torch.Tensor], batch: int, num_position
     return torch.full((batch,), num_positions, device=device) if num_draft is None else num_draft
 
 
-def check_verify_probabilities(draft: torch.Tensor, target: torch.Tensor, num_draft: Optional[torch.Tensor],
-                               draft_name: str, target_name: str) -> None:
+def check_verify_probabilities(draft: Optional[torch.Tensor], target: torch.Tensor,
+                               num_draft: Optional[torch.Tensor], draft_name: str, target_name: str) -> None:
     """The value checks of verify's probabilities, and every row the verifier reads needs some mass: draft rows
     k < num_draft[b] (q at a rejection) and target rows k <= num_draft[b]. Rows past them are never read, so a server
-    may leave them as zero padding. One pass over each tensor."""
-    if draft.numel() + target.numel() == 0:
-        return
+    may leave them as zero padding. One pass over each tensor; a draft of None (tokens only) has nothing to check."""
+    num_positions = target.shape[1] - 1
 
     def read_rows(last_offset: int) -> torch.Tensor:
         """Rows the verifier reads: positions < num_draft[b] + last_offset (0 for draft rows, 1 for target rows)."""
-        drafted = _drafted_lengths(num_draft, draft.shape[0], draft.shape[1], draft.device)
-        positions = torch.arange(target.shape[1] - 1 + last_offset, device=target.device).unsqueeze(0)
+        drafted = _drafted_lengths(num_draft, target.shape[0], num_positions, target.device)
+        positions = torch.arange(num_positions + last_offset, device=target.device).unsqueeze(0)
         return positions < (drafted + last_offset).unsqueeze(1)
 
     for tensor, name, last_offset in ((draft, draft_name, 0), (target, target_name, 1)):
-        if tensor.numel() == 0:
+        if tensor is None or tensor.numel() == 0:
             continue
         flags = _native_flags(tensor, from_logits=False)
         if flags is None:

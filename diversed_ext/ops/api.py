@@ -27,8 +27,8 @@ from typing import NamedTuple
 import torch
 
 from . import _fake  # noqa: F401  (registers the native ops and their fake kernels)
-from ._inputs import (PROB_DTYPES, SEED_RANGE, normalize_stat_tokens, normalize_weight, prepare_pair,
-                      prepare_verify, temperature_argument)
+from ._inputs import PROB_DTYPES, SEED_RANGE, normalize_weight, prepare_verify, temperature_argument
+from ._pair_inputs import normalize_stat_tokens, prepare_pair
 from ._values import check_verify_logits_flags
 
 # The verify overloads, looked up once: torch.ops.<namespace>.<op> is two attribute lookups and an overload resolution
@@ -65,7 +65,7 @@ def _direct_call(op, draft_tokens, draft, target, weight, num_draft, row_flags, 
     device), and the caller then takes the normalising path, which converts what it can and names what it cannot. Its
     checks on every call (about 3 us of Python attribute reads) are what a serving loop would otherwise pay.
     """
-    if draft.dtype not in _OP_DTYPES:  # the kernels also accept float64, which the public ops refuse
+    if target.dtype not in _OP_DTYPES:  # the kernels also accept float64, which the public ops refuse
         return None
     if type(weight) is float:  # the common case; NaN fails the range test
         if not 0.0 <= weight <= 1.0:
@@ -97,7 +97,9 @@ def verify(draft_tokens, draft_probs, target_probs, weight, *, num_draft=None, g
 
     Args:
         draft_tokens: int32/int64 [B, K], the drafted ids. Entries at positions >= num_draft[b] are ignored.
-        draft_probs: [B, K, V] draft distributions q (float32, bfloat16 or float16).
+        draft_probs: [B, K, V] draft distributions q (float32, bfloat16 or float16), or None when the drafter gives
+            tokens only (EAGLE, MTP, ngram lookup): q is then one-hot at each drafted token, so x_i is accepted with
+            probability w_i p_i(x_i) + 1 - w_i and a rejection draws from p_m without x_m. No draft row is read.
         target_probs: [B, K+1, V] target distributions p, same dtype and device; row K (or num_draft[b]) gives the bonus.
         weight: weight w on the target: a float, a [B] tensor (per request) or a [B, K] tensor (per token, e.g. from
             :class:`diversed_ext.head.EnsembleHead`). 1 is standard speculative decoding, 0 accepts every draft.
@@ -157,7 +159,8 @@ def verify_logits(draft_tokens, draft_logits, target_logits, weight, *, temperat
     """:func:`diversed_ext.verify` straight from logits, with a fused online softmax.
 
     Args:
-        draft_logits: [B, K, V] draft logits (float32, bfloat16 or float16); -inf entries mask tokens out.
+        draft_logits: [B, K, V] draft logits (float32, bfloat16 or float16); -inf entries mask tokens out. None when
+            the drafter gives tokens only (q one-hot at each drafted token, as in :func:`diversed_ext.verify`).
         target_logits: [B, K+1, V] target logits, same dtype and device.
         temperature: float or [B] tensor, >= 0. Probabilities are softmax(logits / temperature); 0 makes the row
             greedy (accept while x_i = argmax nu_i, with nu formed from the temperature-1 softmax).
@@ -176,12 +179,12 @@ def verify_logits(draft_tokens, draft_logits, target_logits, weight, *, temperat
             pass
     # On the CPU the kernel flags the token ids and the logits' values in its own passes (checked after the call,
     # which then raises); elsewhere they are checked before it.
-    flags_from_kernel = check_inputs and isinstance(draft_logits, torch.Tensor) and draft_logits.device.type == "cpu"
+    flags_from_kernel = check_inputs and isinstance(target_logits, torch.Tensor) and target_logits.device.type == "cpu"
     args = prepare_verify(draft_tokens, draft_logits, target_logits, weight, num_draft=num_draft, greedy=None,
                           uniforms=uniforms, seed=seed, offset=offset, check_inputs=check_inputs,
                           draft_name="draft_logits", target_name="target_logits", kind="logits",
                           checks_in_kernel=flags_from_kernel)
-    temperature_t, temperature_value = temperature_argument(temperature, args.draft.shape[0], args.draft.device,
+    temperature_t, temperature_value = temperature_argument(temperature, args.target.shape[0], args.target.device,
                                                             check_inputs)
     op_arguments = (args.draft_tokens, args.draft, args.target, args.weight, args.num_draft, temperature_t,
                     args.uniforms, args.seeds, args.offset, args.per_row_seed, args.weight_value, temperature_value,
@@ -189,7 +192,7 @@ def verify_logits(draft_tokens, draft_logits, target_logits, weight, *, temperat
     if not flags_from_kernel:
         return VerifyResult(*_VERIFY_LOGITS(*op_arguments))
     tokens, num_accepted, accept_prob, row_flags = _VERIFY_LOGITS_WITH_FLAGS(*op_arguments)
-    check_verify_logits_flags(row_flags, args.draft_tokens, args.draft.shape[-1])
+    check_verify_logits_flags(row_flags, args.draft_tokens, args.target.shape[-1])
     return VerifyResult(tokens, num_accepted, accept_prob)
 
 

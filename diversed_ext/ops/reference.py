@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from ._inputs import normalize_stat_tokens, normalize_temperature, normalize_weight, prepare_pair, prepare_verify
+from ._inputs import normalize_temperature, normalize_weight, prepare_verify
+from ._pair_inputs import normalize_stat_tokens, prepare_pair
 from ._philox import philox_uniforms
 from ._temperature import distribution_temperature, is_greedy_temperature
 from .api import TokenStats, VerifyResult
@@ -42,6 +43,14 @@ def inverse_cdf_sample(mass: torch.Tensor, uniform: torch.Tensor) -> torch.Tenso
     chosen = chosen.clamp_max(mass.shape[1] - 1)
     chosen_mass = mass.gather(1, chosen.unsqueeze(1)).squeeze(1)
     return torch.where(chosen_mass > 0, chosen, last_positive)
+
+
+def one_hot_drafts(draft_tokens: torch.Tensor, vocab: int) -> torch.Tensor:
+    """The draft distributions of a drafter that gives tokens only: float32 [B, K, V], one-hot at each drafted id (a
+    row of zeros for an id outside [0, V), which the verifier counts as rejected)."""
+    valid = (draft_tokens >= 0) & (draft_tokens < vocab)
+    one_hot = torch.nn.functional.one_hot(draft_tokens.clamp(0, vocab - 1), vocab).float()
+    return one_hot * valid.unsqueeze(-1)
 
 
 def reference_core(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor,
@@ -106,8 +115,9 @@ def verify_reference(draft_tokens, draft_probs, target_probs, weight, *, num_dra
                           uniforms=uniforms, seed=seed, offset=offset, check_inputs=check_inputs,
                           draft_name="draft_probs", target_name="target_probs", kind="probabilities").materialized()
     if args.uniforms is None:
-        args.uniforms = philox_uniforms(args.seeds, args.offset, args.draft.shape[1] + 1, args.per_row_seed)
-    return reference_core(args.draft_tokens, args.draft, args.target, args.weight, args.num_draft, args.greedy,
+        args.uniforms = philox_uniforms(args.seeds, args.offset, args.draft_tokens.shape[1] + 1, args.per_row_seed)
+    draft_probs = one_hot_drafts(args.draft_tokens, args.target.shape[-1]) if args.draft is None else args.draft
+    return reference_core(args.draft_tokens, draft_probs, args.target, args.weight, args.num_draft, args.greedy,
                           args.uniforms)
 
 
@@ -120,16 +130,20 @@ def _tempered_softmax(logits: torch.Tensor, temperature: torch.Tensor) -> torch.
 
 def verify_logits_reference(draft_tokens, draft_logits, target_logits, weight, *, temperature=1.0, num_draft=None,
                             uniforms=None, seed=None, offset=0, check_inputs=True) -> VerifyResult:
-    """Reference of :func:`diversed_ext.verify_logits`: softmax everything, then verify on probabilities."""
+    """Reference of :func:`diversed_ext.verify_logits`: softmax everything, then verify on probabilities (one-hot
+    draft rows when ``draft_logits`` is None)."""
     args = prepare_verify(draft_tokens, draft_logits, target_logits, weight, num_draft=num_draft, greedy=None,
                           uniforms=uniforms, seed=seed, offset=offset, check_inputs=check_inputs,
                           draft_name="draft_logits", target_name="target_logits", kind="logits").materialized()
-    temperature_t = normalize_temperature(temperature, args.draft.shape[0], args.draft.device, check_inputs)
+    temperature_t = normalize_temperature(temperature, args.target.shape[0], args.target.device, check_inputs)
     if args.uniforms is None:
-        args.uniforms = philox_uniforms(args.seeds, args.offset, args.draft.shape[1] + 1, args.per_row_seed)
-    return reference_core(args.draft_tokens, _tempered_softmax(args.draft, temperature_t),
-                          _tempered_softmax(args.target, temperature_t), args.weight, args.num_draft,
-                          is_greedy_temperature(temperature_t), args.uniforms)
+        args.uniforms = philox_uniforms(args.seeds, args.offset, args.draft_tokens.shape[1] + 1, args.per_row_seed)
+    if args.draft is None:
+        draft_probs = one_hot_drafts(args.draft_tokens, args.target.shape[-1])
+    else:
+        draft_probs = _tempered_softmax(args.draft, temperature_t)
+    return reference_core(args.draft_tokens, draft_probs, _tempered_softmax(args.target, temperature_t), args.weight,
+                          args.num_draft, is_greedy_temperature(temperature_t), args.uniforms)
 
 
 def token_stats_reference(draft, target, tokens, *, from_logits=False, temperature=1.0, check_inputs=True):

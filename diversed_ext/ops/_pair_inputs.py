@@ -1,0 +1,54 @@
+"""Validation of the draft/target pairs of token_stats and mix (the verify ops' arguments are in ``_inputs``)."""
+
+from __future__ import annotations
+
+import torch
+
+from ._inputs import TOKEN_DTYPES, require_device, require_tensor, check_distributions, normalize_temperature
+from ._values import check_values
+
+
+def normalize_stat_tokens(tokens, batch: int, length: int, vocab: int, device: torch.device,
+                          check_inputs: bool) -> torch.Tensor:
+    """Tokens [B, T] of token_stats: every id must lie in [0, V)."""
+    require_tensor(tokens, "tokens")
+    if tokens.dtype not in TOKEN_DTYPES:
+        raise TypeError(f"tokens must be int32 or int64, got {tokens.dtype}")
+    if tuple(tokens.shape) != (batch, length):
+        raise ValueError(f"tokens must be [B, T] = [{batch}, {length}], got {tuple(tokens.shape)}")
+    require_device(tokens, device, "tokens")
+    tokens = tokens.to(torch.int64).contiguous()
+    if check_inputs and tokens.numel() > 0:
+        low, high = int(tokens.min()), int(tokens.max())
+        if low < 0 or high >= vocab:
+            raise ValueError(f"tokens must lie in [0, V) with V = {vocab}, got values in [{low}, {high}]")
+    return tokens
+
+
+def prepare_pair(draft, target, *, from_logits, temperature, check_inputs, same_positions):
+    """Checks of token_stats and mix: (B, K, V, temperature [B]) of a draft/target pair."""
+    kind = "logits" if from_logits else "probabilities"
+    batch, draft_positions, vocab = _check_pair_shapes(draft, target, kind, same_positions)
+    temperature_t = normalize_temperature(temperature, batch, draft.device, check_inputs)
+    if check_inputs:
+        check_values(draft, "draft", from_logits)
+        check_values(target, "target", from_logits)
+    return batch, draft_positions, vocab, temperature_t
+
+
+def _check_pair_shapes(draft, target, kind, same_positions):
+    """Like check_distributions, but target may have K (same_positions) or K and more positions."""
+    if isinstance(target, torch.Tensor) and isinstance(draft, torch.Tensor) and target.dim() == 3 and draft.dim() == 3:
+        if same_positions and target.shape[1] != draft.shape[1]:
+            raise ValueError(f"target must have the same number of positions as draft ({draft.shape[1]}), "
+                             f"got {target.shape[1]}")
+        if not same_positions and target.shape[1] < draft.shape[1]:
+            raise ValueError(f"target must have at least as many positions as draft ({draft.shape[1]}), "
+                             f"got {target.shape[1]}")
+        # check_distributions wants K + 1 target positions; only shapes, dtypes and devices are compared here.
+        padded_shape = (target.shape[0], draft.shape[1] + 1, target.shape[2])
+        padded = target[:, :1].expand(padded_shape) if target.shape[1] else target.new_zeros(padded_shape)
+        check_distributions(draft, padded, "draft", "target", kind)
+    else:
+        check_distributions(draft, target, "draft", "target", kind)
+    return tuple(draft.shape)
