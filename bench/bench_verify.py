@@ -10,11 +10,15 @@ dx.verify with default arguments against the registered op alone.
     python bench/bench_verify.py --quick         # a few configurations
     python bench/bench_verify.py --ops verify --batch 8 --draft 4 --vocab 49152 --dtype float32
 
+Ops: verify and verify_logits with draft distributions; verify_tokens and verify_logits_tokens for drafters that give
+tokens only (draft_probs / draft_logits = None), whose "one-hot" columns time what a caller must do without that
+option: materialise one-hot draft rows (and, from logits, softmax the target) and call the distribution API.
+
 Columns: fused (serving configuration, check_inputs=False), fused with checks, reference (the test oracle, which forms
-whole [B, K, V] mixtures), speed-up over it, a careful plain PyTorch verifier (gathers p(x) and q(x), accept tests on
-the gathered values, then the residual of the one row per request that needs it; checked equal to the reference on
-identical uniforms before it is timed) and the fused kernel's speed-up over it, effective GB/s over the bytes the fused
-kernel must read, and the streaming floor: torch.sum over exactly those bytes, with the fused kernel's ratio to it.
+whole [B, K, V] mixtures), speed-up over it, a careful plain PyTorch verifier (bench/plain_verifiers.py: gathers p(x)
+and q(x), accept tests on the gathered values, then the residual of the one row per request that needs it; checked
+equal to the reference on identical uniforms before it is timed) and the fused kernel's speed-up over it, the one-hot
+call and the fused kernel's speed-up over it (tokens-only ops), effective GB/s over the bytes the fused kernel must read, and the streaming floor: torch.sum over exactly those bytes, with the fused kernel's ratio to it.
 That floor swings with what the caches still hold (the bytes may sit in the last-level cache after another
 implementation read them), so the last two columns give the DRAM floor too: the same bytes at the speed torch.sum
 streams a buffer far larger than the caches, measured once per run.
@@ -36,7 +40,7 @@ import torch
 from tqdm import tqdm
 
 import diversed_ext as dx
-from diversed_ext.ops.reference import inverse_cdf_sample
+from plain_verifiers import plain_verify, plain_verify_logits
 
 BATCHES = (1, 8, 64)
 DRAFT_LENGTHS = (1, 4, 8)
@@ -72,6 +76,7 @@ class OpBench:
     streaming: Callable[[Problem], object]  # torch.sum over exactly the bytes the fused kernel must read
     plain: Callable[[Problem, torch.Tensor], object] | None = None  # careful plain PyTorch, on explicit uniforms
     reference_on: Callable[[Problem, torch.Tensor], object] | None = None  # the reference on the same uniforms
+    one_hot: Callable[[Problem], object] | None = None  # tokens only: the fused call on materialised one-hot rows
 
 
 def make_problem(batch, num_positions, vocab, dtype, device, seed=0) -> Problem:
@@ -104,60 +109,25 @@ def _stream_logits(pr: Problem):
     return torch.sum(pr.draft_logits), torch.sum(pr.target_logits)
 
 
+def _target_row_bytes(batch, num_positions, vocab, element_size):
+    # Tokens only: no draft row; the gathers are a few values and the final token reads one target row per request.
+    return batch * vocab * element_size
+
+
+def _target_rows_bytes(batch, num_positions, vocab, element_size):
+    # Tokens only, from logits: every target row the request reads needs its normaliser.
+    return batch * (num_positions + 1) * vocab * element_size
+
+
+def _one_hot(pr: Problem) -> torch.Tensor:
+    """What a caller of the draft-distribution API must build for a drafter that gives tokens only."""
+    vocab = pr.target_probs.shape[-1]
+    return torch.nn.functional.one_hot(pr.draft_tokens, vocab).to(pr.target_probs.dtype)
+
+
 def _stream_two_rows(pr: Problem):
     # The two rows per request that verify reads whole: p and q at one position (the gathers are a few values).
     return torch.sum(pr.target_probs[:, 0]), torch.sum(pr.draft_probs[:, 0])
-
-
-def _plain_accept(p_tokens, q_tokens, weight, uniforms):
-    """Accept tests on gathered float32 values: (num_accepted [B], accept_prob [B, K])."""
-    nu = weight * p_tokens + (1 - weight) * q_tokens
-    accepted = uniforms[:, :-1] * q_tokens.double() < nu.double()
-    accept_prob = torch.where(q_tokens > 0, (nu / q_tokens).clamp(max=1.0), (nu > 0).float())
-    return accepted.int().cumprod(1).sum(1), accept_prob
-
-
-def _plain_finish(draft_tokens, num_accepted, accept_prob, p_row, q_row, uniforms):
-    """Final token from the one row per request: residual max(0, p - q) after a rejection, else the bonus p."""
-    num_positions = draft_tokens.shape[1]
-    rejected = (num_accepted < num_positions).unsqueeze(1)
-    residual = torch.where(rejected, (p_row - q_row).clamp_min(0.0), p_row)
-    empty = residual.sum(-1, keepdim=True) <= 0  # no residual mass: sample p itself
-    final = inverse_cdf_sample(torch.where(empty, p_row, residual), uniforms[:, -1])
-    positions = torch.arange(num_positions + 1, device=draft_tokens.device)
-    padded = torch.cat([draft_tokens, draft_tokens[:, :1]], dim=1)
-    tokens = torch.where(positions < num_accepted.unsqueeze(1), padded, -1)
-    tokens = torch.where(positions == num_accepted.unsqueeze(1), final.unsqueeze(1), tokens)
-    return tokens, num_accepted.int(), accept_prob
-
-
-def plain_verify(pr: Problem, uniforms: torch.Tensor, weight: float = WEIGHT):
-    """A careful plain PyTorch verifier from probabilities (valid inputs, every row fully drafted, weight > 0)."""
-    tokens, draft, target = pr.draft_tokens, pr.draft_probs, pr.target_probs
-    num_positions = tokens.shape[1]
-    index = tokens.unsqueeze(-1)
-    q_tokens = draft.gather(2, index).squeeze(-1).float()
-    p_tokens = target[:, :num_positions].gather(2, index).squeeze(-1).float()
-    num_accepted, accept_prob = _plain_accept(p_tokens, q_tokens, weight, uniforms)
-    rows = torch.arange(tokens.shape[0], device=tokens.device)
-    p_row = target[rows, num_accepted].float()
-    q_row = draft[rows, num_accepted.clamp(max=num_positions - 1)].float()
-    return _plain_finish(tokens, num_accepted, accept_prob, p_row, q_row, uniforms)
-
-
-def plain_verify_logits(pr: Problem, uniforms: torch.Tensor, weight: float = WEIGHT):
-    """The same from logits: a logsumexp per row, gathered logits, and a softmax of the two rows that need one."""
-    tokens, draft, target = pr.draft_tokens, pr.draft_logits, pr.target_logits
-    num_positions = tokens.shape[1]
-    index = tokens.unsqueeze(-1)
-    q_tokens = (draft.gather(2, index).squeeze(-1).float() - torch.logsumexp(draft.float(), -1)).exp()
-    p_tokens = (target[:, :num_positions].gather(2, index).squeeze(-1).float()
-                - torch.logsumexp(target[:, :num_positions].float(), -1)).exp()
-    num_accepted, accept_prob = _plain_accept(p_tokens, q_tokens, weight, uniforms)
-    rows = torch.arange(tokens.shape[0], device=tokens.device)
-    p_row = target[rows, num_accepted].float().softmax(-1)
-    q_row = draft[rows, num_accepted.clamp(max=num_positions - 1)].float().softmax(-1)
-    return _plain_finish(tokens, num_accepted, accept_prob, p_row, q_row, uniforms)
 
 
 def _stats_tokens(pr: Problem):
@@ -173,9 +143,23 @@ OPS = {
         fused_checked=lambda pr: dx.verify(pr.draft_tokens, pr.draft_probs, pr.target_probs, WEIGHT, seed=0),
         bytes_read=_verify_bytes,
         streaming=_stream_two_rows,
-        plain=plain_verify,
+        plain=lambda pr, u: plain_verify(pr.draft_tokens, pr.draft_probs, pr.target_probs, u, WEIGHT),
         reference_on=lambda pr, u: dx.verify_reference(pr.draft_tokens, pr.draft_probs, pr.target_probs, WEIGHT,
                                                        uniforms=u, check_inputs=False),
+    ),
+    "verify_tokens": OpBench(
+        "verify_tokens",
+        fused=lambda pr: dx.verify(pr.draft_tokens, None, pr.target_probs, WEIGHT, seed=0, check_inputs=False),
+        reference=lambda pr: dx.verify_reference(pr.draft_tokens, None, pr.target_probs, WEIGHT, seed=0,
+                                                 check_inputs=False),
+        fused_checked=lambda pr: dx.verify(pr.draft_tokens, None, pr.target_probs, WEIGHT, seed=0),
+        bytes_read=_target_row_bytes,
+        streaming=lambda pr: torch.sum(pr.target_probs[:, 0]),
+        plain=lambda pr, u: plain_verify(pr.draft_tokens, None, pr.target_probs, u, WEIGHT),
+        reference_on=lambda pr, u: dx.verify_reference(pr.draft_tokens, None, pr.target_probs, WEIGHT, uniforms=u,
+                                                       check_inputs=False),
+        one_hot=lambda pr: dx.verify(pr.draft_tokens, _one_hot(pr), pr.target_probs, WEIGHT, seed=0,
+                                     check_inputs=False),
     ),
     "verify_logits": OpBench(
         "verify_logits",
@@ -186,9 +170,24 @@ OPS = {
         fused_checked=lambda pr: dx.verify_logits(pr.draft_tokens, pr.draft_logits, pr.target_logits, WEIGHT, seed=0),
         bytes_read=_all_rows_bytes,
         streaming=_stream_logits,
-        plain=plain_verify_logits,
+        plain=lambda pr, u: plain_verify_logits(pr.draft_tokens, pr.draft_logits, pr.target_logits, u, WEIGHT),
         reference_on=lambda pr, u: dx.verify_logits_reference(pr.draft_tokens, pr.draft_logits, pr.target_logits,
                                                               WEIGHT, uniforms=u, check_inputs=False),
+    ),
+    "verify_logits_tokens": OpBench(
+        "verify_logits_tokens",
+        fused=lambda pr: dx.verify_logits(pr.draft_tokens, None, pr.target_logits, WEIGHT, seed=0, check_inputs=False),
+        reference=lambda pr: dx.verify_logits_reference(pr.draft_tokens, None, pr.target_logits, WEIGHT, seed=0,
+                                                        check_inputs=False),
+        fused_checked=lambda pr: dx.verify_logits(pr.draft_tokens, None, pr.target_logits, WEIGHT, seed=0),
+        bytes_read=_target_rows_bytes,
+        streaming=lambda pr: torch.sum(pr.target_logits),
+        plain=lambda pr, u: plain_verify_logits(pr.draft_tokens, None, pr.target_logits, u, WEIGHT),
+        reference_on=lambda pr, u: dx.verify_logits_reference(pr.draft_tokens, None, pr.target_logits, WEIGHT,
+                                                              uniforms=u, check_inputs=False),
+        # Logits cannot be one-hot: a caller of the distribution API would softmax the target and verify probabilities.
+        one_hot=lambda pr: dx.verify(pr.draft_tokens, _one_hot(pr), pr.target_logits.float().softmax(-1).to(
+            pr.target_logits.dtype), WEIGHT, seed=0, check_inputs=False),
     ),
     "token_stats": OpBench(
         "token_stats",
@@ -289,6 +288,8 @@ def run(args) -> list[dict]:
                      "stream": lambda: op.streaming(problem)}
         if op.fused_checked:
             functions["checked"] = lambda: op.fused_checked(problem)
+        if op.one_hot:
+            functions["one_hot"] = lambda: op.one_hot(problem)
         plain_equal = ""
         if op.plain is not None and num_positions > 0:
             uniforms = torch.rand(batch, num_positions + 1, dtype=torch.float64, device=device)
@@ -297,12 +298,14 @@ def run(args) -> list[dict]:
         medians = interleaved_medians(functions, device)
         fused_s, reference_s, stream_s = medians["fused"], medians["reference"], medians["stream"]
         checked_s, plain_s = medians.get("checked", float("nan")), medians.get("plain", float("nan"))
+        one_hot_s = medians.get("one_hot", float("nan"))
         bytes_read = op.bytes_read(batch, num_positions, vocab, problem.draft_probs.element_size())
         rows.append({
             "op": op_name, "device": device.type, "B": batch, "K": num_positions, "V": vocab, "dtype": dtype_name,
             "fused_us": fused_s * 1e6, "fused_checked_us": checked_s * 1e6, "reference_us": reference_s * 1e6,
             "speedup": reference_s / fused_s, "plain_us": plain_s * 1e6, "plain_over_fused": plain_s / fused_s,
-            "plain_equals_reference": plain_equal, "fused_GBps": bytes_read / fused_s / 1e9,
+            "plain_equals_reference": plain_equal, "one_hot_us": one_hot_s * 1e6, "one_hot_over_fused": one_hot_s / fused_s,
+            "fused_GBps": bytes_read / fused_s / 1e9,
             "stream_us": stream_s * 1e6, "fused_over_stream": fused_s / stream_s,
             "dram_floor_us": bytes_read / bandwidth * 1e6, "fused_over_dram_floor": fused_s * bandwidth / bytes_read,
         })
@@ -311,16 +314,18 @@ def run(args) -> list[dict]:
 
 
 def print_table(rows: list[dict]) -> None:
-    header = (f"{'op':<14}{'B':>4}{'K':>5}{'V':>8} {'dtype':<9}{'fused us':>10}{'+checks us':>11}"
-              f"{'reference us':>13}{'vs ref':>8}{'plain us':>10}{'vs plain':>9}{'GB/s':>7}{'floor us':>10}"
+    header = (f"{'op':<21}{'B':>4}{'K':>5}{'V':>8} {'dtype':<9}{'fused us':>10}{'+checks us':>11}"
+              f"{'reference us':>13}{'vs ref':>8}{'plain us':>10}{'vs plain':>9}{'one-hot us':>11}{'vs 1-hot':>9}"
+              f"{'GB/s':>7}{'floor us':>10}"
               f"{'fused/floor':>12}{'DRAM floor':>11}{'fused/DRAM':>11}")
     print(header)
     print("-" * len(header))
     for row in rows:
         mark = "" if row["plain_equals_reference"] in (True, "") else "!"  # ! = plain differs from the reference
-        print(f"{row['op']:<14}{row['B']:>4}{row['K']:>5}{row['V']:>8} {row['dtype']:<9}{row['fused_us']:>10.1f}"
+        print(f"{row['op']:<21}{row['B']:>4}{row['K']:>5}{row['V']:>8} {row['dtype']:<9}{row['fused_us']:>10.1f}"
               f"{row['fused_checked_us']:>11.1f}{row['reference_us']:>13.1f}{row['speedup']:>7.1f}x"
-              f"{row['plain_us']:>10.1f}{row['plain_over_fused']:>8.1f}x{mark:1}{row['fused_GBps']:>6.1f}"
+              f"{row['plain_us']:>10.1f}{row['plain_over_fused']:>8.1f}x{mark:1}{row['one_hot_us']:>11.1f}"
+              f"{row['one_hot_over_fused']:>8.1f}x{row['fused_GBps']:>6.1f}"
               f"{row['stream_us']:>10.1f}{row['fused_over_stream']:>11.2f}x{row['dram_floor_us']:>11.1f}"
               f"{row['fused_over_dram_floor']:>10.2f}x")
     speedups = [row["speedup"] for row in rows]
