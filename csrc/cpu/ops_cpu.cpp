@@ -40,7 +40,7 @@ VerifyTuple verify_probs_cpu(const at::Tensor& draft_tokens, const OptionalTenso
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, target_probs.scalar_type(), "verify_probs_cpu", [&] {
     using T = CpuElement<scalar_t>;
     DIVERSED_CPU_CALL(verify_probs<T>, call.problem, kernel_data<T, scalar_t>(draft_probs),
-                      kernel_data<T, scalar_t>(target_probs), kParallelFor);
+                      kernel_data<T, scalar_t>(target_probs), kClaimingParallelFor);
   });
   return call.result();
 }
@@ -64,7 +64,7 @@ VerifyTuple run_verify_logits(const at::Tensor& draft_tokens, const OptionalTens
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, target_logits.scalar_type(), "verify_logits_cpu", [&] {
     using T = CpuElement<scalar_t>;
     DIVERSED_CPU_CALL(verify_logits<T>, call.problem, kernel_data<T, scalar_t>(draft_logits),
-                      kernel_data<T, scalar_t>(target_logits), kParallelFor,
+                      kernel_data<T, scalar_t>(target_logits), kClaimingParallelFor,
                       row_flags ? row_flags->data_ptr<int32_t>() : nullptr);
   });
   return call.result();
