@@ -8,9 +8,10 @@
 //   weight float32 [B, K], num_draft int64 [B], greedy bool [B], uniforms float64 [B, K+1], seeds int64 [B],
 //   offset, per_row_seed (the row index joins the Philox counter only when seeds are shared).
 // draft_probs / draft_logits may be None: the drafter gave tokens only, and q is one-hot at each drafted token (B, K
-// and V then come from the target). Every other optional tensor may be None, so that a call with default arguments creates no tensor before the op: weight is
-// then weight_value everywhere, num_draft K, greedy false, temperature temperature_value; without seeds the shared
-// `seed` is used, and without it (and without uniforms) a seed is drawn on the device from its default generator.
+// and V then come from the target). Every other optional tensor may be None, so that a call with default arguments
+// creates no tensor before the op: weight is then weight_value everywhere, num_draft K, greedy false, temperature
+// temperature_value; without seeds the shared `seed` is used, and without it (and without uniforms) a seed is drawn
+// on the device from its default generator.
 #include <Python.h>
 #include <torch/library.h>
 

@@ -57,7 +57,8 @@ VerifyTuple run_verify_logits(const at::Tensor& draft_tokens, const OptionalTens
   const VerifyCall call = start_verify(VerifyInput::kLogits, draft_tokens, target_logits, optional,
                                        VerifyScalars{weight_value, temperature_value, seed, offset, per_row_seed});
   if (row_flags) {
-    *row_flags = at::empty({target_logits.size(0), 2 * target_logits.size(1) - 1}, draft_tokens.options().dtype(at::kInt));
+    const int64_t batch = target_logits.size(0), num_positions = target_logits.size(1) - 1;
+    *row_flags = at::empty({batch, 2 * num_positions + 1}, draft_tokens.options().dtype(at::kInt));
     poison_outputs(*row_flags);
   }
   if (call.empty()) return call.result();

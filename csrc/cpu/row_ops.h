@@ -7,7 +7,7 @@
 // A row policy exposes `float mass(int64_t v)` and `FloatLanes mass_lanes(int64_t v)` (elements v .. v + kLanes - 1):
 //   ProbRow<T>   a row of probabilities (mass = the sanitised value);
 //   LogitRow<T>  a row of logits with its softmax normaliser (mass = softmax probability, computed on the fly);
-//   OneHotRow    the draft row of a drafter that gives tokens only: 1 at the drafted id, 0 elsewhere, read from nowhere.
+//   OneHotRow    the draft row of a drafter that gives tokens only: 1 at the drafted id, 0 elsewhere, reads nothing.
 // The passes take the target row and an optional draft row of any policy (a null pointer: no draft row).
 // The loops read a row once per pass and never store a [V] temporary; the sums of a sampled row are kept per block of
 // kBlock elements (a few KiB per row), so the inverse CDF reads only the one block that holds its threshold.

@@ -162,10 +162,11 @@ __device__ __forceinline__ void load_masses(const Row& row, int64_t first, int64
   for (int k = 0; k < kItemsPerThread; ++k) mass[k] = in_row(first + k, vocab) ? row.mass(mass[k]) : 0.0f;
 }
 
-__device__ __forceinline__ void load_masses(const OneHotRow& row, int64_t first, int64_t, bool,
+__device__ __forceinline__ void load_masses(const OneHotRow& row, int64_t first, int64_t vocab, bool,
                                             float (&mass)[kItemsPerThread]) {
 #pragma unroll
-  for (int k = 0; k < kItemsPerThread; ++k) mass[k] = one_hot_mass(first + k, row.token);  // token is -1 or in the row
+  for (int k = 0; k < kItemsPerThread; ++k)
+    mass[k] = in_row(first + k, vocab) ? one_hot_mass(first + k, row.token) : 0.0f;  // 0 outside the row, as loads
 }
 
 // The mass sampled by the final step: max(0, p - q) with a draft row, p alone without.
