@@ -43,3 +43,21 @@ def wide_pair_models():
     """(target, draft) with a 32-token vocabulary and two layers: the pair most decoding tests share."""
     target = tiny_llama(2, WIDE_VOCAB, sharpness=30.0, layers=2)
     return target, noisy_copy(target, 3)
+
+
+def sequences(output):
+    """A GenerationOutput's new tokens as lists of ints."""
+    return [tokens.tolist() for tokens in output.sequences]
+
+
+def assert_prompts_decode_as_alone(decoder, prompts, *, seed=40, max_new_tokens=14, eos=(5, 9)):
+    """Prompt i decoded alone with seed + i gives the tokens it gets among all the prompts and two at a time (other
+    neighbours, refilled slots); returns the tokens decoded alone."""
+    alone = [sequences(decoder.generate(prompt, max_new_tokens=max_new_tokens, eos_token_id=list(eos),
+                                        seed=seed + index))[0]
+             for index, prompt in enumerate(prompts)]
+    for batch_size in (None, 2):
+        output = decoder.generate(prompts, max_new_tokens=max_new_tokens, eos_token_id=list(eos), seed=seed,
+                                  batch_size=batch_size)
+        assert sequences(output) == alone, f"batch_size={batch_size}"
+    return alone

@@ -15,7 +15,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from decoding_helpers import PROMPT, wide_pair_models  # noqa: E402
+from decoding_helpers import PROMPT, assert_prompts_decode_as_alone, sequences, wide_pair_models  # noqa: E402
 from diversed_ext import philox_uniforms  # noqa: E402
 from diversed_ext.decoding import SpeculativeDecoder  # noqa: E402
 
@@ -41,23 +41,13 @@ def make_decoder(pair, method, kwargs, temperature, fast_forward=True, num_draft
                               temperature=temperature, fast_forward=fast_forward, **kwargs)
 
 
-def sequences(output):
-    return [tokens.tolist() for tokens in output.sequences]
-
-
 @pytest.mark.parametrize("fast_forward", [True, False], ids=["fast-forward", "hf-forward"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 @pytest.mark.parametrize("method,kwargs", METHODS, ids=[method for method, _ in METHODS])
 def test_prompt_tokens_do_not_depend_on_batch_size_or_neighbours(double_pair, method, kwargs, temperature,
                                                                  fast_forward):
     decoder = make_decoder(double_pair, method, kwargs, temperature, fast_forward)
-    eos = [5, 9]
-    alone = [sequences(decoder.generate(prompt, max_new_tokens=14, eos_token_id=eos, seed=40 + index))[0]
-             for index, prompt in enumerate(PROMPTS)]
-    # All together (every row's neighbours the others), and two at a time (other neighbours, refilled slots).
-    for batch_size in (None, 2):
-        output = decoder.generate(PROMPTS, max_new_tokens=14, eos_token_id=eos, seed=40, batch_size=batch_size)
-        assert sequences(output) == alone, f"batch_size={batch_size}"
+    alone = assert_prompts_decode_as_alone(decoder, PROMPTS, max_new_tokens=14)
     assert any(len(tokens) < 14 for tokens in alone)  # an EOS ended a row mid-batch
 
 

@@ -197,6 +197,39 @@ def test_cli_train_eval_pareto_end_to_end(pair, tmp_path, monkeypatch, capsys):
     assert "share a name" in capsys.readouterr().err
 
 
+def test_compare_drafts_end_to_end(pair, tmp_path, monkeypatch, capsys):
+    """diversed compare-drafts: sd and static w, each with the draft's distributions and its tokens only (and an
+    n-gram drafter), in one table with the paired differences against the first source."""
+    target, draft, tokenizer = pair
+    monkeypatch.setattr(cli.common, "load_models", lambda target_name, draft_name: (target, draft, tokenizer))
+    data = tmp_path / "gsm8k.jsonl"
+    data.write_text("".join(json.dumps(example) + "\n" for example in gsm8k_examples()))
+    assert cli.main(["compare-drafts", "--data", str(data), "--limit", "2", "--max-new-tokens", "6",
+                     "--drafts", "distributions", "tokens", "ngram", "--weight", "0.5"]) == 0
+    output = capsys.readouterr().out
+    for label in ("sd / distributions", "sd / tokens", "sd / ngram", "static w=0.5 / distributions",
+                  "static w=0.5 / tokens", "static w=0.5 / ngram"):
+        assert f"| {label} |" in output
+    assert output.count("paired over prompts") == 4  # two sources against the first, for each method
+    assert "sd / tokens - sd / distributions: fidelity" in output and "2 prompts" in output
+
+
+def test_draft_source_specs_and_their_comparisons():
+    specs = harness.draft_source_specs(["distributions", "tokens", "ngram"], [0.25])
+    assert [label for label, _ in specs] == ["sd / distributions", "sd / tokens", "sd / ngram",
+                                             "static w=0.25 / distributions", "static w=0.25 / tokens",
+                                             "static w=0.25 / ngram"]
+    assert specs[1][1] == {"method": "sd", "draft_mode": "tokens"}
+    assert specs[5][1]["weight"] == 0.25 and callable(specs[5][1]["drafter"]) and "draft_mode" not in specs[5][1]
+    with pytest.raises(ValueError, match="unknown draft source 'beam'"):
+        harness.draft_source_specs(["beam"], [0.5])
+    results = [result("sd / distributions", 1.0, 0.5, [-2.0, -1.0], [0.0, 1.0]),
+               result("sd / tokens", 1.0, 0.4, [-2.5, -1.0], [0.0, 0.0]),
+               result("static w=0.5 / distributions", 0.5, 0.7, [-3.0, -2.0], [1.0, 1.0])]
+    lines = report.source_comparison_lines(results).splitlines()
+    assert len(lines) == 1 and lines[0].startswith("sd / tokens - sd / distributions: fidelity -0.250 +- 0.250")
+
+
 @pytest.mark.skipif(not os.path.isfile(os.path.join(DEFAULT_HEAD_DIR, "head.safetensors")),
                     reason="no trained head shipped as the default head")
 def test_shipped_head_loads_for_the_default_pair():

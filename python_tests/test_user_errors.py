@@ -67,6 +67,8 @@ def test_missing_data_file_and_model_folder(tmp_path, capsys, monkeypatch):
     ["generate", "--prompt", "hi", "--temperature", "inf"],
     ["generate", "--prompt", "hi", "--max-new-tokens", "0"],
     ["eval", "--data", "d.jsonl", "--weight", "nan"],
+    ["compare-drafts", "--drafts", "probabilities"],
+    ["compare-drafts", "--weight", "1.5"],
 ])
 def test_bad_numbers_are_refused_by_the_parser(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -81,6 +83,12 @@ def test_unwritable_output_folder_is_refused_before_the_work(tmp_path, capsys, n
     blocker.write_text("not a folder")
     status, error = run_cli(["pareto", "--data", data, "--output-dir", str(blocker / "out")], capsys)
     assert status == 2 and "--output-dir" in error and "not writable" in error
+
+
+def test_compare_drafts_refuses_a_source_named_twice(tmp_path, capsys, no_models):
+    data = write(tmp_path / "data.jsonl", GOOD_RECORD)
+    status, error = run_cli(["compare-drafts", "--data", data, "--drafts", "tokens", "tokens"], capsys)
+    assert status == 2 and error == "diversed: --drafts: name each source once, got tokens tokens"
 
 
 def test_method_diversed_without_head_names_the_default(capsys, no_models):

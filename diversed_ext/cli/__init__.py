@@ -9,6 +9,8 @@
     diversed train    --task gsm8k --data PATH [--steps --batch-size --lr --acceptance-coef --fidelity-coef ...]
     diversed eval     --task gsm8k --data PATH --method ar sd static diversed [--weight W ...] [--head PATH]
     diversed pareto   --task gsm8k --data PATH [--weights W ...] [--head PATH ...] [--output-dir DIR]
+    diversed compare-drafts [--task gsm8k --data PATH] [--drafts distributions tokens ...] [--weight W ...]
+                      sd and static verified with the draft's distributions or its tokens only: one table
 
 Without ``--target`` the embedded default pair is used (SmolLM2-135M-Instruct and its int8 copy, see
 :mod:`diversed_ext.models`). Prompts go through the tokenizer's chat template when it has one.

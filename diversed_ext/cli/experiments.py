@@ -1,4 +1,5 @@
-"""The research sub-commands: ``diversed train``, ``eval`` and ``pareto`` (see :mod:`diversed_ext.research`)."""
+"""The research sub-commands: ``diversed train``, ``eval``, ``pareto``, ``validate`` and ``compare-drafts`` (see
+:mod:`diversed_ext.research`)."""
 
 from __future__ import annotations
 
@@ -26,9 +27,9 @@ def _add_task_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_experiment_commands(commands) -> None:
-    """The train, eval and pareto sub-commands (see :mod:`diversed_ext.research`)."""
+    """The train, eval, pareto, validate and compare-drafts sub-commands (see :mod:`diversed_ext.research`)."""
     from ..head import HEAD_INPUTS
-    from ..research.harness import PARETO_WEIGHTS
+    from ..research.harness import DRAFT_SOURCES, PARETO_WEIGHTS
     from ..research.objective import CLOSED_FORMS
 
     train = commands.add_parser("train", help="train an ensemble head with RL on a task")
@@ -101,6 +102,20 @@ def add_experiment_commands(commands) -> None:
     _add_batch_argument(validate)
     _add_model_arguments(validate)
     validate.set_defaults(max_new_tokens=128, batch_size=16)
+
+    compare = commands.add_parser("compare-drafts", help="sd and static w verified with the draft's distributions "
+                                  "against its tokens only: acceptance and fidelity side by side (default: the first "
+                                  "32 examples)")
+    _add_task_arguments(compare)
+    compare.add_argument("--drafts", choices=DRAFT_SOURCES, nargs="+", default=["distributions", "tokens"],
+                         help="where drafts come from and what the verifier sees: the draft model's distributions, "
+                         "its argmax as tokens only, its samples as tokens only, or an n-gram lookup in the context "
+                         "(tokens only); each is compared with the first (default: distributions tokens)")
+    compare.add_argument("--weight", type=_unit_float, nargs="+", default=[0.5],
+                         help="w of each static ensemble (default 0.5)")
+    _add_batch_argument(compare)
+    _add_model_arguments(compare)
+    compare.set_defaults(limit=32, max_new_tokens=64)
 
 
 def _experiment_setup(args):
@@ -179,36 +194,51 @@ def _run_train(args) -> int:
     return 0
 
 
-def _run_eval(args) -> int:
-    from ..research.harness import evaluate, method_specs
-    from ..research.report import compare_to_baselines, comparison_lines, markdown_table
+def _evaluate(args, setup, specs):
+    """Every spec on the examples of ``setup`` (from :func:`_experiment_setup`) under the command's options."""
+    from ..research.harness import evaluate
 
-    if "diversed" in args.method and not args.head:
-        raise UsageError("--method diversed needs --head PATH (or --head default for the shipped head)")
-    task, examples, target, draft, tokenizer, eos = _experiment_setup(args)
-    specs = method_specs(args.method, args.weight, _head_for(args, target, draft))
-    results = evaluate(task, examples, target, draft, tokenizer, specs, num_draft=args.k,
-                       max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
-                       eos_token_id=eos, chat=not args.no_chat_template, batch_size=args.batch_size)
+    task, examples, target, draft, tokenizer, eos = setup
+    return evaluate(task, examples, target, draft, tokenizer, specs, num_draft=args.k,
+                    max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
+                    eos_token_id=eos, chat=not args.no_chat_template, batch_size=args.batch_size)
+
+
+def _evaluate_and_print(args, specs_for, comparisons_for) -> int:
+    """Run ``specs_for(target, draft)``, print the table and then ``comparisons_for(results)`` (when not empty)."""
+    from ..research.report import markdown_table
+
+    setup = _experiment_setup(args)
+    task, examples, target, draft = setup[:4]
+    results = _evaluate(args, setup, specs_for(target, draft))
     print(f"{task.name}: {len(examples)} prompts, up to {args.max_new_tokens} new tokens, K = {args.k}, "
           f"temperature {args.temperature:g}, seeds {args.seed}..{args.seed + len(examples) - 1}\n")
     print(markdown_table(results, task.metric))
-    comparisons = comparison_lines(compare_to_baselines(results))
+    comparisons = comparisons_for(results)
     if comparisons:
         print("\n" + comparisons)
     return 0
 
 
+def _run_eval(args) -> int:
+    from ..research.harness import method_specs
+    from ..research.report import compare_to_baselines, comparison_lines
+
+    if "diversed" in args.method and not args.head:
+        raise UsageError("--method diversed needs --head PATH (or --head default for the shipped head)")
+    return _evaluate_and_print(args, lambda target, draft: method_specs(args.method, args.weight,
+                                                                        _head_for(args, target, draft)),
+                               lambda results: comparison_lines(compare_to_baselines(results)))
+
+
 def _run_pareto(args) -> int:
-    from ..research.harness import evaluate, pareto_methods
+    from ..research.harness import pareto_methods
     from ..research.head_usage import lowest_weight_table, plot_weight_histograms
     from ..research.report import compare_to_baselines, comparison_lines, learned_rows, markdown_table, plot_pareto
 
-    task, examples, target, draft, tokenizer, eos = _experiment_setup(args)
-    specs = pareto_methods(args.weights, heads=_heads_by_label(args, target, draft))
-    results = evaluate(task, examples, target, draft, tokenizer, specs, num_draft=args.k,
-                       max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
-                       eos_token_id=eos, chat=not args.no_chat_template, batch_size=args.batch_size)
+    setup = _experiment_setup(args)
+    task, _, target, draft, tokenizer, _ = setup
+    results = _evaluate(args, setup, pareto_methods(args.weights, heads=_heads_by_label(args, target, draft)))
     table = markdown_table(results, task.metric)
     learned = learned_rows(results)
     comparisons = [comparison_lines(compare_to_baselines(results, row.label), row.label) for row in learned]
@@ -262,5 +292,16 @@ def _run_validate(args) -> int:
     return 0
 
 
-EXPERIMENT_HANDLERS = {"train": _run_train, "eval": _run_eval, "pareto": _run_pareto, "validate": _run_validate}
+def _run_compare_drafts(args) -> int:
+    from ..research.harness import draft_source_specs
+    from ..research.report import source_comparison_lines
+
+    if len(set(args.drafts)) != len(args.drafts):
+        raise UsageError(f"--drafts: name each source once, got {' '.join(args.drafts)}")
+    return _evaluate_and_print(args, lambda target, draft: draft_source_specs(args.drafts, args.weight),
+                               source_comparison_lines)
+
+
+EXPERIMENT_HANDLERS = {"train": _run_train, "eval": _run_eval, "pareto": _run_pareto, "validate": _run_validate,
+                       "compare-drafts": _run_compare_drafts}
 

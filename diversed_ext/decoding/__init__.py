@@ -2,15 +2,16 @@
 
 ``loop`` holds :class:`SpeculativeDecoder`; ``batch`` one round for several requests; ``state`` one request in
 flight; ``stats`` what a run measured; ``runners`` how a model is run (its own
-forward, or the lean Llama forward of ``fast_llama``); ``prompts`` prompt encoding and EOS ids; ``checks`` the
-argument checks. Uses only the ops below it.
+forward, or the lean Llama forward of ``fast_llama``); ``drafters`` callable drafters that give tokens only;
+``prompts`` prompt encoding and EOS ids; ``checks`` the argument checks. Uses only the ops below it.
 """
 
-from .checks import METHODS
+from .checks import DRAFT_MODES, METHODS
+from .drafters import NgramDrafter
 from .loop import SpeculativeDecoder
 from .prompts import encode_prompt, eos_ids
 from .state import DecodingState
 from .stats import DecodingSummary, Generation, GenerationOutput, RoundStats, summarize
 
-__all__ = ["SpeculativeDecoder", "DecodingState", "METHODS", "RoundStats", "Generation", "DecodingSummary",
-           "GenerationOutput", "summarize", "encode_prompt", "eos_ids"]
+__all__ = ["SpeculativeDecoder", "DecodingState", "METHODS", "DRAFT_MODES", "NgramDrafter", "RoundStats", "Generation",
+           "DecodingSummary", "GenerationOutput", "summarize", "encode_prompt", "eos_ids"]

@@ -13,6 +13,10 @@ row's draft distribution by one quantisation step.
 
 Padding exists only between the models and the verifier: drafts, logits and weights of short rows are padded to the
 longest row, and ``num_draft`` tells the verifier where each row ends.
+
+Drafts without distributions (``draft_mode`` "tokens" or "sampled_tokens", or a callable ``drafter``): the verifier
+gets ``None`` for the draft logits, so q is one-hot at each drafted token. A draft model still runs as above (its
+hidden states and logits still feed a head); a callable drafter is called once per row with the row's tokens so far.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import torch
 
 from ..head import distribution_features, wants_distributions
 from ..ops import is_greedy_temperature, philox_uniforms, verify_logits
+from .checks import check_drafted
 from .runners import crop_cache
 from .state import DecodingState, commit_tokens
 from .stats import RoundStats
@@ -80,14 +85,18 @@ def run_round(decoder, states: list[DecodingState]) -> list[RoundStats]:
     clock = decoder._clock
     round_start = clock()
     remaining = [state.remaining for state in states]
-    budgets = [min(decoder.num_draft, left - 1) if decoder.draft is not None else 0 for left in remaining]
-    drafts = _run_draft(decoder, states, budgets)
+    proposes = decoder.draft is not None or decoder.drafter is not None
+    budgets = [min(decoder.num_draft, left - 1) if proposes else 0 for left in remaining]
+    run_draft = _run_draft if decoder.drafter is None else _call_drafter
+    drafts = run_draft(decoder, states, budgets)
     drafted = [len(tokens) for tokens in drafts.tokens]
 
     target_start = clock()
     target_logits, target_hidden = _run_target(decoder, states, drafts.tokens)
     target_end = clock()
-    draft_logits, target_logits = _shared_vocab_logits(drafts, target_logits)
+    keep_draft = decoder.draft_mode == "distributions" or (decoder.head is not None
+                                                          and wants_distributions(decoder.head))
+    draft_logits, target_logits = _shared_vocab_logits(drafts, target_logits, keep_draft)
     weight = _weights(decoder, drafts, target_hidden, draft_logits, target_logits)
     head_end = clock()
     result = _verify(decoder, states, drafts, draft_logits, target_logits, weight)
@@ -134,7 +143,12 @@ def _run_draft(decoder, states: list[DecodingState], budgets: list[int]) -> _Dra
             states[row].draft_cache = cache
             states[row].draft_cached += len(feed)
         logits = logits.to(decoder.device)
-        new_tokens = sample_drafts(logits, decoder.temperature, [states[row].generator for row in active])
+        # A draft verified on its tokens alone proposes its argmax by default, as vLLM's draft models do: x is kept
+        # with probability w p(x) + 1 - w, so the draft's best guess at the target's likeliest token is the proposal
+        # kept most often. A sampled proposal ("sampled_tokens") is as valid (tokens follow nu for whatever x is
+        # proposed), only kept less often.
+        temperature = 0.0 if decoder.draft_mode == "tokens" else decoder.temperature
+        new_tokens = sample_drafts(logits, temperature, [states[row].generator for row in active])
         drafts.logits.append(logits)
         drafts.slots += [(row, position) for row in active]
         if want_hidden:
@@ -145,6 +159,21 @@ def _run_draft(decoder, states: list[DecodingState], budgets: list[int]) -> _Dra
         # A row stops at its budget and after an EOS draft: tokens after an accepted EOS would be thrown away.
         active = [row for row, token in zip(active, new_tokens)
                   if position < budgets[row] and token not in states[row].eos_token_ids]
+    return drafts
+
+
+def _call_drafter(decoder, states: list[DecodingState], budgets: list[int]) -> _Drafts:
+    """Up to ``budgets[r]`` drafts for row r from the callable drafter (tokens only: no logits, no hidden states),
+    cut after an EOS draft as a draft model's are."""
+    drafts = _Drafts(tokens=[[] for _ in states], logits=[], slots=[], hidden=[], seconds=0.0)
+    start = decoder._clock()
+    for row, (state, budget) in enumerate(zip(states, budgets)):
+        if budget <= 0:
+            continue
+        proposed = check_drafted(decoder.drafter(list(state.tokens), budget), budget, decoder.vocab_size)
+        ends = [position for position, token in enumerate(proposed) if token in state.eos_token_ids]
+        drafts.tokens[row] = proposed[:ends[0] + 1] if ends else proposed
+    drafts.seconds = decoder._clock() - start
     return drafts
 
 
@@ -170,22 +199,27 @@ def _run_target(decoder, states: list[DecodingState], draft_tokens: list[list[in
     return padded, hidden[drafted_rows] if want_hidden else None
 
 
-def _shared_vocab_logits(drafts: _Drafts, target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _shared_vocab_logits(drafts: _Drafts, target_logits: torch.Tensor,
+                         keep_draft: bool = True) -> tuple[Optional[torch.Tensor], torch.Tensor]:
     """Both models' logits over the ids they share, in one dtype the verifier reads: the drafts [B, K, V'] (zero past
-    each row's k_r) and the target's [B, K + 1, V']. The head's features and the verifier read these same tensors."""
+    each row's k_r; None when ``keep_draft`` is false or no draft model ran while some row drafted) and the target's
+    [B, K + 1, V']. The head's features and the verifier read these same tensors."""
     rows, width = target_logits.shape[0], target_logits.shape[1] - 1
     vocab = target_logits.shape[-1]
+    draft_logits = None
     if drafts.logits:
         # Pairs whose LM heads are padded to different widths share the first min(V) ids.
         vocab = min(vocab, drafts.logits[0].shape[-1])
-        draft_logits = _padded(torch.cat(drafts.logits)[:, :vocab], drafts.flat_slots(), (rows, width, vocab))
-    else:
+        if keep_draft:
+            draft_logits = _padded(torch.cat(drafts.logits)[:, :vocab], drafts.flat_slots(), (rows, width, vocab))
+    elif width == 0 and keep_draft:
         draft_logits = target_logits.new_zeros(rows, 0, vocab)
     target_logits = target_logits[..., :vocab]
     # The verifier reads float32, bfloat16 or float16 and both in one dtype: a bfloat16 target next to a float32 int8
     # draft, or a float64 model, is verified in float32.
-    if draft_logits.dtype != target_logits.dtype or target_logits.dtype == torch.float64:
-        draft_logits, target_logits = draft_logits.float(), target_logits.float()
+    if target_logits.dtype == torch.float64 or (draft_logits is not None and draft_logits.dtype != target_logits.dtype):
+        target_logits = target_logits.float()
+        draft_logits = None if draft_logits is None else draft_logits.float()
     return draft_logits, target_logits
 
 
@@ -196,7 +230,8 @@ def _weights(decoder, drafts: _Drafts, target_hidden, draft_logits: torch.Tensor
     if decoder.head is None or not drafts.slots:
         return decoder.weight
     slots = drafts.flat_slots()
-    order = sorted(range(len(slots)), key=slots.__getitem__)  # draft passes go position by position, the head row by row
+    # Draft passes go position by position, the head row by row.
+    order = sorted(range(len(slots)), key=slots.__getitem__)
     head_slots = sorted(slots)  # the drafted positions in the head's row-by-row order, in the [B, K] layout
     distributions = None
     if wants_distributions(decoder.head):
@@ -222,10 +257,13 @@ def head_weights(head, draft_hidden: torch.Tensor, target_hidden: torch.Tensor, 
     return weight.reshape(1, num_drafted)
 
 
-def _verify(decoder, states: list[DecodingState], drafts: _Drafts, draft_logits: torch.Tensor,
+def _verify(decoder, states: list[DecodingState], drafts: _Drafts, draft_logits: Optional[torch.Tensor],
             target_logits: torch.Tensor, weight):
-    """One verify call for the whole batch, straight from both models' logits (no [B, K, V] probabilities)."""
-    rows, width = len(states), draft_logits.shape[1]
+    """One verify call for the whole batch, straight from both models' logits (no [B, K, V] probabilities), or from
+    the drafted tokens and the target's logits when the verifier goes without the draft's distributions."""
+    rows, width = len(states), target_logits.shape[1] - 1
+    if decoder.draft_mode != "distributions":
+        draft_logits = None
     device = target_logits.device
     draft_tokens = torch.tensor([tokens + [0] * (width - len(tokens)) for tokens in drafts.tokens],
                                 dtype=torch.int64, device=device).reshape(rows, width)

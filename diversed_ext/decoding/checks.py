@@ -11,9 +11,13 @@ import torch
 from ..ops import SEED_RANGE
 
 METHODS = ("ar", "sd", "static", "diversed")
+# What the verifier gets from a draft: its distributions q (the draft samples from q), or its tokens only (q one-hot at
+# each drafted token: the draft's argmax, or a sample of its distribution for "sampled_tokens").
+DRAFT_MODES = ("distributions", "tokens", "sampled_tokens")
 
 PromptLike = Union[torch.Tensor, Sequence[int]]
 HeadLike = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+DrafterLike = Callable[[list, int], Sequence[int]]
 
 
 def check_method(method) -> str:
@@ -48,6 +52,49 @@ def check_head(method: str, head):
     elif head is not None:
         raise ValueError(f"head applies only to method 'diversed', not {method!r}")
     return head
+
+
+def check_draft_mode(method: str, draft_mode, drafter) -> str:
+    """What the verifier sees of the drafts: ``draft_mode`` (None: "tokens" with a callable ``drafter``, else
+    "distributions"). A callable drafter gives tokens only, and only sd and static run without a head's inputs."""
+    if draft_mode is not None and draft_mode not in DRAFT_MODES:
+        raise ValueError(f"draft_mode must be one of {', '.join(DRAFT_MODES)} (or None); got {draft_mode!r}")
+    if drafter is None:
+        if method == "ar" and draft_mode not in (None, "distributions"):
+            raise ValueError(f"draft_mode applies to methods with a draft, not to method 'ar'; got {draft_mode!r}")
+        return draft_mode or "distributions"
+    if not callable(drafter):
+        raise TypeError(f"drafter must be callable (context_token_ids, k) -> list of token ids, "
+                        f"got {type(drafter).__name__}")
+    if method not in ("sd", "static"):
+        reason = ("the head of 'diversed' reads the draft model's hidden states, which a callable drafter does not "
+                  "have: pass draft=<model> with draft_mode='tokens'" if method == "diversed" else
+                  "'ar' drafts nothing")
+        raise ValueError(f"drafter (a callable) works with methods 'sd' and 'static', not {method!r}: {reason}")
+    if draft_mode not in (None, "tokens"):
+        raise ValueError(f"drafter gives tokens only, so draft_mode must be 'tokens' (or None); got {draft_mode!r}")
+    return "tokens"
+
+
+def check_drafted(tokens, k: int, vocab: Optional[int]) -> list[int]:
+    """A callable drafter's proposal as a list of at most ``k`` ids in [0, vocab)."""
+    if torch.is_tensor(tokens):
+        if tokens.dim() != 1 or tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
+            raise TypeError(f"drafter must return a list of int token ids (or a 1-D integer tensor), got a "
+                            f"{tokens.dim()}-D {tokens.dtype} tensor")
+        tokens = tokens.tolist()
+    if not isinstance(tokens, (list, tuple)):
+        raise TypeError(f"drafter must return a list of int token ids, got {type(tokens).__name__}")
+    for token in tokens:
+        if isinstance(token, bool) or not isinstance(token, Integral):
+            raise TypeError(f"drafter must return a list of int token ids, got an element of type "
+                            f"{type(token).__name__}: {token!r}")
+    if len(tokens) > k:
+        raise ValueError(f"drafter returned {len(tokens)} tokens; it was asked for at most k = {k}")
+    outside = [int(token) for token in tokens if token < 0 or (vocab is not None and token >= vocab)]
+    if outside:
+        raise ValueError(f"drafter returned token ids outside [0, {'inf' if vocab is None else vocab}): {outside}")
+    return [int(token) for token in tokens]
 
 
 def check_num_draft(num_draft) -> int:

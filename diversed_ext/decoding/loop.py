@@ -1,15 +1,20 @@
 """Speculative decoding loop over a pair of Hugging Face causal LMs that share a tokenizer.
 
 One round: the draft proposes up to K tokens one at a time, the target scores them all in one forward pass, an
-optional head turns both models' last hidden states into per-token weights, :func:`diversed_ext.verify_logits` keeps a prefix
-and emits one more token, and both KV caches are cropped to what was kept. The prompt and every kept token are fed to
-each model exactly once: nothing is ever recomputed.
+optional head turns both models' last hidden states into per-token weights, :func:`diversed_ext.verify_logits` keeps a
+prefix and emits one more token, and both KV caches are cropped to what was kept. The prompt and every kept token are
+fed to each model exactly once: nothing is ever recomputed.
 
 Methods:
     ``ar``        the target alone, one token per forward pass (the baseline; sampled through the same verifier, K = 0)
     ``sd``        standard speculative decoding, w = 1: the output follows the target exactly
     ``static``    static ensemble, one fixed w in [0, 1] on the target (w = 0 accepts every draft)
     ``diversed``  dynamic ensemble: w_i = head(draft_hidden_i, target_hidden_i) for every drafted position
+
+Drafts with or without distributions (``draft_mode``): the verifier reads the draft's distributions q, or only its
+tokens (q one-hot at each drafted token, what drafters like EAGLE, MTP or an n-gram lookup give), and a callable
+``drafter`` can stand in for the draft model. Tokens follow nu = w p + (1 - w) q for the q the verifier saw, so ``sd``
+follows the target either way.
 
 Batched: ``generate`` decodes up to ``batch_size`` prompts together, one round for all of them per target pass
 (:mod:`.batch`: ragged drafts, per-row caches, one verify call), and a finished row's slot takes the next waiting
@@ -33,8 +38,9 @@ from tqdm.auto import tqdm
 
 from ..ops import SEED_RANGE
 from .batch import run_round
-from .checks import (HeadLike, PromptLike, check_batch_size, check_head, check_max_new_tokens, check_method,
-                     check_num_draft, check_prompt, check_seed, check_temperature, check_weight)
+from .checks import (DrafterLike, HeadLike, PromptLike, check_batch_size, check_draft_mode, check_head,
+                     check_max_new_tokens, check_method, check_num_draft, check_prompt, check_seed, check_temperature,
+                     check_weight)
 from .prompts import normalise_eos, split_prompts
 from .runners import Clock, make_runner, model_device
 from .state import DecodingState
@@ -46,8 +52,8 @@ class SpeculativeDecoder:
 
     Args:
         target: Hugging Face causal LM (``model(input_ids, past_key_values=..., use_cache=True)`` returning logits).
-        draft: the draft causal LM; may be None for ``method="ar"``. It may live on another device (an int8 CPU draft
-            next to a GPU target): its outputs are moved to the target's device.
+        draft: the draft causal LM; may be None for ``method="ar"`` or with ``drafter``. It may live on another device
+            (an int8 CPU draft next to a GPU target): its outputs are moved to the target's device.
         method: ``"ar"``, ``"sd"``, ``"static"`` or ``"diversed"`` (see the module docstring).
         weight: w on the target for ``static`` (required, in [0, 1]); must be None or 1 for ``sd``.
         head: for ``diversed``: a callable ``head(draft_hidden [1, k, Hd], target_hidden [1, k, Ht]) -> w`` with w of
@@ -60,8 +66,20 @@ class SpeculativeDecoder:
         temperature: >= 0; both models' logits are divided by it before the softmax. 0 is greedy decoding: drafts are
             the draft's argmax and a draft is kept while it is the argmax of nu = w p + (1 - w) q, with p and q taken
             at temperature 1.
-        check_inputs: forwarded to :func:`diversed_ext.verify_logits` (also checks the head's weights). Off by default: the
-            loop's own probabilities are valid by construction and checking forces a device sync.
+        draft_mode: what the verifier sees of the drafts. ``"distributions"`` (the default with a draft model): the
+            draft samples each token from its q and the verifier reads q. ``"tokens"``: the draft model proposes its
+            argmax and the verifier gets the tokens alone (``verify_logits(tokens, None, ...)``: q one-hot at the
+            drafted x, so x is kept with probability w p(x) + 1 - w and a rejection draws from p without x; with
+            w = 1 this is vLLM's verification of drafts without probabilities). ``"sampled_tokens"``: tokens alone,
+            sampled from q. A ``diversed`` head still reads the draft model's hidden states and distributions; only
+            the verifier goes without them. None: ``"tokens"`` with ``drafter``, else ``"distributions"``.
+        drafter: instead of a draft model, a callable ``drafter(context_token_ids: list[int], k: int) -> list[int]``
+            proposing up to k next tokens (ids in [0, V)) for a request's tokens so far, prompt included (e.g.
+            :class:`~diversed_ext.decoding.NgramDrafter`); it may propose fewer, or none. Tokens only, so for ``sd``
+            and ``static`` (a ``diversed`` head needs a draft model's hidden states). Called once per request and
+            round; its proposals are cut after an EOS token, as a draft model's are.
+        check_inputs: forwarded to :func:`diversed_ext.verify_logits` (also checks the head's weights). Off by default:
+            the loop's own probabilities are valid by construction and checking forces a device sync.
         synchronize_timing: wait for the device before every clock read, so CUDA timings are real (default True).
         fast_forward: run ``LlamaForCausalLM`` models through :mod:`diversed_ext.fast_llama` (their own modules and
             weights, a preallocated KV cache, CPU-friendly skinny products; outputs equal up to float rounding).
@@ -73,25 +91,32 @@ class SpeculativeDecoder:
 
     def __init__(self, target: torch.nn.Module, draft: Optional[torch.nn.Module] = None, *, method: str = "sd",
                  weight: Optional[float] = None, head: Optional[HeadLike] = None, num_draft: int = 4,
-                 temperature: float = 1.0, check_inputs: bool = False, synchronize_timing: bool = True,
-                 fast_forward: bool = True):
+                 temperature: float = 1.0, draft_mode: Optional[str] = None, drafter: Optional[DrafterLike] = None,
+                 check_inputs: bool = False, synchronize_timing: bool = True, fast_forward: bool = True):
         self.method = check_method(method)
         self.weight = check_weight(method, weight)
         self.head = check_head(method, head)
         self.num_draft = check_num_draft(num_draft)
         self.temperature = check_temperature(temperature)
+        self.draft_mode = check_draft_mode(method, draft_mode, drafter)
         if target is None:
             raise ValueError("target must be a causal LM, got None")
-        if draft is None and method != "ar":
-            raise ValueError(f"method {method!r} needs a draft model; pass draft=... (only 'ar' runs without one)")
+        if drafter is not None and draft is not None:
+            raise ValueError("pass a draft model (draft=) or a callable drafter (drafter=), not both")
+        if draft is None and drafter is None and method != "ar":
+            raise ValueError(f"method {method!r} needs a draft model (draft=...) or a callable drafter (drafter=...); "
+                             "only 'ar' runs without one")
         self.target = target
+        self.vocab_size = getattr(getattr(target, "config", None), "vocab_size", None)
         self.draft = draft if method != "ar" else None
+        self.drafter = drafter
         self.check_inputs = bool(check_inputs)
         self.device = model_device(target)
         self.draft_device = model_device(draft) if self.draft is not None else self.device
         self._clock = Clock(self.device, synchronize_timing)
         self._target_runner = make_runner(target, self.device, fast_forward)
-        self._draft_runner = make_runner(self.draft, self.draft_device, fast_forward) if self.draft is not None else None
+        self._draft_runner = (make_runner(self.draft, self.draft_device, fast_forward) if self.draft is not None
+                              else None)
 
     # ---- public API ------------------------------------------------------------------------------------------------
 
@@ -120,9 +145,8 @@ class SpeculativeDecoder:
         """
         started = time.perf_counter()
         prompts, _ = split_prompts(input_ids)
-        vocab = getattr(getattr(self.target, "config", None), "vocab_size", None)
-        for prompt in prompts:
-            check_prompt(prompt, vocab)  # every prompt before any work, so a bad one late in the list wastes none
+        for prompt in prompts:  # every prompt before any work, so a bad one late in the list wastes none
+            check_prompt(prompt, self.vocab_size)
         check_max_new_tokens(max_new_tokens)
         size = check_batch_size(batch_size, len(prompts))
         seeds = self._prompt_seeds(seed, len(prompts))
@@ -166,7 +190,7 @@ class SpeculativeDecoder:
             if not single:
                 raise ValueError("start() takes one prompt; use generate() for several")
             tokens = prompt_ids[0]
-        check_prompt(tokens, getattr(getattr(self.target, "config", None), "vocab_size", None))
+        check_prompt(tokens, self.vocab_size)
         check_max_new_tokens(max_new_tokens)
         seed = check_seed(seed)
         generator = torch.Generator(device=self.draft_device).manual_seed(seed)

@@ -19,7 +19,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 from tqdm.auto import tqdm
 
-from ..decoding import SpeculativeDecoder, encode_prompt, summarize
+from ..decoding import DRAFT_MODES, NgramDrafter, SpeculativeDecoder, encode_prompt, summarize
 from .head_usage import weight_usage
 from .report import MethodResult, _mean
 from .tasks import Task
@@ -38,6 +38,8 @@ DEMO_WEIGHTS = (0.75, 0.5)
 # costs a third of a target pass, more than sd's acceptance repays past K = 2 (docs/RESULTS.md).
 DEMO_NUM_DRAFT = 3
 PARETO_WEIGHTS = (0.0, 0.125, 0.25, 0.375, 0.5, 0.625, 0.75, 0.875, 1.0)  # w = 1 is sd
+# Where a comparison of drafts takes them from: the draft model in one of its draft modes, or an n-gram lookup.
+DRAFT_SOURCES = DRAFT_MODES + ("ngram",)
 WARMUP_TOKENS = 4  # new tokens of each method's untimed first run
 
 # (consecutive prompt indices, the first one's seed, max_new_tokens) -> what the experiment records for each prompt
@@ -86,9 +88,10 @@ def throughput_summary(generations, wall_seconds: float):
 
 def build_decoders(target, draft, specs: Sequence[tuple[str, dict]], *, num_draft: int,
                    temperature: float) -> dict[str, SpeculativeDecoder]:
-    """One decoder per (label, SpeculativeDecoder keyword arguments); ``ar`` runs without the draft."""
-    return {label: SpeculativeDecoder(target, draft if kwargs["method"] != "ar" else None, num_draft=num_draft,
-                                      temperature=temperature, **kwargs)
+    """One decoder per (label, SpeculativeDecoder keyword arguments); ``ar`` and a callable drafter run without the
+    draft model."""
+    return {label: SpeculativeDecoder(target, None if kwargs["method"] == "ar" or "drafter" in kwargs else draft,
+                                      num_draft=num_draft, temperature=temperature, **kwargs)
             for label, kwargs in specs}
 
 
@@ -109,6 +112,18 @@ def method_specs(methods: Sequence[str], weights: Sequence[float], head=None) ->
         else:
             specs.append((method, {"method": method}))
     return specs
+
+
+def draft_source_specs(sources: Sequence[str], weights: Sequence[float]) -> list[tuple[str, dict]]:
+    """sd and static at each weight, once per draft source (one of :data:`DRAFT_SOURCES`): the draft model in that
+    ``draft_mode``, or ``"ngram"``, an :class:`~diversed_ext.decoding.NgramDrafter` in its place. Labelled
+    "<method> / <source>", the sources of one method next to each other."""
+    unknown = [source for source in sources if source not in DRAFT_SOURCES]
+    if unknown:
+        raise ValueError(f"unknown draft source {unknown[0]!r}; known: {', '.join(DRAFT_SOURCES)}")
+    return [(f"{label} / {source}", {**kwargs, **({"drafter": NgramDrafter()} if source == "ngram"
+                                                  else {"draft_mode": source})})
+            for label, kwargs in method_specs(["sd", "static"], weights) for source in sources]
 
 
 def pareto_methods(weights: Sequence[float] = PARETO_WEIGHTS, head=None,

@@ -125,6 +125,20 @@ def comparison_lines(comparisons: Sequence[PairedDifference], label: str = "dive
                      for item in comparisons)
 
 
+def source_comparison_lines(results: Sequence[MethodResult]) -> str:
+    """Rows labelled "<method> / <source>" (:func:`~diversed_ext.research.harness.draft_source_specs`): each source
+    of a method against that method's first source, one line each, paired over prompts."""
+    first_of: dict[str, MethodResult] = {}
+    lines = []
+    for row in results:
+        method = row.label.rsplit(" / ", 1)[0]
+        baseline = first_of.setdefault(method, row)
+        if baseline is not row:
+            difference = _difference(row, baseline.label, baseline.fidelity_per_prompt, baseline.quality_per_prompt)
+            lines.append(comparison_lines([difference], row.label))
+    return "\n".join(lines)
+
+
 def cell(value, spec: str = ".3f") -> str:
     """A table cell: ``value`` formatted with ``spec``, or "-" for a missing or NaN value."""
     return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
