@@ -111,16 +111,19 @@ def parse_args(argv=None):
     parser.add_argument("--loaders", type=int, default=1, help="CPU-bound processes during the loaded timings")
     parser.add_argument("--loader-threads", type=int, default=os.cpu_count() or 1,
                         help="torch threads of each loader (default: one per core)")
+    parser.add_argument("--seconds", type=float, default=4.0,
+                        help="timing budget per implementation, quiet and loaded alike (medians of up to 50 rounds)")
     parser.add_argument("--max-load-seconds", type=float, default=300.0,
                         help="a loader stops after this long even if the run has not ended")
     args = parser.parse_args(argv)
-    if args.loaders < 0 or args.loader_threads < 1 or args.max_load_seconds <= 0:
-        parser.error("--loaders must be >= 0, --loader-threads >= 1 and --max-load-seconds > 0")
+    if args.loaders < 0 or args.loader_threads < 1 or args.max_load_seconds <= 0 or args.seconds <= 0:
+        parser.error("--loaders must be >= 0, --loader-threads >= 1, --seconds and --max-load-seconds > 0")
     return args
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    bench_verify.TIME_BUDGET_S = args.seconds
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, {os.cpu_count()} cores, "
           f"{args.loaders} loaders x {args.loader_threads} threads")
     configs = [(op_name, batch, num_positions, vocab, dtype_name) for op_name in args.ops

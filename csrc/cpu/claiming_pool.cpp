@@ -25,7 +25,7 @@ namespace {
 
 constexpr uint32_t kPublishing = UINT32_MAX;  // next-task value while a loop's description is being written
 constexpr int kTasksPerThread = 8;            // tasks per participant, so a late helper still finds some to take
-constexpr auto kHelperSpin = std::chrono::microseconds(200);  // how long an idle helper watches for the next loop
+constexpr auto kHelperSpin = std::chrono::microseconds(1000);  // how long an idle helper watches for the next loop
 constexpr int kCallerSpinsBeforeYield = 1 << 12;
 
 inline void cpu_relax() {
@@ -142,8 +142,10 @@ class ClaimingPool {
     for (int spins = 0;; ++spins) {
       const uint32_t generation = generation_of(state_.load(std::memory_order_acquire));
       if (generation != seen) return generation;
-      cpu_relax();
-      if (spins % 64 == 0 && std::chrono::steady_clock::now() > spin_end) break;
+      // Yielding rather than pausing: on a quiet core it returns at once, and on a loaded one the waiting helper
+      // spends little of its fair share, so the scheduler does not take its core away in the middle of a task.
+      std::this_thread::yield();
+      if (spins % 16 == 0 && std::chrono::steady_clock::now() > spin_end) break;
     }
     for (;;) {
       sleepers_.fetch_add(1, std::memory_order_seq_cst);
