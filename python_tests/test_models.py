@@ -204,3 +204,39 @@ def test_cli_bench_names_the_checkout_when_scripts_are_missing(monkeypatch, tmp_
     monkeypatch.setattr(cli, "__file__", str(tmp_path / "site-packages" / "diversed_ext" / "cli" / "__init__.py"))
     with pytest.raises(cli.UsageError, match="source checkout"):
         cli.find_bench_script("bench_e2e.py")
+
+
+def test_export_pair_writes_two_plain_checkpoints(default_pair, tmp_path, capsys):
+    """The exported target is the converted checkpoint with its architecture named; the draft holds the int8 draft's
+    weights dequantised (LM head untied); neither folder carries the int8 cache."""
+    import json
+
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    assert cli.main(["export-pair", str(tmp_path)]) == 0
+    assert "draft:" in capsys.readouterr().out
+    target, draft, tokenizer = default_pair
+    for name, tied in (("target", True), ("draft", False)):
+        folder = tmp_path / name
+        config = json.loads((folder / "config.json").read_text())
+        assert config["architectures"] == ["LlamaForCausalLM"] and config["tie_word_embeddings"] is tied
+        assert not (folder / models.INT8_CACHE).exists() and (folder / "tokenizer.json").is_file()
+    exported = AutoModelForCausalLM.from_pretrained(str(tmp_path / "target"), dtype=torch.float32)
+    ids = torch.tensor([encode_prompt(tokenizer, SHORT_PROMPT)])
+    with torch.no_grad():
+        assert torch.equal(exported(ids).logits, target(ids).logits)
+    weights = load_file(str(tmp_path / "draft" / "model.safetensors"))
+    int8_head = draft.lm_head.weight().dequantize()
+    assert torch.equal(weights["lm_head.weight"], int8_head)
+    assert not torch.equal(weights["lm_head.weight"], weights["model.embed_tokens.weight"])
+    projection = draft.model.layers[0].self_attn.q_proj.weight().dequantize()
+    assert torch.equal(weights["model.layers.0.self_attn.q_proj.weight"], projection)
+
+
+def test_export_pair_refuses_a_folder_in_use(default_pair, tmp_path, capsys):
+    (tmp_path / "draft").mkdir()
+    (tmp_path / "draft" / "notes.txt").write_text("mine")
+    assert cli.main(["export-pair", str(tmp_path)]) == 2
+    assert "--overwrite" in capsys.readouterr().err
+    assert (tmp_path / "draft" / "notes.txt").read_text() == "mine"

@@ -11,6 +11,8 @@
     diversed pareto   --task gsm8k --data PATH [--weights W ...] [--head PATH ...] [--output-dir DIR]
     diversed compare-drafts [--task gsm8k --data PATH] [--drafts distributions tokens ...] [--weight W ...]
                       sd and static verified with the draft's distributions or its tokens only: one table
+    diversed export-pair DIR [--overwrite]
+                      the default pair as DIR/target and DIR/draft, plain folders vLLM loads
 
 Without ``--target`` the embedded default pair is used (SmolLM2-135M-Instruct and its int8 copy, see
 :mod:`diversed_ext.models`). Prompts go through the tokenizer's chat template when it has one.
@@ -29,6 +31,7 @@ from typing import Optional, Sequence
 import torch
 
 from ..decoding import METHODS, SpeculativeDecoder, encode_prompt, eos_ids
+from ..models.export import export_default_pair
 from ..research.harness import (DEMO_NUM_DRAFT, DEMO_PROMPTS, DEMO_WEIGHTS, demo_methods, run_demo,
                                 throughput_summary)
 from ..research.report import format_table
@@ -68,6 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="run a benchmark script from bench/")
     bench.add_argument("which", choices=("verify", "e2e"), help="verify: bench_verify.py, e2e: bench_e2e.py")
     bench.add_argument("args", nargs=argparse.REMAINDER, help="passed on to the script")
+
+    export = commands.add_parser("export-pair", help="write the default pair as two folders vLLM loads")
+    export.add_argument("directory", type=Path, help="gets target/ and draft/")
+    export.add_argument("--overwrite", action="store_true", help="replace existing target/ and draft/ folders")
     add_experiment_commands(commands)
     return parser
 
@@ -131,10 +138,20 @@ def _run_bench(args) -> int:
     return subprocess.call([sys.executable, str(script), *extra], env=os.environ.copy())
 
 
+def _run_export_pair(args) -> int:
+    try:
+        folders = export_default_pair(args.directory, overwrite=args.overwrite)
+    except (FileExistsError, PermissionError, NotADirectoryError) as error:
+        raise UsageError(str(error)) from error
+    print(f"target: {folders.target}\ndraft:  {folders.draft} (the int8 draft's weights, dequantised to float32)")
+    return 0
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of the ``diversed`` console script; returns the exit status (2 for a user's mistake)."""
     args = build_parser().parse_args(argv)
-    handlers = {"generate": _run_generate, "demo": _run_demo, "bench": _run_bench, **EXPERIMENT_HANDLERS}
+    handlers = {"generate": _run_generate, "demo": _run_demo, "bench": _run_bench, "export-pair": _run_export_pair,
+                **EXPERIMENT_HANDLERS}
     try:
         return handlers[args.command](args)
     except UsageError as error:
