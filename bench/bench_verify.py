@@ -18,7 +18,8 @@ Columns: fused (serving configuration, check_inputs=False), fused with checks, r
 whole [B, K, V] mixtures), speed-up over it, a careful plain PyTorch verifier (bench/plain_verifiers.py: gathers p(x)
 and q(x), accept tests on the gathered values, then the residual of the one row per request that needs it; checked
 equal to the reference on identical uniforms before it is timed) and the fused kernel's speed-up over it, the one-hot
-call and the fused kernel's speed-up over it (tokens-only ops), effective GB/s over the bytes the fused kernel must read, and the streaming floor: torch.sum over exactly those bytes, with the fused kernel's ratio to it.
+call and the fused kernel's speed-up over it (tokens-only ops), effective GB/s over the bytes the fused kernel must
+read, and the streaming floor: torch.sum over exactly those bytes, with the fused kernel's ratio to it.
 That floor swings with what the caches still hold (the bytes may sit in the last-level cache after another
 implementation read them), so the last two columns give the DRAM floor too: the same bytes at the speed torch.sum
 streams a buffer far larger than the caches, measured once per run.
@@ -134,61 +135,55 @@ def _stats_tokens(pr: Problem):
     return pr.draft_tokens
 
 
+def _verify_inputs(pr: Problem, from_logits: bool, tokens_only: bool) -> tuple:
+    """(draft_tokens, draft, target) of a verify call: probabilities or logits, the draft's rows or None."""
+    draft = None if tokens_only else (pr.draft_logits if from_logits else pr.draft_probs)
+    return pr.draft_tokens, draft, pr.target_logits if from_logits else pr.target_probs
+
+
+def _one_hot_call(pr: Problem, from_logits: bool):
+    """What a tokens-only drafter costs through the distribution API: one-hot draft rows (and, from logits, a softmax
+    of the target, since logits cannot be one-hot), then the call on probabilities."""
+    target = pr.target_logits.float().softmax(-1).to(pr.target_logits.dtype) if from_logits else pr.target_probs
+    return dx.verify(pr.draft_tokens, _one_hot(pr), target, WEIGHT, seed=0, check_inputs=False)
+
+
+# (bytes_read, streaming) per (from_logits, tokens_only): what each verify call must read.
+_VERIFY_FLOORS = {
+    (False, False): (_verify_bytes, _stream_two_rows),
+    (False, True): (_target_row_bytes, lambda pr: torch.sum(pr.target_probs[:, 0])),
+    (True, False): (_all_rows_bytes, _stream_logits),
+    (True, True): (_target_rows_bytes, lambda pr: torch.sum(pr.target_logits)),
+}
+
+
+def _verify_bench(name: str, from_logits: bool, tokens_only: bool) -> OpBench:
+    """One of the four verify entries: from probabilities or logits, with the draft's rows or its tokens only."""
+    fused_op, reference_op, plain_op = ((dx.verify_logits, dx.verify_logits_reference, plain_verify_logits)
+                                        if from_logits else (dx.verify, dx.verify_reference, plain_verify))
+    bytes_read, streaming = _VERIFY_FLOORS[(from_logits, tokens_only)]
+
+    def inputs(pr):
+        return _verify_inputs(pr, from_logits, tokens_only)
+
+    return OpBench(
+        name,
+        fused=lambda pr: fused_op(*inputs(pr), WEIGHT, seed=0, check_inputs=False),
+        reference=lambda pr: reference_op(*inputs(pr), WEIGHT, seed=0, check_inputs=False),
+        fused_checked=lambda pr: fused_op(*inputs(pr), WEIGHT, seed=0),
+        bytes_read=bytes_read,
+        streaming=streaming,
+        plain=lambda pr, u: plain_op(*inputs(pr), u, WEIGHT),
+        reference_on=lambda pr, u: reference_op(*inputs(pr), WEIGHT, uniforms=u, check_inputs=False),
+        one_hot=(lambda pr: _one_hot_call(pr, from_logits)) if tokens_only else None,
+    )
+
+
 OPS = {
-    "verify": OpBench(
-        "verify",
-        fused=lambda pr: dx.verify(pr.draft_tokens, pr.draft_probs, pr.target_probs, WEIGHT, seed=0, check_inputs=False),
-        reference=lambda pr: dx.verify_reference(pr.draft_tokens, pr.draft_probs, pr.target_probs, WEIGHT, seed=0,
-                                                 check_inputs=False),
-        fused_checked=lambda pr: dx.verify(pr.draft_tokens, pr.draft_probs, pr.target_probs, WEIGHT, seed=0),
-        bytes_read=_verify_bytes,
-        streaming=_stream_two_rows,
-        plain=lambda pr, u: plain_verify(pr.draft_tokens, pr.draft_probs, pr.target_probs, u, WEIGHT),
-        reference_on=lambda pr, u: dx.verify_reference(pr.draft_tokens, pr.draft_probs, pr.target_probs, WEIGHT,
-                                                       uniforms=u, check_inputs=False),
-    ),
-    "verify_tokens": OpBench(
-        "verify_tokens",
-        fused=lambda pr: dx.verify(pr.draft_tokens, None, pr.target_probs, WEIGHT, seed=0, check_inputs=False),
-        reference=lambda pr: dx.verify_reference(pr.draft_tokens, None, pr.target_probs, WEIGHT, seed=0,
-                                                 check_inputs=False),
-        fused_checked=lambda pr: dx.verify(pr.draft_tokens, None, pr.target_probs, WEIGHT, seed=0),
-        bytes_read=_target_row_bytes,
-        streaming=lambda pr: torch.sum(pr.target_probs[:, 0]),
-        plain=lambda pr, u: plain_verify(pr.draft_tokens, None, pr.target_probs, u, WEIGHT),
-        reference_on=lambda pr, u: dx.verify_reference(pr.draft_tokens, None, pr.target_probs, WEIGHT, uniforms=u,
-                                                       check_inputs=False),
-        one_hot=lambda pr: dx.verify(pr.draft_tokens, _one_hot(pr), pr.target_probs, WEIGHT, seed=0,
-                                     check_inputs=False),
-    ),
-    "verify_logits": OpBench(
-        "verify_logits",
-        fused=lambda pr: dx.verify_logits(pr.draft_tokens, pr.draft_logits, pr.target_logits, WEIGHT, seed=0,
-                                          check_inputs=False),
-        reference=lambda pr: dx.verify_logits_reference(pr.draft_tokens, pr.draft_logits, pr.target_logits, WEIGHT,
-                                                        seed=0, check_inputs=False),
-        fused_checked=lambda pr: dx.verify_logits(pr.draft_tokens, pr.draft_logits, pr.target_logits, WEIGHT, seed=0),
-        bytes_read=_all_rows_bytes,
-        streaming=_stream_logits,
-        plain=lambda pr, u: plain_verify_logits(pr.draft_tokens, pr.draft_logits, pr.target_logits, u, WEIGHT),
-        reference_on=lambda pr, u: dx.verify_logits_reference(pr.draft_tokens, pr.draft_logits, pr.target_logits,
-                                                              WEIGHT, uniforms=u, check_inputs=False),
-    ),
-    "verify_logits_tokens": OpBench(
-        "verify_logits_tokens",
-        fused=lambda pr: dx.verify_logits(pr.draft_tokens, None, pr.target_logits, WEIGHT, seed=0, check_inputs=False),
-        reference=lambda pr: dx.verify_logits_reference(pr.draft_tokens, None, pr.target_logits, WEIGHT, seed=0,
-                                                        check_inputs=False),
-        fused_checked=lambda pr: dx.verify_logits(pr.draft_tokens, None, pr.target_logits, WEIGHT, seed=0),
-        bytes_read=_target_rows_bytes,
-        streaming=lambda pr: torch.sum(pr.target_logits),
-        plain=lambda pr, u: plain_verify_logits(pr.draft_tokens, None, pr.target_logits, u, WEIGHT),
-        reference_on=lambda pr, u: dx.verify_logits_reference(pr.draft_tokens, None, pr.target_logits, WEIGHT,
-                                                              uniforms=u, check_inputs=False),
-        # Logits cannot be one-hot: a caller of the distribution API would softmax the target and verify probabilities.
-        one_hot=lambda pr: dx.verify(pr.draft_tokens, _one_hot(pr), pr.target_logits.float().softmax(-1).to(
-            pr.target_logits.dtype), WEIGHT, seed=0, check_inputs=False),
-    ),
+    "verify": _verify_bench("verify", from_logits=False, tokens_only=False),
+    "verify_tokens": _verify_bench("verify_tokens", from_logits=False, tokens_only=True),
+    "verify_logits": _verify_bench("verify_logits", from_logits=True, tokens_only=False),
+    "verify_logits_tokens": _verify_bench("verify_logits_tokens", from_logits=True, tokens_only=True),
     "token_stats": OpBench(
         "token_stats",
         fused=lambda pr: dx.token_stats(pr.draft_logits, pr.target_logits[:, :-1], pr.draft_tokens, from_logits=True,

@@ -74,9 +74,11 @@ inline void check_verify_args(VerifyInput input, const at::Tensor& draft_tokens,
                               const VerifyOptionals& optional) {
   const char* op = verify_op(input);
   check_target_only(target, op);
-  if (draft.has_value()) check_pair(*draft, target, op);
   const int64_t B = target.size(0), K = target.size(1) - 1;
-  if (draft.has_value()) TORCH_CHECK(draft->size(1) == K, op, ": target must be [B, K+1, V]");
+  if (draft.has_value()) {
+    check_pair(*draft, target, op);
+    TORCH_CHECK(draft->size(1) == K, op, ": target must be [B, K+1, V]");
+  }
   check_layout(draft_tokens, at::kLong, {B, K}, op, "draft_tokens");
   if (optional.weight.has_value()) check_layout(*optional.weight, at::kFloat, {B, K}, op, "weight");
   if (optional.num_draft.has_value()) check_int64_vector(*optional.num_draft, B, op, "num_draft");

@@ -88,7 +88,7 @@ class ClaimingPool {
   }
 
  private:
-  // Claims and runs tasks of `generation` until none is left; false at once when another loop has been published.
+  // Claims and runs tasks of `generation` until none is left, or until another loop has been published.
   void run_claimed_tasks(uint32_t generation) {
     uint64_t state = state_.load(std::memory_order_acquire);
     for (;;) {

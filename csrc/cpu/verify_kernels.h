@@ -369,9 +369,9 @@ void verify_probs(const VerifyProblem& problem, const T* draft_probs, const T* t
 }
 
 // verify_logits: draft logits [B, K, V] (or nullptr: tokens only), target logits [B, K+1, V], temperatures from the
-// problem. Each row the request
-// reads gets its softmax normaliser first (inside the request's own task when the layout is by rows, where a sampled
-// row's bonus normaliser waits until the bonus is drawn); the greedy flags come from the temperatures.
+// problem. Each row the request reads gets its softmax normaliser first (inside the request's own task when the
+// layout is by rows, where a sampled row's bonus normaliser waits until the bonus is drawn); the greedy flags come from
+// the temperatures.
 // With `row_flags` ([B, 2K + 1]: draft positions, then target positions) every row of both tensors also gets its
 // value flags, as value_flags would give them, for check_inputs=True to read after the call.
 template <typename T>
