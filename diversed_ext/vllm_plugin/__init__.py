@@ -1,0 +1,57 @@
+"""DIVERSED inside vLLM: a plugin that makes vLLM's speculative decoding verify with diversed_ext.
+
+Installing diversed_ext registers :func:`register` in the ``vllm.general_plugins`` entry-point group, which vLLM
+calls in every process it starts (the one that admits requests, the engine core, each worker). Nothing changes
+until an engine is built with a ``"diversed"`` entry in its ``additional_config``:
+
+    from vllm import LLM, SamplingParams
+    llm = LLM(target, speculative_config={"method": "draft_model", "model": draft, "num_speculative_tokens": 3},
+              additional_config={"diversed": {"weight": 0.5}})
+    llm.generate(prompt, SamplingParams(temperature=1.0, extra_args={"diversed_weight": 0.7}))
+
+Floors: :mod:`.settings` (the configuration's rules, no vLLM import), :mod:`.sampler` (the rejection sampler),
+:mod:`.weights` and :mod:`.heads` (per-request weights, learned heads and the hidden states they read), and
+:mod:`.hooks` (where it attaches to vLLM, and the version check). Supported: vLLM 0.32.0's V1 model runner.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from .settings import CONFIG_KEY, REQUEST_HEAD, REQUEST_WEIGHT, DiversedConfigError, EngineSettings
+
+__all__ = ["register", "CONFIG_KEY", "REQUEST_WEIGHT", "REQUEST_HEAD", "DiversedConfigError", "EngineSettings"]
+logger = logging.getLogger(__name__)
+
+
+def register() -> None:
+    """vLLM's entry point: wrap the seams in this process. A vLLM whose seams are gone is not an error here (this
+    package may sit beside any vLLM); asking such an engine for DIVERSED is, when the engine checks its config."""
+    try:
+        import vllm  # noqa: F401
+    except ImportError:  # called outside vLLM: nothing to attach to
+        return
+    from .hooks import install
+
+    try:
+        install()
+    except (ImportError, AttributeError) as error:
+        _refuse_diversed_engines(f"this vLLM lacks the seams the plugin attaches to ({error})")
+
+
+def _refuse_diversed_engines(reason: str) -> None:
+    """Make every engine that asks for DIVERSED fail at configuration, through the engine arguments' public
+    builder, since the seams are not there to verify with."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from .hooks import DiversedStartupError
+
+    build = EngineArgs.create_engine_config
+
+    def create_engine_config(self, *args, **kwargs):
+        if CONFIG_KEY in (getattr(self, "additional_config", None) or {}):
+            raise DiversedStartupError(f"DIVERSED was asked for but {reason}")
+        return build(self, *args, **kwargs)
+
+    EngineArgs.create_engine_config = create_engine_config
+    logger.warning("diversed: %s; engines asking for it will refuse to start", reason)

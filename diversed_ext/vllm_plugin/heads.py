@@ -1,0 +1,102 @@
+"""Learned heads inside vLLM: the hidden states they read, captured from the runner, and their w per drafted token.
+
+A head weighs drafted token i of a request from the draft's last hidden state that produced q_i, the target's that
+produced p_i, and (for heads that read them) the distribution features of q_i and p_i. vLLM computes these at two
+moments:
+
+- the draft's, while proposing: the drafter calls ``_sample_draft_tokens(hidden_states, ...)`` once per draft
+  position with exactly those hidden states, one row per request of the batch. The capture wraps that method on the
+  runner's drafter and keeps, per request id, the K rows (and the draft's logits, which greedy drafting never
+  materialises as probabilities), until the next step verifies them;
+- the target's, in ``execute_model``: ``execute_model_state.sample_hidden_states`` holds one row per logits row, so
+  the sampler's ``target_logits_indices`` index it. The capture reads it when ``sample_tokens`` starts.
+
+Proposing for step t + 1 happens after step t's verification, so what a step verifies was always captured the step
+before, keyed by request id: the rows of a batch may move between steps.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+
+from ..head import distribution_features, load_head
+
+logger = logging.getLogger(__name__)
+
+
+def load_heads(head_paths: dict, draft_hidden: int, target_hidden: int) -> dict:
+    """Each named head loaded once, checked against the engine's hidden sizes (a head for other sizes is refused)."""
+    return {name: load_head(path, draft_hidden=draft_hidden, target_hidden=target_hidden)
+            for name, path in head_paths.items()}
+
+
+class HiddenStateCapture:
+    """What the heads read, captured from one runner and its drafter (see the module docstring)."""
+
+    def __init__(self, runner):
+        self.runner = runner
+        self.target_hidden: Optional[torch.Tensor] = None  # [N + B, H] this step, in vLLM's logits row order
+        self.drafted: dict = {}  # request id -> (draft hidden [K, H], draft logits [K, V]) proposed last step
+        self._proposing: list = []  # per draft position: (hidden [B, H], logits [B, V]) of the propose under way
+        self._install()
+
+    def _install(self) -> None:
+        runner, drafter = self.runner, self.runner.drafter
+        sample_tokens, propose, sample_draft = runner.sample_tokens, drafter.propose, drafter._sample_draft_tokens
+
+        def capture_target_then_sample(*args, **kwargs):
+            state = runner.execute_model_state
+            self.target_hidden = None if state is None else state.sample_hidden_states
+            return sample_tokens(*args, **kwargs)
+
+        def capture_proposal(*args, **kwargs):
+            self._proposing = []
+            try:
+                return propose(*args, **kwargs)
+            finally:
+                self._commit_proposal()
+
+        def capture_draft_position(hidden_states, sampling_metadata):
+            self._proposing.append((hidden_states.detach(), drafter.model.compute_logits(hidden_states).detach()))
+            return sample_draft(hidden_states, sampling_metadata)
+
+        runner.sample_tokens = capture_target_then_sample
+        drafter.propose = capture_proposal
+        drafter._sample_draft_tokens = capture_draft_position
+
+    def _commit_proposal(self) -> None:
+        request_ids = list(self.runner.input_batch.req_ids)
+        self.drafted = {}
+        if not self._proposing:
+            return
+        hidden = torch.stack([position[0][:len(request_ids)] for position in self._proposing], dim=1)
+        logits = torch.stack([position[1][:len(request_ids)] for position in self._proposing], dim=1)
+        for row, request_id in enumerate(request_ids[:hidden.shape[0]]):
+            self.drafted[request_id] = (hidden[row], logits[row])
+        self._proposing = []
+
+
+def head_weights(head, capture: HiddenStateCapture, request_id: str, target_rows: torch.Tensor,
+                 target_logits: torch.Tensor, temperature: float) -> Optional[torch.Tensor]:
+    """w [n] for one request's n drafted tokens, or None when its drafts were not captured (vLLM's start-up dummy
+    batches). ``target_rows`` [n] index the step's logits rows; ``target_logits`` [n, V] are the request's target
+    rows after temperature, top-k and top-p."""
+    drafted = capture.drafted.get(request_id)
+    if drafted is None or capture.target_hidden is None:
+        return None
+    draft_hidden, draft_logits = drafted
+    count = target_rows.shape[0]
+    if draft_hidden.shape[0] < count:
+        logger.warning("diversed: %d drafts verified for request %s but %d captured", count, request_id,
+                       draft_hidden.shape[0])
+        return None
+    target_hidden = capture.target_hidden[target_rows]
+    inputs = [draft_hidden[:count][None], target_hidden[None]]
+    if head.wants_distributions:
+        scaled_draft = draft_logits[:count].float() / (temperature if temperature > 0 else 1.0)
+        inputs.append(distribution_features(scaled_draft, target_logits.float())[None])
+    with torch.no_grad():
+        return head(*inputs).reshape(count).float()

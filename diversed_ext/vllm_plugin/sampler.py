@@ -1,0 +1,200 @@
+"""vLLM's V1 rejection sampler, verifying with diversed_ext.
+
+vLLM hands the sampler its batch flattened: N draft tokens of B requests (``cu_num_draft_tokens`` marks where each
+request ends, a request may have none), the target's logits at the N drafted positions plus B bonus positions, and
+the draft's probabilities at the N positions or None (drafters that give tokens only). The forward here keeps every
+step of vLLM's own that is not the acceptance rule:
+
+1. the bonus token, sampled by vLLM's own sampler from the bonus logits (every logits processor, the request's seeded
+   generator): the token emitted when all of a request's drafts are kept;
+2. vLLM's logits processors on the target rows (penalties, bad words, min tokens), then temperature, top-k and top-p
+   per request. vLLM's CPU build expands those per-request values with a kernel that leaves float outputs unwritten,
+   so that expansion is done here with ``torch.repeat_interleave``;
+3. verification: the N rows padded to [B, K] (K = the longest request's draft count) and one ``verify_logits`` call
+   (drafts as tokens: q one-hot at each draft) or ``verify`` call (the draft's probabilities), with each request's
+   weight (a static weight, or a learned head's w per token), its seed and its greedy flag;
+4. vLLM's log-probabilities of the emitted tokens, and its output layout: [B, K + 1] int32, the kept drafts, then the
+   correction or bonus token, then -1.
+
+Target rows reach the verifier already divided by the request's temperature, so sampled rows are verified at
+temperature 1; greedy rows (temperature 0 in vLLM) are verified greedily: they keep a draft while it is the argmax of
+nu, which is the target's argmax only at w = 1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Callable, Optional
+
+import torch
+from vllm.v1.outputs import SamplerOutput
+from vllm.v1.sample import rejection_sampler as vllm_rejection
+from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
+
+from .. import ops as dx_ops
+
+PLACEHOLDER_TOKEN_ID = -1  # vLLM's marker for "no token here" in the [B, K + 1] output
+SEED_HIGH = 2**62  # per-step seeds are drawn from [0, SEED_HIGH): inside the ops' int64 seed range
+# A request with no drafts this step still gets a row; its verification is skipped by num_draft = 0.
+
+
+def expand_per_request(values: torch.Tensor, cu_num_tokens: torch.Tensor, num_tokens: int,
+                       replace_from: float = 0, replace_to: float = 0) -> torch.Tensor:
+    """[B] per-request values -> [num_tokens], each repeated over its request's tokens (``cu_num_tokens`` is the
+    inclusive cumulative count), with ``replace_from`` values replaced first: what vLLM's expand kernel computes."""
+    counts = torch.diff(cu_num_tokens.to(torch.int64), prepend=cu_num_tokens.new_zeros(1, dtype=torch.int64))
+    values = torch.where(values == replace_from, torch.as_tensor(replace_to, dtype=values.dtype,
+                                                                 device=values.device), values)
+    return torch.repeat_interleave(values, counts, output_size=num_tokens)
+
+
+def apply_sampling_constraints(logits: torch.Tensor, cu_num_draft_tokens: torch.Tensor,
+                               sampling_metadata) -> torch.Tensor:
+    """Temperature, top-k and top-p on the [N, V] target rows, in place where vLLM does it in place; greedy rows
+    keep their logits (their temperature 0 counts as 1)."""
+    if sampling_metadata.all_greedy:
+        return logits
+    num_tokens = logits.shape[0]
+    temperature = expand_per_request(sampling_metadata.temperature, cu_num_draft_tokens, num_tokens,
+                                     replace_from=vllm_rejection.GREEDY_TEMPERATURE, replace_to=1)
+    logits.div_(temperature.unsqueeze(-1))
+    top_k = top_p = None
+    if sampling_metadata.top_k is not None:
+        top_k = expand_per_request(sampling_metadata.top_k, cu_num_draft_tokens, num_tokens)
+    if sampling_metadata.top_p is not None:
+        top_p = expand_per_request(sampling_metadata.top_p, cu_num_draft_tokens, num_tokens)
+    if num_tokens == 0:  # vLLM's top-k reads k.max() of an empty tensor
+        return logits
+    return apply_top_k_top_p(logits, top_k, top_p)
+
+
+class PaddedRows:
+    """Where request b's i-th draft lives in vLLM's flattened rows, as [B, K] gather indices and a validity mask."""
+
+    def __init__(self, num_draft_tokens: list, cu_num_draft_tokens: torch.Tensor, max_spec_len: int):
+        device = cu_num_draft_tokens.device
+        self.batch = len(num_draft_tokens)
+        self.width = max_spec_len
+        self.num_draft = torch.tensor(num_draft_tokens, dtype=torch.int64, device=device)
+        starts = cu_num_draft_tokens.to(torch.int64) - self.num_draft
+        positions = torch.arange(max_spec_len, dtype=torch.int64, device=device)
+        self.valid = positions[None, :] < self.num_draft[:, None]
+        total = int(sum(num_draft_tokens))
+        self.index = (starts[:, None] + positions[None, :]).clamp_(0, max(total - 1, 0))
+
+    def gather(self, flat: torch.Tensor, fill=0) -> torch.Tensor:
+        """[N, ...] flattened rows -> [B, K, ...], positions past a request's drafts set to ``fill``."""
+        rows = flat[self.index]
+        mask = self.valid.reshape(*self.valid.shape, *([1] * (rows.dim() - 2)))
+        return torch.where(mask, rows, torch.as_tensor(fill, dtype=rows.dtype, device=rows.device))
+
+
+def greedy_rows(sampling_metadata, batch: int, device) -> torch.Tensor:
+    """[B] bool: the requests vLLM samples greedily (temperature 0)."""
+    if sampling_metadata.all_greedy:
+        return torch.ones(batch, dtype=torch.bool, device=device)
+    return sampling_metadata.temperature[:batch] == vllm_rejection.GREEDY_TEMPERATURE
+
+
+def row_seeds(sampling_metadata, num_draft_tokens: list, device) -> torch.Tensor:
+    """[B] int64 seeds for this step: a seeded request draws its seed from its own generator (so it reproduces its
+    tokens whatever its neighbours), the others share one draw from torch's default generator."""
+    batch = len(num_draft_tokens)
+    seeds = torch.randint(0, SEED_HIGH, (batch,), dtype=torch.int64, device=device)
+    for row, generator in sampling_metadata.generators.items():
+        if row < batch and num_draft_tokens[row] > 0:  # vLLM's own sampler draws nothing for rows without drafts
+            seeds[row] = torch.randint(0, SEED_HIGH, (1,), dtype=torch.int64, generator=generator,
+                                       device=generator.device)[0].to(device)
+    return seeds
+
+
+def verify_padded(rows: PaddedRows, draft_token_ids: torch.Tensor, draft_probs: Optional[torch.Tensor],
+                  target_logits: torch.Tensor, weight: torch.Tensor, greedy: torch.Tensor,
+                  seeds: torch.Tensor) -> dx_ops.VerifyResult:
+    """One diversed_ext call over the padded batch. Row K of the target (the bonus position) is a placeholder:
+    the bonus comes from vLLM's sampler."""
+    batch, width, vocab = rows.batch, rows.width, target_logits.shape[-1]
+    drafts = rows.gather(draft_token_ids.to(torch.int64))
+    target = target_logits.new_zeros((batch, width + 1, vocab))
+    target[:, :width] = rows.gather(target_logits)
+    if draft_probs is None:
+        temperature = torch.where(greedy, 0.0, 1.0).to(torch.float32)
+        return dx_ops.verify_logits(drafts, None, target, weight, temperature=temperature, num_draft=rows.num_draft,
+                                    seed=seeds, check_inputs=False)
+    draft = rows.gather(draft_probs.to(torch.float32), fill=1.0 / vocab)
+    return dx_ops.verify(drafts, draft, target.softmax(-1), weight, num_draft=rows.num_draft, greedy=greedy,
+                         seed=seeds, check_inputs=False)
+
+
+def vllm_layout(result: dx_ops.VerifyResult, rows: PaddedRows, bonus_token_ids: torch.Tensor) -> torch.Tensor:
+    """[B, K + 1] int32 in vLLM's layout, with vLLM's bonus token where a request kept all its drafts."""
+    tokens = result.tokens.to(torch.int64)
+    kept_all = result.num_accepted.to(torch.int64) == rows.num_draft
+    bonus = bonus_token_ids.reshape(-1).to(torch.int64)
+    tokens.scatter_(1, rows.num_draft[:, None], torch.where(kept_all, bonus, tokens.gather(
+        1, rows.num_draft[:, None]).squeeze(1))[:, None])
+    return tokens.to(torch.int32)
+
+
+# What the sampler asks for each step's weights: (rows, the [N, V] target rows after constraints, vLLM's sampling
+# metadata, the [N] logits rows they came from) -> [B] or [B, K] float32 weights on the target.
+WeightSource = Callable[[PaddedRows, torch.Tensor, object, torch.Tensor], torch.Tensor]
+
+
+class DiversedRejectionSampler(vllm_rejection.RejectionSampler):
+    """vLLM's RejectionSampler with the acceptance rule replaced (see the module docstring)."""
+
+    def bind(self, weights: Optional[WeightSource], device, exact_vllm: bool = False) -> "DiversedRejectionSampler":
+        """Where weights come from; ``exact_vllm`` keeps vLLM's own acceptance (with the repaired constraints)."""
+        self.weight_source = weights
+        self.exact_vllm = exact_vllm
+        # drafted and accepted tokens so far, and the sum of the weights the drafted tokens were verified with, kept
+        # on the device (adding to them never waits for it)
+        self.counts = torch.zeros(3, dtype=torch.float64, device=device)
+        return self
+
+    def status(self) -> dict:
+        """What this sampler verified so far (read by ``collective_rpc("diversed_status")``)."""
+        drafted, accepted, weight_sum = self.counts.tolist()
+        return {"sampler": type(self).__name__, "verifier": "vllm" if self.exact_vllm else "diversed",
+                "drafted": int(drafted), "accepted": int(accepted), "weight_sum": weight_sum}
+
+    def forward(self, metadata, draft_probs, logits, sampling_metadata) -> SamplerOutput:
+        bonus_logits = logits[metadata.bonus_logits_indices]
+        bonus_output = self.sampler(
+            logits=bonus_logits, sampling_metadata=replace(sampling_metadata, max_num_logprobs=-1),
+            predict_bonus_token=True,
+            logprobs_mode_override="processed_logits" if self.is_processed_logprobs_mode else "raw_logits")
+        bonus_token_ids = bonus_output.sampled_token_ids
+        raw_target_logits = logits[metadata.target_logits_indices].to(torch.float32)
+        target_logits = raw_target_logits if self.is_processed_logprobs_mode else raw_target_logits.clone()
+        target_logits = self.apply_logits_processors(target_logits, sampling_metadata, metadata)
+        target_logits = apply_sampling_constraints(target_logits, metadata.cu_num_draft_tokens, sampling_metadata)
+        output_token_ids = self._accept(metadata, draft_probs, target_logits, bonus_token_ids, sampling_metadata)
+        logprobs_tensors = None
+        if sampling_metadata.max_num_logprobs is not None:
+            logprobs_tensors = self._get_logprobs_tensors(
+                sampling_metadata.max_num_logprobs, metadata, logits,
+                target_logits if self.is_processed_logprobs_mode else raw_target_logits,
+                bonus_output.logprobs_tensors.logprobs, output_token_ids)
+        return SamplerOutput(sampled_token_ids=output_token_ids, logprobs_tensors=logprobs_tensors)
+
+    def _accept(self, metadata, draft_probs, target_logits, bonus_token_ids, sampling_metadata) -> torch.Tensor:
+        if self.exact_vllm:
+            return vllm_rejection.rejection_sample(
+                metadata.draft_token_ids, metadata.num_draft_tokens, metadata.max_spec_len,
+                metadata.cu_num_draft_tokens, draft_probs, target_logits, bonus_token_ids, sampling_metadata)
+        rows = PaddedRows(metadata.num_draft_tokens, metadata.cu_num_draft_tokens, metadata.max_spec_len)
+        device = target_logits.device
+        if rows.width == 0 or target_logits.shape[0] == 0:  # no drafts anywhere: every request emits its bonus
+            output = torch.full((rows.batch, rows.width + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.int32, device=device)
+            output[:, 0] = bonus_token_ids.reshape(-1).to(torch.int32)
+            return output
+        weight = self.weight_source(rows, target_logits, sampling_metadata, metadata.target_logits_indices)
+        result = verify_padded(rows, metadata.draft_token_ids, draft_probs, target_logits, weight,
+                               greedy_rows(sampling_metadata, rows.batch, device),
+                               row_seeds(sampling_metadata, metadata.num_draft_tokens, device))
+        self.counts[0] += rows.num_draft.sum()
+        self.counts[1] += result.num_accepted.sum()
+        self.counts[2] += (weight.reshape(rows.batch, -1).expand(rows.batch, rows.width) * rows.valid).sum()
+        return vllm_layout(result, rows, bonus_token_ids)

@@ -1,0 +1,68 @@
+"""The vLLM plugin's configuration rules, without vLLM: the engine entry and each request's fields."""
+
+import math
+
+import pytest
+
+from diversed_ext.vllm_plugin.settings import (DEFAULT_WEIGHT, DiversedConfigError, EngineSettings, RequestChoice,
+                                               parse_engine_entry, parse_request)
+
+
+def test_engine_entry_defaults_to_exact_verification():
+    assert parse_engine_entry({}) == EngineSettings(weight=DEFAULT_WEIGHT)
+    assert parse_engine_entry(None).weight == 1.0
+
+
+def test_engine_entry_weight_head_and_heads():
+    settings = parse_engine_entry({"weight": 0.25, "heads": ["a", "b", "a"]})
+    assert settings.weight == 0.25 and settings.head is None and list(settings.head_paths) == ["a", "b"]
+    settings = parse_engine_entry({"head": "default", "heads": ["x"]})
+    assert settings.head == "default" and list(settings.head_paths) == ["default", "x"]
+    assert parse_engine_entry({"weight": 0}).weight == 0.0
+
+
+@pytest.mark.parametrize("entry, message", [
+    ([0.5], "must be a mapping"), ({"weight": 1.5}, r"in \[0, 1\]"), ({"weight": math.nan}, r"in \[0, 1\]"),
+    ({"weight": "0.5"}, "must be a number"), ({"weight": True}, "must be a number"), ({"wieght": 1}, "unknown keys"),
+    ({"weight": 0.5, "head": "a"}, "not both"), ({"heads": "a"}, "must be a list"), ({"head": ""}, "non-empty"),
+    ({"heads": [3]}, r"\['heads'\]\[0\]"), ({"verifier": "exact"}, "must be one of"),
+    ({"verifier": "vllm", "heads": ["a"]}, "takes no weight or heads"),
+])
+def test_bad_engine_entries_name_the_key(entry, message):
+    with pytest.raises(DiversedConfigError, match=message):
+        parse_engine_entry(entry)
+
+
+def test_requests_pick_a_weight_or_a_loaded_head():
+    settings = parse_engine_entry({"weight": 0.5, "heads": ["fast"]})
+    assert parse_request(None, settings) == RequestChoice()
+    assert parse_request({"other_plugin": 1}, settings) == RequestChoice()
+    assert parse_request({"diversed_weight": 1}, settings) == RequestChoice(weight=1.0)
+    assert parse_request({"diversed_head": "fast"}, settings) == RequestChoice(head="fast")
+    assert parse_request({"other_plugin": 1}, None) == RequestChoice()  # engines without the entry ignore others
+
+
+@pytest.mark.parametrize("extra_args, message", [
+    ({"diversed_weight": -0.1}, "diversed_weight"), ({"diversed_weight": math.inf}, "diversed_weight"),
+    ({"diversed_weight": None}, "diversed_weight"), ({"diversed_weight": [0.5]}, "diversed_weight"),
+    ({"diversed_head": "slow"}, r"diversed_head must name a head this engine loaded \(\['fast'\]\)"),
+    ({"diversed_head": 3}, "diversed_head"), ({"diversed_w": 0.5}, "unknown request field 'diversed_w'"),
+    ({"diversed_weight": 0.5, "diversed_head": "fast"}, "not both"),
+])
+def test_bad_request_fields_are_value_errors_naming_the_field(extra_args, message):
+    with pytest.raises(ValueError, match=message):
+        parse_request(extra_args, parse_engine_entry({"heads": ["fast"]}))
+
+
+def test_request_fields_need_an_engine_that_verifies_with_diversed():
+    with pytest.raises(ValueError, match="no additional_config"):
+        parse_request({"diversed_weight": 0.5}, None)
+    with pytest.raises(ValueError, match="verifies exactly"):
+        parse_request({"diversed_weight": 0.5}, parse_engine_entry({"verifier": "vllm"}))
+
+
+def test_the_plugin_package_imports_without_vllm():
+    import diversed_ext.vllm_plugin as plugin
+
+    plugin.register()  # vLLM absent here: nothing to attach to, no error
+    assert plugin.REQUEST_WEIGHT == "diversed_weight"

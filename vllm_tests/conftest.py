@@ -1,0 +1,31 @@
+"""Fixtures of the vLLM tests (run in .venv-vllm by scripts/test.sh): the default pair exported for vLLM once per
+session, and vLLM without speculation as the baseline every law test compares with."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+# vLLM's multiprocessing spawns its engine processes; they must not inherit a pytest-sized thread count.
+os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+
+
+@pytest.fixture(scope="session")
+def pair(tmp_path_factory):
+    from diversed_ext.models.export import export_default_pair
+
+    return export_default_pair(tmp_path_factory.mktemp("pair"), progress=False)
+
+
+@pytest.fixture(scope="session")
+def baseline(pair):
+    """What vLLM without speculation emits: greedy continuations, and the law samples (see law_samples)."""
+    from engines import start_engine, stop_engine
+    from laws import greedy_tokens, law_samples
+
+    llm = start_engine(pair, speculative=None)
+    try:
+        return {"greedy": greedy_tokens(llm), "law": law_samples(llm)}
+    finally:
+        stop_engine(llm)

@@ -1,0 +1,89 @@
+"""Engines for the vLLM tests: the default pair exported once, engines started with the arguments a 2-core CPU
+needs, and the few numbers the tests read back from them."""
+
+from __future__ import annotations
+
+import gc
+
+ENGINE_ARGS = dict(
+    enforce_eager=True,  # no graph capture on the CPU backend
+    dtype="float32",
+    max_model_len=1024,
+    seed=0,
+    # On the CPU this is a share of host memory, for the KV cache and the models: two engines fit side by side.
+    gpu_memory_utilization=0.2,
+    # Seeded requests crash vLLM 0.32.0's CPU runner when a prefill is chunked (a CPU generator has no offset).
+    enable_chunked_prefill=False,
+    max_num_batched_tokens=8192,
+    disable_log_stats=False,
+
+)
+SPECULATIVE_ARGS = dict(per_request_spec_decode_metrics="summary")  # acceptance per request, in each output
+NUM_DRAFT = 3
+
+# Word problems written for these tests, in the style of GSM8K (no data set is read).
+PROMPTS = [
+    "A baker makes 24 rolls in the morning and twice as many in the afternoon. How many rolls does he make in all?",
+    "Tom has 15 marbles. He gives 4 to his sister and buys 9 more. How many marbles does Tom have now?",
+    "A train travels 60 miles per hour for 3 hours. How far does it travel?",
+    "Sara reads 12 pages a day. How many days does she need to read a book of 180 pages?",
+    "A shop sells pens at 3 dollars each. Maria buys 7 pens and pays with a 50 dollar bill. What is her change?",
+    "There are 5 rows of chairs with 8 chairs in each row. 6 chairs are empty. How many people are sitting?",
+    "A farmer has 36 eggs and packs them in boxes of 6. How many boxes does he fill?",
+    "Lena saves 20 dollars a week. How many weeks until she has 260 dollars?",
+]
+
+
+def chat(prompt: str) -> list:
+    return [{"role": "user", "content": prompt}]
+
+
+def start_engine(pair, *, speculative: str | None = "draft", diversed=None, probabilistic: bool = False, **extra):
+    """An LLM on the exported pair: ``speculative`` is None (no speculation), "draft" (the dequantised draft) or
+    "target" (the target as its own draft); ``diversed`` is the additional_config entry, or None."""
+    from vllm import LLM
+
+    kwargs = dict(ENGINE_ARGS, **extra)
+    if speculative is not None:
+        kwargs.update(SPECULATIVE_ARGS)
+        draft = pair.draft if speculative == "draft" else pair.target
+        kwargs["speculative_config"] = {"method": "draft_model", "model": str(draft),
+                                        "num_speculative_tokens": NUM_DRAFT,
+                                        "draft_sample_method": "probabilistic" if probabilistic else "greedy"}
+    if diversed is not None:
+        kwargs["additional_config"] = {"diversed": diversed}
+    return LLM(str(pair.target), **kwargs)
+
+
+def stop_engine(llm) -> None:
+    """Shut the engine's processes down now, so the next engine has the memory."""
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+
+
+def worker_status(llm) -> list:
+    """The plugin's status in every worker (one dict each)."""
+    return llm.collective_rpc("diversed_status")
+
+
+def acceptance(outputs) -> tuple[int, int]:
+    """(accepted, drafted) summed over finished requests, from vLLM's own per-request metrics."""
+    accepted = drafted = 0
+    for output in outputs:
+        metrics = output.outputs[0].spec_decode_metrics
+        if metrics is not None:
+            summary = metrics.to_dict()
+            accepted += summary["num_accepted_draft_tokens"]
+            drafted += summary["num_draft_tokens"]
+    return accepted, drafted
+
+
+def per_request_acceptance(outputs) -> list:
+    """Acceptance rate of each request that drafted anything."""
+    rates = []
+    for output in outputs:
+        summary = output.outputs[0].spec_decode_metrics.to_dict()
+        if summary["num_draft_tokens"]:
+            rates.append(summary["num_accepted_draft_tokens"] / summary["num_draft_tokens"])
+    return rates

@@ -1,0 +1,158 @@
+"""The plugin in a real vLLM engine (engine core and worker in their own processes, vLLM's default) on the exported
+default pair: the sampler in use, greedy and sampled laws against vLLM without speculation, acceptance against our
+own loop on the same pair, mixed batches, per-request errors, log-probabilities."""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+import pytest
+import torch
+from engines import NUM_DRAFT, PROMPTS, acceptance, chat, per_request_acceptance, start_engine, stop_engine, \
+    worker_status
+from laws import greedy_tokens, law_samples, position_p_values
+
+ENGINE_WEIGHT = 0.5
+HEAD = "default"
+LOOP_TOKENS = 48
+LAW_ALPHA = 1e-3  # per position; with fixed seeds each test is deterministic, and it fails vLLM as shipped by ~1e-100
+
+
+@pytest.fixture(scope="module")
+def engine(pair):
+    llm = start_engine(pair, diversed={"weight": ENGINE_WEIGHT, "heads": [HEAD]})
+    yield llm
+    stop_engine(llm)
+
+
+def _sampled(llm, extra_args, *, seed0=0, prompts=PROMPTS, max_tokens=LOOP_TOKENS):
+    from vllm import SamplingParams
+
+    params = [SamplingParams(temperature=1.0, max_tokens=max_tokens, seed=seed0 + index, extra_args=extra_args)
+              for index in range(len(prompts))]
+    return llm.chat([chat(prompt) for prompt in prompts], params, use_tqdm=False)
+
+
+def test_the_plugin_verifies_in_every_worker(engine):
+    statuses = worker_status(engine)
+    assert statuses, "no worker answered"
+    for status in statuses:
+        assert status["sampler"] == "DiversedRejectionSampler"
+        assert status["verifier"] == "diversed" and status["weight"] == ENGINE_WEIGHT and status["heads"] == [HEAD]
+
+
+def test_greedy_at_weight_one_equals_vllm_without_speculation(engine, baseline):
+    assert greedy_tokens(engine, {"diversed_weight": 1.0}) == baseline["greedy"]
+
+
+def test_sampled_at_weight_one_follows_the_targets_law(engine, baseline):
+    p_values = position_p_values(law_samples(engine, {"diversed_weight": 1.0}), baseline["law"])
+    assert min(p_values) > LAW_ALPHA, p_values
+
+
+def test_acceptance_rises_as_the_weight_falls(engine):
+    rates = {}
+    for weight in (1.0, 0.5, 0.0):
+        accepted, drafted = acceptance(_sampled(engine, {"diversed_weight": weight}))
+        assert drafted > 50
+        rates[weight] = accepted / drafted
+    assert rates[1.0] < rates[0.5] < rates[0.0] == 1.0, rates  # w = 0: nu is the one-hot draft, always kept
+
+
+def _loop_rates(pair, **decoder_args):
+    """Per-prompt acceptance and the weights drafted tokens got, from our own loop on the same exported pair."""
+    from diversed_ext.decoding import SpeculativeDecoder
+    from diversed_ext.decoding.prompts import encode_prompt, eos_ids
+    from diversed_ext.models.pairs import load_pair
+
+    models = load_pair(pair.target, pair.draft)
+    decoder = SpeculativeDecoder(models.target, models.draft, num_draft=NUM_DRAFT, temperature=1.0,
+                                 draft_mode="tokens", **decoder_args)
+    prompts = [encode_prompt(models.tokenizer, prompt) for prompt in PROMPTS]
+    output = decoder.generate(prompts, max_new_tokens=LOOP_TOKENS, eos_token_id=eos_ids(models.tokenizer,
+                                                                                         models.target), seed=0)
+    rates, weights = [], []
+    for generation in output.generations:
+        drafted = sum(stats.drafted for stats in generation.rounds)
+        if drafted:
+            rates.append(sum(stats.accepted for stats in generation.rounds) / drafted)
+        weights += [w for stats in generation.rounds for w in stats.weights]
+    return rates, weights
+
+
+def _standard_error(values):
+    return statistics.stdev(values) / math.sqrt(len(values))
+
+
+def _assert_same_mean(ours, loops, what):
+    difference = statistics.fmean(ours) - statistics.fmean(loops)
+    bound = 4 * math.hypot(_standard_error(ours), _standard_error(loops)) + 0.02
+    assert abs(difference) < bound, f"{what}: vLLM {statistics.fmean(ours):.3f}, loop {statistics.fmean(loops):.3f}"
+
+
+@pytest.mark.parametrize("weight", [1.0, 0.5])
+def test_static_acceptance_matches_our_loop(engine, pair, weight):
+    ours = per_request_acceptance(_sampled(engine, {"diversed_weight": weight}))
+    loops, _ = _loop_rates(pair, method="sd" if weight == 1.0 else "static",
+                           **({} if weight == 1.0 else {"weight": weight}))
+    _assert_same_mean(ours, loops, f"acceptance at w = {weight}")
+
+
+def test_head_weights_and_acceptance_match_our_loop(engine, pair):
+    from diversed_ext.head import load_head
+
+    before = worker_status(engine)[0]
+    ours = per_request_acceptance(_sampled(engine, {"diversed_head": HEAD}))
+    after = worker_status(engine)[0]
+    drafted = after["drafted"] - before["drafted"]
+    mean_weight = (after["weight_sum"] - before["weight_sum"]) / drafted
+    loops, loop_weights = _loop_rates(pair, method="diversed", head=load_head(HEAD))
+    _assert_same_mean(ours, loops, "acceptance with the head")
+    assert 0.0 < mean_weight < 1.0 and abs(mean_weight - statistics.fmean(loop_weights)) < 0.05, \
+        (mean_weight, statistics.fmean(loop_weights))
+
+
+def test_a_mixed_batch_gives_each_request_what_it_gets_alone(engine):
+    from vllm import SamplingParams
+
+    requests = [  # (prompt, params): weights, a head, greedy and sampled rows, top-p, different prompt lengths
+        (PROMPTS[0], SamplingParams(temperature=1.0, seed=11, max_tokens=24, extra_args={"diversed_weight": 0.3})),
+        (PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=24, extra_args={"diversed_weight": 0.0})),
+        (PROMPTS[2] + " Explain each step.", SamplingParams(temperature=0.8, top_p=0.9, seed=5, max_tokens=24,
+                                                           extra_args={"diversed_weight": 0.9})),
+        (PROMPTS[3], SamplingParams(temperature=1.0, seed=3, max_tokens=24)),
+        (PROMPTS[4], SamplingParams(temperature=1.0, seed=8, max_tokens=24, extra_args={"diversed_head": HEAD})),
+    ]
+    together = engine.chat([chat(prompt) for prompt, _ in requests], [params for _, params in requests],
+                           use_tqdm=False)
+    for (prompt, params), output in zip(requests, together):
+        alone = engine.chat([chat(prompt)], [params], use_tqdm=False)[0]
+        assert list(alone.outputs[0].token_ids) == list(output.outputs[0].token_ids), params
+
+
+@pytest.mark.parametrize("extra_args, field", [
+    ({"diversed_weight": 1.5}, "diversed_weight"), ({"diversed_weight": float("nan")}, "diversed_weight"),
+    ({"diversed_weight": "0.5"}, "diversed_weight"), ({"diversed_weight": True}, "diversed_weight"),
+    ({"diversed_head": "no-such-head"}, "diversed_head"), ({"diversed_wieght": 0.5}, "diversed_wieght"),
+    ({"diversed_weight": 0.5, "diversed_head": HEAD}, "diversed_weight"),
+])
+def test_a_bad_request_value_is_that_requests_error(engine, extra_args, field):
+    from vllm import SamplingParams
+
+    with pytest.raises(ValueError, match=field):
+        engine.generate("Hello", SamplingParams(max_tokens=2, extra_args=extra_args), use_tqdm=False)
+    served = engine.generate("Hello", SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
+    assert len(served[0].outputs[0].token_ids) == 4
+
+
+def test_logprobs_of_emitted_tokens(engine):
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=1.0, seed=2, max_tokens=16, logprobs=1, extra_args={"diversed_weight": 0.5})
+    output = engine.chat([chat(PROMPTS[5])], [params], use_tqdm=False)[0].outputs[0]
+    assert len(output.logprobs) == len(output.token_ids)
+    for token, entry in zip(output.token_ids, output.logprobs):
+        assert token in entry and math.isfinite(entry[token].logprob) and entry[token].logprob <= 0.0
+    assert torch.isfinite(torch.tensor([entry[token].logprob for token, entry in zip(output.token_ids,
+                                                                                      output.logprobs)])).all()
