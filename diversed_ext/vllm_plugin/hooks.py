@@ -112,8 +112,11 @@ def attach_to_runner(runner, settings: EngineSettings) -> None:
     from .sampler import DiversedRejectionSampler
     from .weights import RequestWeights
 
-    if getattr(runner, "speculative_config", None) is None or not hasattr(runner, "rejection_sampler"):
+    if getattr(runner, "speculative_config", None) is None:
         raise DiversedStartupError(NEEDS_SPECULATION)
+    if not hasattr(runner, "rejection_sampler"):  # not the last pipeline stage: drafting and sampling happen there
+        logger.info("diversed: this pipeline stage does not sample; nothing to replace")
+        return
     capture, heads = None, {}
     if settings.head_paths:
         drafter = getattr(runner, "drafter", None)

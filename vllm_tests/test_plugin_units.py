@@ -1,7 +1,9 @@
-"""The sampler's layout mapping between vLLM's flattened rows and diversed_ext's [B, K] blocks, without an engine."""
+"""Without an engine: the sampler's layout mapping between vLLM's flattened rows and diversed_ext's [B, K] blocks,
+and the version check in front of the seams."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from diversed_ext import ops
@@ -34,3 +36,39 @@ def test_layout_puts_vllms_bonus_where_every_draft_was_kept():
     out = vllm_layout(result, rows, bonus)
     assert out.dtype == torch.int32
     assert out.tolist() == [[10, 11, 40, PLACEHOLDER_TOKEN_ID], [41, -1, -1, -1], [20, 5, -1, -1]]
+
+
+def test_the_installed_vllm_is_the_tested_one():
+    from diversed_ext.vllm_plugin.hooks import seam_problems
+
+    assert seam_problems() == []
+
+
+def test_an_untested_vllm_is_refused_only_when_diversed_is_asked_for(monkeypatch):
+    import types
+
+    import vllm
+
+    from diversed_ext.vllm_plugin import hooks
+
+    monkeypatch.setattr(vllm, "__version__", "0.99.0")
+    assert "vLLM 0.99.0" in hooks.seam_problems()[0]
+    with pytest.raises(hooks.DiversedStartupError, match="differs from the one the plugin was tested with"):
+        hooks.check_engine(types.SimpleNamespace(additional_config={"diversed": {}}, speculative_config=object()))
+    hooks.check_engine(types.SimpleNamespace(additional_config={}, speculative_config=None))  # not asked: no error
+
+
+def test_the_hooks_are_installed_once_and_keep_vllms_signatures():
+    import inspect
+
+    from vllm.v1.engine.input_processor import InputProcessor
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from diversed_ext.vllm_plugin import register
+
+    register()
+    wrapped = InputProcessor._validate_params
+    register()  # vLLM loads plugins in several places of one process
+    assert InputProcessor._validate_params is wrapped
+    assert list(inspect.signature(InputProcessor._validate_params).parameters) == ["self", "params", "supported_tasks"]
+    assert getattr(GPUModelRunner, "_diversed_hooked", False)
