@@ -20,7 +20,7 @@ def test_without_the_entry_vllm_keeps_its_own_sampler_and_its_cpu_bug(pair, base
     assert all(status["verifier"] is None for status in statuses)
     # vLLM 0.32.0's CPU path divides the target's logits by uninitialised temperatures: the same test that the
     # plugin passes rejects it.
-    assert min(position_p_values(samples, baseline["law"])) < 1e-6
+    assert min(position_p_values(samples, baseline["law"])) < 1e-4
 
 
 def test_the_target_as_its_own_draft_is_always_accepted(pair):
