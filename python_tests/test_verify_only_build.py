@@ -41,7 +41,8 @@ print(json.dumps({"registered": {name: registered(name) for name in sys.argv[3:]
 
 
 def verify_problem(batch=3, positions=3, vocab=40):
-    """Row 0 accepts every draft (u = 0), row 1 drafts the target's least likely tokens with u near 1 (rejected at 0)."""
+    """Row 0 accepts every draft (u = 0); row 1 drafts the target's least likely tokens with u near 1 (rejected at
+    position 0)."""
     generator = torch.Generator().manual_seed(29)
     draft_probs = torch.randn(batch, positions, vocab, generator=generator).softmax(-1)
     target_probs = torch.randn(batch, positions + 1, vocab, generator=generator).softmax(-1)
@@ -114,7 +115,7 @@ def test_forward_and_verify_floors_include_neither_other():
         others = [other for other in floors if other != name]
         for source in sorted(folder.iterdir()):
             for path in included_paths(source):
-                assert not any(f"../{other}/" in path for other in others), f"{source.relative_to(REPO)} includes {path}"
+                assert not any(f"../{other}/" in path for other in others), f"{source.relative_to(REPO)}: {path}"
     shared = [*sorted((CSRC / "common").iterdir()), *sorted((CSRC / "cpu_base").iterdir())]
     for source in shared:
         for path in included_paths(source):
