@@ -1,6 +1,9 @@
-"""Builds diversed_ext._C: CPU kernels always, CUDA kernels when torch has CUDA and nvcc is found.
+"""Builds diversed_ext._C: the verify and stats ops' CPU kernels always, their CUDA kernels when torch has CUDA and nvcc
+is found, and the lean CPU forward (int8 and float products, Llama layers) unless DIVERSED_FORWARD=0 leaves it out.
 
 Environment:
+    DIVERSED_FORWARD=0  a verify-only library, what a server needs: csrc/forward/ (its ops and their schemas) not built
+    DIVERSED_FORWARD=1  (or unset) the lean forward too
     DIVERSED_CUDA=1   require the CUDA kernels (fails with the reason when they cannot be built)
     DIVERSED_CUDA=0   CPU kernels only
     (unset)           CUDA when torch is a CUDA build and a real nvcc is found
@@ -69,12 +72,25 @@ def _decide_cuda() -> bool:
     return True
 
 
+def _with_forward() -> bool:
+    value = os.environ.get("DIVERSED_FORWARD", "1").strip()
+    if value not in ("0", "1"):
+        sys.exit(f"DIVERSED_FORWARD must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
 def _extensions():
     with_cuda = _decide_cuda()
     # CUDA_HOME must be settled before torch.utils.cpp_extension reads it at import time.
     from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
 
+    # The floors of the library: the verify and stats ops (csrc/ops.cpp's schemas, csrc/cpu/) and, in their own
+    # schema fragment, the lean forward (csrc/forward/); csrc/common/ and csrc/cpu_base/ hold headers only.
     sources = ["csrc/ops.cpp", *sorted(glob.glob("csrc/cpu/*.cpp"))]
+    if _with_forward():
+        sources += sorted(glob.glob("csrc/forward/*.cpp"))
+    else:
+        print("diversed_ext: building the verify and stats ops only (DIVERSED_FORWARD=0)")
     # No fused multiply-add: the kernels must round like torch's separate elementwise ops (csrc/common/verify_math.h).
     # -fno-trapping-math changes no value, only FP exception flags, and lets gcc vectorise the selects of the
     # vocabulary loops (sanitising, max(0, p - q)); without it those loops stay scalar and branchy (3x slower).

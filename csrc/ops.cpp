@@ -1,7 +1,9 @@
-// Operator schemas of the `diversed` namespace, and the module init that lets Python import the library. Each backend
-// registers the four public kernels in one file: csrc/cpu/ops_cpu.cpp and csrc/cuda/ops_cuda.cu (the CPU-only ops
-// below are registered by the CPU files alone); the fake (meta) kernels are registered from Python
-// (diversed_ext/ops/_fake.py).
+// Schemas of the verify and stats ops of the `diversed` namespace, and the module init that lets Python import the
+// library. Each backend registers the four public kernels in one file: csrc/cpu/ops_cpu.cpp and csrc/cuda/ops_cuda.cu
+// (the CPU-only ops below are registered by the CPU file alone); the fake (meta) kernels are registered from Python
+// (diversed_ext/ops/_fake.py). The lean forward's ops (products and Llama layers) are a floor of their own, with their
+// schemas in a fragment of this library (csrc/forward/ops_forward.cpp), left out of a verify-only build
+// (DIVERSED_FORWARD=0, setup.py).
 //
 // The Python layer (diversed_ext/ops/api.py) validates and normalises the arguments before calling these ops:
 //   draft_tokens int64 [B, K], draft_probs [B, K, V], target_probs [B, K+1, V] (float32/bfloat16/float16, contiguous),
@@ -54,26 +56,4 @@ TORCH_LIBRARY(diversed, m) {
   // CPU only: the uniforms the kernels draw, float64 [B, num_positions], for seeds and offsets int64 [B] (row b's row
   // key is b, or 0 with per_row_seed), as verify_math.h's philox_uniform computes them.
   m.def("philox_uniforms(Tensor seeds, Tensor offsets, int num_positions, bool per_row_seed) -> Tensor");
-  // CPU only: float32 weight [N, K] packed once, then input float32 [..., K] times it (csrc/cpu/float_gemm.h): each
-  // output summed over k in order, whatever the number of rows; bias float32 [N].
-  m.def("float_pack(Tensor weight) -> Tensor");
-  m.def("float_linear(Tensor input, Tensor packed, Tensor? bias, int out_features) -> Tensor");
-  // CPU only: int8 weight [N, K] packed once, then input float32 [..., K] times it as torch's dynamic int8 linear layer
-  // computes it (csrc/cpu/int8_gemm.h); w_scale float32 [N], bias float32 [N]; row_groups: sizes of consecutive row
-  // groups quantised separately (default: all rows together, as the layer does).
-  m.def("int8_pack(Tensor weight) -> (Tensor, Tensor)");
-  m.def("int8_linear(Tensor input, Tensor packed, Tensor col_sums, Tensor w_scale, Tensor? bias, "
-        "int[]? row_groups=None) -> Tensor");
-  // CPU only: every decoder layer of a Llama (csrc/cpu/llama_layers.h) over the embedded new tokens of several
-  // sequences stacked in states [M, hidden]. Per layer l: norms[2l], norms[2l + 1] (input and post-attention RMSNorm
-  // weights), and products 4l..4l+3 (qkv, o, gate_up, down) in the lists: int8 (int8_pack's packed, col_sums,
-  // w_scales) or float32 (float_pack's packed); biases optional. cos, sin [M, head_dim]; keys/values: each
-  // sequence's cache [layers, kv_heads, capacity, head_dim], written after its cache_lengths[r] positions with its
-  // row_counts[r] new tokens. Returns the residual stream after the last layer.
-  m.def("int8_llama_layers(Tensor states, Tensor[] norms, Tensor[] packed, Tensor[] col_sums, Tensor[] w_scales, "
-        "Tensor?[] biases, Tensor cos, Tensor sin, Tensor(a!)[] keys, Tensor(b!)[] values, int[] cache_lengths, "
-        "int[] row_counts, int num_heads, float eps, float attention_scale) -> Tensor");
-  m.def("float_llama_layers(Tensor states, Tensor[] norms, Tensor[] packed, Tensor?[] biases, Tensor cos, "
-        "Tensor sin, Tensor(a!)[] keys, Tensor(b!)[] values, int[] cache_lengths, int[] row_counts, int num_heads, "
-        "float eps, float attention_scale) -> Tensor");
 }

@@ -7,6 +7,8 @@
 
 #include <cstdint>
 
+#include "tensor_checks.h"  // check_layout, check_float_vector
+
 namespace diversed {
 
 // Operator names as error messages give them.
@@ -14,20 +16,6 @@ constexpr const char* kVerifyProbsOp = "diversed::verify_probs";
 constexpr const char* kVerifyLogitsOp = "diversed::verify_logits";
 constexpr const char* kTokenStatsOp = "diversed::token_stats";
 constexpr const char* kMixOp = "diversed::mix";
-
-// Exactly this dtype and shape, contiguous: the layout the Python layer produces. Shapes are compared whole, not by
-// element count, so a tensor the Python layer would refuse (say [K, B] tokens) is refused here too; an unchecked call
-// that passes its tensors straight through (diversed_ext/ops/api.py) relies on that.
-inline void check_layout(const at::Tensor& tensor, at::ScalarType dtype, at::IntArrayRef sizes, const char* op,
-                         const char* what) {
-  TORCH_CHECK(tensor.scalar_type() == dtype && tensor.is_contiguous() && tensor.sizes() == sizes, op, ": ", what,
-              " must be contiguous ", dtype, " of shape ", sizes, ", got ", tensor.scalar_type(), " of shape ",
-              tensor.sizes());
-}
-
-inline void check_float_vector(const at::Tensor& tensor, int64_t size, const char* op, const char* name) {
-  check_layout(tensor, at::kFloat, {size}, op, name);
-}
 
 inline void check_int64_vector(const at::Tensor& tensor, int64_t size, const char* op, const char* what) {
   check_layout(tensor, at::kLong, {size}, op, what);

@@ -22,7 +22,7 @@
 
 #include <cstdint>
 
-#include "kernel_prelude.h"
+#include "../cpu_base/kernel_base.h"  // ParallelFor
 
 namespace diversed {
 namespace cpu {

@@ -1,17 +1,14 @@
-// The CPU kernels, written once and compiled once per instruction set (kernels_baseline.cpp, kernels_avx2.cpp,
-// kernels_avx512.cpp) inside the namespace diversed::cpu::DIVERSED_CPU_CAPABILITY; cpu_dispatch.h declares them and
-// picks a build at run time.
-// This header gathers the kernel headers and instantiates the verify/stats/check entry points for every element type
-// the binding dispatches to; the lean forward's float products and Llama layer math (float_gemm.h, llama_math.h,
-// float32 only) are defined there directly.
+// The verify, stats and check kernels, written once and compiled once per instruction set (kernels_baseline.cpp,
+// kernels_avx2.cpp, kernels_avx512.cpp) inside the namespace diversed::cpu::DIVERSED_CPU_CAPABILITY; cpu_dispatch.h
+// declares them and DIVERSED_CPU_CALL picks a build at run time.
+// This header gathers the kernel headers and instantiates the entry points for every element type the binding
+// dispatches to.
 #ifndef DIVERSED_CPU_CAPABILITY
 #error "define DIVERSED_CPU_CAPABILITY and DIVERSED_CPU_VECTOR_FLOATS before including cpu_kernels.h (kernels_*.cpp)"
 #endif
 
 #include "check_kernels.h"
-#include "float_gemm.h"
 #include "kernel_prelude.h"
-#include "llama_math.h"
 #include "stats_kernels.h"
 #include "verify_kernels.h"
 

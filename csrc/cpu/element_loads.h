@@ -3,8 +3,8 @@
 // it (see cpu_kernels.h).
 #pragma once
 
+#include "../cpu_base/lanes.h"
 #include "kernel_prelude.h"
-#include "lanes.h"
 
 namespace diversed {
 namespace cpu {
@@ -41,21 +41,14 @@ inline float load_float<HalfBits>(const HalfBits* values, int64_t v) {
   return half_to_float(values[v].bits);
 }
 
-// kLanes consecutive elements as float32. float is copied, bfloat16 widened by a shift on whole vectors; the other
-// types go lane by lane.
+// kLanes consecutive elements as float32: float32 by lanes.h's overload, which overload resolution prefers to this
+// template; bfloat16 widened by a shift on whole vectors; the other types lane by lane.
 template <typename T>
 inline FloatLanes load_lanes(const T* values, int64_t v) {
   float lane[kLanes];
   for (int l = 0; l < kLanes; ++l) lane[l] = load_float(values, v + l);
   FloatLanes lanes;
   __builtin_memcpy(&lanes, lane, sizeof lanes);
-  return lanes;
-}
-template <>
-inline FloatLanes load_lanes<float>(const float* values, int64_t v) {
-  FloatLanes lanes;  // one native load per part: a copy of the whole struct would go through the stack
-  for (int i = 0; i < kParts; ++i)
-    __builtin_memcpy(&lanes.part[i], values + v + i * kVectorFloats, sizeof lanes.part[i]);
   return lanes;
 }
 // The AVX2 and AVX-512 builds widen with one zero-extending load and a shift; gcc splits the generic conversion of a

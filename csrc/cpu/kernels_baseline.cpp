@@ -1,4 +1,4 @@
-// The CPU kernels for the compiler's default instruction set (runs on every x86-64 or other CPU).
+// The verify and stats kernels for the compiler's default instruction set (runs on every x86-64 or other CPU).
 #define DIVERSED_CPU_CAPABILITY baseline
 #define DIVERSED_CPU_VECTOR_FLOATS 4  // SSE2 on x86-64, NEON elsewhere
 #include "cpu_kernels.h"

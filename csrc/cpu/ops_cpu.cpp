@@ -1,7 +1,7 @@
-// CPU bindings of the `diversed` ops: argument checks, output allocation, one kernel call per op. The kernels are
-// torch-free (verify_kernels.h, stats_kernels.h), compiled per instruction set and picked at run time
-// (cpu_dispatch.h); this file hands them raw pointers and at::parallel_for. The lean forward's ops (float and int8
-// products, Llama layers) have their bindings in model_bindings.cpp; every CPU kernel is registered here.
+// CPU bindings of the verify and stats ops: argument checks, output allocation, one kernel call per op. The kernels
+// are torch-free (verify_kernels.h, stats_kernels.h, check_kernels.h), compiled per instruction set and picked at run
+// time (cpu_dispatch.h); this file hands them raw pointers and at::parallel_for. The lean forward's ops (float and
+// int8 products, Llama layers) are bound and registered in ../forward/ops_forward.cpp.
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
@@ -13,7 +13,6 @@
 #include "../common/op_checks.h"
 #include "../common/op_outputs.h"
 #include "cpu_dispatch.h"
-#include "model_bindings.h"
 #include "parallel_binding.h"
 
 namespace diversed {
@@ -176,12 +175,6 @@ TORCH_LIBRARY_IMPL(diversed, CPU, m) {
   m.impl("mix", &cpu::mix_cpu);
   m.impl("philox_uniforms", &cpu::philox_uniforms_cpu);
   m.impl("value_flags", &cpu::value_flags_cpu);
-  m.impl("float_pack", &cpu::float_pack_cpu);
-  m.impl("float_linear", &cpu::float_linear_cpu);
-  m.impl("int8_pack", &cpu::int8_pack_cpu);
-  m.impl("int8_linear", &cpu::int8_linear_cpu);
-  m.impl("int8_llama_layers", &cpu::int8_llama_layers_cpu);
-  m.impl("float_llama_layers", &cpu::float_llama_layers_cpu);
 }
 
 }  // namespace diversed

@@ -1,8 +1,8 @@
 // Building blocks of the CPU kernels: row policies and the passes over one vocabulary row (softmax normaliser,
 // residual or target mass, inverse CDF, argmax of the mixture), over the element loads of element_loads.h. Torch-free;
 // compiled once per instruction set inside diversed::cpu::DIVERSED_CPU_CAPABILITY (see cpu_kernels.h). Every build
-// performs the same operations in the same order (no FMA, the fixed accumulator lanes of lanes.h), so their results
-// are bitwise identical.
+// performs the same operations in the same order (no FMA, the fixed accumulator lanes of ../cpu_base/lanes.h), so
+// their results are bitwise identical.
 //
 // A row policy exposes `float mass(int64_t v)` and `FloatLanes mass_lanes(int64_t v)` (elements v .. v + kLanes - 1):
 //   ProbRow<T>   a row of probabilities (mass = the sanitised value);
@@ -13,9 +13,9 @@
 // kBlock elements (a few KiB per row), so the inverse CDF reads only the one block that holds its threshold.
 #pragma once
 
+#include "../cpu_base/lanes.h"
 #include "element_loads.h"
 #include "kernel_prelude.h"
-#include "lanes.h"
 
 namespace diversed {
 namespace cpu {

@@ -14,7 +14,7 @@
 #include <cstring>
 #include <vector>
 
-#include "cpu_dispatch.h"
+#include "forward_dispatch.h"
 #include "int8_gemm.h"
 
 namespace diversed {

@@ -1,7 +1,7 @@
 // CPU bindings of the lean forward's ops: argument checks, output and scratch allocation, then the torch-free kernels
 // of float_gemm.h (a float product over packed weights), int8_gemm.h (an int8 product) and llama_layers.h (every layer
-// of a Llama, with int8 or float products). Whatever the arguments, nothing is read
-// or written out of bounds: every size the kernels use is checked against the tensors here.
+// of a Llama, with int8 or float products). Whatever the arguments, nothing is read or written out of bounds: every
+// size the kernels use is checked against the tensors here.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 
@@ -9,34 +9,18 @@
 #include <tuple>
 #include <vector>
 
-#include "../common/op_checks.h"
 #include "../common/poison.h"
-#include "model_bindings.h"
+#include "../common/tensor_checks.h"
+#include "../cpu_base/torch_parallel_for.h"
+#include "forward_dispatch.h"
 #include "int8_gemm.h"
 #include "llama_layers.h"
-#include "cpu_dispatch.h"
-#include "parallel_binding.h"
+#include "model_bindings.h"
 
 namespace diversed {
 namespace cpu {
 
 constexpr const char* kInt8PackOp = "diversed::int8_pack";
-
-// The int8 tiles this CPU runs under the DIVERSED_CPU_CAPABILITY cap: VNNI where the AVX-512 build may run and the CPU
-// has it, else AVX2 where that build may run, else the portable loops. cpu_capability() has checked the CPU for the
-// rest of AVX-512 (F, BW, VL) and for AVX2, so VNNI is the one feature left to ask about.
-int8::Isa int8_isa() {
-#ifdef DIVERSED_HAS_X86_BUILDS
-  static const bool vnni = __builtin_cpu_supports("avx512vnni");
-  switch (cpu_capability()) {
-    case Capability::kAvx512: return vnni ? int8::Isa::kVnni : int8::Isa::kAvx2;
-    case Capability::kAvx2: return int8::Isa::kAvx2;
-    default: return int8::Isa::kPortable;
-  }
-#else
-  return int8::Isa::kPortable;
-#endif
-}
 constexpr const char* kInt8LinearOp = "diversed::int8_linear";
 
 // weight int8 [N, K] -> (packed int8 [int8::packed_size(N, K)], col_sums int32 [N]): the layout int8_linear reads.

@@ -1,4 +1,4 @@
-// CPU bindings of the lean forward's ops (model_bindings.cpp), registered with the others in ops_cpu.cpp.
+// CPU bindings of the lean forward's ops (model_bindings.cpp), registered with their schemas in ops_forward.cpp.
 #pragma once
 
 #include <ATen/core/Tensor.h>

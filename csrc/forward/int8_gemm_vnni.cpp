@@ -1,7 +1,7 @@
 // The int8 product tiles of int8_gemm.h with AVX-512 VNNI (vpdpbusd: 16 lanes of 4-term u8 x s8 dot products added to
 // int32), the only code built for that instruction set; the binding checks the CPU at run time before calling it.
 //
-// As in kernels_avx2.cpp, every outside header is included BEFORE the target pragma, so inline functions of the
+// As in int8_gemm_avx2.cpp, every outside header is included BEFORE the target pragma, so inline functions of the
 // standard library keep their default-target definitions. The int32 sums are exact, so these tiles agree with
 // gemm_tiles_portable bit for bit (the epilogue is the same store_tile).
 #include "int8_gemm.h"

@@ -1,4 +1,5 @@
-// Fixed-width lanes for the vocabulary loops of the CPU kernels: kLanes consecutive elements as a few native vectors.
+// Fixed-width lanes for the loops of both CPU floors (the verify kernels' vocabulary loops, the lean forward's
+// products and layer math): kLanes consecutive elements as a few native vectors.
 //
 // Every sum the kernels form over a row is split over kLanes logical accumulators (lane l takes the elements whose
 // index is l modulo kLanes) and the lanes are combined in one fixed tree. kLanes is the same in every build, so the
@@ -9,7 +10,7 @@
 // -ffast-math, which would also give up the fixed order).
 #pragma once
 
-#include "kernel_prelude.h"
+#include "kernel_base.h"
 
 #ifndef DIVERSED_CPU_VECTOR_FLOATS
 #error "define DIVERSED_CPU_VECTOR_FLOATS (floats per native vector) with DIVERSED_CPU_CAPABILITY"
@@ -61,6 +62,15 @@ inline FloatLanes splat_lanes(float value) {
   FloatLanes result;
   for (int i = 0; i < kParts; ++i) result.part[i] = broadcast(value);
   return result;
+}
+
+// kLanes consecutive floats, one native load per part: a copy of the whole struct would go through the stack. The
+// verify kernels' element loads (csrc/cpu/element_loads.h) add the 16-bit element types beside this overload.
+inline FloatLanes load_lanes(const float* values, int64_t v) {
+  FloatLanes lanes;
+  for (int i = 0; i < kParts; ++i)
+    __builtin_memcpy(&lanes.part[i], values + v + i * kVectorFloats, sizeof lanes.part[i]);
+  return lanes;
 }
 
 // The low and high halves of a native vector, as shuffles (a copy through memory would stall store forwarding).

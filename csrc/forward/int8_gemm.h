@@ -24,7 +24,7 @@
 #include <cstdlib>
 #include <cstring>
 
-#include "kernel_prelude.h"
+#include "../cpu_base/kernel_base.h"
 
 namespace diversed {
 namespace cpu {

@@ -3,11 +3,12 @@
 // each output is the in-order sum over k of fused multiply-adds (one rounding each: exactly rounded on every CPU,
 // std::fma where the build has no FMA instruction), the same in every build and for every row count. The weights stream
 // from memory once per call; a tile (16 x K floats) stays in the L1/L2 caches while groups of up to kRowBlock rows
-// run over it. Compiled per instruction set through cpu_kernels.h.
+// run over it. Compiled per instruction set through forward_kernels.h.
 #pragma once
 
-#include "kernel_prelude.h"
-#include "lanes.h"
+#include "../cpu_base/kernel_base.h"
+#include "../cpu_base/lanes.h"
+#include "forward_problems.h"
 
 namespace diversed {
 namespace cpu {

@@ -1,15 +1,15 @@
-// The float math of a Llama layer between its int8 products (int8_llama.h runs the layer): RMSNorm, the rotary
-// embedding, causal attention over each row's own cache, and SiLU(gate) * up. Compiled once per instruction set
-// through cpu_kernels.h, like the verify kernels; every sum goes through the same kLanes logical lanes and fixed
+// The float math of a Llama layer between its int8 or float products (llama_layers.h runs the layers): RMSNorm, the
+// rotary embedding, causal attention over each row's own cache, and SiLU(gate) * up. Compiled once per instruction set
+// through forward_kernels.h (forward_kernels_*.cpp); every sum goes through the same kLanes logical lanes and fixed
 // trees in every build, so the builds agree bit for bit.
 //
 // The results equal torch's modules up to float rounding: sums are formed in another order (RMSNorm's in float64),
 // and exp is exp_nonpositive (relative error about 1e-7) where torch uses its own vectorised exp.
 #pragma once
 
-#include "kernel_prelude.h"
-#include "lanes.h"
-#include "row_ops.h"
+#include "../cpu_base/kernel_base.h"
+#include "../cpu_base/lanes.h"
+#include "forward_problems.h"
 
 namespace diversed {
 namespace cpu {
