@@ -1,6 +1,6 @@
 """How a model is run incrementally: one call ``(feed, cache, num_logits, want_hidden) -> (logits, hidden, cache)``.
 
-``LlamaForCausalLM`` models run through :class:`diversed_ext.decoding.fast_llama.LlamaRunner` (their own modules and
+``LlamaForCausalLM`` models run through :class:`diversed_ext.forward.LlamaRunner` (their own modules and
 weights, a preallocated KV cache, skinny products laid out for the CPU's BLAS); any other causal LM, or any model with
 ``fast_forward=False``, through its own forward with a transformers cache (:class:`HFRunner`). Both give the same
 outputs up to float rounding.
@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from .fast_llama import LlamaRunner, supports_fast_forward
+from ..forward import LlamaRunner, supports_fast_forward
 
 
 class Clock:
@@ -47,7 +47,7 @@ def _accepts_logits_to_keep(model: torch.nn.Module) -> bool:
 
 class HFRunner:
     """Incremental forward passes through the model's own forward and a transformers cache; the same call as
-    :class:`diversed_ext.fast_llama.LlamaRunner`: ``(feed, cache, num_logits, want_hidden) -> (logits [num_logits, V],
+    :class:`diversed_ext.forward.LlamaRunner`: ``(feed, cache, num_logits, want_hidden) -> (logits [num_logits, V],
     hidden [num_logits, H] or None, cache)``."""
 
     def __init__(self, model: torch.nn.Module, device: torch.device):
@@ -67,7 +67,7 @@ class HFRunner:
 
     def run_rows(self, feeds: list[list[int]], caches: list, num_logits: list[int], want_hidden: bool):
         """Several sequences, each through its own cache, one forward call per row; the outputs stacked in row order
-        as :meth:`diversed_ext.fast_llama.LlamaRunner.run_rows` gives them.
+        as :meth:`diversed_ext.forward.LlamaRunner.run_rows` gives them.
 
         One call per row rather than one padded call: a transformers cache crops every row by the same count, while
         the loop crops each row to its own accepted length, and per-row calls keep each row's result independent of
