@@ -1,4 +1,5 @@
-"""The lean CPU forward for Llama models: a floor of its own, above ``ops`` and below ``decoding`` and ``models``.
+"""The lean CPU forward for Llama models: a floor of its own, beside ``ops`` (neither imports the other) and below
+``decoding`` and ``models``.
 
 What it holds, from the bottom up:
     _native       the forward's native ops: whether this build carries them, their fake kernels, a clear error
