@@ -11,7 +11,7 @@ Rows (the default pair: SmolLM2-135M-Instruct float32 target, its int8 dynamical
     sd, hf forward  the same through the models' own forward passes (``fast_forward=False``): the loop alone
     static w=W      our loop, static ensemble at the same W
 
-Our rows run the Llama models through :mod:`diversed_ext.fast_llama` (same weights, a preallocated KV cache, skinny
+Our rows run the Llama models through :mod:`diversed_ext.forward` (same weights, a preallocated KV cache, skinny
 products laid out for MKL), except ``sd, hf forward``, which separates what the loop gains from what the lean
 forward gains.
 

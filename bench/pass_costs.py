@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from diversed_ext.decoding.fast_llama import LlamaRunner
+from diversed_ext.forward.llama_runner import LlamaRunner
 from diversed_ext.decoding.stats import add_summaries
 from diversed_ext.head import load_head
 from diversed_ext.research.report import cell, markdown_rows

@@ -13,6 +13,7 @@ Public names:
 
 Layout, one floor per folder, imports pointing down only:
     ops/        the custom-op library (the names above)
+    forward/    the lean CPU forward for Llama models (packed products, native layers, the runner, the int8 draft)
     decoding/   the speculative decoding loop over Hugging Face models (SpeculativeDecoder)
     models/     model pairs: the embedded default pair, loading, the int8 draft
     head.py     the DIVERSED ensemble head (per-token weights from both models' hidden states)

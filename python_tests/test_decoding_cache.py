@@ -113,3 +113,38 @@ def test_the_prefix_is_never_recomputed(wide_pair, fast_forward):
     assert draft_counter.tokens_read == expected_reads
     assert any(stats.accepted < stats.drafted for stats in rounds)
     assert any(stats.accepted == stats.drafted for stats in rounds)
+
+
+# ---- the cache's keyword -----------------------------------------------------------------------------------------
+
+
+class _RecordingLM(torch.nn.Module):
+    """A causal LM stub whose forward declares its cache as ``cache`` (transformers 5.2x) or ``past_key_values``
+    (earlier releases), and records what it was given."""
+
+    def __init__(self, keyword):
+        super().__init__()
+        self.keyword, self.given = keyword, None
+        self.forward = self._forward_taking_cache if keyword == "cache" else self._forward_taking_past_key_values
+
+    def _reply(self, input_ids, kwargs):
+        from transformers.modeling_outputs import ModelOutput
+
+        self.given = kwargs
+        return ModelOutput(logits=torch.zeros(1, input_ids.shape[1], 3), **{self.keyword: "the cache out"})
+
+    def _forward_taking_cache(self, input_ids, cache=None, use_cache=None):
+        return self._reply(input_ids, {"cache": cache, "use_cache": use_cache})
+
+    def _forward_taking_past_key_values(self, input_ids, past_key_values=None, use_cache=None):
+        return self._reply(input_ids, {"past_key_values": past_key_values, "use_cache": use_cache})
+
+
+@pytest.mark.parametrize("keyword", ["cache", "past_key_values"])
+def test_the_cache_goes_by_the_name_the_forward_declares(keyword):
+    from diversed_ext.decoding.runners import HFRunner
+
+    model = _RecordingLM(keyword)
+    _, _, cache = HFRunner(model, torch.device("cpu"))([1, 2], "the cache in", 1, False)
+    assert model.given == {keyword: "the cache in", "use_cache": True}
+    assert cache == "the cache out"

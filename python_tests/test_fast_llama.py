@@ -1,4 +1,4 @@
-"""The lean Llama forward (diversed_ext.fast_llama) against the model's own forward, on tiny random Llamas."""
+"""The lean Llama forward (diversed_ext.forward.llama_runner) against the model's own forward, on tiny random Llamas."""
 
 import copy
 
@@ -9,7 +9,7 @@ transformers = pytest.importorskip("transformers")
 
 from diversed_ext.decoding import SpeculativeDecoder  # noqa: E402
 from diversed_ext.decoding.runners import HFRunner  # noqa: E402
-from diversed_ext.decoding.fast_llama import LlamaRunner, StaticKVCache, supports_fast_forward  # noqa: E402
+from diversed_ext.forward.llama_runner import LlamaRunner, StaticKVCache, supports_fast_forward  # noqa: E402
 from diversed_ext.models import quantize_int8  # noqa: E402
 
 VOCAB = 37  # not a multiple of any vector width

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from diversed_ext.models import quantize_int8
-from diversed_ext.ops.int8 import int8_linear, pack_int8
+from diversed_ext.forward.int8 import int8_linear, pack_int8
 from helpers import requires_pinned_quantised_layer
 
 ROUNDING = 2e-6  # relative to the largest output: float rounding of the rescaling, nothing more

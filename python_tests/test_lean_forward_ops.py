@@ -7,9 +7,9 @@ import copy
 import pytest
 import torch
 
-from diversed_ext.decoding.fast_llama import LlamaRunner
+from diversed_ext.forward.llama_runner import LlamaRunner
 from diversed_ext.models import quantize_int8
-from diversed_ext.ops.float_linear import float_linear, pack_float
+from diversed_ext.forward.float_linear import float_linear, pack_float
 from test_fast_llama import CONFIGS, SCHEDULE, VOCAB, tiny_llama
 
 BUILDS = ["avx512", "avx2", "baseline"]  # DIVERSED_CPU_CAPABILITY caps the build; a CPU without one runs a narrower

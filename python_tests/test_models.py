@@ -149,7 +149,7 @@ def test_lean_draft_is_the_same_draft_as_its_quantised_layers_on_the_real_pair(d
     its mean total variation from the target (one minus the acceptance rate of standard speculative decoding)
     within 0.03 of the quantised layers' (measured: 0.637 against 0.642, standard error 0.014 each, 0.005 paired),
     where a broken forward would be near 1."""
-    from diversed_ext.decoding.fast_llama import LlamaRunner
+    from diversed_ext.forward.llama_runner import LlamaRunner
     from diversed_ext.decoding.runners import HFRunner
 
     target, draft, tokenizer = default_pair

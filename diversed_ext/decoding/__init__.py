@@ -1,9 +1,9 @@
 """The speculative decoding loop over Hugging Face model pairs (``ar``, ``sd``, ``static``, ``diversed``).
 
 ``loop`` holds :class:`SpeculativeDecoder`; ``batch`` one round for several requests; ``state`` one request in
-flight; ``stats`` what a run measured; ``runners`` how a model is run (its own
-forward, or the lean Llama forward of ``fast_llama``); ``drafters`` callable drafters that give tokens only;
-``prompts`` prompt encoding and EOS ids; ``checks`` the argument checks. Uses only the ops below it.
+flight; ``stats`` what a run measured; ``runners`` how a model is run (its own forward, or the lean Llama forward of
+:mod:`diversed_ext.forward`); ``drafters`` callable drafters that give tokens only; ``prompts`` prompt encoding and
+EOS ids; ``checks`` the argument checks. Uses only the floors below it (``forward``, ``ops``).
 """
 
 from .checks import DRAFT_MODES, METHODS

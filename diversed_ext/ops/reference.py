@@ -56,7 +56,7 @@ def one_hot_drafts(draft_tokens: torch.Tensor, vocab: int) -> torch.Tensor:
 def reference_core(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor,
                    weight: torch.Tensor, num_draft: torch.Tensor, greedy: torch.Tensor,
                    uniforms: torch.Tensor) -> VerifyResult:
-    """Verification on normalised arguments (see diversed_ext._inputs.VerifyArgs) with explicit float64 uniforms."""
+    """Verification on normalised arguments (see diversed_ext.ops._inputs.VerifyArgs) with explicit float64 uniforms."""
     batch, num_positions, vocab = draft_probs.shape
     rows = torch.arange(batch, device=draft_probs.device)
     positions = torch.arange(num_positions, device=draft_probs.device)

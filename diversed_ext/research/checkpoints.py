@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import warnings
 import zipfile
 from typing import Optional
 
@@ -37,7 +38,11 @@ def load_checkpoint(path: str) -> Optional[dict]:
     if not os.path.isfile(path):
         return None
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():
+            # torch.save writes protocol 2; a file in another protocol is foreign, and torch's note that its
+            # weights-only reader may not know every instruction adds nothing: what it cannot read is refused below.
+            warnings.filterwarnings("ignore", message=r"Detected pickle protocol", category=UserWarning)
+            state = torch.load(path, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, EOFError, RuntimeError, OSError, ValueError, zipfile.BadZipFile) as error:
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise CheckpointError(f"{path}: not a readable checkpoint ({reason})") from None

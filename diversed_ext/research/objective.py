@@ -86,7 +86,7 @@ def diversed_objective(weights: torch.Tensor, target_logprob: torch.Tensor, draf
         rewards: [N] sequence rewards.
         mask: [N, T] bool, True at generated tokens (padding excluded); None means every position counts.
         acceptance_coef: lambda >= 0, the weight of the acceptance regulariser.
-        fidelity_gap: [N, T] G_t (see the module docstring; :func:`diversed_ext.teacher_forcing.fidelity_gap`),
+        fidelity_gap: [N, T] G_t (see the module docstring; :func:`diversed_ext.research.teacher_forcing.fidelity_gap`),
             needed when ``expected_fidelity_coef`` > 0.
         expected_fidelity_coef: mu >= 0, the weight of the expected-fidelity term.
         closed_form: ``"linear"`` (the two terms as written) or ``"logistic"`` (their surrogate; module docstring).

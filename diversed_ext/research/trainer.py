@@ -7,9 +7,9 @@ One step:
      per generated token);
   4. one teacher-forced pass of both models gives hidden states, log p(y), log q(y), TV and the fidelity gap
      E_q[log p] - E_p[log p] per token;
-  5. loss = diversed_objective(...) (diversed_ext/objective.py): policy gradient with batch-normalised advantages plus
-     the acceptance regulariser, plus (``expected_fidelity_coef`` > 0) the closed-form expected next-token fidelity;
-     only the head trains (AdamW, gradient clipping, linear warm-up then cosine decay).
+  5. loss = diversed_objective(...) (diversed_ext/research/objective.py): policy gradient with batch-normalised
+     advantages plus the acceptance regulariser, plus (``expected_fidelity_coef`` > 0) the closed-form expected
+     next-token fidelity; only the head trains (AdamW, gradient clipping, linear warm-up then cosine decay).
 
 Checkpoints (head, optimiser, scheduler, step, RNG states) are written atomically; ``resume=True`` continues exactly
 where the last one stopped. Under ``torchrun`` the head is wrapped in DistributedDataParallel (gloo on CPU, nccl on

@@ -1,0 +1,91 @@
+"""The lean forward's floor (diversed_ext.forward): the verify ops never load it, old module paths still work with a
+DeprecationWarning, and a build without the forward's native ops keeps decoding through the models' own forward while
+what needs those ops says so."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from diversed_ext.decoding.runners import HFRunner, make_runner  # noqa: E402
+from diversed_ext.forward import _native  # noqa: E402
+from diversed_ext.forward import ForwardOpsMissing, LlamaRunner, pack_float, pack_int8, supports_fast_forward  # noqa
+from test_fast_llama import tiny_llama  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+MOVED = {"diversed_ext.ops.int8": "diversed_ext.forward.int8",
+         "diversed_ext.ops.float_linear": "diversed_ext.forward.float_linear",
+         "diversed_ext.ops.llama_layers": "diversed_ext.forward.llama_layers",
+         "diversed_ext.decoding.fast_llama": "diversed_ext.forward.llama_runner",
+         "diversed_ext.decoding.projections": "diversed_ext.forward.projections",
+         "diversed_ext.models.int8": "diversed_ext.forward.int8_draft"}
+
+
+def _run_python(code: str) -> dict:
+    """``code`` in a fresh interpreter (imports cannot be undone in this one); it prints one JSON object."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_the_verify_ops_do_not_load_the_forward():
+    loaded = _run_python("import json, sys, diversed_ext, diversed_ext.ops; "
+                         "print(json.dumps(sorted(m for m in sys.modules if m.startswith('diversed_ext.forward'))))")
+    assert loaded == []
+
+
+def test_old_module_paths_warn_and_are_the_new_modules():
+    code = f"""
+import importlib, json, warnings
+results = {{}}
+for old, new in {MOVED!r}.items():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        module = importlib.import_module(old)
+    results[old] = [module is importlib.import_module(new),
+                    [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning)]]
+print(json.dumps(results))
+"""
+    results = _run_python(code)
+    for old, new in MOVED.items():
+        same, messages = results[old]
+        assert same, old
+        assert any(old in message and new in message for message in messages), (old, messages)
+
+
+@pytest.fixture
+def without_forward_ops(monkeypatch):
+    """This process as a verify-only build would see it: none of the forward's ops defined."""
+    monkeypatch.setattr(_native, "_op_defined", lambda name: False)
+    _native.forward_ops_built.cache_clear()
+    yield
+    monkeypatch.undo()
+    _native.forward_ops_built.cache_clear()
+
+
+def test_without_the_forward_ops_decoding_runs_the_models_own_forward(without_forward_ops):
+    model = tiny_llama(0)
+    assert not supports_fast_forward(model)
+    assert isinstance(make_runner(model, torch.device("cpu"), fast_forward=True), HFRunner)
+
+
+def test_without_the_forward_ops_what_needs_them_says_so(without_forward_ops):
+    with pytest.raises(ForwardOpsMissing, match=r"LlamaRunner needs .*diversed::int8_pack"):
+        LlamaRunner(tiny_llama(0))
+    with pytest.raises(ForwardOpsMissing, match="pack_int8 needs"):
+        pack_int8([(torch.ones(2, 4, dtype=torch.int8), 0.1, None)])
+    with pytest.raises(ForwardOpsMissing, match="pack_float needs"):
+        pack_float([(torch.ones(2, 4), None)])
+
+
+def test_this_build_carries_the_forward_ops():
+    # The suite's other forward tests would skip nothing silently: they need these ops and this build has them.
+    assert _native.forward_ops_built()
+    assert supports_fast_forward(tiny_llama(0))
