@@ -3,7 +3,7 @@
 What they are for: the lean Llama forward multiplies a few rows (one token, or the K + 1 tokens of a verify pass) by
 large weights. ``F.linear`` hands MKL a transposed weight that it repacks on every call, and MKL's products of 3 to
 32 rows run compute-bound well above the time it takes to stream the weights; here the weights are packed once in
-tiles of 16 output features and each call streams them once, for any row count (csrc/cpu/float_gemm.h).
+tiles of 16 output features and each call streams them once, for any row count (csrc/forward/float_gemm.h).
 
 Every output is the plain in-order sum over the input features, the same whatever the number of rows, so a row's
 result never depends on the rows beside it (batch invariance, bit for bit). It differs from ``F.linear`` only by the

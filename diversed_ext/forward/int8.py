@@ -2,7 +2,7 @@
 
 They compute what torch's dynamically quantised linear layer (``quantize_dynamic``, fbgemm) computes from the same
 int8 weights and scales: the input quantised per tensor to uint8 with the halved range fbgemm uses, int32 sums that
-are identical to the layer's, and the same float rescaling up to rounding (csrc/cpu/int8_gemm.h). What they save is
+are identical to the layer's, and the same float rescaling up to rounding (csrc/forward/int8_gemm.h). What they save is
 the layer's per-call work outside the sums, and several layers that read the same input (a Llama layer's q, k and v
 projections; gate and up) become one call: they share the input's quantisation anyway, so fusing them changes no sum.
 """

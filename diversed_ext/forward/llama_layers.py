@@ -4,7 +4,7 @@ products are int8 (:mod:`.int8`), ``diversed::float_llama_layers`` for float32 o
 Why: a decoding step multiplies a few rows by each weight, and the ops between a layer's products (two RMSNorms, the
 rotary embedding, the cache writes, attention, SiLU, the residual adds) cost a dispatch of several microseconds each,
 some thirty per layer: on the default pair about half of the int8 draft's 1-token pass. Here they run natively
-between the products (csrc/cpu/llama_layers.h), each row attending to its own cache only.
+between the products (csrc/forward/llama_layers.h), each row attending to its own cache only.
 
 The results equal the layers run op by op up to float rounding: RMSNorm's squares are summed in float64, dot
 products and sums over fixed lanes, and exp is a polynomial with a relative error of about 1e-7.
