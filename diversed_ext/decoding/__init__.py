@@ -6,7 +6,7 @@ forward, or the lean Llama forward of ``fast_llama``); ``drafters`` callable dra
 ``prompts`` prompt encoding and EOS ids; ``checks`` the argument checks. Uses only the ops below it.
 """
 
-from .checks import DRAFT_MODES, METHODS
+from .checks import DRAFT_MODES, METHODS, renamed_max_draft
 from .drafters import NgramDrafter
 from .loop import SpeculativeDecoder
 from .prompts import encode_prompt, eos_ids
