@@ -91,6 +91,6 @@ def test_the_loop_treats_an_underflowing_temperature_as_greedy(wide_pair, method
     from diversed_ext.decoding import SpeculativeDecoder
 
     target, draft = wide_pair
-    outputs = [SpeculativeDecoder(target, draft, method=method, weight=weight, num_draft=3, temperature=temperature)
+    outputs = [SpeculativeDecoder(target, draft, method=method, weight=weight, max_draft=3, temperature=temperature)
                .generate(PROMPT, max_new_tokens=12, seed=5).sequences[0].tolist() for temperature in (0.0, 1e-40)]
     assert outputs[0] == outputs[1]
