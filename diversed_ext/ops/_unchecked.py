@@ -6,14 +6,14 @@ and contiguous (int32 ids, a [B] weight, a 0-d temperature or a strided tensor n
 its own rule (scalar_weight, scalar_seed, normalize_offset, scalar_temperature: the same functions prepare_verify
 uses). Sizes and devices are not compared here, which would cost a microsecond of attribute reads on every call: the
 op compares them itself (csrc/common/op_checks.h). A tensor of the right kind and the wrong size is a mistake, not a
-form to convert, so when the op refuses the arguments, :func:`run_as_given` runs the argument rules, which raise the
-error naming the argument at fault; the op is never called a second time, and an error the rules do not explain is
-raised as the op raised it.
+form to convert, so when the op refuses the arguments, the caller (ops/api.py) runs the argument rules, which raise
+the error naming the argument at fault; the op is never called a second time, and an error the rules do not explain
+is raised as the op raised it.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
@@ -24,14 +24,16 @@ from ._temperature import scalar_temperature
 _Tensor, _BOOL, _INT64, _FLOAT32, _FLOAT64 = torch.Tensor, torch.bool, torch.int64, torch.float32, torch.float64
 
 
-def tensor_as_given(value, dtype: torch.dtype, rank: int) -> bool:
-    """Whether ``value`` is a tensor the op takes as it is: of ``dtype`` and ``rank``, contiguous."""
-    return isinstance(value, _Tensor) and value.dtype == dtype and value.dim() == rank and value.is_contiguous()
+def tensor_as_given(value, dtype: torch.dtype, rank: Optional[int] = None) -> bool:
+    """Whether ``value`` is a tensor the op takes as it is: of ``dtype`` (and ``rank``, where another rank is a form
+    the rule converts, as a [B] weight), contiguous."""
+    return (isinstance(value, _Tensor) and value.dtype == dtype and (rank is None or value.dim() == rank)
+            and value.is_contiguous())
 
 
 def greedy_as_given(greedy) -> bool:
     """Whether verify's greedy goes to the op as given: absent, or a contiguous bool [B] tensor."""
-    return greedy is None or tensor_as_given(greedy, _BOOL, 1)
+    return greedy is None or tensor_as_given(greedy, _BOOL)
 
 
 def temperature_as_given(temperature) -> Optional[tuple]:
@@ -58,28 +60,17 @@ def unchecked_arguments(draft_tokens, draft, target, weight, num_draft, row_flag
         weight_t, weight_value = weight, 1.0
     else:
         return None
-    if num_draft is not None and not tensor_as_given(num_draft, _INT64, 1):
+    if num_draft is not None and not tensor_as_given(num_draft, _INT64):
         return None
-    if uniforms is not None and (seed is not None or not tensor_as_given(uniforms, _FLOAT64, 2)):
+    if uniforms is not None and (seed is not None or not tensor_as_given(uniforms, _FLOAT64)):
         return None  # both given: prepare_verify says which to drop
     if seed is None:
         seeds, seed_value, per_row_seed = None, None, False
     elif not isinstance(seed, _Tensor):
         seeds, seed_value, per_row_seed = None, scalar_seed(seed), False
-    elif tensor_as_given(seed, _INT64, 1) and seed.device == target.device:  # seeds elsewhere are moved
+    elif tensor_as_given(seed, _INT64) and seed.device == target.device:  # seeds elsewhere are moved
         seeds, seed_value, per_row_seed = seed, None, True
     else:
         return None
     return (draft_tokens, draft, target, weight_t, num_draft, row_flags, uniforms, seeds, normalize_offset(offset),
             per_row_seed, weight_value, *row_flag_value, seed_value)
-
-
-def run_as_given(op, op_arguments: tuple, name_the_mistake: Callable[[], object]):
-    """``op(*op_arguments)``, called once. When the op refuses the arguments, ``name_the_mistake`` (the argument
-    rules) raises the error that names the argument at fault; when it finds none, the op's error is raised."""
-    try:
-        return op(*op_arguments)
-    except RuntimeError as error:
-        refusal = error
-    name_the_mistake()  # outside the handler, so the named error does not come chained to the op's
-    raise refusal

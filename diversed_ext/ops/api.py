@@ -30,7 +30,7 @@ from . import _fake  # noqa: F401  (registers the native ops and their fake kern
 from ._inputs import prepare_verify, weight_tensor
 from ._pair_inputs import normalize_stat_tokens, prepare_pair
 from ._temperature import temperature_argument
-from ._unchecked import greedy_as_given, run_as_given, temperature_as_given, unchecked_arguments
+from ._unchecked import greedy_as_given, temperature_as_given, unchecked_arguments
 from ._values import check_verify_logits_flags
 
 # The verify overloads, looked up once: torch.ops.<namespace>.<op> is two attribute lookups and an overload resolution
@@ -89,8 +89,13 @@ def verify(draft_tokens, draft_probs, target_probs, weight, *, num_draft=None, g
         op_arguments = unchecked_arguments(draft_tokens, draft_probs, target_probs, weight, num_draft, greedy,
                                            uniforms, seed, offset)
         if op_arguments is not None:
-            return VerifyResult(*run_as_given(_VERIFY_PROBS, op_arguments, lambda: _prepare_probs(
-                draft_tokens, draft_probs, target_probs, weight, num_draft, greedy, uniforms, seed, offset, False)))
+            try:
+                return VerifyResult(*_VERIFY_PROBS(*op_arguments))
+            except RuntimeError as error:
+                refusal = error  # a size or device the op refuses: the rules below name the argument, or it stands
+            _prepare_probs(draft_tokens, draft_probs, target_probs, weight, num_draft, greedy, uniforms, seed, offset,
+                           False)
+            raise refusal
     return VerifyResult(*_VERIFY_PROBS(*_prepare_probs(draft_tokens, draft_probs, target_probs, weight, num_draft,
                                                        greedy, uniforms, seed, offset, check_inputs)))
 
@@ -139,9 +144,13 @@ def verify_logits(draft_tokens, draft_logits, target_logits, weight, *, temperat
         op_arguments = unchecked_arguments(draft_tokens, draft_logits, target_logits, weight, num_draft,
                                            temperature_given[0], uniforms, seed, offset, temperature_given[1])
         if op_arguments is not None:
-            return VerifyResult(*run_as_given(_VERIFY_LOGITS, op_arguments, lambda: _prepare_logits(
-                draft_tokens, draft_logits, target_logits, weight, temperature, num_draft, uniforms, seed, offset,
-                check_inputs=False, flags_from_kernel=False)))
+            try:
+                return VerifyResult(*_VERIFY_LOGITS(*op_arguments))
+            except RuntimeError as error:
+                refusal = error  # as in verify
+            _prepare_logits(draft_tokens, draft_logits, target_logits, weight, temperature, num_draft, uniforms, seed,
+                            offset, check_inputs=False, flags_from_kernel=False)
+            raise refusal
     # On the CPU the kernel flags the token ids and the logits' values in its own passes (checked after the call,
     # which then raises); elsewhere they are checked before it.
     flags_from_kernel = check_inputs and isinstance(target_logits, torch.Tensor) and target_logits.device.type == "cpu"
