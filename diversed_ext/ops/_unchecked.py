@@ -1,11 +1,12 @@
 """The serving path of the verify ops: an unchecked call (``check_inputs=False``) whose arguments need no conversion
 goes to the op as given; any other call goes through :func:`~diversed_ext.ops._inputs.prepare_verify`.
 
-Whether the arguments need converting is decided up front, by tests of kind only: each tensor of the op's dtype, rank
-and contiguous (int32 ids, a [B] weight, a 0-d temperature or a strided tensor need converting), each number through
-its own rule (scalar_weight, scalar_seed, normalize_offset, scalar_temperature: the same functions prepare_verify
-uses). Sizes and devices are not compared here, which would cost a microsecond of attribute reads on every call: the
-op compares them itself (csrc/common/op_checks.h). A tensor of the right kind and the wrong size is a mistake, not a
+Whether the arguments need converting is decided up front, by tests of kind only: each tensor of the op's dtype and
+contiguous, and of its rank where another rank is a form to convert (int32 ids, a [B] weight, a 0-d temperature or a
+strided tensor need converting), each number through its own rule (scalar_weight, scalar_seed, normalize_offset,
+scalar_temperature: the same functions prepare_verify uses). Sizes and devices are not compared here (but for a seed
+tensor's device: seeds elsewhere are moved), which would cost a microsecond of attribute reads on every call: the op
+compares them itself (csrc/common/op_checks.h). A tensor of the right kind and the wrong size is a mistake, not a
 form to convert, so when the op refuses the arguments, the caller (ops/api.py) runs the argument rules, which raise
 the error naming the argument at fault; the op is never called a second time, and an error the rules do not explain
 is raised as the op raised it.
