@@ -113,7 +113,7 @@ def load_prompts(args, tokenizer) -> list[list[int]]:
 
 def ours(target, draft, args, eos, **kwargs) -> Callable:
     """A runner (prompt, seed, max_new_tokens) -> DecodingSummary of our SpeculativeDecoder."""
-    decoder = SpeculativeDecoder(target, draft, num_draft=args.k, temperature=args.temperature, **kwargs)
+    decoder = SpeculativeDecoder(target, draft, max_draft=args.k, temperature=args.temperature, **kwargs)
 
     def run(prompt, seed, max_new_tokens):
         return decoder.generate(prompt, max_new_tokens=max_new_tokens, eos_token_id=eos, seed=seed).summary()

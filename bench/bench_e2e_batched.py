@@ -30,7 +30,7 @@ from diversed_ext.research.report import cell, markdown_rows
 
 def ours_batched(target, draft, args, eos, batch_size, **kwargs):
     """A harness runner: our decoder on a batch of prompts, one summary for the batch with its wall time."""
-    decoder = SpeculativeDecoder(target, draft, num_draft=args.k, temperature=args.temperature, **kwargs)
+    decoder = SpeculativeDecoder(target, draft, max_draft=args.k, temperature=args.temperature, **kwargs)
 
     def run(prompts, seed, max_new_tokens):
         output = decoder.generate(prompts, max_new_tokens=max_new_tokens, eos_token_id=eos, seed=seed,

@@ -43,7 +43,7 @@ class LinearHead(torch.nn.Module):
 
 def test_max_new_tokens_edges(wide_pair):
     target, draft = wide_pair
-    decoder = SpeculativeDecoder(target, draft, method="static", weight=0.3, num_draft=5)
+    decoder = SpeculativeDecoder(target, draft, method="static", weight=0.3, max_draft=5)
     empty = decoder.generate(PROMPT, max_new_tokens=0, seed=0).generations[0]
     assert empty.tokens.numel() == 0 and empty.rounds == [] and empty.finish_reason == "length"
     one = decoder.generate(PROMPT, max_new_tokens=1, seed=0).generations[0]
@@ -63,7 +63,7 @@ def test_greedy_stops_right_after_eos(wide_pair):
     eos = full[position]
     for method, weight in [("ar", None), ("sd", None), ("static", 1.0)]:
         decoder = SpeculativeDecoder(target, draft if method != "ar" else None, method=method, weight=weight,
-                                     num_draft=4, temperature=0)
+                                     max_draft=4, temperature=0)
         generation = decoder.generate(PROMPT, max_new_tokens=30, eos_token_id=eos).generations[0]
         assert generation.tokens.tolist() == full[:position + 1]
         assert generation.finish_reason == "eos"
@@ -72,7 +72,7 @@ def test_greedy_stops_right_after_eos(wide_pair):
 @pytest.mark.parametrize("weight", [0.0, 0.6, 1.0])
 def test_sampled_output_never_runs_past_eos(wide_pair, weight):
     target, draft = wide_pair
-    decoder = SpeculativeDecoder(target, draft, method="static", weight=weight, num_draft=4)
+    decoder = SpeculativeDecoder(target, draft, method="static", weight=weight, max_draft=4)
     eos_ids = [5, 9]
     reasons = set()
     for seed in range(12):
@@ -96,7 +96,7 @@ def test_sampled_output_never_runs_past_eos(wide_pair, weight):
 def test_head_sees_the_last_hidden_states_of_both_models(wide_pair):
     target, draft = wide_pair
     head = RecordingHead(0.0)  # w = 0 keeps every draft, so the drafts are the output tokens
-    decoder = SpeculativeDecoder(target, draft, method="diversed", head=head, num_draft=3)
+    decoder = SpeculativeDecoder(target, draft, method="diversed", head=head, max_draft=3)
     output = decoder.generate(PROMPT, max_new_tokens=14, seed=0)
     tokens = PROMPT + output.sequences[0].tolist()
     with torch.inference_mode():
@@ -119,7 +119,7 @@ def test_head_sees_the_last_hidden_states_of_both_models(wide_pair):
 def test_rounds_record_the_drafts_and_the_weights_the_head_chose(wide_pair):
     target, draft = wide_pair
     head = LinearHead(draft.config.hidden_size, target.config.hidden_size)
-    output = SpeculativeDecoder(target, draft, method="diversed", head=head, num_draft=3).generate(
+    output = SpeculativeDecoder(target, draft, method="diversed", head=head, max_draft=3).generate(
         PROMPT, max_new_tokens=12, seed=0)
     tokens = output.sequences[0].tolist()
     emitted = 0
@@ -129,17 +129,17 @@ def test_rounds_record_the_drafts_and_the_weights_the_head_chose(wide_pair):
         # The accepted drafts are the round's first output tokens.
         assert list(stats.draft_tokens[:stats.accepted]) == tokens[emitted:emitted + stats.accepted][:stats.emitted]
         emitted += stats.emitted
-    static = SpeculativeDecoder(target, draft, method="static", weight=0.5, num_draft=3).generate(
+    static = SpeculativeDecoder(target, draft, method="static", weight=0.5, max_draft=3).generate(
         PROMPT, max_new_tokens=6, seed=0)
     assert all(stats.weights == () and len(stats.draft_tokens) == stats.drafted for stats in static.rounds[0])
 
 
 def test_head_weight_one_reproduces_sd_and_zero_accepts_all(wide_pair):
     target, draft = wide_pair
-    sd = SpeculativeDecoder(target, draft, method="sd", num_draft=3).generate(PROMPT, max_new_tokens=30, seed=9)
-    ones = SpeculativeDecoder(target, draft, method="diversed", head=RecordingHead(1.0), num_draft=3)
+    sd = SpeculativeDecoder(target, draft, method="sd", max_draft=3).generate(PROMPT, max_new_tokens=30, seed=9)
+    ones = SpeculativeDecoder(target, draft, method="diversed", head=RecordingHead(1.0), max_draft=3)
     assert ones.generate(PROMPT, max_new_tokens=30, seed=9).sequences[0].tolist() == sd.sequences[0].tolist()
-    zeros = SpeculativeDecoder(target, draft, method="diversed", head=RecordingHead(0.0), num_draft=3)
+    zeros = SpeculativeDecoder(target, draft, method="diversed", head=RecordingHead(0.0), max_draft=3)
     rounds = zeros.generate(PROMPT, max_new_tokens=30, seed=9).rounds[0]
     assert all(stats.accepted == stats.drafted for stats in rounds)
     assert all(stats.head_seconds >= 0 for stats in rounds)
@@ -148,7 +148,7 @@ def test_head_weight_one_reproduces_sd_and_zero_accepts_all(wide_pair):
 def test_learned_style_head_runs_end_to_end(wide_pair):
     target, draft = wide_pair
     head = LinearHead(draft.config.hidden_size, target.config.hidden_size)
-    decoder = SpeculativeDecoder(target, draft, method="diversed", head=head, num_draft=3)
+    decoder = SpeculativeDecoder(target, draft, method="diversed", head=head, max_draft=3)
     output = decoder.generate([PROMPT, [2, 2]], max_new_tokens=20, seed=1)
     assert [len(tokens) for tokens in output.sequences] == [20, 20]
 
@@ -156,7 +156,7 @@ def test_learned_style_head_runs_end_to_end(wide_pair):
 def test_head_returning_the_wrong_shape_is_rejected(wide_pair):
     target, draft = wide_pair
     decoder = SpeculativeDecoder(target, draft, method="diversed", head=lambda d, t: torch.ones(1, 1, 7),
-                                 num_draft=3)
+                                 max_draft=3)
     with pytest.raises(ValueError, match="head must return one weight per drafted token"):
         decoder.generate(PROMPT, max_new_tokens=10, seed=0)
 
@@ -166,7 +166,7 @@ def test_head_returning_the_wrong_shape_is_rejected(wide_pair):
 
 def test_round_statistics_add_up(wide_pair):
     target, draft = wide_pair
-    output = SpeculativeDecoder(target, draft, method="static", weight=0.5, num_draft=3).generate(
+    output = SpeculativeDecoder(target, draft, method="static", weight=0.5, max_draft=3).generate(
         [PROMPT, [3]], max_new_tokens=25, seed=4)
     summary = output.summary()
     rounds = [stats for generation_rounds in output.rounds for stats in generation_rounds]
@@ -201,9 +201,9 @@ def test_round_statistics_add_up(wide_pair):
     ({"method": "diversed"}, ValueError, "needs head"),
     ({"method": "diversed", "head": 3}, TypeError, "head must be callable"),
     ({"method": "sd", "head": RecordingHead(1.0)}, ValueError, "head applies only"),
-    ({"method": "sd", "num_draft": 0}, ValueError, r"num_draft \(K\) must be >= 1"),
-    ({"method": "sd", "num_draft": -2}, ValueError, r"num_draft \(K\) must be >= 1"),
-    ({"method": "sd", "num_draft": 2.0}, TypeError, "num_draft must be an int"),
+    ({"method": "sd", "max_draft": 0}, ValueError, r"max_draft \(K\) must be >= 1"),
+    ({"method": "sd", "max_draft": -2}, ValueError, r"max_draft \(K\) must be >= 1"),
+    ({"method": "sd", "max_draft": 2.0}, TypeError, "max_draft must be an int"),
     ({"method": "sd", "temperature": -1.0}, ValueError, "temperature must be"),
     ({"method": "sd", "temperature": float("nan")}, ValueError, "temperature must be"),
 ])
@@ -211,6 +211,30 @@ def test_bad_decoder_arguments_name_the_argument(wide_pair, kwargs, error, match
     target, draft = wide_pair
     with pytest.raises(error, match=match):
         SpeculativeDecoder(target, draft, **kwargs)
+
+
+# The old spelling of max_draft still works, with a DeprecationWarning, and its errors name it.
+@pytest.mark.parametrize("kwargs,error,match", [
+    ({"method": "sd", "num_draft": 0}, ValueError, r"num_draft \(K\) must be >= 1"),
+    ({"method": "sd", "num_draft": -2}, ValueError, r"num_draft \(K\) must be >= 1"),
+    ({"method": "sd", "num_draft": 2.0}, TypeError, "num_draft must be an int"),
+])
+def test_bad_num_draft_warns_and_names_the_old_argument(wide_pair, kwargs, error, match):
+    target, draft = wide_pair
+    with pytest.warns(DeprecationWarning, match="num_draft"), pytest.raises(error, match=match):
+        SpeculativeDecoder(target, draft, **kwargs)
+
+
+def test_num_draft_is_the_deprecated_name_of_max_draft(wide_pair):
+    target, draft = wide_pair
+    with pytest.warns(DeprecationWarning, match=r"SpeculativeDecoder\(num_draft=\.\.\.\) is deprecated; use max_draft"):
+        old = SpeculativeDecoder(target, draft, method="sd", num_draft=5)
+    assert old.max_draft == 5
+    with pytest.warns(DeprecationWarning, match="use max_draft"):
+        assert old.num_draft == 5
+    new = SpeculativeDecoder(target, draft, method="sd", max_draft=5)
+    assert torch.equal(new.generate(PROMPT, max_new_tokens=12, seed=3).sequences[0],
+                       old.generate(PROMPT, max_new_tokens=12, seed=3).sequences[0])
 
 
 def test_speculative_methods_need_a_draft(wide_pair):

@@ -34,10 +34,10 @@ def double_pair():
     return copy.deepcopy(target).double(), copy.deepcopy(draft).double()
 
 
-def make_decoder(pair, method, kwargs, temperature, fast_forward=True, num_draft=3):
+def make_decoder(pair, method, kwargs, temperature, fast_forward=True, max_draft=3):
     target, draft = pair
     kwargs = dict(kwargs, head=smooth_head) if method == "diversed" else kwargs
-    return SpeculativeDecoder(target, draft if method != "ar" else None, method=method, num_draft=num_draft,
+    return SpeculativeDecoder(target, draft if method != "ar" else None, method=method, max_draft=max_draft,
                               temperature=temperature, fast_forward=fast_forward, **kwargs)
 
 
@@ -81,7 +81,7 @@ def test_finished_slots_are_refilled_before_the_batch_empties(double_pair):
 
 
 def test_rows_draft_ragged_counts_in_one_round(double_pair):
-    decoder = make_decoder(double_pair, "sd", {}, 1.0, num_draft=4)
+    decoder = make_decoder(double_pair, "sd", {}, 1.0, max_draft=4)
     # EOS drafts stop a row's drafting early, so rows of one round propose different numbers of tokens.
     output = decoder.generate(PROMPTS, max_new_tokens=12, eos_token_id=[2, 7], seed=5)
     first_rounds = [rounds[0].drafted for rounds in output.rounds]
@@ -95,7 +95,7 @@ def test_rows_draft_ragged_counts_in_one_round(double_pair):
 
 @pytest.mark.parametrize("max_new_tokens", [0, 1, 2])
 def test_length_edges_batched(double_pair, max_new_tokens):
-    decoder = make_decoder(double_pair, "sd", {}, 1.0, num_draft=8)  # K far above what is left
+    decoder = make_decoder(double_pair, "sd", {}, 1.0, max_draft=8)  # K far above what is left
     output = decoder.generate(PROMPTS, max_new_tokens=max_new_tokens, seed=0, batch_size=4)
     for generation in output.generations:
         assert len(generation.tokens) == max_new_tokens and generation.finish_reason == "length"
@@ -113,7 +113,7 @@ def test_head_sees_every_drafted_token_of_the_round_once(double_pair):
         return smooth_head(draft_hidden, target_hidden)
 
     target, draft = double_pair
-    decoder = SpeculativeDecoder(target, draft, method="diversed", head=head, num_draft=3)
+    decoder = SpeculativeDecoder(target, draft, method="diversed", head=head, max_draft=3)
     output = decoder.generate(PROMPTS[:4], max_new_tokens=10, seed=1)
     drafted_per_round = {}
     for rounds in output.rounds:
@@ -222,7 +222,7 @@ def test_step_batch_refuses_finished_and_repeated_states(wide_pair):
 
 def test_batched_generation_on_the_device_matches_one_by_one(device):
     target, draft = (model.to(device) for model in copy.deepcopy(wide_pair_models()))
-    decoder = SpeculativeDecoder(target, draft, method="static", weight=0.5, num_draft=3, temperature=0.0)
+    decoder = SpeculativeDecoder(target, draft, method="static", weight=0.5, max_draft=3, temperature=0.0)
     alone = [sequences(decoder.generate(prompt, max_new_tokens=12, seed=index))[0]
              for index, prompt in enumerate(PROMPTS)]
     assert sequences(decoder.generate(PROMPTS, max_new_tokens=12, seed=0, batch_size=3)) == alone

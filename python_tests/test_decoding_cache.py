@@ -27,7 +27,7 @@ def _logits_from_cache(runner, cache, tokens, cached):
 @pytest.mark.parametrize("method,weight", [("sd", None), ("static", 0.5)])
 def test_cropped_caches_give_the_logits_of_a_fresh_forward(wide_pair, method, weight, fast_forward):
     target, draft = wide_pair
-    decoder = SpeculativeDecoder(target, draft, method=method, weight=weight, num_draft=4, temperature=1.0,
+    decoder = SpeculativeDecoder(target, draft, method=method, weight=weight, max_draft=4, temperature=1.0,
                                  fast_forward=fast_forward)
     state = decoder.start(PROMPT, max_new_tokens=40, seed=1)
     rejections = 0
@@ -86,7 +86,7 @@ class RunnerCounter:
 @pytest.mark.parametrize("fast_forward", [False, True], ids=["hf-forward", "fast-forward"])
 def test_the_prefix_is_never_recomputed(wide_pair, fast_forward):
     target, draft = wide_pair
-    decoder = SpeculativeDecoder(target, draft, method="sd", num_draft=3, fast_forward=fast_forward)
+    decoder = SpeculativeDecoder(target, draft, method="sd", max_draft=3, fast_forward=fast_forward)
     if fast_forward:
         target_counter = RunnerCounter(decoder, "_target_runner")
         draft_counter = RunnerCounter(decoder, "_draft_runner")

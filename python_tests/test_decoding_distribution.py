@@ -46,10 +46,10 @@ def exact_joint(target, draft, prompt, length, vocab, weight=1.0, temperature=1.
     return joint
 
 
-def exact_speculative_joint(target, draft, prompt, length, vocab, weight, temperature, num_draft):
+def exact_speculative_joint(target, draft, prompt, length, vocab, weight, temperature, max_draft):
     """Exact law of what the loop emits, round by round.
 
-    Within a round of k = min(num_draft, remaining - 1) drafts, position i emits x and goes on with probability
+    Within a round of k = min(max_draft, remaining - 1) drafts, position i emits x and goes on with probability
     min(q, nu)(x) (accepted draft) or emits x and ends the round with probability max(0, nu - q)(x) (correction); these
     add up to nu(x). A round that keeps all k drafts ends with the bonus token, drawn from p, not nu. So for w < 1 the
     output is not a product of nu's: the tokens that happen to be bonus tokens follow the target."""
@@ -60,7 +60,7 @@ def exact_speculative_joint(target, draft, prompt, length, vocab, weight, temper
             joint[prefix] = joint.get(prefix, 0.0) + probability
             return
         if index == 0:
-            drafts = min(num_draft, length - len(prefix) - 1)
+            drafts = min(max_draft, length - len(prefix) - 1)
         context = [prompt + list(prefix)]
         p = next_token_probs(target, context, temperature)[0].double()
         if index == drafts:  # the bonus token
@@ -107,11 +107,11 @@ def sample_continuations(decoder, prompt, length, count):
 # ---- exactness -------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("num_draft", [1, 3, 6])
-def test_greedy_sd_equals_greedy_ar_token_for_token(wide_pair, num_draft):
+@pytest.mark.parametrize("max_draft", [1, 3, 6])
+def test_greedy_sd_equals_greedy_ar_token_for_token(wide_pair, max_draft):
     target, draft = wide_pair
     ar = SpeculativeDecoder(target, method="ar", temperature=0)
-    sd = SpeculativeDecoder(target, draft, method="sd", num_draft=num_draft, temperature=0)
+    sd = SpeculativeDecoder(target, draft, method="sd", max_draft=max_draft, temperature=0)
     prompts = [PROMPT, [5], [7, 7, 8, 30, 2, 11]]
     ar_tokens = ar.generate(prompts, max_new_tokens=24).sequences
     sd_output = sd.generate(prompts, max_new_tokens=24)
@@ -127,7 +127,7 @@ def test_greedy_sd_equals_greedy_ar_token_for_token(wide_pair, num_draft):
 
 def test_sampled_sd_follows_the_target_distribution(small_pair):
     target, draft = small_pair
-    decoder = SpeculativeDecoder(target, draft, method="sd", num_draft=2, temperature=1.0)
+    decoder = SpeculativeDecoder(target, draft, method="sd", max_draft=2, temperature=1.0)
     samples = sample_continuations(decoder, PROMPT, 3, 2000)
     target_joint = exact_joint(target, draft, PROMPT, 3, SMALL_VOCAB)
     assert chi_square_p_value(samples, target_joint) > P_VALUE_FLOOR
@@ -139,9 +139,9 @@ def test_sampled_sd_follows_the_target_distribution(small_pair):
 def test_static_ensemble_follows_the_mixture(small_pair):
     target, draft = small_pair
     weight, temperature = 0.5, 0.8
-    decoder = SpeculativeDecoder(target, draft, method="static", weight=weight, num_draft=3, temperature=temperature)
+    decoder = SpeculativeDecoder(target, draft, method="static", weight=weight, max_draft=3, temperature=temperature)
     samples = sample_continuations(decoder, PROMPT, 3, 2000)
-    law = exact_speculative_joint(target, draft, PROMPT, 3, SMALL_VOCAB, weight, temperature, num_draft=3)
+    law = exact_speculative_joint(target, draft, PROMPT, 3, SMALL_VOCAB, weight, temperature, max_draft=3)
     assert abs(sum(law.values()) - 1) < 1e-6  # float32 softmax rounding
     assert chi_square_p_value(samples, law) > P_VALUE_FLOOR
     # The test can fail: the same samples reject the target alone and the draft alone.
@@ -154,15 +154,15 @@ def test_static_ensemble_follows_the_mixture(small_pair):
 def test_exact_speculative_law_is_the_target_for_sd(small_pair):
     # With w = 1 the block-aware law collapses to the product of target distributions (standard SD is exact).
     target, draft = small_pair
-    law = exact_speculative_joint(target, draft, PROMPT, 3, SMALL_VOCAB, 1.0, 1.0, num_draft=2)
+    law = exact_speculative_joint(target, draft, PROMPT, 3, SMALL_VOCAB, 1.0, 1.0, max_draft=2)
     product = exact_joint(target, draft, PROMPT, 3, SMALL_VOCAB)
     for cell, probability in product.items():
         assert abs(law[cell] - probability) < 1e-6
 
 
-def exact_acceptance_counts(target, draft, prompt, length, vocab, weight, num_draft):
+def exact_acceptance_counts(target, draft, prompt, length, vocab, weight, max_draft):
     """Exact expected (accepted, drafted) of one generation of ``length`` tokens, walking every round's branches:
-    a round plans k = min(num_draft, remaining - 1) drafts (all counted as drafted); position i keeps its draft with
+    a round plans k = min(max_draft, remaining - 1) drafts (all counted as drafted); position i keeps its draft with
     mass min(q, nu) and corrects with mass max(0, nu - q); a round that keeps all k ends with a bonus from p."""
     cache = {}
 
@@ -176,7 +176,7 @@ def exact_acceptance_counts(target, draft, prompt, length, vocab, weight, num_dr
         if len(prefix) == length:
             return 0.0, 0.0
         if index == 0:
-            drafts = min(num_draft, length - len(prefix) - 1)
+            drafts = min(max_draft, length - len(prefix) - 1)
         p, q = probabilities(prefix)
         if index == drafts:  # bonus token, or a plain target step when no draft fits
             pairs = [expected(prefix + (token,), 0, 0) for token in range(vocab)]
@@ -205,11 +205,11 @@ def test_acceptance_counts_match_their_exact_expectation(small_pair, method, wei
     against their exact expectations. (A loop that drafted from a stale context would still emit the right law for
     sd, but accept less.)"""
     target, draft = small_pair
-    length, num_draft, runs = 5, 3, 1000
+    length, max_draft, runs = 5, 3, 1000
     exact_accepted, exact_drafted = exact_acceptance_counts(target, draft, PROMPT, length, SMALL_VOCAB, weight,
-                                                            num_draft)
+                                                            max_draft)
     decoder = SpeculativeDecoder(target, draft, method=method, weight=None if method == "sd" else weight,
-                                 num_draft=num_draft)
+                                 max_draft=max_draft)
     summaries = [decoder.generate(PROMPT, max_new_tokens=length, seed=seed).summary() for seed in range(runs)]
     for values, exact in (([s.accepted for s in summaries], exact_accepted),
                           ([s.drafted for s in summaries], exact_drafted)):
@@ -227,7 +227,7 @@ def test_ar_sampling_follows_the_target(small_pair):
 
 def test_static_weight_zero_accepts_every_draft(wide_pair):
     target, draft = wide_pair
-    decoder = SpeculativeDecoder(target, draft, method="static", weight=0.0, num_draft=4, temperature=1.0)
+    decoder = SpeculativeDecoder(target, draft, method="static", weight=0.0, max_draft=4, temperature=1.0)
     output = decoder.generate([PROMPT, [9, 4]], max_new_tokens=30, seed=11)
     for rounds in output.rounds:
         assert all(stats.accepted == stats.drafted for stats in rounds)
@@ -237,7 +237,7 @@ def test_static_weight_zero_accepts_every_draft(wide_pair):
 
 def test_same_seed_same_output_and_different_seed_differs(wide_pair):
     target, draft = wide_pair
-    decoder = SpeculativeDecoder(target, draft, method="static", weight=0.7, num_draft=3)
+    decoder = SpeculativeDecoder(target, draft, method="static", weight=0.7, max_draft=3)
     first = decoder.generate(PROMPT, max_new_tokens=40, seed=3).sequences[0]
     again = decoder.generate(PROMPT, max_new_tokens=40, seed=3).sequences[0]
     other = decoder.generate(PROMPT, max_new_tokens=40, seed=4).sequences[0]
@@ -251,7 +251,7 @@ def test_same_seed_same_output_and_different_seed_differs(wide_pair):
 
 def test_several_prompts_run_one_after_another_with_seed_plus_index(wide_pair):
     target, draft = wide_pair
-    decoder = SpeculativeDecoder(target, draft, method="sd", num_draft=3)
+    decoder = SpeculativeDecoder(target, draft, method="sd", max_draft=3)
     prompts = [PROMPT, [4], torch.tensor([6, 1, 1])]
     output = decoder.generate(prompts, max_new_tokens=12, seed=20)
     assert len(output.generations) == 3

@@ -64,7 +64,7 @@ def test_the_verifier_gets_draft_logits_only_in_distributions_mode(wide_pair, mo
         return verify(draft_tokens, draft_logits, *args, **kwargs)
 
     monkeypatch.setattr(batch_module, "verify_logits", recording_verify)
-    decoder = SpeculativeDecoder(target, draft, method="static", weight=0.5, num_draft=3, draft_mode=draft_mode)
+    decoder = SpeculativeDecoder(target, draft, method="static", weight=0.5, max_draft=3, draft_mode=draft_mode)
     decoder.generate(PROMPTS, max_new_tokens=8, seed=0)
     assert seen and all((logits is not None) == (draft_mode == "distributions") for logits in seen)
 
@@ -74,7 +74,7 @@ def test_tokens_only_drafts_are_the_argmax_or_samples_of_the_draft(wide_pair, dr
     """A tokens-only draft model proposes its argmax at any temperature; "sampled_tokens" samples its softmax."""
     target, draft = wide_pair
     # w = 0 keeps every draft, so each round emits its drafts, then the bonus token.
-    decoder = SpeculativeDecoder(target, draft, method="static", weight=0.0, num_draft=3, temperature=2.0,
+    decoder = SpeculativeDecoder(target, draft, method="static", weight=0.0, max_draft=3, temperature=2.0,
                                  draft_mode=draft_mode)
     output = decoder.generate(PROMPTS, max_new_tokens=13, seed=3)
     argmax_drafts = drafts = 0
@@ -104,7 +104,7 @@ def test_greedy_tokens_only_sd_equals_greedy_ar_token_for_token(wide_pair, sourc
     target, draft = wide_pair
     ar = SpeculativeDecoder(target, method="ar", temperature=0).generate(PROMPTS, max_new_tokens=24)
     drafter = {"draft model": None, "ngram": NgramDrafter(2), "constant": constant_drafter(20)}[source]
-    decoder = SpeculativeDecoder(target, draft if drafter is None else None, method="sd", num_draft=3,
+    decoder = SpeculativeDecoder(target, draft if drafter is None else None, method="sd", max_draft=3,
                                  temperature=0, draft_mode="tokens", drafter=drafter)
     output = decoder.generate(PROMPTS, max_new_tokens=24)
     assert sequences(output) == sequences(ar)
@@ -120,7 +120,7 @@ def test_an_oracle_drafter_is_always_accepted(wide_pair):
     def oracle(context, k):
         return ar.generate(context, max_new_tokens=k).sequences[0].tolist()
 
-    output = SpeculativeDecoder(target, method="sd", num_draft=3, temperature=0, drafter=oracle).generate(
+    output = SpeculativeDecoder(target, method="sd", max_draft=3, temperature=0, drafter=oracle).generate(
         PROMPTS, max_new_tokens=17)
     assert sequences(output) == sequences(ar.generate(PROMPTS, max_new_tokens=17))
     for rounds in output.rounds:
@@ -134,7 +134,7 @@ def test_an_oracle_drafter_is_always_accepted(wide_pair):
 @pytest.mark.parametrize("draft_mode", ["tokens", "sampled_tokens"])
 def test_sampled_tokens_only_sd_follows_the_target(small_pair, draft_mode):
     target, draft = small_pair
-    decoder = SpeculativeDecoder(target, draft, method="sd", num_draft=2, draft_mode=draft_mode)
+    decoder = SpeculativeDecoder(target, draft, method="sd", max_draft=2, draft_mode=draft_mode)
     samples = samples_of(decoder, 3)
     assert chi_square_p_value(samples, exact_joint(target, draft, PROMPT, 3, SMALL_VOCAB)) > P_VALUE_FLOOR
     # The same samples clearly reject the draft's law, or the test could not fail.
@@ -146,11 +146,11 @@ def test_sampled_output_with_a_callable_drafter_follows_the_mixture(small_pair):
     at 1; each sample set rejects the other's law, so the test can fail."""
     target, _ = small_pair
     constant = OneHotModel(lambda input_ids: torch.ones_like(input_ids), SMALL_VOCAB)
-    laws = {weight: exact_speculative_joint(target, constant, PROMPT, 3, SMALL_VOCAB, weight, 1.0, num_draft=2)
+    laws = {weight: exact_speculative_joint(target, constant, PROMPT, 3, SMALL_VOCAB, weight, 1.0, max_draft=2)
             for weight in (1.0, 0.5)}
     assert laws[1.0] == pytest.approx(exact_joint(target, None, PROMPT, 3, SMALL_VOCAB), abs=1e-6)
     for weight, other in ((1.0, 0.5), (0.5, 1.0)):
-        decoder = SpeculativeDecoder(target, method="static", weight=weight, num_draft=2,
+        decoder = SpeculativeDecoder(target, method="static", weight=weight, max_draft=2,
                                      drafter=constant_drafter(1))
         samples = samples_of(decoder, 3)
         assert chi_square_p_value(samples, laws[weight]) > P_VALUE_FLOOR
@@ -161,15 +161,15 @@ def test_static_tokens_only_follows_the_mixture_with_one_hot_drafts(small_pair):
     """Static w over greedy tokens-only drafts: the exact law of the rounds with q one-hot at the draft's argmax,
     which the same samples tell apart from the law with the draft's distributions."""
     target, draft = small_pair
-    weight, temperature, num_draft = 0.5, 0.8, 3
-    decoder = SpeculativeDecoder(target, draft, method="static", weight=weight, num_draft=num_draft,
+    weight, temperature, max_draft = 0.5, 0.8, 3
+    decoder = SpeculativeDecoder(target, draft, method="static", weight=weight, max_draft=max_draft,
                                  temperature=temperature, draft_mode="tokens")
     samples = samples_of(decoder, 3)
-    law = exact_speculative_joint(target, argmax_of(draft), PROMPT, 3, SMALL_VOCAB, weight, temperature, num_draft)
+    law = exact_speculative_joint(target, argmax_of(draft), PROMPT, 3, SMALL_VOCAB, weight, temperature, max_draft)
     assert abs(sum(law.values()) - 1) < 1e-6
     assert chi_square_p_value(samples, law) > P_VALUE_FLOOR
     with_distributions = exact_speculative_joint(target, draft, PROMPT, 3, SMALL_VOCAB, weight, temperature,
-                                                 num_draft)
+                                                 max_draft)
     assert chi_square_p_value(samples, with_distributions) < 1e-6
 
 
@@ -180,7 +180,7 @@ def test_static_tokens_only_accepts_more_than_sd_tokens_only(wide_pair):
     target, draft = wide_pair
     acceptance = {}
     for method, weight in (("sd", None), ("static", 0.5)):
-        decoder = SpeculativeDecoder(target, draft, method=method, weight=weight, num_draft=3, draft_mode="tokens")
+        decoder = SpeculativeDecoder(target, draft, method=method, weight=weight, max_draft=3, draft_mode="tokens")
         acceptance[method] = decoder.generate(PROMPTS * 4, max_new_tokens=32, seed=0).summary().acceptance_rate
     # A draft is kept with probability w p(x) + 1 - w against p(x) (acceptance counts the drafts after a rejection,
     # which are never tested, as drafted).
@@ -200,7 +200,7 @@ def test_the_drafter_sees_the_tokens_so_far_and_a_budget_that_fits(wide_pair):
         context.append(99)  # a copy: the request's tokens stay as they are
         return [3] * (k - 1)  # fewer than asked is allowed
 
-    output = SpeculativeDecoder(target, method="static", weight=0.3, num_draft=4, drafter=drafter).generate(
+    output = SpeculativeDecoder(target, method="static", weight=0.3, max_draft=4, drafter=drafter).generate(
         PROMPT, max_new_tokens=10, seed=1)
     generated = output.sequences[0].tolist()
     assert calls and 99 not in generated
@@ -213,7 +213,7 @@ def test_the_drafter_sees_the_tokens_so_far_and_a_budget_that_fits(wide_pair):
 
 def test_drafter_proposals_stop_after_an_eos(wide_pair):
     target, _ = wide_pair
-    output = SpeculativeDecoder(target, method="static", weight=0.0, num_draft=4,
+    output = SpeculativeDecoder(target, method="static", weight=0.0, max_draft=4,
                                 drafter=lambda context, k: [6, 2, 8, 8][:k]).generate(PROMPT, max_new_tokens=10,
                                                                                         eos_token_id=2, seed=0)
     assert output.rounds[0][0].draft_tokens == (6, 2)
@@ -233,14 +233,14 @@ def test_drafter_proposals_stop_after_an_eos(wide_pair):
 ])
 def test_a_bad_drafter_output_is_a_clear_error(wide_pair, returned, error, match):
     target, _ = wide_pair
-    decoder = SpeculativeDecoder(target, method="sd", num_draft=3, drafter=lambda context, k: returned)
+    decoder = SpeculativeDecoder(target, method="sd", max_draft=3, drafter=lambda context, k: returned)
     with pytest.raises(error, match=match):
         decoder.generate(PROMPT, max_new_tokens=8, seed=0)
 
 
 def test_a_drafter_may_return_a_tensor_or_a_tuple(wide_pair):
     target, _ = wide_pair
-    outputs = [SpeculativeDecoder(target, method="sd", num_draft=3, drafter=drafter).generate(
+    outputs = [SpeculativeDecoder(target, method="sd", max_draft=3, drafter=drafter).generate(
         PROMPTS, max_new_tokens=9, seed=5) for drafter in (constant_drafter(4), lambda context, k: (4,) * k,
                                                            lambda context, k: torch.full((k,), 4))]
     assert sequences(outputs[0]) == sequences(outputs[1]) == sequences(outputs[2])
@@ -281,7 +281,7 @@ def test_bad_draft_mode_names_the_argument(wide_pair, kwargs, match):
 ], ids=["static-tokens", "sd-sampled-tokens", "static-ngram"])
 def test_prompt_tokens_do_not_depend_on_batch_size_or_neighbours(wide_pair, kwargs):
     target, draft = wide_pair
-    decoder = SpeculativeDecoder(target, None if "drafter" in kwargs else draft, num_draft=3, **kwargs)
+    decoder = SpeculativeDecoder(target, None if "drafter" in kwargs else draft, max_draft=3, **kwargs)
     alone = assert_prompts_decode_as_alone(decoder, PROMPTS, seed=40, max_new_tokens=14, eos=(5, 9))
     # The same requests in reverse order, each with its own seed.
     reverse = decoder.generate(PROMPTS[::-1], max_new_tokens=14, eos_token_id=[5, 9], seed=[43, 42, 41, 40])
@@ -301,8 +301,8 @@ def test_diversed_with_tokens_only_drafts_still_feeds_its_head(wide_pair):
             seen.append(distributions)
             return torch.ones(draft_hidden.shape[:2])
 
-    diversed = SpeculativeDecoder(target, draft, method="diversed", head=Head(), num_draft=3, draft_mode="tokens")
-    sd = SpeculativeDecoder(target, draft, method="sd", num_draft=3, draft_mode="tokens")
+    diversed = SpeculativeDecoder(target, draft, method="diversed", head=Head(), max_draft=3, draft_mode="tokens")
+    sd = SpeculativeDecoder(target, draft, method="sd", max_draft=3, draft_mode="tokens")
     assert sequences(diversed.generate(PROMPTS, max_new_tokens=12, seed=2)) == sequences(
         sd.generate(PROMPTS, max_new_tokens=12, seed=2))
     assert seen and all(features.shape[-1] == 5 and torch.isfinite(features).all() for features in seen)

@@ -127,7 +127,7 @@ def test_evaluate_on_a_tiny_pair(pair, tmp_path):
     head = EnsembleHead(16, 16, init_weight=0.5)
     specs = harness.method_specs(["ar", "sd", "static", "diversed"], [0.0], head)
     results = harness.evaluate(TASKS["gsm8k"], gsm8k_examples(), target, draft, tokenizer, specs,
-                                   num_draft=3, max_new_tokens=8, seed=5, progress=False)
+                                   max_draft=3, max_new_tokens=8, seed=5, progress=False)
     by_label = {row.label: row for row in results}
     assert list(by_label) == ["ar", "sd", "static w=0", "diversed"]
     assert math.isnan(by_label["ar"].acceptance) and by_label["ar"].tokens_per_pass == 1.0
@@ -152,7 +152,7 @@ def test_build_trainer_trains_through_the_speculative_loop(pair, tmp_path):
     config = TrainerConfig(output_dir=str(tmp_path), steps=2, batch_size=2, learning_rate=0.05, warmup_steps=1,
                            acceptance_coef=1.0, checkpoint_every=1)
     trainer = recipes.build_trainer(TASKS["gsm8k"], gsm8k_examples(), target, draft, tokenizer, config,
-                                        max_new_tokens=6, num_draft=2)
+                                        max_new_tokens=6, max_draft=2)
     history = trainer.train(progress=False)
     assert len(history) == 2 and history[-1]["tokens"] > 0
     head = load_head(str(tmp_path / "head"), draft_hidden=16, target_hidden=16)
@@ -242,7 +242,7 @@ def test_shipped_head_loads_for_the_default_pair():
 def test_evaluate_batched_gives_the_same_results_per_prompt(pair):
     target, draft, tokenizer = pair
     specs = harness.method_specs(["ar", "static"], [0.5], None)
-    runs = [harness.evaluate(TASKS["gsm8k"], gsm8k_examples(), target, draft, tokenizer, specs, num_draft=3,
+    runs = [harness.evaluate(TASKS["gsm8k"], gsm8k_examples(), target, draft, tokenizer, specs, max_draft=3,
                              max_new_tokens=8, temperature=0.0, seed=5, progress=False, batch_size=batch_size)
             for batch_size in (1, 2)]
     for alone, batched in zip(*runs):

@@ -169,10 +169,10 @@ def test_other_models_fall_back_to_their_own_forward():
         assert not supports_fast_forward(model)
         with pytest.raises(ValueError, match="LlamaForCausalLM"):
             LlamaRunner(model)
-        decoder = SpeculativeDecoder(model, model, method="sd", num_draft=2)
+        decoder = SpeculativeDecoder(model, model, method="sd", max_draft=2)
         assert isinstance(decoder._target_runner, HFRunner)
         assert len(decoder.generate([1, 2, 3], max_new_tokens=5, seed=0).sequences[0]) == 5
-    decoder = SpeculativeDecoder(llama, llama, method="sd", num_draft=2, fast_forward=False)
+    decoder = SpeculativeDecoder(llama, llama, method="sd", max_draft=2, fast_forward=False)
     assert isinstance(decoder._target_runner, HFRunner)
     assert isinstance(SpeculativeDecoder(llama, llama, method="sd")._target_runner, LlamaRunner)
 
@@ -182,7 +182,7 @@ def test_decoder_output_is_the_same_with_either_forward(method, weight):
     target, draft = tiny_llama(8), tiny_llama(9)
     outputs = []
     for fast_forward in (False, True):
-        decoder = SpeculativeDecoder(target, draft, method=method, weight=weight, num_draft=3, temperature=0.0,
+        decoder = SpeculativeDecoder(target, draft, method=method, weight=weight, max_draft=3, temperature=0.0,
                                      fast_forward=fast_forward)
         outputs.append(decoder.generate([[1, 2, 3], [4, 5]], max_new_tokens=24, seed=0).sequences)
     for hf_tokens, fast_tokens in zip(*outputs):

@@ -153,7 +153,7 @@ def test_loop_gives_each_drafted_position_its_own_features(double_pair, inputs, 
     target, draft = double_pair
     features, use_hidden = HEAD_INPUTS[inputs]
     head = random_output(EnsembleHead(16, 16, hidden=8, features=features, use_hidden=use_hidden), 3).double()
-    decoder = SpeculativeDecoder(target, draft, method="diversed", head=head, num_draft=3, temperature=temperature)
+    decoder = SpeculativeDecoder(target, draft, method="diversed", head=head, max_draft=3, temperature=temperature)
     output = decoder.generate(PROMPTS, max_new_tokens=9, seed=4)
     checked = 0
     with torch.no_grad():

@@ -130,7 +130,7 @@ def test_greedy_sd_equals_greedy_ar_on_the_real_pair(default_pair):
     prompt = encode_prompt(tokenizer, SHORT_PROMPT)
     outputs = {}
     for method in ("ar", "sd"):
-        decoder = SpeculativeDecoder(target, draft, method=method, num_draft=3, temperature=0.0)
+        decoder = SpeculativeDecoder(target, draft, method=method, max_draft=3, temperature=0.0)
         outputs[method] = decoder.generate(prompt, max_new_tokens=GREEDY_TOKENS, seed=0)
     assert outputs["ar"].sequences[0].tolist() == outputs["sd"].sequences[0].tolist()
     assert len(outputs["ar"].sequences[0]) == GREEDY_TOKENS
@@ -183,7 +183,7 @@ def test_missing_package_error_gives_the_pip_command(monkeypatch):
 
 
 def test_cli_generate_on_the_default_pair(default_pair, capsys):
-    status = cli.main(["generate", "--prompt", "hi", "--max-new-tokens", "4", "--k", "2", "--seed", "1"])
+    status = cli.main(["generate", "--prompt", "hi", "--max-new-tokens", "4", "--max-draft", "2", "--seed", "1"])
     assert status == 0
     captured = capsys.readouterr()
     assert captured.out.strip(), "the continuation should be printed"

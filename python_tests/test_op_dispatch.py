@@ -140,3 +140,16 @@ def test_both_thread_layouts_match_the_reference(batch):
     reference = dx.verify_logits_reference(tokens, draft_logits, target_logits, 0.7, temperature=0.9,
                                            uniforms=uniforms)
     assert torch.equal(native.tokens, reference.tokens)
+
+
+def test_unchecked_arguments_that_need_converting_reach_the_op_once(problem):
+    """int32 ids and seeds, a [B] weight or a 0-d temperature are converted before the op, which then runs once: the
+    call never tries the op first and calls it again after its refusal."""
+    tokens, draft, target = problem
+    batch = tokens.shape[0]
+    weight, seeds = torch.full((batch,), 0.5), torch.arange(batch, dtype=torch.int32)
+    ops = dispatched(lambda: dx.verify(tokens.int(), draft, target, weight, seed=seeds, check_inputs=False))
+    assert ops.count("diversed.verify_probs") == 1, ops
+    ops = dispatched(lambda: dx.verify_logits(tokens.int(), draft.log(), target.log(), weight,
+                                              temperature=torch.tensor(0.7), seed=seeds, check_inputs=False))
+    assert ops.count("diversed.verify_logits") == 1, ops

@@ -7,7 +7,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import diversed_ext as dx
 from diversed_ext.ops import MIN_TEMPERATURE
-from diversed_ext.ops._inputs import normalize_seed
+from diversed_ext.ops._inputs import seed_tensor
 from helpers import on_device, poisoned_verify_inputs, random_logits, random_problem
 
 
@@ -76,7 +76,7 @@ class OpLog(TorchDispatchMode):
 def test_a_drawn_seed_is_made_on_its_device(device):
     torch.manual_seed(0)
     with OpLog() as log:
-        seeds, per_row = normalize_seed(None, 4, torch.device(device), check_inputs=False)
+        seeds, per_row = seed_tensor(None, 4, torch.device(device))
     assert seeds.device.type == device and not per_row and bool((seeds == seeds[0]).all())
     assert not any("copy" in op or "_to_copy" in op for op in log.ops), log.ops  # no host-to-device round trip
 
@@ -91,6 +91,6 @@ def test_the_loop_treats_an_underflowing_temperature_as_greedy(wide_pair, method
     from diversed_ext.decoding import SpeculativeDecoder
 
     target, draft = wide_pair
-    outputs = [SpeculativeDecoder(target, draft, method=method, weight=weight, num_draft=3, temperature=temperature)
+    outputs = [SpeculativeDecoder(target, draft, method=method, weight=weight, max_draft=3, temperature=temperature)
                .generate(PROMPT, max_new_tokens=12, seed=5).sequences[0].tolist() for temperature in (0.0, 1e-40)]
     assert outputs[0] == outputs[1]

@@ -67,7 +67,7 @@ def _loop_rates(pair, **decoder_args):
     from diversed_ext.models.pairs import load_pair
 
     models = load_pair(pair.target, pair.draft)
-    decoder = SpeculativeDecoder(models.target, models.draft, num_draft=NUM_DRAFT, temperature=1.0,
+    decoder = SpeculativeDecoder(models.target, models.draft, max_draft=NUM_DRAFT, temperature=1.0,
                                  draft_mode="tokens", **decoder_args)
     prompts = [encode_prompt(models.tokenizer, prompt) for prompt in PROMPTS]
     output = decoder.generate(prompts, max_new_tokens=LOOP_TOKENS, eos_token_id=eos_ids(models.tokenizer,

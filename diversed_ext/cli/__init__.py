@@ -89,7 +89,7 @@ def _run_generate(args) -> int:
     target, draft, tokenizer = common.load_models(args.target, args.draft)
     head = _load_head(args.head, target, draft) if args.head else None
     decoder = SpeculativeDecoder(target, draft, method=args.method, weight=args.weight, head=head,
-                                 num_draft=args.k, temperature=args.temperature)
+                                 max_draft=args.max_draft, temperature=args.temperature)
     prompt = encode_prompt(tokenizer, args.prompt, chat=not args.no_chat_template)
     output = decoder.generate(prompt, max_new_tokens=args.max_new_tokens, eos_token_id=eos_ids(tokenizer, target),
                               seed=args.seed, progress=args.max_new_tokens >= 32)
@@ -110,10 +110,10 @@ def _run_demo(args) -> int:
     default_pair = args.target is None and args.draft is None
     specs = demo_methods(args.weights, head=_load_head("default", target, draft) if default_pair else None)
     wall = {}
-    generations = run_demo(target, draft, prompts, specs, num_draft=args.k, max_new_tokens=args.max_new_tokens,
+    generations = run_demo(target, draft, prompts, specs, max_draft=args.max_draft, max_new_tokens=args.max_new_tokens,
                            temperature=args.temperature, seed=args.seed, eos_token_id=eos_ids(tokenizer, target),
                            batch_size=args.batch_size, wall_seconds=wall)
-    print(f"{len(prompts)} prompts, up to {args.max_new_tokens} new tokens, K = {args.k}, batch size "
+    print(f"{len(prompts)} prompts, up to {args.max_new_tokens} new tokens, K = {args.max_draft}, batch size "
           f"{args.batch_size}, temperature {args.temperature:g}, torch threads {torch.get_num_threads()}")
     print(format_table([(label, throughput_summary(generations[label], wall[label])) for label, _ in specs]))
     sample = generations["sd"][0].tokens.tolist()

@@ -179,7 +179,7 @@ def _run_train(args) -> int:
     # Under torchrun every rank joins the job here; train() releases DDP before the group is destroyed.
     with distributed_session():
         trainer = build_trainer(task, examples, target, draft, tokenizer, config, head_hidden=args.head_hidden,
-                                init_weight=args.init_weight, head_inputs=args.head_inputs, num_draft=args.k,
+                                init_weight=args.init_weight, head_inputs=args.head_inputs, max_draft=args.max_draft,
                                 max_new_tokens=args.max_new_tokens, rollout=args.rollout, eos_token_id=eos,
                                 pair=None if args.target else DEFAULT_PAIR, chat=not args.no_chat_template)
         try:
@@ -199,7 +199,7 @@ def _evaluate(args, setup, specs):
     from ..research.harness import evaluate
 
     task, examples, target, draft, tokenizer, eos = setup
-    return evaluate(task, examples, target, draft, tokenizer, specs, num_draft=args.k,
+    return evaluate(task, examples, target, draft, tokenizer, specs, max_draft=args.max_draft,
                     max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
                     eos_token_id=eos, chat=not args.no_chat_template, batch_size=args.batch_size)
 
@@ -211,7 +211,7 @@ def _evaluate_and_print(args, specs_for, comparisons_for) -> int:
     setup = _experiment_setup(args)
     task, examples, target, draft = setup[:4]
     results = _evaluate(args, setup, specs_for(target, draft))
-    print(f"{task.name}: {len(examples)} prompts, up to {args.max_new_tokens} new tokens, K = {args.k}, "
+    print(f"{task.name}: {len(examples)} prompts, up to {args.max_new_tokens} new tokens, K = {args.max_draft}, "
           f"temperature {args.temperature:g}, seeds {args.seed}..{args.seed + len(examples) - 1}\n")
     print(markdown_table(results, task.metric))
     comparisons = comparisons_for(results)
@@ -269,7 +269,7 @@ def _run_validate(args) -> int:
             raise UsageError(f"--tokens {args.tokens}: {error}") from None
     else:
         prompts = encode_examples(task, examples, tokenizer, not args.no_chat_template)
-        tokens = sample_validation_tokens(target, draft, prompts, weight=args.weight, num_draft=args.k,
+        tokens = sample_validation_tokens(target, draft, prompts, weight=args.weight, max_draft=args.max_draft,
                                           max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                           seed=args.seed, eos_token_id=eos, batch_size=args.batch_size)
         if args.tokens:

@@ -6,7 +6,7 @@ flight; ``stats`` what a run measured; ``runners`` how a model is run (its own f
 EOS ids; ``checks`` the argument checks. Uses only the floors below it (``forward``, ``ops``).
 """
 
-from .checks import DRAFT_MODES, METHODS
+from .checks import DRAFT_MODES, METHODS, renamed_max_draft
 from .drafters import NgramDrafter
 from .loop import SpeculativeDecoder
 from .prompts import encode_prompt, eos_ids

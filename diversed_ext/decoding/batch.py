@@ -22,16 +22,40 @@ hidden states and logits still feed a head); a callable drafter is called once p
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
 
 from ..head import distribution_features, wants_distributions
 from ..ops import is_greedy_temperature, philox_uniforms, verify_logits
-from .checks import check_drafted
-from .runners import crop_cache
+from .checks import DrafterLike, HeadLike, check_drafted
+from .runners import RowRunner, crop_cache
 from .state import DecodingState, commit_tokens
 from .stats import RoundStats
+
+
+@dataclass(frozen=True)
+class RoundConfig:
+    """What one round needs of its decoder (SpeculativeDecoder.round_config builds it), so a round reads explicit
+    arguments, not the decoder's private fields."""
+
+    max_draft: int  # K: the most tokens a row drafts this round
+    temperature: float
+    draft_mode: str  # "distributions", "tokens" or "sampled_tokens": what the verifier sees of the drafts
+    weight: float  # the static weight on the target (1 for sd; a head, when there is one, weighs each draft)
+    head: Optional[HeadLike]
+    drafter: Optional[DrafterLike]  # a callable drafter in place of the draft model
+    vocab_size: Optional[int]  # the target's, for checking a drafter's ids
+    check_inputs: bool  # the verifier's
+    device: torch.device  # the target's: drafts, logits and weights meet there
+    clock: Callable[[], float]  # seconds, synchronised with the device when the decoder times for real
+    target_runner: RowRunner
+    draft_runner: Optional[RowRunner]  # None without a draft model
+
+    @property
+    def proposes(self) -> bool:
+        """Whether anything drafts (a draft model or a drafter); without, a round is one target step (``ar``)."""
+        return self.draft_runner is not None or self.drafter is not None
 
 
 @dataclass
@@ -80,26 +104,25 @@ def _padded(rows: torch.Tensor, slots: list[int], shape: tuple[int, ...], fill: 
     return out.view(shape)
 
 
-def run_round(decoder, states: list[DecodingState]) -> list[RoundStats]:
+def run_round(config: RoundConfig, states: list[DecodingState]) -> list[RoundStats]:
     """One round for every state (none finished); returns each row's statistics, the round's times shared."""
-    clock = decoder._clock
+    clock = config.clock
     round_start = clock()
     remaining = [state.remaining for state in states]
-    proposes = decoder.draft is not None or decoder.drafter is not None
-    budgets = [min(decoder.num_draft, left - 1) if proposes else 0 for left in remaining]
-    run_draft = _run_draft if decoder.drafter is None else _call_drafter
-    drafts = run_draft(decoder, states, budgets)
+    budgets = [min(config.max_draft, left - 1) if config.proposes else 0 for left in remaining]
+    run_draft = _run_draft if config.drafter is None else _call_drafter
+    drafts = run_draft(config, states, budgets)
     drafted = [len(tokens) for tokens in drafts.tokens]
 
     target_start = clock()
-    target_logits, target_hidden = _run_target(decoder, states, drafts.tokens)
+    target_logits, target_hidden = _run_target(config, states, drafts.tokens)
     target_end = clock()
-    keep_draft = decoder.draft_mode == "distributions" or (decoder.head is not None
-                                                          and wants_distributions(decoder.head))
+    keep_draft = config.draft_mode == "distributions" or (config.head is not None
+                                                         and wants_distributions(config.head))
     draft_logits, target_logits = _shared_vocab_logits(drafts, target_logits, keep_draft)
-    weight = _weights(decoder, drafts, target_hidden, draft_logits, target_logits)
+    weight = _weights(config, drafts, target_hidden, draft_logits, target_logits)
     head_end = clock()
-    result = _verify(decoder, states, drafts, draft_logits, target_logits, weight)
+    result = _verify(config, states, drafts, draft_logits, target_logits, weight)
     verify_end = clock()
 
     accepted = result.num_accepted.tolist()
@@ -124,10 +147,10 @@ def run_round(decoder, states: list[DecodingState]) -> list[RoundStats]:
     return all_stats
 
 
-def _run_draft(decoder, states: list[DecodingState], budgets: list[int]) -> _Drafts:
+def _run_draft(config: RoundConfig, states: list[DecodingState], budgets: list[int]) -> _Drafts:
     """Up to ``budgets[r]`` drafts for row r, one batched draft pass per position over the rows still drafting."""
     drafts = _Drafts(tokens=[[] for _ in states], logits=[], slots=[], hidden=[], seconds=0.0)
-    want_hidden = decoder.head is not None
+    want_hidden = config.head is not None
     active = [row for row, budget in enumerate(budgets) if budget > 0]
     position = 0
     while active:
@@ -135,24 +158,24 @@ def _run_draft(decoder, states: list[DecodingState], budgets: list[int]) -> _Dra
         # passes read its previous draft.
         feeds = [drafts.tokens[row][-1:] if position else states[row].tokens[states[row].draft_cached:]
                  for row in active]
-        start = decoder._clock()
-        logits, hidden, caches = decoder._draft_runner.run_rows(
+        start = config.clock()
+        logits, hidden, caches = config.draft_runner.run_rows(
             feeds, [states[row].draft_cache for row in active], [1] * len(active), want_hidden)
-        drafts.seconds += decoder._clock() - start
+        drafts.seconds += config.clock() - start
         for row, feed, cache in zip(active, feeds, caches):
             states[row].draft_cache = cache
             states[row].draft_cached += len(feed)
-        logits = logits.to(decoder.device)
+        logits = logits.to(config.device)
         # A draft verified on its tokens alone proposes its argmax by default, as vLLM's draft models do: x is kept
         # with probability w p(x) + 1 - w, so the draft's best guess at the target's likeliest token is the proposal
         # kept most often. A sampled proposal ("sampled_tokens") is as valid (tokens follow nu for whatever x is
         # proposed), only kept less often.
-        temperature = 0.0 if decoder.draft_mode == "tokens" else decoder.temperature
+        temperature = 0.0 if config.draft_mode == "tokens" else config.temperature
         new_tokens = sample_drafts(logits, temperature, [states[row].generator for row in active])
         drafts.logits.append(logits)
         drafts.slots += [(row, position) for row in active]
         if want_hidden:
-            drafts.hidden.append(hidden.to(decoder.device))
+            drafts.hidden.append(hidden.to(config.device))
         for row, token in zip(active, new_tokens):
             drafts.tokens[row].append(token)
         position += 1
@@ -162,29 +185,29 @@ def _run_draft(decoder, states: list[DecodingState], budgets: list[int]) -> _Dra
     return drafts
 
 
-def _call_drafter(decoder, states: list[DecodingState], budgets: list[int]) -> _Drafts:
+def _call_drafter(config: RoundConfig, states: list[DecodingState], budgets: list[int]) -> _Drafts:
     """Up to ``budgets[r]`` drafts for row r from the callable drafter (tokens only: no logits, no hidden states),
     cut after an EOS draft as a draft model's are."""
     drafts = _Drafts(tokens=[[] for _ in states], logits=[], slots=[], hidden=[], seconds=0.0)
-    start = decoder._clock()
+    start = config.clock()
     for row, (state, budget) in enumerate(zip(states, budgets)):
         if budget <= 0:
             continue
-        proposed = check_drafted(decoder.drafter(list(state.tokens), budget), budget, decoder.vocab_size)
+        proposed = check_drafted(config.drafter(list(state.tokens), budget), budget, config.vocab_size)
         ends = [position for position, token in enumerate(proposed) if token in state.eos_token_ids]
         drafts.tokens[row] = proposed[:ends[0] + 1] if ends else proposed
-    drafts.seconds = decoder._clock() - start
+    drafts.seconds = config.clock() - start
     return drafts
 
 
-def _run_target(decoder, states: list[DecodingState], draft_tokens: list[list[int]]):
+def _run_target(config: RoundConfig, states: list[DecodingState], draft_tokens: list[list[int]]):
     """One target pass over every row's unseen tokens and drafts: logits [B, K + 1, V] padded past each row's
     k_r + 1 positions, and, for the head, the last hidden states [N, Ht] at the positions that predicted each draft
     (N drafts over all rows, row by row)."""
     feeds = [state.tokens[state.target_cached:] + tokens for state, tokens in zip(states, draft_tokens)]
     num_logits = [len(tokens) + 1 for tokens in draft_tokens]
-    want_hidden = decoder.head is not None and any(draft_tokens)
-    logits, hidden, caches = decoder._target_runner.run_rows(
+    want_hidden = config.head is not None and any(draft_tokens)
+    logits, hidden, caches = config.target_runner.run_rows(
         feeds, [state.target_cache for state in states], num_logits, want_hidden)
     for state, feed, cache in zip(states, feeds, caches):
         state.target_cache = cache
@@ -223,23 +246,23 @@ def _shared_vocab_logits(drafts: _Drafts, target_logits: torch.Tensor,
     return draft_logits, target_logits
 
 
-def _weights(decoder, drafts: _Drafts, target_hidden, draft_logits: torch.Tensor,
+def _weights(config: RoundConfig, drafts: _Drafts, target_hidden, draft_logits: torch.Tensor,
              target_logits: torch.Tensor) -> Union[float, torch.Tensor]:
     """The static weight, or the head's weight for every drafted token, padded to [B, K] with 1. ``draft_logits``
     [B, K, V] and ``target_logits`` [B, K + 1, V] come from :func:`_shared_vocab_logits`."""
-    if decoder.head is None or not drafts.slots:
-        return decoder.weight
+    if config.head is None or not drafts.slots:
+        return config.weight
     slots = drafts.flat_slots()
     # Draft passes go position by position, the head row by row.
     order = sorted(range(len(slots)), key=slots.__getitem__)
     head_slots = sorted(slots)  # the drafted positions in the head's row-by-row order, in the [B, K] layout
     distributions = None
-    if wants_distributions(decoder.head):
+    if wants_distributions(config.head):
         # The target's logits are K + 1 wide per row, so (row, position) has another flat index there.
         target_rows = [row * target_logits.shape[1] + position for row, position in sorted(drafts.slots)]
         distributions = distribution_features(draft_logits.flatten(0, 1)[head_slots],
-                                              target_logits.flatten(0, 1)[target_rows], decoder.temperature)
-    weight = head_weights(decoder.head, torch.cat(drafts.hidden)[order], target_hidden, decoder.device, distributions)
+                                              target_logits.flatten(0, 1)[target_rows], config.temperature)
+    weight = head_weights(config.head, torch.cat(drafts.hidden)[order], target_hidden, config.device, distributions)
     return _padded(weight.reshape(-1), head_slots, (len(drafts.tokens), drafts.width), fill=1.0)
 
 
@@ -257,20 +280,20 @@ def head_weights(head, draft_hidden: torch.Tensor, target_hidden: torch.Tensor, 
     return weight.reshape(1, num_drafted)
 
 
-def _verify(decoder, states: list[DecodingState], drafts: _Drafts, draft_logits: Optional[torch.Tensor],
+def _verify(config: RoundConfig, states: list[DecodingState], drafts: _Drafts, draft_logits: Optional[torch.Tensor],
             target_logits: torch.Tensor, weight):
     """One verify call for the whole batch, straight from both models' logits (no [B, K, V] probabilities), or from
     the drafted tokens and the target's logits when the verifier goes without the draft's distributions."""
     rows, width = len(states), target_logits.shape[1] - 1
-    if decoder.draft_mode != "distributions":
+    if config.draft_mode != "distributions":
         draft_logits = None
     device = target_logits.device
     draft_tokens = torch.tensor([tokens + [0] * (width - len(tokens)) for tokens in drafts.tokens],
                                 dtype=torch.int64, device=device).reshape(rows, width)
     num_draft = torch.tensor([len(tokens) for tokens in drafts.tokens], dtype=torch.int64, device=device)
-    return verify_logits(draft_tokens, draft_logits, target_logits, weight, temperature=decoder.temperature,
+    return verify_logits(draft_tokens, draft_logits, target_logits, weight, temperature=config.temperature,
                          num_draft=num_draft, uniforms=row_uniforms(states, num_draft, width, device),
-                         check_inputs=decoder.check_inputs)
+                         check_inputs=config.check_inputs)
 
 
 def row_uniforms(states: list[DecodingState], num_draft: torch.Tensor, width: int, device) -> torch.Tensor:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from numbers import Integral, Real
 from typing import Callable, Optional, Sequence, Union
 
@@ -97,12 +98,24 @@ def check_drafted(tokens, k: int, vocab: Optional[int]) -> list[int]:
     return [int(token) for token in tokens]
 
 
-def check_num_draft(num_draft) -> int:
-    if isinstance(num_draft, bool) or not isinstance(num_draft, Integral):
-        raise TypeError(f"num_draft must be an int >= 1, got {type(num_draft).__name__}")
-    if num_draft < 1:
-        raise ValueError(f"num_draft (K) must be >= 1, got {num_draft}")
-    return int(num_draft)
+def check_max_draft(max_draft, name: str = "max_draft") -> int:
+    """The most tokens drafted per round (K), an int >= 1; ``name`` is the spelling the caller used."""
+    if isinstance(max_draft, bool) or not isinstance(max_draft, Integral):
+        raise TypeError(f"{name} must be an int >= 1, got {type(max_draft).__name__}")
+    if max_draft < 1:
+        raise ValueError(f"{name} (K) must be >= 1, got {max_draft}")
+    return int(max_draft)
+
+
+def renamed_max_draft(max_draft, num_draft, caller: str):
+    """``max_draft``, or the value passed under its old name ``num_draft`` (with a DeprecationWarning), for a caller
+    that still takes the old keyword. The old name also meant the verifier's [B] tensor of each row's drafts, hence
+    the rename."""
+    if num_draft is None:
+        return max_draft
+    warnings.warn(f"{caller}(num_draft=...) is deprecated; use max_draft=... (the most tokens drafted per round)",
+                  DeprecationWarning, stacklevel=3)
+    return num_draft
 
 
 def check_temperature(temperature) -> float:

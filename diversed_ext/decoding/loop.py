@@ -30,6 +30,7 @@ rounding.
 from __future__ import annotations
 
 import time
+import warnings
 from collections import deque
 from typing import Optional
 
@@ -37,10 +38,10 @@ import torch
 from tqdm.auto import tqdm
 
 from ..ops import SEED_RANGE
-from .batch import run_round
+from .batch import RoundConfig, run_round
 from .checks import (DrafterLike, HeadLike, PromptLike, check_batch_size, check_draft_mode, check_head,
-                     check_max_new_tokens, check_method, check_num_draft, check_prompt, check_seed, check_temperature,
-                     check_weight)
+                     check_max_draft, check_max_new_tokens, check_method, check_prompt, check_seed, check_temperature,
+                     check_weight, renamed_max_draft)
 from .prompts import normalise_eos, split_prompts
 from .runners import Clock, make_runner, model_device
 from .state import DecodingState
@@ -61,8 +62,9 @@ class SpeculativeDecoder:
             the models' last hidden states (the input of the LM head) at the positions that predicted each draft,
             taken from the forward passes the loop already runs. A head whose ``wants_distributions`` is true also
             gets, third, the :func:`~diversed_ext.head.distribution_features` [1, k, 5] of those positions.
-        num_draft: K, the most tokens drafted per round (>= 1). Fewer are drafted when fewer tokens are left, and the
-            draft stops early after proposing an EOS token.
+        max_draft: K, the most tokens drafted per round (>= 1). Fewer are drafted when fewer tokens are left, and the
+            draft stops early after proposing an EOS token. (Once called ``num_draft``, which still works with a
+            DeprecationWarning: that name is the verifier's [B] tensor of each row's drafts.)
         temperature: >= 0; both models' logits are divided by it before the softmax. 0 is greedy decoding: drafts are
             the draft's argmax and a draft is kept while it is the argmax of nu = w p + (1 - w) q, with p and q taken
             at temperature 1.
@@ -90,13 +92,15 @@ class SpeculativeDecoder:
     """
 
     def __init__(self, target: torch.nn.Module, draft: Optional[torch.nn.Module] = None, *, method: str = "sd",
-                 weight: Optional[float] = None, head: Optional[HeadLike] = None, num_draft: int = 4,
+                 weight: Optional[float] = None, head: Optional[HeadLike] = None, max_draft: int = 4,
                  temperature: float = 1.0, draft_mode: Optional[str] = None, drafter: Optional[DrafterLike] = None,
-                 check_inputs: bool = False, synchronize_timing: bool = True, fast_forward: bool = True):
+                 check_inputs: bool = False, synchronize_timing: bool = True, fast_forward: bool = True,
+                 num_draft: Optional[int] = None):
         self.method = check_method(method)
         self.weight = check_weight(method, weight)
         self.head = check_head(method, head)
-        self.num_draft = check_num_draft(num_draft)
+        self.max_draft = check_max_draft(renamed_max_draft(max_draft, num_draft, "SpeculativeDecoder"),
+                                         "max_draft" if num_draft is None else "num_draft")
         self.temperature = check_temperature(temperature)
         self.draft_mode = check_draft_mode(method, draft_mode, drafter)
         if target is None:
@@ -117,6 +121,20 @@ class SpeculativeDecoder:
         self._target_runner = make_runner(target, self.device, fast_forward)
         self._draft_runner = (make_runner(self.draft, self.draft_device, fast_forward) if self.draft is not None
                               else None)
+
+    @property
+    def num_draft(self) -> int:
+        """Deprecated name of :attr:`max_draft`."""
+        warnings.warn("SpeculativeDecoder.num_draft is deprecated; use max_draft", DeprecationWarning, stacklevel=2)
+        return self.max_draft
+
+    def round_config(self) -> RoundConfig:
+        """What a decoding round needs of this decoder, read when the round starts (so a changed attribute, say
+        the temperature, takes effect at the next round)."""
+        return RoundConfig(max_draft=self.max_draft, temperature=self.temperature, draft_mode=self.draft_mode,
+                           weight=self.weight, head=self.head, drafter=self.drafter, vocab_size=self.vocab_size,
+                           check_inputs=self.check_inputs, device=self.device, clock=self._clock,
+                           target_runner=self._target_runner, draft_runner=self._draft_runner)
 
     # ---- public API ------------------------------------------------------------------------------------------------
 
@@ -213,7 +231,7 @@ class SpeculativeDecoder:
                 raise RuntimeError(f"this generation has finished ({state.finish_reason}); start a new one")
         if len({id(state) for state in states}) != len(states):
             raise ValueError("step_batch: a state appears twice in the batch")
-        return run_round(self, states) if states else []
+        return run_round(self.round_config(), states) if states else []
 
     def finish(self, state: DecodingState) -> Generation:
         """The :class:`Generation` of a state (its new tokens and statistics)."""

@@ -10,10 +10,18 @@ from __future__ import annotations
 
 import inspect
 import time
+from typing import Protocol
 
 import torch
 
 from ..forward import LlamaRunner, supports_fast_forward
+
+
+class RowRunner(Protocol):
+    """What a decoding round calls on a model (HFRunner, LlamaRunner): rows of new tokens, each with its own cache,
+    in; logits of each row's last ``num_logits`` positions (and last hidden states when asked) and the caches out."""
+
+    def run_rows(self, feeds: list[list[int]], caches: list, num_logits: list[int], want_hidden: bool): ...
 
 
 class Clock:

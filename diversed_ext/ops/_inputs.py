@@ -24,29 +24,25 @@ WeightLike = Union[float, torch.Tensor]
 SeedLike = Union[int, torch.Tensor, None]
 
 
-@dataclass(slots=True)  # slots: a faster constructor, on the path of every call
+@dataclass(slots=True)
 class VerifyArgs:
-    """Arguments in the exact layout the ``diversed::verify_*`` ops expect. Defaults stay scalars or None, so that a
-    call with default arguments creates no tensor before the op; :meth:`materialized` spells them out as tensors."""
+    """The positional arguments of ``diversed::verify_probs``, named, in its order (what :func:`prepare_verify`
+    returns as a plain tuple; verify_logits takes its temperatures in place of greedy and its temperature_value before
+    the seed). Defaults stay scalars or None, so that a call with default arguments creates no tensor before the op;
+    :meth:`materialized` spells them out as tensors."""
 
     draft_tokens: torch.Tensor  # int64 [B, K]
     draft: Optional[torch.Tensor]  # [B, K, V] probabilities or logits, contiguous; None: the draft gave tokens only
     target: torch.Tensor  # [B, K+1, V], same dtype
     weight: Optional[torch.Tensor]  # float32 [B, K], or None: weight_value everywhere
-    weight_value: float
     num_draft: Optional[torch.Tensor]  # int64 [B], or None: K everywhere
     greedy: Optional[torch.Tensor]  # bool [B], or None: no greedy row
     uniforms: Optional[torch.Tensor]  # float64 [B, K+1] or None (then Philox with the seeds)
     seeds: Optional[torch.Tensor]  # int64 [B], or None: the shared `seed`
-    seed: Optional[int]  # a shared seed; None with seeds and uniforms None: the op draws one on the device
     offset: int
     per_row_seed: bool
-
-    def op_arguments(self) -> tuple:
-        """Positional arguments of ``diversed::verify_probs`` (verify_logits takes its temperatures in place of
-        greedy and its temperature_value before the seed)."""
-        return (self.draft_tokens, self.draft, self.target, self.weight, self.num_draft, self.greedy, self.uniforms,
-                self.seeds, self.offset, self.per_row_seed, self.weight_value, self.seed)
+    weight_value: float
+    seed: Optional[int]  # a shared seed; None with seeds and uniforms None: the op draws one on the device
 
     def materialized(self) -> "VerifyArgs":
         """The same arguments with every default as a tensor (weight [B, K], num_draft, greedy, and seeds [B] unless
@@ -63,9 +59,9 @@ class VerifyArgs:
         greedy = self.greedy if self.greedy is not None else torch.zeros(batch, dtype=torch.bool, device=device)
         seeds = self.seeds
         if seeds is None and self.uniforms is None:
-            seeds, _ = normalize_seed(self.seed, batch, device, check_inputs=False)
-        return VerifyArgs(self.draft_tokens, self.draft, self.target, weight, self.weight_value, num_draft, greedy,
-                          self.uniforms, seeds, self.seed, self.offset, self.per_row_seed)
+            seeds, _ = seed_tensor(self.seed, batch, device)
+        return VerifyArgs(self.draft_tokens, self.draft, self.target, weight, num_draft, greedy, self.uniforms, seeds,
+                          self.offset, self.per_row_seed, self.weight_value, self.seed)
 
 
 def require_tensor(value, name: str) -> torch.Tensor:
@@ -106,12 +102,11 @@ def check_target_only(target: torch.Tensor, target_name: str, kind: str) -> tupl
     return batch, target_positions - 1, vocab
 
 
-def check_distributions(draft: Optional[torch.Tensor], target: torch.Tensor, draft_name: str, target_name: str,
-                        kind: str) -> tuple[int, int, int]:
-    """Types, ranks, dtypes, devices and B/K/V agreement of the draft and target tensors; returns (B, K, V). A draft
-    of None (tokens only) leaves the target alone to check."""
-    if draft is None:
-        return check_target_only(target, target_name, kind)
+def check_pair_layout(draft: torch.Tensor, target: torch.Tensor, draft_name: str, target_name: str,
+                      kind: str) -> tuple[int, int, int, int]:
+    """Types, ranks, dtypes, devices and B/V agreement of a draft and a target tensor; returns (B, K, V, the
+    target's positions). How many positions the target must have is the caller's rule: K + 1 for verify, K or at
+    least K for token_stats and mix."""
     # Every check is a cheap test first and the helper that words the error only when it fails: this runs on every
     # call, and each Python call or .shape read costs a fraction of a microsecond.
     if not (isinstance(draft, torch.Tensor) and isinstance(target, torch.Tensor)):
@@ -135,37 +130,60 @@ def check_distributions(draft: Optional[torch.Tensor], target: torch.Tensor, dra
         raise ValueError(f"vocabulary size V must be positive, got {draft_name} shape {tuple(draft.shape)}")
     if target_batch != batch:
         raise ValueError(f"{target_name} has batch size {target_batch} but {draft_name} has {batch}")
+    if target_vocab != vocab:
+        raise ValueError(f"{target_name} has vocabulary size {target_vocab} but {draft_name} has {vocab}")
+    return batch, num_positions, vocab, target_positions
+
+
+def check_distributions(draft: Optional[torch.Tensor], target: torch.Tensor, draft_name: str, target_name: str,
+                        kind: str) -> tuple[int, int, int]:
+    """verify's draft [B, K, V] and target [B, K+1, V] (check_pair_layout, then K + 1 target positions); returns
+    (B, K, V). A draft of None (tokens only) leaves the target alone to check."""
+    if draft is None:
+        return check_target_only(target, target_name, kind)
+    batch, num_positions, vocab, target_positions = check_pair_layout(draft, target, draft_name, target_name, kind)
     if target_positions != num_positions + 1:
         raise ValueError(f"{target_name} must have K+1 = {num_positions + 1} positions (K from {draft_name}), "
                          f"got {target_positions}")
-    if target_vocab != vocab:
-        raise ValueError(f"{target_name} has vocabulary size {target_vocab} but {draft_name} has {vocab}")
     return batch, num_positions, vocab
 
 
-def _scalar_weight(weight: Real) -> float:
+def scalar_weight(weight) -> float:
+    """The rule of a weight given as a number: a float (or another real, not a bool) in [0, 1]."""
+    if type(weight) is float and 0.0 <= weight <= 1.0:  # the common case: one type test, one range test
+        return weight
+    if isinstance(weight, bool) or not isinstance(weight, Real):
+        raise TypeError(f"weight must be a float or a tensor of shape [B] or [B, K], got {type(weight).__name__}")
     value = float(weight)
-    if not 0.0 <= value <= 1.0:
+    if not 0.0 <= value <= 1.0:  # also refuses NaN
         raise ValueError(f"weight must lie in [0, 1], got {value}")
     return value
 
 
-def _check_weight_type(weight) -> None:
-    if type(weight) is float:  # the common case, without the slower isinstance against the abstract Real
-        return
-    if isinstance(weight, bool) or not isinstance(weight, (Real, torch.Tensor)):
-        raise TypeError(f"weight must be a float or a tensor of shape [B] or [B, K], got {type(weight).__name__}")
-
-
-def normalize_weight(weight: WeightLike, batch: int, num_positions: int, device: torch.device,
-                     check_inputs: bool) -> torch.Tensor:
-    """A float, [B] or [B, K] weight on the target, as contiguous float32 [B, K]."""
-    _check_weight_type(weight)
+def weight_argument(weight: WeightLike, batch: int, num_positions: int, device: torch.device,
+                    check_inputs: bool) -> tuple[Optional[torch.Tensor], float]:
+    """The weight rule, for every caller: the op's (weight, weight_value). A number stays a scalar (scalar_weight, no
+    tensor made); a 0-d, [B] or [B, K] floating-point tensor becomes float32 [B, K], untouched when it already is one
+    (contiguous). Its values are read only with ``check_inputs``."""
     if not isinstance(weight, torch.Tensor):
-        return torch.full((batch, num_positions), _scalar_weight(weight), dtype=torch.float32, device=device)
+        return None, scalar_weight(weight)
+    if not (weight.dtype == torch.float32 and weight.shape == (batch, num_positions) and weight.is_contiguous()):
+        weight = _weight_as_op_layout(weight, batch, num_positions)
+    if weight.device != device:
+        require_device(weight, device, "weight")
+    if check_inputs and weight.numel() > 0:
+        if bool(torch.isnan(weight).any()):
+            raise ValueError("weight contains NaN")
+        low, high = float(weight.min()), float(weight.max())
+        if low < 0.0 or high > 1.0:
+            raise ValueError(f"weight must lie in [0, 1], got values in [{low}, {high}]")
+    return weight, 1.0
+
+
+def _weight_as_op_layout(weight: torch.Tensor, batch: int, num_positions: int) -> torch.Tensor:
+    """A 0-d, [B] or [B, K] floating-point weight tensor as contiguous float32 [B, K]."""
     if not weight.is_floating_point():
         raise TypeError(f"weight must be a floating-point tensor, got dtype {weight.dtype}")
-    require_device(weight, device, "weight")
     if weight.dim() == 0:
         weight = weight.reshape(1, 1)
     elif weight.dim() == 1:
@@ -177,30 +195,25 @@ def normalize_weight(weight: WeightLike, batch: int, num_positions: int, device:
             raise ValueError(f"weight of shape [B, K] must be [{batch}, {num_positions}], got {tuple(weight.shape)}")
     else:
         raise ValueError(f"weight must be a float or a tensor of shape [B] or [B, K], got shape {tuple(weight.shape)}")
-    weight = weight.to(torch.float32).expand(batch, num_positions).contiguous()
-    if check_inputs and weight.numel() > 0:
-        if bool(torch.isnan(weight).any()):
-            raise ValueError("weight contains NaN")
-        low, high = float(weight.min()), float(weight.max())
-        if low < 0.0 or high > 1.0:
-            raise ValueError(f"weight must lie in [0, 1], got values in [{low}, {high}]")
-    return weight
+    return weight.to(torch.float32).expand(batch, num_positions).contiguous()
 
 
-def weight_argument(weight: WeightLike, batch: int, num_positions: int, device: torch.device,
-                    check_inputs: bool) -> tuple[Optional[torch.Tensor], float]:
-    """The op's (weight, weight_value): a float stays a scalar (checked here, no tensor made); a tensor becomes
-    float32 [B, K]."""
-    _check_weight_type(weight)
-    if not isinstance(weight, torch.Tensor):
-        return None, _scalar_weight(weight)
-    return normalize_weight(weight, batch, num_positions, device, check_inputs), 1.0
+def weight_tensor(weight: WeightLike, batch: int, num_positions: int, device: torch.device,
+                  check_inputs: bool) -> torch.Tensor:
+    """The weight as float32 [B, K] even when it is a float (mix and the references work on tensors); the rule is
+    weight_argument's."""
+    weight_t, weight_value = weight_argument(weight, batch, num_positions, device, check_inputs)
+    if weight_t is None:
+        weight_t = torch.full((batch, num_positions), weight_value, dtype=torch.float32, device=device)
+    return weight_t
 
 
-def normalize_tokens(draft_tokens, batch: int, num_positions: int, device: torch.device,
-                     shape_source: str = "the draft") -> torch.Tensor:
-    """int64 [B, K] drafted ids; B and K come from ``shape_source`` (the draft tensor, or the target's K+1 rows)."""
-    require_tensor(draft_tokens, "draft_tokens")
+def normalize_tokens(draft_tokens, batch: int, num_positions: int, device: torch.device, draft_name: Optional[str],
+                     target_name: str) -> torch.Tensor:
+    """int64 [B, K] drafted ids; B and K come from the draft tensor ``draft_name``, or from the target's K+1 rows when
+    there is no draft (None). The names only word an error."""
+    if not isinstance(draft_tokens, torch.Tensor):
+        require_tensor(draft_tokens, "draft_tokens")
     dtype = draft_tokens.dtype
     if dtype not in TOKEN_DTYPES:
         raise TypeError(f"draft_tokens must be int32 or int64, got {dtype}")
@@ -208,6 +221,7 @@ def normalize_tokens(draft_tokens, batch: int, num_positions: int, device: torch
     if len(shape) != 2:
         _require_rank(draft_tokens, 2, "draft_tokens", "[B, K]")
     if shape != (batch, num_positions):
+        shape_source = draft_name if draft_name is not None else f"{target_name}, which has K+1 positions"
         raise ValueError(f"draft_tokens must be [B, K] = [{batch}, {num_positions}] (from {shape_source}), "
                          f"got {tuple(draft_tokens.shape)}")
     if draft_tokens.device != device:
@@ -272,17 +286,18 @@ def normalize_uniforms(uniforms, batch: int, num_positions: int, device: torch.d
     return uniforms
 
 
-def normalize_seed(seed: SeedLike, batch: int, device: torch.device, check_inputs: bool) -> tuple[torch.Tensor, bool]:
-    """Seeds as int64 [B] and whether they are per row. No seed: one is drawn from torch's default generator."""
-    if seed is None:
+def seed_tensor(seed: SeedLike, batch: int, device: torch.device) -> tuple[torch.Tensor, bool]:
+    """Seeds as int64 [B] and whether they are per row, for the reference (the rule is seed_argument's). No seed: one
+    is drawn from torch's default generator, as the op draws it."""
+    seeds, value, per_row = seed_argument(seed, batch, device)
+    if seeds is not None:
+        return seeds, per_row
+    if value is None:
         # Drawn where it is used, from that device's default generator: a CPU draw copied to a GPU would make every
         # call synchronise with the host. The native ops draw theirs the same way (csrc/common/op_outputs.h).
         drawn = torch.randint(0, SEED_RANGE - 1, (1,), dtype=torch.int64, device=device)
         return drawn.expand(batch).contiguous(), False
-    seeds, value, per_row = seed_argument(seed, batch, device)
-    if seeds is None:
-        seeds = torch.full((batch,), value, dtype=torch.int64, device=device)
-    return seeds, per_row
+    return torch.full((batch,), value, dtype=torch.int64, device=device), False
 
 
 def normalize_offset(offset) -> int:
@@ -295,19 +310,28 @@ def normalize_offset(offset) -> int:
     return int(offset)
 
 
+def scalar_seed(seed) -> int:
+    """The rule of a seed given as a number: an int that fits in 64 bits, as the signed int64 the op takes (values in
+    [2**63, 2**64) wrap, so unsigned 64-bit seeds work too)."""
+    if type(seed) is int and -SEED_RANGE <= seed < SEED_RANGE:  # the common case, without the abstract Integral
+        return seed
+    if isinstance(seed, bool) or not isinstance(seed, Integral):
+        raise TypeError(f"seed must be an int or an int64 tensor of shape [B], got {type(seed).__name__}")
+    if not -SEED_RANGE <= int(seed) < 2 * SEED_RANGE:
+        raise ValueError(f"seed must fit in 64 bits, got {seed}")
+    return int(seed) - 2 * SEED_RANGE if int(seed) >= SEED_RANGE else int(seed)
+
+
 def seed_argument(seed: SeedLike, batch: int, device: torch.device) -> tuple[Optional[torch.Tensor], Optional[int], bool]:
-    """The op's (seeds, seed, per_row_seed): per-request seeds as int64 [B], or one int seed, or neither (the op
-    then draws a seed on the device, as normalize_seed does)."""
+    """The seed rule, for every caller: the op's (seeds, seed, per_row_seed). Per-request seeds as int64 [B] (moved
+    to the device), or one int seed (scalar_seed), or neither (the op then draws a seed on the device, as seed_tensor
+    does)."""
     if seed is None:
         return None, None, False
-    if type(seed) is int and -SEED_RANGE <= seed < SEED_RANGE:  # the common case, without the abstract Integral
-        return None, seed, False
-    if isinstance(seed, bool) or not isinstance(seed, (Integral, torch.Tensor)):
-        raise TypeError(f"seed must be an int or an int64 tensor of shape [B], got {type(seed).__name__}")
     if not isinstance(seed, torch.Tensor):
-        if not -SEED_RANGE <= int(seed) < 2 * SEED_RANGE:
-            raise ValueError(f"seed must fit in 64 bits, got {seed}")
-        return None, int(seed) - 2 * SEED_RANGE if int(seed) >= SEED_RANGE else int(seed), False
+        return None, scalar_seed(seed), False
+    if seed.dtype == torch.int64 and seed.shape == (batch,) and seed.is_contiguous() and seed.device == device:
+        return seed, None, True  # already the op's layout: nothing to convert
     if seed.dtype not in TOKEN_DTYPES:
         raise TypeError(f"seed tensor must be int32 or int64, got {seed.dtype}")
     if tuple(seed.shape) != (batch,):
@@ -317,14 +341,17 @@ def seed_argument(seed: SeedLike, batch: int, device: torch.device) -> tuple[Opt
 
 def prepare_verify(draft_tokens, draft, target, weight, *, num_draft, greedy, uniforms, seed, offset,
                    check_inputs: bool, draft_name: str, target_name: str, kind: str,
-                   checks_in_kernel: bool = False) -> VerifyArgs:
-    """Validate and normalise every verify argument (probabilities or logits alike); defaults stay scalars or None
-    (VerifyArgs.materialized). ``checks_in_kernel``: the CPU logits kernel flags token ids and values itself. A draft
-    of None verifies drafted tokens without their distributions (q one-hot at each drafted token)."""
+                   checks_in_kernel: bool = False) -> tuple:
+    """Validate and normalise every verify argument (probabilities or logits alike), checked call or not; returns
+    ``diversed::verify_probs``' positional arguments as a plain tuple (no object built on the serving path; the
+    fields are :class:`VerifyArgs`'). Each argument has one rule, whose first test passes a value already in the op's
+    layout untouched, so an unchecked call pays a few attribute reads per argument and no conversion. Defaults stay
+    scalars or None (VerifyArgs.materialized). ``checks_in_kernel``: the CPU logits kernel flags token ids and values
+    itself. A draft of None verifies drafted tokens without their distributions (q one-hot at each drafted token)."""
     batch, num_positions, vocab = check_distributions(draft, target, draft_name, target_name, kind)
     device = target.device
-    tokens = normalize_tokens(draft_tokens, batch, num_positions, device,
-                              draft_name if draft is not None else f"{target_name}, which has K+1 positions")
+    tokens = normalize_tokens(draft_tokens, batch, num_positions, device, draft_name if draft is not None else None,
+                              target_name)
     weight_t, weight_value = weight_argument(weight, batch, num_positions, device, check_inputs)
     num_draft_t = normalize_num_draft(num_draft, batch, num_positions, device, check_inputs)
     greedy_t = normalize_greedy(greedy, batch, device)
@@ -342,42 +369,5 @@ def prepare_verify(draft_tokens, draft, target, weight, *, num_draft, greedy, un
         else:
             check_verify_probabilities(draft, target, num_draft_t, draft_name, target_name)
     draft = None if draft is None else draft.contiguous()
-    return VerifyArgs(tokens, draft, target.contiguous(), weight_t, weight_value, num_draft_t, greedy_t, uniforms_t,
-                      seeds_t, seed_value, offset_i, per_row_seed)
-
-
-def _scalar_temperature(temperature: Real) -> float:
-    value = float(temperature)
-    if not value >= 0.0 or value == float("inf"):  # also refuses NaN
-        raise ValueError(f"temperature must be finite and >= 0 (0 means greedy), got {value}")
-    return value
-
-
-def normalize_temperature(temperature, batch: int, device: torch.device, check_inputs: bool) -> torch.Tensor:
-    """A float or [B] temperature as contiguous float32 [B]; 0 marks a greedy row."""
-    if isinstance(temperature, bool) or not isinstance(temperature, (Real, torch.Tensor)):
-        raise TypeError(f"temperature must be a float or a tensor of shape [B], got {type(temperature).__name__}")
-    if not isinstance(temperature, torch.Tensor):
-        return torch.full((batch,), _scalar_temperature(temperature), dtype=torch.float32, device=device)
-    if not temperature.is_floating_point():
-        raise TypeError(f"temperature must be a floating-point tensor, got dtype {temperature.dtype}")
-    require_device(temperature, device, "temperature")
-    if temperature.dim() == 0:
-        temperature = temperature.reshape(1).expand(batch)
-    if tuple(temperature.shape) != (batch,):
-        raise ValueError(f"temperature must be a float or have shape [B] = [{batch}], got {tuple(temperature.shape)}")
-    temperature = temperature.to(torch.float32).contiguous()
-    if check_inputs and batch > 0:
-        if bool(torch.isnan(temperature).any()):
-            raise ValueError("temperature contains NaN")
-        if bool((temperature < 0).any()) or bool(torch.isinf(temperature).any()):
-            raise ValueError(f"temperature must be finite and >= 0, got minimum {float(temperature.min())}")
-    return temperature
-
-
-def temperature_argument(temperature, batch: int, device: torch.device,
-                         check_inputs: bool) -> tuple[Optional[torch.Tensor], float]:
-    """The op's (temperature, temperature_value): a float stays a scalar (checked here), a tensor becomes float32 [B]."""
-    if isinstance(temperature, Real) and not isinstance(temperature, bool):
-        return None, _scalar_temperature(temperature)
-    return normalize_temperature(temperature, batch, device, check_inputs), 1.0
+    return (tokens, draft, target.contiguous(), weight_t, num_draft_t, greedy_t, uniforms_t, seeds_t, offset_i,
+            per_row_seed, weight_value, seed_value)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from ._inputs import TOKEN_DTYPES, require_device, require_tensor, check_distributions, normalize_temperature
+from ._inputs import TOKEN_DTYPES, check_pair_layout, require_device, require_tensor
+from ._temperature import temperature_tensor
 from ._values import check_values
 
 
@@ -29,7 +30,7 @@ def prepare_pair(draft, target, *, from_logits, temperature, check_inputs, same_
     """Checks of token_stats and mix: (B, K, V, temperature [B]) of a draft/target pair."""
     kind = "logits" if from_logits else "probabilities"
     batch, draft_positions, vocab = _check_pair_shapes(draft, target, kind, same_positions)
-    temperature_t = normalize_temperature(temperature, batch, draft.device, check_inputs)
+    temperature_t = temperature_tensor(temperature, batch, draft.device, check_inputs)
     if check_inputs:
         check_values(draft, "draft", from_logits)
         check_values(target, "target", from_logits)
@@ -37,18 +38,13 @@ def prepare_pair(draft, target, *, from_logits, temperature, check_inputs, same_
 
 
 def _check_pair_shapes(draft, target, kind, same_positions):
-    """Like check_distributions, but target may have K (same_positions) or K and more positions."""
-    if isinstance(target, torch.Tensor) and isinstance(draft, torch.Tensor) and target.dim() == 3 and draft.dim() == 3:
-        if same_positions and target.shape[1] != draft.shape[1]:
-            raise ValueError(f"target must have the same number of positions as draft ({draft.shape[1]}), "
-                             f"got {target.shape[1]}")
-        if not same_positions and target.shape[1] < draft.shape[1]:
-            raise ValueError(f"target must have at least as many positions as draft ({draft.shape[1]}), "
-                             f"got {target.shape[1]}")
-        # check_distributions wants K + 1 target positions; only shapes, dtypes and devices are compared here.
-        padded_shape = (target.shape[0], draft.shape[1] + 1, target.shape[2])
-        padded = target[:, :1].expand(padded_shape) if target.shape[1] else target.new_zeros(padded_shape)
-        check_distributions(draft, padded, "draft", "target", kind)
-    else:
-        check_distributions(draft, target, "draft", "target", kind)
-    return tuple(draft.shape)
+    """The pair's layout (check_pair_layout); the target has K positions (same_positions) or at least K. Returns
+    (B, K, V)."""
+    batch, num_positions, vocab, target_positions = check_pair_layout(draft, target, "draft", "target", kind)
+    if same_positions and target_positions != num_positions:
+        raise ValueError(f"target must have the same number of positions as draft ({num_positions}), "
+                         f"got {target_positions}")
+    if not same_positions and target_positions < num_positions:
+        raise ValueError(f"target must have at least as many positions as draft ({num_positions}), "
+                         f"got {target_positions}")
+    return batch, num_positions, vocab

@@ -27,8 +27,10 @@ from typing import NamedTuple
 import torch
 
 from . import _fake  # noqa: F401  (registers the native ops and their fake kernels)
-from ._inputs import PROB_DTYPES, SEED_RANGE, normalize_weight, prepare_verify, temperature_argument
+from ._inputs import prepare_verify, weight_tensor
 from ._pair_inputs import normalize_stat_tokens, prepare_pair
+from ._temperature import temperature_argument
+from ._unchecked import greedy_as_given, temperature_as_given, unchecked_arguments
 from ._values import check_verify_logits_flags
 
 # The verify overloads, looked up once: torch.ops.<namespace>.<op> is two attribute lookups and an overload resolution
@@ -36,7 +38,6 @@ from ._values import check_verify_logits_flags
 _VERIFY_PROBS = torch.ops.diversed.verify_probs.default
 _VERIFY_LOGITS = torch.ops.diversed.verify_logits.default
 _VERIFY_LOGITS_WITH_FLAGS = torch.ops.diversed.verify_logits_with_flags.default
-_OP_DTYPES = frozenset(PROB_DTYPES)
 
 
 class VerifyResult(NamedTuple):
@@ -53,42 +54,6 @@ class VerifyResult(NamedTuple):
     tokens: torch.Tensor
     num_accepted: torch.Tensor
     accept_prob: torch.Tensor
-
-
-def _direct_call(op, draft_tokens, draft, target, weight, num_draft, row_flags, uniforms, seed, offset, *scalars):
-    """The op's result for an unchecked call whose arguments can go to the op as they are, or None when they must be
-    normalised first (``row_flags``: greedy or temperature; ``scalars``: what the op takes between weight_value and
-    seed).
-
-    Scalars are checked here (a float weight in [0, 1], an int seed and offset in range: a few comparisons). Tensors
-    go through untouched: the op itself refuses any that is not exactly in its layout (dtype, shape, contiguity,
-    device), and the caller then takes the normalising path, which converts what it can and names what it cannot. Its
-    checks on every call (about 3 us of Python attribute reads) are what a serving loop would otherwise pay.
-    """
-    if target.dtype not in _OP_DTYPES:  # the kernels also accept float64, which the public ops refuse
-        return None
-    if type(weight) is float:  # the common case; NaN fails the range test
-        if not 0.0 <= weight <= 1.0:
-            return None
-        weight_t, weight_value = None, weight
-    elif isinstance(weight, torch.Tensor):
-        weight_t, weight_value = weight, 1.0
-    else:
-        return None
-    if type(offset) is not int or not 0 <= offset < SEED_RANGE:
-        return None
-    if seed is None:
-        seeds, seed_value, per_row_seed = None, None, False
-    elif uniforms is not None:  # both given: the normalising path says which to drop
-        return None
-    elif type(seed) is int and -SEED_RANGE <= seed < SEED_RANGE:
-        seeds, seed_value, per_row_seed = None, seed, False
-    elif isinstance(seed, torch.Tensor):
-        seeds, seed_value, per_row_seed = seed, None, True
-    else:
-        return None
-    return VerifyResult(*op(draft_tokens, draft, target, weight_t, num_draft, row_flags, uniforms, seeds, offset,
-                            per_row_seed, weight_value, *scalars, seed_value))
 
 
 def verify(draft_tokens, draft_probs, target_probs, weight, *, num_draft=None, greedy=None, uniforms=None, seed=None,
@@ -120,19 +85,27 @@ def verify(draft_tokens, draft_probs, target_probs, weight, *, num_draft=None, g
     Raises:
         TypeError / ValueError naming the offending argument.
     """
-    if not check_inputs and (greedy is None or isinstance(greedy, torch.Tensor)):
-        try:
-            result = _direct_call(_VERIFY_PROBS, draft_tokens, draft_probs, target_probs, weight, num_draft, greedy,
-                                  uniforms, seed, offset)
-            if result is not None:
-                return result
-        except Exception:  # noqa: BLE001  not in the op's layout: the path below converts it or names the argument
-            pass
-    args = prepare_verify(draft_tokens, draft_probs, target_probs, weight, num_draft=num_draft, greedy=greedy,
+    if not check_inputs and (greedy is None or greedy_as_given(greedy)):
+        op_arguments = unchecked_arguments(draft_tokens, draft_probs, target_probs, weight, num_draft, greedy,
+                                           uniforms, seed, offset)
+        if op_arguments is not None:
+            try:
+                return VerifyResult(*_VERIFY_PROBS(*op_arguments))
+            except RuntimeError as error:
+                refusal = error  # a size or device the op refuses: the rules below name the argument, or it stands
+            _prepare_probs(draft_tokens, draft_probs, target_probs, weight, num_draft, greedy, uniforms, seed, offset,
+                           False)
+            raise refusal
+    return VerifyResult(*_VERIFY_PROBS(*_prepare_probs(draft_tokens, draft_probs, target_probs, weight, num_draft,
+                                                       greedy, uniforms, seed, offset, check_inputs)))
+
+
+def _prepare_probs(draft_tokens, draft_probs, target_probs, weight, num_draft, greedy, uniforms, seed, offset,
+                   check_inputs) -> tuple:
+    """verify's op arguments through the argument rules (prepare_verify)."""
+    return prepare_verify(draft_tokens, draft_probs, target_probs, weight, num_draft=num_draft, greedy=greedy,
                           uniforms=uniforms, seed=seed, offset=offset, check_inputs=check_inputs,
                           draft_name="draft_probs", target_name="target_probs", kind="probabilities")
-    tokens, num_accepted, accept_prob = _VERIFY_PROBS(*args.op_arguments())
-    return VerifyResult(tokens, num_accepted, accept_prob)
 
 
 class TokenStats(NamedTuple):
@@ -166,34 +139,42 @@ def verify_logits(draft_tokens, draft_logits, target_logits, weight, *, temperat
             greedy (accept while x_i = argmax nu_i, with nu formed from the temperature-1 softmax).
         Everything else as :func:`diversed_ext.verify` (weights, ragged rows, uniforms, seeds, offset, check_inputs).
     """
-    scalar_temperature = type(temperature) is float
-    if not check_inputs and (isinstance(temperature, torch.Tensor)
-                             or (scalar_temperature and 0.0 <= temperature < float("inf"))):
-        try:
-            temperature_t, temperature_value = (None, temperature) if scalar_temperature else (temperature, 1.0)
-            result = _direct_call(_VERIFY_LOGITS, draft_tokens, draft_logits, target_logits, weight, num_draft,
-                                  temperature_t, uniforms, seed, offset, temperature_value)
-            if result is not None:
-                return result
-        except Exception:  # noqa: BLE001  as in verify
-            pass
+    temperature_given = None if check_inputs else temperature_as_given(temperature)
+    if temperature_given is not None:
+        op_arguments = unchecked_arguments(draft_tokens, draft_logits, target_logits, weight, num_draft,
+                                           temperature_given[0], uniforms, seed, offset, temperature_given[1])
+        if op_arguments is not None:
+            try:
+                return VerifyResult(*_VERIFY_LOGITS(*op_arguments))
+            except RuntimeError as error:
+                refusal = error  # as in verify
+            _prepare_logits(draft_tokens, draft_logits, target_logits, weight, temperature, num_draft, uniforms, seed,
+                            offset, check_inputs=False, flags_from_kernel=False)
+            raise refusal
     # On the CPU the kernel flags the token ids and the logits' values in its own passes (checked after the call,
     # which then raises); elsewhere they are checked before it.
     flags_from_kernel = check_inputs and isinstance(target_logits, torch.Tensor) and target_logits.device.type == "cpu"
-    args = prepare_verify(draft_tokens, draft_logits, target_logits, weight, num_draft=num_draft, greedy=None,
-                          uniforms=uniforms, seed=seed, offset=offset, check_inputs=check_inputs,
-                          draft_name="draft_logits", target_name="target_logits", kind="logits",
-                          checks_in_kernel=flags_from_kernel)
-    temperature_t, temperature_value = temperature_argument(temperature, args.target.shape[0], args.target.device,
-                                                            check_inputs)
-    op_arguments = (args.draft_tokens, args.draft, args.target, args.weight, args.num_draft, temperature_t,
-                    args.uniforms, args.seeds, args.offset, args.per_row_seed, args.weight_value, temperature_value,
-                    args.seed)
+    op_arguments = _prepare_logits(draft_tokens, draft_logits, target_logits, weight, temperature, num_draft,
+                                   uniforms, seed, offset, check_inputs, flags_from_kernel)
     if not flags_from_kernel:
         return VerifyResult(*_VERIFY_LOGITS(*op_arguments))
     tokens, num_accepted, accept_prob, row_flags = _VERIFY_LOGITS_WITH_FLAGS(*op_arguments)
-    check_verify_logits_flags(row_flags, args.draft_tokens, args.target.shape[-1])
+    check_verify_logits_flags(row_flags, op_arguments[0], op_arguments[2].shape[-1])
     return VerifyResult(tokens, num_accepted, accept_prob)
+
+
+def _prepare_logits(draft_tokens, draft_logits, target_logits, weight, temperature, num_draft, uniforms, seed, offset,
+                    check_inputs, flags_from_kernel) -> tuple:
+    """verify_logits' op arguments through the argument rules: prepare_verify's, with the temperature (its own rule)
+    in the place of greedy and its value before the seed."""
+    (draft_ids, draft, target, weight_t, num_draft_t, _, uniforms_t, seeds, offset_i, per_row_seed, weight_value,
+     seed_value) = prepare_verify(draft_tokens, draft_logits, target_logits, weight, num_draft=num_draft, greedy=None,
+                                  uniforms=uniforms, seed=seed, offset=offset, check_inputs=check_inputs,
+                                  draft_name="draft_logits", target_name="target_logits", kind="logits",
+                                  checks_in_kernel=flags_from_kernel)
+    temperature_t, temperature_value = temperature_argument(temperature, target.shape[0], target.device, check_inputs)
+    return (draft_ids, draft, target, weight_t, num_draft_t, temperature_t, uniforms_t, seeds, offset_i, per_row_seed,
+            weight_value, temperature_value, seed_value)
 
 
 def token_stats(draft, target, tokens, *, from_logits=False, temperature=1.0, check_inputs=True) -> TokenStats:
@@ -229,5 +210,5 @@ def mix(draft, target, weight, *, from_logits=False, temperature=1.0, check_inpu
     batch, positions, _, temperature_t = prepare_pair(draft, target, from_logits=from_logits,
                                                        temperature=temperature, check_inputs=check_inputs,
                                                        same_positions=False)
-    weight_t = normalize_weight(weight, batch, positions, draft.device, check_inputs)
+    weight_t = weight_tensor(weight, batch, positions, draft.device, check_inputs)
     return torch.ops.diversed.mix(draft.contiguous(), target.contiguous(), weight_t, temperature_t, bool(from_logits))

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import torch
 
-from ._inputs import normalize_temperature, normalize_weight, prepare_verify
+from ._inputs import VerifyArgs, prepare_verify, weight_tensor
 from ._pair_inputs import normalize_stat_tokens, prepare_pair
 from ._philox import philox_uniforms
-from ._temperature import distribution_temperature, is_greedy_temperature
+from ._temperature import distribution_temperature, is_greedy_temperature, temperature_tensor
 from .api import TokenStats, VerifyResult
 
 FLOAT32_MAX = torch.finfo(torch.float32).max
@@ -113,7 +113,8 @@ def verify_reference(draft_tokens, draft_probs, target_probs, weight, *, num_dra
     """Reference implementation of :func:`diversed_ext.verify` in plain PyTorch (same arguments, same result)."""
     args = prepare_verify(draft_tokens, draft_probs, target_probs, weight, num_draft=num_draft, greedy=greedy,
                           uniforms=uniforms, seed=seed, offset=offset, check_inputs=check_inputs,
-                          draft_name="draft_probs", target_name="target_probs", kind="probabilities").materialized()
+                          draft_name="draft_probs", target_name="target_probs", kind="probabilities")
+    args = VerifyArgs(*args).materialized()
     if args.uniforms is None:
         args.uniforms = philox_uniforms(args.seeds, args.offset, args.draft_tokens.shape[1] + 1, args.per_row_seed)
     draft_probs = one_hot_drafts(args.draft_tokens, args.target.shape[-1]) if args.draft is None else args.draft
@@ -134,8 +135,9 @@ def verify_logits_reference(draft_tokens, draft_logits, target_logits, weight, *
     draft rows when ``draft_logits`` is None)."""
     args = prepare_verify(draft_tokens, draft_logits, target_logits, weight, num_draft=num_draft, greedy=None,
                           uniforms=uniforms, seed=seed, offset=offset, check_inputs=check_inputs,
-                          draft_name="draft_logits", target_name="target_logits", kind="logits").materialized()
-    temperature_t = normalize_temperature(temperature, args.target.shape[0], args.target.device, check_inputs)
+                          draft_name="draft_logits", target_name="target_logits", kind="logits")
+    args = VerifyArgs(*args).materialized()
+    temperature_t = temperature_tensor(temperature, args.target.shape[0], args.target.device, check_inputs)
     if args.uniforms is None:
         args.uniforms = philox_uniforms(args.seeds, args.offset, args.draft_tokens.shape[1] + 1, args.per_row_seed)
     if args.draft is None:
@@ -173,7 +175,7 @@ def mix_reference(draft, target, weight, *, from_logits=False, temperature=1.0, 
     batch, positions, _, temperature_t = prepare_pair(draft, target, from_logits=from_logits,
                                                        temperature=temperature, check_inputs=check_inputs,
                                                        same_positions=False)
-    weight_t = _sanitize_weight(normalize_weight(weight, batch, positions, draft.device, check_inputs)).unsqueeze(-1)
+    weight_t = _sanitize_weight(weight_tensor(weight, batch, positions, draft.device, check_inputs)).unsqueeze(-1)
     target = target[:, :positions]
     if from_logits:
         draft_probs, target_probs = _tempered_softmax(draft, temperature_t), _tempered_softmax(target, temperature_t)

@@ -19,7 +19,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 from tqdm.auto import tqdm
 
-from ..decoding import DRAFT_MODES, NgramDrafter, SpeculativeDecoder, encode_prompt, summarize
+from ..decoding import DRAFT_MODES, NgramDrafter, SpeculativeDecoder, encode_prompt, renamed_max_draft, summarize
 from .head_usage import weight_usage
 from .report import MethodResult, _mean
 from .tasks import Task
@@ -86,12 +86,12 @@ def throughput_summary(generations, wall_seconds: float):
     return dataclasses.replace(summarize(generations), seconds=wall_seconds)
 
 
-def build_decoders(target, draft, specs: Sequence[tuple[str, dict]], *, num_draft: int,
+def build_decoders(target, draft, specs: Sequence[tuple[str, dict]], *, max_draft: int,
                    temperature: float) -> dict[str, SpeculativeDecoder]:
     """One decoder per (label, SpeculativeDecoder keyword arguments); ``ar`` and a callable drafter run without the
     draft model."""
     return {label: SpeculativeDecoder(target, None if kwargs["method"] == "ar" or "drafter" in kwargs else draft,
-                                      num_draft=num_draft, temperature=temperature, **kwargs)
+                                      max_draft=max_draft, temperature=temperature, **kwargs)
             for label, kwargs in specs}
 
 
@@ -142,23 +142,27 @@ def demo_methods(weights: Sequence[float] = DEMO_WEIGHTS, head=None) -> list[tup
     return method_specs(["ar", "sd", "static"] + (["diversed"] if head is not None else []), weights, head)
 
 
-def run_demo(target, draft, prompts: Sequence[Sequence[int]], specs: Sequence[tuple[str, dict]], *, num_draft: int,
+def run_demo(target, draft, prompts: Sequence[Sequence[int]], specs: Sequence[tuple[str, dict]], *, max_draft: int = 3,
              max_new_tokens: int, temperature: float, seed: int, eos_token_id=None, progress: bool = True,
-             batch_size: Optional[int] = 1, wall_seconds: Optional[dict] = None):
-    """label -> the generations of each method on every prompt (``wall_seconds`` as in :func:`run_interleaved`)."""
-    decoders = build_decoders(target, draft, specs, num_draft=num_draft, temperature=temperature)
+             batch_size: Optional[int] = 1, wall_seconds: Optional[dict] = None, num_draft: Optional[int] = None):
+    """label -> the generations of each method on every prompt (``wall_seconds`` as in :func:`run_interleaved`);
+    ``num_draft``: the deprecated name of ``max_draft``."""
+    max_draft = renamed_max_draft(max_draft, num_draft, "run_demo")
+    decoders = build_decoders(target, draft, specs, max_draft=max_draft, temperature=temperature)
     runners = [(label, decoder_runner(decoders[label], prompts, eos_token_id)) for label, _ in specs]
     return run_interleaved(runners, len(prompts), seed=seed, max_new_tokens=max_new_tokens, batch_size=batch_size,
                            desc="demo", progress=progress, wall_seconds=wall_seconds)
 
 
 def evaluate(task: Task, examples: Sequence[dict], target, draft, tokenizer, specs: Sequence[tuple[str, dict]], *,
-             num_draft: int = 3, max_new_tokens: int = 64, temperature: float = 1.0, seed: int = 0,
+             max_draft: int = 3, max_new_tokens: int = 64, temperature: float = 1.0, seed: int = 0,
              eos_token_id=None, chat: bool = True, progress: bool = True,
-             batch_size: Optional[int] = 1) -> list[MethodResult]:
-    """Run every method on every example and score the outputs: task reward and fidelity per prompt."""
+             batch_size: Optional[int] = 1, num_draft: Optional[int] = None) -> list[MethodResult]:
+    """Run every method on every example and score the outputs: task reward and fidelity per prompt.
+    ``num_draft``: the deprecated name of ``max_draft``."""
+    max_draft = renamed_max_draft(max_draft, num_draft, "evaluate")
     prompts = encode_examples(task, examples, tokenizer, chat)
-    decoders = build_decoders(target, draft, specs, num_draft=num_draft, temperature=temperature)
+    decoders = build_decoders(target, draft, specs, max_draft=max_draft, temperature=temperature)
 
     def scored(label: str) -> Runner:
         generate = decoder_runner(decoders[label], prompts, eos_token_id)

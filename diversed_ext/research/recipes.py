@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
+from ..decoding import renamed_max_draft
 from ..head import HEAD_INPUTS, EnsembleHead
 from ..models import hidden_size
 from .harness import encode_examples
@@ -15,15 +16,18 @@ from .trainer import Trainer, TrainerConfig
 def build_trainer(task: Task, examples: Sequence[dict], target, draft, tokenizer, config: TrainerConfig, *,
                   head: Optional[EnsembleHead] = None, head_hidden: Optional[int] = None, init_weight: float = 0.5,
                   head_inputs: str = "hidden",
-                  num_draft: int = 3, max_new_tokens: int = 48, rollout: str = "speculative",
-                  eos_token_id=None, pair: Optional[dict] = None, chat: bool = True) -> Trainer:
+                  max_draft: int = 3, max_new_tokens: int = 48, rollout: str = "speculative",
+                  eos_token_id=None, pair: Optional[dict] = None, chat: bool = True,
+                  num_draft: Optional[int] = None) -> Trainer:
     """A Trainer for ``task``: reward = the task reward (+ ``config.fidelity_coef`` x fidelity, added by the Trainer).
 
     Args:
         rollout: ``"speculative"`` (the decoding loop with the current head) or ``"mixture"`` (token by token).
         head: a head to keep training; otherwise a new one with ``head_hidden``, ``init_weight`` and ``head_inputs``
             (a key of :data:`~diversed_ext.head.HEAD_INPUTS`: hidden states, distribution features, or both).
+        num_draft: the deprecated name of ``max_draft``.
     """
+    max_draft = renamed_max_draft(max_draft, num_draft, "build_trainer")
     if head is None:
         if head_inputs not in HEAD_INPUTS:
             raise ValueError(f"head_inputs must be one of {', '.join(HEAD_INPUTS)}, got {head_inputs!r}")
@@ -32,7 +36,7 @@ def build_trainer(task: Task, examples: Sequence[dict], target, draft, tokenizer
                             pair=pair, features=features, use_hidden=use_hidden)
     prompts = encode_examples(task, examples, tokenizer, chat)
     if rollout == "speculative":
-        sampler = speculative_rollout(target, draft, head, num_draft=num_draft, max_new_tokens=max_new_tokens,
+        sampler = speculative_rollout(target, draft, head, max_draft=max_draft, max_new_tokens=max_new_tokens,
                                       temperature=config.temperature, eos_token_id=eos_token_id)
     elif rollout == "mixture":
         eos = eos_token_id[0] if isinstance(eos_token_id, (list, tuple)) and eos_token_id else eos_token_id
