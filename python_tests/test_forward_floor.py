@@ -3,7 +3,6 @@ DeprecationWarning, and a build without the forward's native ops keeps decoding 
 what needs those ops says so."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +17,6 @@ from diversed_ext.forward import _native  # noqa: E402
 from diversed_ext.forward import ForwardOpsMissing, LlamaRunner, pack_float, pack_int8, supports_fast_forward  # noqa
 from test_fast_llama import tiny_llama  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 MOVED = {"diversed_ext.ops.int8": "diversed_ext.forward.int8",
          "diversed_ext.ops.float_linear": "diversed_ext.forward.float_linear",
          "diversed_ext.ops.llama_layers": "diversed_ext.forward.llama_layers",
@@ -29,8 +27,10 @@ MOVED = {"diversed_ext.ops.int8": "diversed_ext.forward.int8",
 
 def _run_python(code: str) -> dict:
     """``code`` in a fresh interpreter (imports cannot be undone in this one); it prints one JSON object."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    # The same diversed_ext as this process: the installed package (a checkout has no built library unless it was
+    # built in place, and then PYTHONPATH names it and passes through).
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).resolve().parent)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.strip().splitlines()[-1])
 
