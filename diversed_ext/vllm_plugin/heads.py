@@ -27,20 +27,21 @@ from ..head import distribution_features, load_head
 logger = logging.getLogger(__name__)
 
 
-def load_heads(head_paths: dict, draft_hidden: int, target_hidden: int) -> dict:
-    """Each named head loaded once, checked against the engine's hidden sizes (a head for other sizes is refused)."""
-    return {name: load_head(path, draft_hidden=draft_hidden, target_hidden=target_hidden)
-            for name, path in head_paths.items()}
+def load_heads(head_paths, draft_hidden: int, target_hidden: int) -> dict:
+    """Each head loaded once, by the name the engine entry gave it, checked against the engine's hidden sizes (a head
+    for other sizes is refused)."""
+    return {path: load_head(path, draft_hidden=draft_hidden, target_hidden=target_hidden) for path in head_paths}
 
 
 class HiddenStateCapture:
     """What the heads read, captured from one runner and its drafter (see the module docstring)."""
 
-    def __init__(self, runner):
+    def __init__(self, runner, keep_draft_logits: bool):
         self.runner = runner
+        self.keep_draft_logits = keep_draft_logits  # only heads that read distribution features need them
         self.target_hidden: Optional[torch.Tensor] = None  # [N + B, H] this step, in vLLM's logits row order
-        self.drafted: dict = {}  # request id -> (draft hidden [K, H], draft logits [K, V]) proposed last step
-        self._proposing: list = []  # per draft position: (hidden [B, H], logits [B, V]) of the propose under way
+        self.drafted: dict = {}  # request id -> (draft hidden [K, H], draft logits [K, V] or None) proposed last step
+        self._proposing: list = []  # per draft position: (hidden [B, H], logits [B, V] or None) of the propose
         self._install()
 
     def _install(self) -> None:
@@ -60,7 +61,9 @@ class HiddenStateCapture:
                 self._commit_proposal()
 
         def capture_draft_position(hidden_states, sampling_metadata):
-            self._proposing.append((hidden_states.detach(), drafter.model.compute_logits(hidden_states).detach()))
+            # greedy drafting never materialises the draft's logits outside the drafter: recompute them here, once
+            logits = drafter.model.compute_logits(hidden_states).detach() if self.keep_draft_logits else None
+            self._proposing.append((hidden_states.detach(), logits))
             return sample_draft(hidden_states, sampling_metadata)
 
         runner.sample_tokens = capture_target_then_sample
@@ -73,9 +76,10 @@ class HiddenStateCapture:
         if not self._proposing:
             return
         hidden = torch.stack([position[0][:len(request_ids)] for position in self._proposing], dim=1)
-        logits = torch.stack([position[1][:len(request_ids)] for position in self._proposing], dim=1)
+        logits = (torch.stack([position[1][:len(request_ids)] for position in self._proposing], dim=1)
+                  if self.keep_draft_logits else None)
         for row, request_id in enumerate(request_ids[:hidden.shape[0]]):
-            self.drafted[request_id] = (hidden[row], logits[row])
+            self.drafted[request_id] = (hidden[row], None if logits is None else logits[row])
         self._proposing = []
 
 

@@ -18,6 +18,7 @@ silently verifying exactly would be worse than not starting.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 
@@ -87,23 +88,25 @@ def engine_settings(vllm_config) -> EngineSettings | None:
     return parse_engine_entry(engine_entry(additional))
 
 
-def check_engine(vllm_config) -> None:
+def check_engine(vllm_config) -> EngineSettings | None:
     """Before any engine process starts: the entry's rules, the vLLM version, speculative decoding switched on, and
-    every head's folder present (loading them is the workers' job)."""
+    every head's folder present (loading them is the workers' job). Returns the engine's settings, or None when it
+    has no diversed entry."""
     import os
 
     from ..head import CONFIG_NAME, resolve_head_path
 
     settings = engine_settings(vllm_config)
     if settings is None:
-        return
+        return None
     require_tested_vllm()
     if getattr(vllm_config, "speculative_config", None) is None:
         raise DiversedStartupError(NEEDS_SPECULATION)
-    for name, path in settings.head_paths.items():
-        if not os.path.isfile(os.path.join(resolve_head_path(path), CONFIG_NAME)):
-            raise DiversedStartupError(f"head {name!r}: no {CONFIG_NAME} at {resolve_head_path(path)!r} (give a "
+    for name in settings.head_paths:
+        if not os.path.isfile(os.path.join(resolve_head_path(name), CONFIG_NAME)):
+            raise DiversedStartupError(f"head {name!r}: no {CONFIG_NAME} at {resolve_head_path(name)!r} (give a "
                                        "shipped head's name, 'default', or a folder written by diversed train)")
+    return settings
 
 
 def attach_to_runner(runner, settings: EngineSettings) -> None:
@@ -124,9 +127,9 @@ def attach_to_runner(runner, settings: EngineSettings) -> None:
             raise DiversedStartupError("DIVERSED heads read the draft model's hidden states; this engine's drafter "
                                        f"({type(drafter).__name__}) has none: use a static weight")
         draft_config = runner.speculative_config.draft_model_config
-        heads = load_heads(dict(settings.head_paths), draft_config.get_hidden_size(),
+        heads = load_heads(settings.head_paths, draft_config.get_hidden_size(),
                            runner.model_config.get_hidden_size())
-        capture = HiddenStateCapture(runner)
+        capture = HiddenStateCapture(runner, any(head.wants_distributions for head in heads.values()))
     sampler = DiversedRejectionSampler(runner.sampler, runner.speculative_config, runner.device)
     weights = None if settings.verifier == "vllm" else RequestWeights(runner, settings, heads, capture)
     runner.rejection_sampler = sampler.bind(weights, runner.device, exact_vllm=settings.verifier == "vllm")
@@ -138,26 +141,29 @@ class DiversedRequestError(ValueError):
     """A request's diversed_* field is invalid; also a vLLM validation error, so the server answers 400."""
 
 
-def _request_error(message: str, parameter: str, value):
+@functools.lru_cache(maxsize=None)
+def _validation_error_class():
+    """A request error that is both vLLM's validation error (HTTP 400) and a ValueError, made once: vLLM is
+    imported only when the first bad request arrives."""
     from vllm.exceptions import VLLMValidationError
 
     class DiversedValidationError(VLLMValidationError, DiversedRequestError):
         pass
 
-    return DiversedValidationError(message, parameter=parameter, value=value)
+    return DiversedValidationError
 
 
-def check_request(params, vllm_config) -> None:
-    """Refuse a request whose ``diversed_*`` extra_args are invalid for this engine."""
+def check_request(params, settings: EngineSettings | None) -> None:
+    """Refuse a request whose ``diversed_*`` extra_args are invalid for an engine with these settings (None: the
+    engine has no diversed entry)."""
     extra_args = getattr(params, "extra_args", None)
     if not extra_args:
         return
     try:
-        settings = engine_settings(vllm_config)
         parse_request(extra_args, settings)
     except ValueError as error:
         field = next((key for key in extra_args if isinstance(key, str) and key.startswith("diversed_")), "diversed")
-        raise _request_error(str(error), field, extra_args.get(field)) from None
+        raise _validation_error_class()(str(error), parameter=field, value=extra_args.get(field)) from None
 
 
 def worker_status(worker) -> dict:
@@ -185,8 +191,9 @@ def install() -> None:
     processor_init = InputProcessor.__init__
 
     def processor_init_checked(self, vllm_config, *args, **kwargs):
-        check_engine(vllm_config)
+        settings = check_engine(vllm_config)  # parsed once here, read by every request's check
         processor_init(self, vllm_config, *args, **kwargs)
+        self._diversed_settings = settings
 
     def __init__(self, vllm_config, *args, **kwargs):
         runner_init(self, vllm_config, *args, **kwargs)
@@ -197,7 +204,7 @@ def install() -> None:
 
     def _validate_params(self, params, supported_tasks):
         result = validate_params(self, params, supported_tasks)
-        check_request(params, self.vllm_config)
+        check_request(params, getattr(self, "_diversed_settings", None))
         return result
 
     __init__.__wrapped__ = runner_init

@@ -19,7 +19,7 @@ Nothing here imports vLLM: the rules are plain functions, tested without an engi
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
 CONFIG_KEY = "diversed"  # the entry of vLLM's additional_config that switches the plugin on
@@ -41,8 +41,9 @@ class EngineSettings:
     """The parsed engine entry: the default weight or head, and the heads loaded by name."""
 
     weight: float = DEFAULT_WEIGHT
-    head: Optional[str] = None  # the default head's name (a key of head_paths), or None for the static weight
-    head_paths: Mapping[str, str] = field(default_factory=dict)  # name a request uses -> folder or shipped name
+    head: Optional[str] = None  # the default head's name (one of head_paths), or None for the static weight
+    # The heads to load, each a shipped name, "default" or a folder, as the entry spelled it: requests name them so.
+    head_paths: tuple = ()
     verifier: str = "diversed"
 
 
@@ -106,7 +107,7 @@ def parse_engine_entry(entry: Any) -> EngineSettings:
     if verifier == "vllm" and ("weight" in entry or names):
         raise DiversedConfigError(f"{prefix}: verifier 'vllm' is exact speculative decoding; it takes no weight "
                                   "or heads")
-    return EngineSettings(weight=weight, head=head, head_paths={name: name for name in dict.fromkeys(names)},
+    return EngineSettings(weight=weight, head=head, head_paths=tuple(dict.fromkeys(names)),
                           verifier=verifier)
 
 

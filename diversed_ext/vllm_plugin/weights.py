@@ -53,7 +53,7 @@ class RequestWeights:
                 plan.append(self.settings.weight)
         return plan
 
-    def __call__(self, rows, target_logits: torch.Tensor, sampling_metadata, target_logits_indices=None):
+    def __call__(self, rows, target_logits: torch.Tensor, sampling_metadata, target_logits_indices: torch.Tensor):
         plan = self._row_plan(rows.batch)
         device = target_logits.device
         if all(isinstance(entry, float) for entry in plan):
@@ -69,9 +69,7 @@ class RequestWeights:
                 continue
             name, request_id = entry
             flat = slice(starts[row], starts[row] + counts[row])
-            logits_rows = (target_logits_indices[flat] if target_logits_indices is not None
-                           else torch.arange(flat.start, flat.stop, device=device))
-            row_weight = head_weights(self.heads[name], self.capture, request_id, logits_rows,
+            row_weight = head_weights(self.heads[name], self.capture, request_id, target_logits_indices[flat],
                                       target_logits[flat], temperatures[row])
             if row_weight is not None:
                 weight[row, :counts[row]] = row_weight.to(device)
