@@ -250,3 +250,32 @@ def test_evaluate_batched_gives_the_same_results_per_prompt(pair):
         assert (alone.acceptance, alone.tokens_per_pass) == (batched.acceptance, batched.tokens_per_pass)
         assert alone.quality_per_prompt == batched.quality_per_prompt
         assert alone.fidelity_per_prompt == pytest.approx(batched.fidelity_per_prompt, rel=1e-5)
+
+
+def test_eval_compares_draft_lengths_with_each_methods_best_fixed_k(pair, tmp_path, monkeypatch, capsys):
+    """diversed eval --draft-length ... --fixed-k ...: one row per method and policy (fixed once per K), the
+    drafts per round of each, then every policy against its method's best fixed K."""
+    target, draft, tokenizer = pair
+    monkeypatch.setattr(cli.common, "load_models", lambda target_name, draft_name: (target, draft, tokenizer))
+    data = tmp_path / "gsm8k.jsonl"
+    data.write_text("".join(json.dumps(example) + "\n" for example in gsm8k_examples()))
+    assert cli.main(["eval", "--data", str(data), "--limit", "2", "--max-new-tokens", "12", "--method", "ar", "sd",
+                     "static", "--weight", "0.5", "--draft-length", "fixed", "heuristic", "confidence", "gain",
+                     "--fixed-k", "1", "3", "--max-draft", "5", "--batch-size", "1"]) == 0
+    output = capsys.readouterr().out
+    for label in ("ar", "sd / K=1", "sd / K=3", "sd / heuristic", "sd / confidence", "sd / gain",
+                  "static w=0.5 / K=1", "static w=0.5 / gain"):
+        assert f"| {label} |" in output
+    assert "drafts/round" in output and "K = 1, 3; draft length heuristic (at most 5)" in output
+    comparison = output.split("best fixed K (tokens/s, paired over the prompts)")[1]
+    assert comparison.count("(best fixed)") == 2 and "| static w=0.5 | gain |" in comparison
+    # One draft length: the labels stay the methods' own, and the table has no comparison.
+    assert cli.main(["eval", "--data", str(data), "--limit", "1", "--max-new-tokens", "6", "--method", "sd",
+                     "--draft-length", "gain", "--draft-cost", "0.1"]) == 0
+    output = capsys.readouterr().out
+    assert "| sd |" in output and "best fixed K" not in output and "draft length gain (at most 3)" in output
+    # A policy reading the draft's probabilities next to the n-gram drafter: one line, exit status 2.
+    assert cli.main(["compare-drafts", "--data", str(data), "--limit", "1", "--max-new-tokens", "4",
+                     "--drafts", "distributions", "ngram", "--draft-length", "gain"]) == 2
+    error = capsys.readouterr().err.strip()
+    assert "--draft-length 'gain' reads the draft model's probabilities" in error and "\n" not in error

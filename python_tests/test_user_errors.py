@@ -52,6 +52,26 @@ def test_bad_data_files_are_one_line_errors(tmp_path, capsys, no_models, name, c
         assert status == 2 and expected in error and path in error and "\n" not in error
 
 
+@pytest.mark.parametrize("argv, expected", [
+    (["generate", "--prompt", "hi", "--draft-cost", "0.2"], "--draft-cost applies to --draft-length gain"),
+    (["eval", "--data", "x.jsonl", "--draft-length", "fixed", "heuristic", "--draft-cost", "0.2"],
+     "--draft-cost applies to --draft-length gain"),
+    (["demo", "--draft-length", "confidence", "--draft-cost", "0.2"], "--draft-cost applies to --draft-length gain"),
+])
+def test_draft_length_mistakes_are_one_line_errors(capsys, no_models, argv, expected):
+    status, error = run_cli(argv, capsys)
+    assert status == 2 and expected in error and "\n" not in error
+
+
+@pytest.mark.parametrize("argv", [["generate", "--prompt", "hi", "--draft-length", "longest"],
+                                  ["eval", "--draft-length"], ["demo", "--draft-cost", "-1"],
+                                  ["eval", "--fixed-k", "0"]])
+def test_bad_draft_length_values_exit_before_any_model_loads(capsys, no_models, argv):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    assert exit_info.value.code == 2
+
+
 def test_missing_data_file_and_model_folder(tmp_path, capsys, monkeypatch):
     status, error = run_cli(["eval", "--data", str(tmp_path / "nope.jsonl")], capsys)
     assert status == 2 and "no data file" in error

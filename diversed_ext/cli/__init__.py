@@ -33,11 +33,12 @@ import torch
 from ..decoding import METHODS, SpeculativeDecoder, encode_prompt, eos_ids
 from ..models.export import export_default_pair
 from ..research.harness import (DEMO_NUM_DRAFT, DEMO_PROMPTS, DEMO_WEIGHTS, demo_methods, run_demo,
-                                throughput_summary)
+                                throughput_summary, with_draft_length)
 from ..research.report import format_table
 from . import common
-from .common import (USAGE_EXIT_STATUS, UsageError, _add_batch_argument, _add_model_arguments, _load_head,
-                     _positive_int, _unit_float, load_models)
+from .common import (USAGE_EXIT_STATUS, UsageError, _add_batch_argument, _add_draft_length_arguments,
+                     _add_model_arguments, _check_draft_cost, _decoder_error, _load_head, _positive_int,
+                     _unit_float, load_models)
 from .experiments import EXPERIMENT_HANDLERS, add_experiment_commands
 
 __all__ = ["build_parser", "main", "UsageError", "load_models", "find_bench_script"]
@@ -55,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--head", help="head folder for --method diversed, or a shipped head's name ('default': "
                                          "the default SmolLM2-135M pair's default head)")
     _add_model_arguments(generate)
+    _add_draft_length_arguments(generate)
 
     demo = commands.add_parser("demo", help="compare ar, sd and static ensembles on built-in prompts")
     demo.add_argument("--weights", type=_unit_float, nargs="+", default=list(DEMO_WEIGHTS),
@@ -63,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help=f"how many of the built-in prompts to run (default {len(DEMO_PROMPTS)}, cycled past that)")
     _add_batch_argument(demo)
     _add_model_arguments(demo)
+    _add_draft_length_arguments(demo)
     # One request at a time by default: speculation buys latency per request. On this CPU a batch already keeps the
     # cores busy, so batched ar gains as much as speculation would (measured: at batch 4, sd 0.78x and diversed 0.98x
     # of batched ar); --batch-size shows that trade-off.
@@ -86,10 +89,13 @@ def _run_generate(args) -> int:
         raise UsageError("--method diversed needs --head PATH (or --head default for the shipped head)")
     if args.weight is not None and args.method != "static":
         raise UsageError("--weight applies to --method static")
+    _check_draft_cost(args)
     target, draft, tokenizer = common.load_models(args.target, args.draft)
     head = _load_head(args.head, target, draft) if args.head else None
-    decoder = SpeculativeDecoder(target, draft, method=args.method, weight=args.weight, head=head,
-                                 max_draft=args.max_draft, temperature=args.temperature)
+    with _decoder_error():
+        decoder = SpeculativeDecoder(target, draft, method=args.method, weight=args.weight, head=head,
+                                     max_draft=args.max_draft, temperature=args.temperature,
+                                     draft_length=args.draft_length, draft_cost=args.draft_cost)
     prompt = encode_prompt(tokenizer, args.prompt, chat=not args.no_chat_template)
     output = decoder.generate(prompt, max_new_tokens=args.max_new_tokens, eos_token_id=eos_ids(tokenizer, target),
                               seed=args.seed, progress=args.max_new_tokens >= 32)
@@ -103,17 +109,22 @@ def _run_generate(args) -> int:
 
 
 def _run_demo(args) -> int:
+    _check_draft_cost(args)
     target, draft, tokenizer = common.load_models(args.target, args.draft)
     texts = [DEMO_PROMPTS[index % len(DEMO_PROMPTS)] for index in range(args.prompts)]
     prompts = [encode_prompt(tokenizer, text, chat=not args.no_chat_template) for text in texts]
     # The shipped head was trained for the default pair only; other pairs get the static rows.
     default_pair = args.target is None and args.draft is None
     specs = demo_methods(args.weights, head=_load_head("default", target, draft) if default_pair else None)
+    specs = with_draft_length(specs, args.draft_length)
     wall = {}
-    generations = run_demo(target, draft, prompts, specs, max_draft=args.max_draft, max_new_tokens=args.max_new_tokens,
-                           temperature=args.temperature, seed=args.seed, eos_token_id=eos_ids(tokenizer, target),
-                           batch_size=args.batch_size, wall_seconds=wall)
-    print(f"{len(prompts)} prompts, up to {args.max_new_tokens} new tokens, K = {args.max_draft}, batch size "
+    with _decoder_error():
+        generations = run_demo(target, draft, prompts, specs, max_draft=args.max_draft,
+                               max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
+                               eos_token_id=eos_ids(tokenizer, target), batch_size=args.batch_size,
+                               wall_seconds=wall, draft_cost=args.draft_cost)
+    print(f"{len(prompts)} prompts, up to {args.max_new_tokens} new tokens, draft length {args.draft_length} "
+          f"({'K' if args.draft_length == 'fixed' else 'at most'} {args.max_draft}), batch size "
           f"{args.batch_size}, temperature {args.temperature:g}, torch threads {torch.get_num_threads()}")
     print(format_table([(label, throughput_summary(generations[label], wall[label])) for label, _ in specs]))
     sample = generations["sd"][0].tokens.tolist()

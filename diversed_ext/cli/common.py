@@ -4,11 +4,12 @@ the model and head arguments, and loading the pair and the head with errors that
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import sys
 import tempfile
-from typing import Optional
+from typing import Iterator, Optional
 
 from ..head import load_head
 
@@ -66,6 +67,49 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=_positive_int, default=64, help="default %(default)s")
     parser.add_argument("--seed", type=_non_negative_int, default=0, help="default %(default)s")
     parser.add_argument("--no-chat-template", action="store_true", help="tokenize the prompt as plain text")
+
+
+def _add_draft_length_arguments(parser: argparse.ArgumentParser, several: bool = False) -> None:
+    """--draft-length (one policy, or with ``several`` one or more, plus the fixed sweep's --fixed-k) and
+    --draft-cost."""
+    from ..decoding import DEFAULT_DRAFT_LENGTH, DRAFT_LENGTHS
+
+    about = ("how many tokens each request drafts a round: fixed (--max-draft every round), transformers' heuristic "
+             "schedule or confidence threshold, or gain (ours: draft while one more draft raises the expected tokens "
+             "per unit of time); the adaptive ones draft at most --max-draft")
+    if several:
+        parser.add_argument("--draft-length", choices=DRAFT_LENGTHS, nargs="+", default=[DEFAULT_DRAFT_LENGTH],
+                            help=f"one or more policies, each a row per method: {about} (default %(default)s)")
+        parser.add_argument("--fixed-k", type=_positive_int, nargs="+",
+                            help="the K of each fixed row (a sweep; default: --max-draft alone); the table then "
+                            "compares every policy with each method's best fixed K")
+    else:
+        parser.add_argument("--draft-length", choices=DRAFT_LENGTHS, default=DEFAULT_DRAFT_LENGTH,
+                            help=f"{about} (default %(default)s)")
+    parser.add_argument("--draft-cost", type=_non_negative_float,
+                        help="for --draft-length gain: a draft pass's time over a target pass's (default 0.33, the "
+                        "default pair's on a 2-core CPU)")
+
+
+@contextlib.contextmanager
+def _decoder_error() -> Iterator[None]:
+    """A decoder refusing a combination of flags (a draft length that needs the draft's probabilities next to an
+    n-gram drafter, say) as a one-line usage error; the decoder's message names the argument."""
+    try:
+        yield
+    except (TypeError, ValueError) as error:
+        message = str(error)
+        if "draft_length" in message or "draft_cost" in message:
+            raise UsageError(message.replace("draft_length", "--draft-length")
+                             .replace("draft_cost", "--draft-cost")) from None
+        raise
+
+
+def _check_draft_cost(args) -> None:
+    """--draft-cost only with a gain policy: a cost nothing reads is a mistake worth saying."""
+    lengths = args.draft_length if isinstance(args.draft_length, list) else [args.draft_length]
+    if args.draft_cost is not None and "gain" not in lengths:
+        raise UsageError("--draft-cost applies to --draft-length gain")
 
 
 def _add_batch_argument(parser: argparse.ArgumentParser) -> None:

@@ -10,7 +10,8 @@ import torch
 
 from ..decoding import METHODS, eos_ids
 from . import common
-from .common import (UsageError, _add_batch_argument, _add_model_arguments, _load_head, _non_negative_float,
+from .common import (UsageError, _add_batch_argument, _add_draft_length_arguments, _add_model_arguments,
+                     _check_draft_cost, _decoder_error, _load_head, _non_negative_float,
                      _non_negative_int, _positive_float, _positive_int, _require_writable_folder, _unit_float,
                      _weight_of_untrained_head, _write_text)
 
@@ -74,6 +75,7 @@ def add_experiment_commands(commands) -> None:
                           "diversed_ext/heads/ ('default': the default pair's default head)")
     _add_batch_argument(evaluate)
     _add_model_arguments(evaluate)
+    _add_draft_length_arguments(evaluate, several=True)
 
     pareto = commands.add_parser("pareto", help="static sweep over w and every head's point: tables and PNGs")
     _add_task_arguments(pareto)
@@ -85,6 +87,7 @@ def add_experiment_commands(commands) -> None:
                         help="where pareto.png, pareto.md and, with heads, head_weights.png and lowest_w_tokens.md go")
     _add_batch_argument(pareto)
     _add_model_arguments(pareto)
+    _add_draft_length_arguments(pareto)
 
     validate = commands.add_parser("validate", help="heads and coefficients on held-out contexts, in closed form "
                                    "(no decoding per head): acceptance, fidelity, distance above the static line")
@@ -115,6 +118,7 @@ def add_experiment_commands(commands) -> None:
                          help="w of each static ensemble (default 0.5)")
     _add_batch_argument(compare)
     _add_model_arguments(compare)
+    _add_draft_length_arguments(compare)
     compare.set_defaults(limit=32, max_new_tokens=64)
 
 
@@ -194,30 +198,72 @@ def _run_train(args) -> int:
     return 0
 
 
+def _draft_lengths(args) -> tuple[list[str], list[int]]:
+    """The --draft-length names (one or several) and --fixed-k values, each once."""
+    lengths = args.draft_length if isinstance(args.draft_length, list) else [args.draft_length]
+    return list(dict.fromkeys(lengths)), list(dict.fromkeys(getattr(args, "fixed_k", None) or []))
+
+
+def _several_draft_lengths(args) -> bool:
+    """Whether each method runs under several draft lengths (a row each, labelled "<method> / <length>")."""
+    lengths, fixed_ks = _draft_lengths(args)
+    return len(lengths) > 1 or ("fixed" in lengths and len(fixed_ks) > 1)
+
+
 def _evaluate(args, setup, specs):
-    """Every spec on the examples of ``setup`` (from :func:`_experiment_setup`) under the command's options."""
-    from ..research.harness import evaluate
+    """Every spec on the examples of ``setup`` (from :func:`_experiment_setup`) under the command's options, each
+    drafting spec once per --draft-length (and the fixed one once per --fixed-k)."""
+    from ..research.harness import evaluate, with_draft_length, with_draft_lengths
 
     task, examples, target, draft, tokenizer, eos = setup
-    return evaluate(task, examples, target, draft, tokenizer, specs, max_draft=args.max_draft,
-                    max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
-                    eos_token_id=eos, chat=not args.no_chat_template, batch_size=args.batch_size)
+    lengths, fixed_ks = _draft_lengths(args)
+    if _several_draft_lengths(args):
+        specs = with_draft_lengths(specs, lengths, fixed_ks)
+    else:
+        specs = with_draft_length(specs, lengths[0])
+        if fixed_ks and lengths[0] == "fixed":
+            specs = [(label, kwargs if kwargs["method"] == "ar" else {**kwargs, "max_draft": fixed_ks[0]})
+                     for label, kwargs in specs]
+    with _decoder_error():
+        return evaluate(task, examples, target, draft, tokenizer, specs, max_draft=args.max_draft,
+                        max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
+                        eos_token_id=eos, chat=not args.no_chat_template, batch_size=args.batch_size,
+                        draft_cost=args.draft_cost)
 
 
 def _evaluate_and_print(args, specs_for, comparisons_for) -> int:
-    """Run ``specs_for(target, draft)``, print the table and then ``comparisons_for(results)`` (when not empty)."""
+    """Run ``specs_for(target, draft)``, print the table, then ``comparisons_for(results)`` (when not empty) and,
+    with several draft lengths, the policies against each method's best fixed K."""
+    from ..research.draft_length_report import draft_length_table
     from ..research.report import markdown_table
 
+    _check_draft_cost(args)
     setup = _experiment_setup(args)
     task, examples, target, draft = setup[:4]
     results = _evaluate(args, setup, specs_for(target, draft))
-    print(f"{task.name}: {len(examples)} prompts, up to {args.max_new_tokens} new tokens, K = {args.max_draft}, "
-          f"temperature {args.temperature:g}, seeds {args.seed}..{args.seed + len(examples) - 1}\n")
+    print(f"{task.name}: {len(examples)} prompts, up to {args.max_new_tokens} new tokens, "
+          f"{_draft_length_words(args)}, batch size {args.batch_size}, temperature {args.temperature:g}, "
+          f"seeds {args.seed}..{args.seed + len(examples) - 1}\n")
     print(markdown_table(results, task.metric))
     comparisons = comparisons_for(results)
     if comparisons:
         print("\n" + comparisons)
+    if _several_draft_lengths(args):
+        print(f"\nDraft lengths against each method's best fixed K (tokens/s, paired over the "
+              f"{'prompts' if args.batch_size == 1 else 'batches of ' + str(args.batch_size) + ' prompts'}):\n")
+        print(draft_length_table(results))
     return 0
+
+
+def _draft_length_words(args) -> str:
+    """"K = 3", "draft length gain (at most 8)" or, for several, the list of them."""
+    lengths, fixed_ks = _draft_lengths(args)
+    fixed_ks = fixed_ks or [args.max_draft]
+    words = []
+    for name in lengths:
+        words.append(f"K = {', '.join(map(str, fixed_ks))}" if name == "fixed"
+                     else f"draft length {name} (at most {args.max_draft})")
+    return "; ".join(words)
 
 
 def _run_eval(args) -> int:
@@ -236,6 +282,7 @@ def _run_pareto(args) -> int:
     from ..research.head_usage import lowest_weight_table, plot_weight_histograms
     from ..research.report import compare_to_baselines, comparison_lines, learned_rows, markdown_table, plot_pareto
 
+    _check_draft_cost(args)
     setup = _experiment_setup(args)
     task, _, target, draft, tokenizer, _ = setup
     results = _evaluate(args, setup, pareto_methods(args.weights, heads=_heads_by_label(args, target, draft)))

@@ -2,11 +2,14 @@
 
 ``loop`` holds :class:`SpeculativeDecoder`; ``batch`` one round for several requests; ``state`` one request in
 flight; ``stats`` what a run measured; ``runners`` how a model is run (its own forward, or the lean Llama forward of
-:mod:`diversed_ext.forward`); ``drafters`` callable drafters that give tokens only; ``prompts`` prompt encoding and
-EOS ids; ``checks`` the argument checks. Uses only the floors below it (``forward``, ``ops``).
+:mod:`diversed_ext.forward`); ``draft_lengths`` how many tokens each request drafts a round; ``drafters`` callable
+drafters that give tokens only; ``prompts`` prompt encoding and EOS ids; ``checks`` the argument checks. Uses only
+the floors below it (``forward``, ``ops``).
 """
 
 from .checks import DRAFT_MODES, METHODS, renamed_max_draft
+from .draft_lengths import (DEFAULT_DRAFT_LENGTH, DRAFT_LENGTHS, ConfidenceDraftLength, DraftLengthPolicy,
+                            GainDraftLength, HeuristicDraftLength, RoundOutcome)
 from .drafters import NgramDrafter
 from .loop import SpeculativeDecoder
 from .prompts import encode_prompt, eos_ids
@@ -14,4 +17,6 @@ from .state import DecodingState
 from .stats import DecodingSummary, Generation, GenerationOutput, RoundStats, summarize
 
 __all__ = ["SpeculativeDecoder", "DecodingState", "METHODS", "DRAFT_MODES", "NgramDrafter", "RoundStats", "Generation",
-           "DecodingSummary", "GenerationOutput", "summarize", "encode_prompt", "eos_ids"]
+           "DecodingSummary", "GenerationOutput", "summarize", "encode_prompt", "eos_ids", "DRAFT_LENGTHS",
+           "DEFAULT_DRAFT_LENGTH", "DraftLengthPolicy", "HeuristicDraftLength", "ConfidenceDraftLength",
+           "GainDraftLength", "RoundOutcome"]

@@ -29,6 +29,7 @@ import torch
 from ..head import distribution_features, wants_distributions
 from ..ops import is_greedy_temperature, philox_uniforms, verify_logits
 from .checks import DrafterLike, HeadLike, check_drafted
+from .draft_lengths import DraftLengthPolicy, RoundOutcome
 from .runners import RowRunner, crop_cache
 from .state import DecodingState, commit_tokens
 from .stats import RoundStats
@@ -40,6 +41,7 @@ class RoundConfig:
     arguments, not the decoder's private fields."""
 
     max_draft: int  # K: the most tokens a row drafts this round
+    draft_length: DraftLengthPolicy  # how many of those K each row drafts
     temperature: float
     draft_mode: str  # "distributions", "tokens" or "sampled_tokens": what the verifier sees of the drafts
     weight: float  # the static weight on the target (1 for sd; a head, when there is one, weighs each draft)
@@ -67,6 +69,7 @@ class _Drafts:
     slots: list[tuple[int, int]]  # (row, position) of every logits row above, in the same order
     hidden: list[torch.Tensor]  # [n, Hd] per draft pass (only when the head needs them)
     seconds: float
+    draft_probs: list[list[float]]  # q_i(x_i) of each row's drafts, when the draft-length policy reads them
 
     @property
     def width(self) -> int:
@@ -109,7 +112,10 @@ def run_round(config: RoundConfig, states: list[DecodingState]) -> list[RoundSta
     clock = config.clock
     round_start = clock()
     remaining = [state.remaining for state in states]
-    budgets = [min(config.max_draft, left - 1) if config.proposes else 0 for left in remaining]
+    policy = config.draft_length
+    memories = [policy_memory(state, policy) for state in states]
+    budgets = [min(policy.budget(memory), left - 1) if config.proposes else 0
+               for memory, left in zip(memories, remaining)]
     run_draft = _run_draft if config.drafter is None else _call_drafter
     drafts = run_draft(config, states, budgets)
     drafted = [len(tokens) for tokens in drafts.tokens]
@@ -128,8 +134,12 @@ def run_round(config: RoundConfig, states: list[DecodingState]) -> list[RoundSta
     accepted = result.num_accepted.tolist()
     tokens = result.tokens.tolist()
     head_chose = weight.tolist() if torch.is_tensor(weight) else None  # [B, K]: what the head handed the verifier
+    accept_probs = result.accept_prob.tolist()
     all_stats = []
     for row, state in enumerate(states):
+        row_weights = head_chose[row][:drafted[row]] if head_chose else [config.weight] * drafted[row]
+        policy.update(memories[row], RoundOutcome(drafted[row], accepted[row], accept_probs[row][:drafted[row]],
+                                                  drafts.draft_probs[row], row_weights))
         emitted = commit_tokens(state, tokens[row][:accepted[row] + 1], remaining[row])
         keep = len(state.tokens) - 1
         state.target_cached = crop_cache(state.target_cache, state.target_cached, keep)
@@ -139,7 +149,7 @@ def run_round(config: RoundConfig, states: list[DecodingState]) -> list[RoundSta
                                     draft_seconds=drafts.seconds, target_seconds=target_end - target_start,
                                     head_seconds=head_end - target_end, verify_seconds=verify_end - head_end,
                                     draft_tokens=tuple(drafts.tokens[row]),
-                                    weights=tuple(head_chose[row][:drafted[row]]) if head_chose else ()))
+                                    weights=tuple(row_weights) if head_chose else ()))
     round_seconds = clock() - round_start
     for state, stats in zip(states, all_stats):
         stats.round_seconds = round_seconds
@@ -147,9 +157,19 @@ def run_round(config: RoundConfig, states: list[DecodingState]) -> list[RoundSta
     return all_stats
 
 
+def policy_memory(state: DecodingState, policy: DraftLengthPolicy):
+    """The request's memory for ``policy`` (a new one when the request starts, or when the decoder's policy changed)."""
+    if state.draft_length_policy is not policy:
+        state.draft_length_policy, state.draft_length_memory = policy, policy.start()
+    return state.draft_length_memory
+
+
 def _run_draft(config: RoundConfig, states: list[DecodingState], budgets: list[int]) -> _Drafts:
-    """Up to ``budgets[r]`` drafts for row r, one batched draft pass per position over the rows still drafting."""
-    drafts = _Drafts(tokens=[[] for _ in states], logits=[], slots=[], hidden=[], seconds=0.0)
+    """Up to ``budgets[r]`` drafts for row r, one batched draft pass per position over the rows still drafting; the
+    draft-length policy may stop a row earlier, after any of its drafts."""
+    drafts = _Drafts(tokens=[[] for _ in states], logits=[], slots=[], hidden=[], seconds=0.0,
+                     draft_probs=[[] for _ in states])
+    policy = config.draft_length
     want_hidden = config.head is not None
     active = [row for row, budget in enumerate(budgets) if budget > 0]
     position = 0
@@ -178,17 +198,31 @@ def _run_draft(config: RoundConfig, states: list[DecodingState], budgets: list[i
             drafts.hidden.append(hidden.to(config.device))
         for row, token in zip(active, new_tokens):
             drafts.tokens[row].append(token)
+        if policy.reads_draft_probs:
+            for row, prob in zip(active, token_probs(logits, new_tokens, config.temperature)):
+                drafts.draft_probs[row].append(prob)
         position += 1
-        # A row stops at its budget and after an EOS draft: tokens after an accepted EOS would be thrown away.
+        # A row stops at its budget and after an EOS draft (tokens after an accepted EOS would be thrown away), or
+        # where its policy stops it, from this round's drafts so far.
         active = [row for row, token in zip(active, new_tokens)
-                  if position < budgets[row] and token not in states[row].eos_token_ids]
+                  if position < budgets[row] and token not in states[row].eos_token_ids
+                  and policy.keep_drafting(states[row].draft_length_memory, drafts.draft_probs[row])]
     return drafts
+
+
+def token_probs(logits: torch.Tensor, tokens: list[int], temperature: float) -> list[float]:
+    """q(x) of each row's drafted token: softmax(logits / T) at the token (T = 1 for greedy decoding, whose drafts
+    are argmaxes)."""
+    scale = 1.0 if is_greedy_temperature(temperature) else 1.0 / temperature
+    index = torch.tensor(tokens, device=logits.device).unsqueeze(1)
+    return torch.log_softmax(logits.float() * scale, dim=-1).gather(1, index).exp().squeeze(1).tolist()
 
 
 def _call_drafter(config: RoundConfig, states: list[DecodingState], budgets: list[int]) -> _Drafts:
     """Up to ``budgets[r]`` drafts for row r from the callable drafter (tokens only: no logits, no hidden states),
     cut after an EOS draft as a draft model's are."""
-    drafts = _Drafts(tokens=[[] for _ in states], logits=[], slots=[], hidden=[], seconds=0.0)
+    drafts = _Drafts(tokens=[[] for _ in states], logits=[], slots=[], hidden=[], seconds=0.0,
+                     draft_probs=[[] for _ in states])
     start = config.clock()
     for row, (state, budget) in enumerate(zip(states, budgets)):
         if budget <= 0:

@@ -39,9 +39,10 @@ from tqdm.auto import tqdm
 
 from ..ops import SEED_RANGE
 from .batch import RoundConfig, run_round
-from .checks import (DrafterLike, HeadLike, PromptLike, check_batch_size, check_draft_mode, check_head,
-                     check_max_draft, check_max_new_tokens, check_method, check_prompt, check_seed, check_temperature,
-                     check_weight, renamed_max_draft)
+from .checks import (DrafterLike, HeadLike, PromptLike, check_batch_size, check_draft_length, check_draft_mode,
+                     check_head, check_max_draft, check_max_new_tokens, check_method, check_prompt, check_seed,
+                     check_temperature, check_weight, renamed_max_draft)
+from .draft_lengths import DEFAULT_DRAFT_LENGTH, PolicyLike
 from .prompts import normalise_eos, split_prompts
 from .runners import Clock, make_runner, model_device
 from .state import DecodingState
@@ -62,9 +63,20 @@ class SpeculativeDecoder:
             the models' last hidden states (the input of the LM head) at the positions that predicted each draft,
             taken from the forward passes the loop already runs. A head whose ``wants_distributions`` is true also
             gets, third, the :func:`~diversed_ext.head.distribution_features` [1, k, 5] of those positions.
-        max_draft: K, the most tokens drafted per round (>= 1). Fewer are drafted when fewer tokens are left, and the
-            draft stops early after proposing an EOS token. (Once called ``num_draft``, which still works with a
-            DeprecationWarning: that name is the verifier's [B] tensor of each row's drafts.)
+        max_draft: K, the most tokens drafted per round (>= 1): every round's count with ``draft_length="fixed"``,
+            the cap of the adaptive policies. Fewer are drafted when fewer tokens are left, and the draft stops early
+            after proposing an EOS token. (Once called ``num_draft``, which still works with a DeprecationWarning:
+            that name is the verifier's [B] tensor of each row's drafts.)
+        draft_length: how many tokens each request drafts each round, by name (see
+            :mod:`diversed_ext.decoding.draft_lengths`): ``"fixed"`` (``max_draft`` every round), transformers'
+            ``"heuristic"`` schedule and ``"confidence"`` threshold, or ``"gain"`` (ours: draft while one more draft
+            raises the round's expected tokens per unit of time); or a
+            :class:`~diversed_ext.decoding.DraftLengthPolicy`. Every policy decides per request, so a request's
+            tokens do not depend on its neighbours, and from what is known before the draft it stops at is
+            verified, so the output law is the fixed K's. ``"confidence"`` and ``"gain"`` read the draft's
+            probabilities, so they need a draft model (not a callable ``drafter``).
+        draft_cost: for ``draft_length="gain"``: one draft pass over one target pass (default 0.33, the default
+            pair's on a 2-core CPU; a small draft next to a large GPU target costs about 0.05-0.2).
         temperature: >= 0; both models' logits are divided by it before the softmax. 0 is greedy decoding: drafts are
             the draft's argmax and a draft is kept while it is the argmax of nu = w p + (1 - w) q, with p and q taken
             at temperature 1.
@@ -95,7 +107,8 @@ class SpeculativeDecoder:
                  weight: Optional[float] = None, head: Optional[HeadLike] = None, max_draft: int = 4,
                  temperature: float = 1.0, draft_mode: Optional[str] = None, drafter: Optional[DrafterLike] = None,
                  check_inputs: bool = False, synchronize_timing: bool = True, fast_forward: bool = True,
-                 num_draft: Optional[int] = None):
+                 num_draft: Optional[int] = None, draft_length: PolicyLike = DEFAULT_DRAFT_LENGTH,
+                 draft_cost: Optional[float] = None):
         self.method = check_method(method)
         self.weight = check_weight(method, weight)
         self.head = check_head(method, head)
@@ -103,6 +116,8 @@ class SpeculativeDecoder:
                                          "max_draft" if num_draft is None else "num_draft")
         self.temperature = check_temperature(temperature)
         self.draft_mode = check_draft_mode(method, draft_mode, drafter)
+        self.draft_length = check_draft_length(draft_length, self.max_draft, method=method, weight=self.weight,
+                                               drafter=drafter, draft_cost=draft_cost)
         if target is None:
             raise ValueError("target must be a causal LM, got None")
         if drafter is not None and draft is not None:
@@ -131,9 +146,10 @@ class SpeculativeDecoder:
     def round_config(self) -> RoundConfig:
         """What a decoding round needs of this decoder, read when the round starts (so a changed attribute, say
         the temperature, takes effect at the next round)."""
-        return RoundConfig(max_draft=self.max_draft, temperature=self.temperature, draft_mode=self.draft_mode,
-                           weight=self.weight, head=self.head, drafter=self.drafter, vocab_size=self.vocab_size,
-                           check_inputs=self.check_inputs, device=self.device, clock=self._clock,
+        return RoundConfig(max_draft=self.max_draft, draft_length=self.draft_length, temperature=self.temperature,
+                           draft_mode=self.draft_mode, weight=self.weight, head=self.head, drafter=self.drafter,
+                           vocab_size=self.vocab_size, check_inputs=self.check_inputs, device=self.device,
+                           clock=self._clock,
                            target_runner=self._target_runner, draft_runner=self._draft_runner)
 
     # ---- public API ------------------------------------------------------------------------------------------------

@@ -33,6 +33,8 @@ class DecodingState:
     target_cached: int = 0
     draft_cached: int = 0
     round_index: int = 0
+    draft_length_policy: object = None  # the draft-length policy whose memory the request holds
+    draft_length_memory: object = None  # what that policy learnt of this request (draft_lengths.py)
     finish_reason: Optional[str] = None
     rounds: list[RoundStats] = field(default_factory=list)
     started_at: float = field(default_factory=time.perf_counter)

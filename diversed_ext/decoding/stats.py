@@ -104,6 +104,11 @@ class DecodingSummary:
         return self.new_tokens / self.target_passes if self.target_passes else math.nan
 
     @property
+    def drafts_per_round(self) -> float:
+        """Mean tokens drafted per round (per target pass): what a draft-length policy chose, on average."""
+        return self.drafted / self.target_passes if self.target_passes else math.nan
+
+    @property
     def tokens_per_second(self) -> float:
         """New tokens over the wall time of the generations."""
         return self.new_tokens / self.seconds if self.seconds > 0 else math.nan

@@ -86,21 +86,59 @@ def throughput_summary(generations, wall_seconds: float):
     return dataclasses.replace(summarize(generations), seconds=wall_seconds)
 
 
-def build_decoders(target, draft, specs: Sequence[tuple[str, dict]], *, max_draft: int,
-                   temperature: float) -> dict[str, SpeculativeDecoder]:
+def build_decoders(target, draft, specs: Sequence[tuple[str, dict]], *, max_draft: int, temperature: float,
+                   draft_cost: Optional[float] = None) -> dict[str, SpeculativeDecoder]:
     """One decoder per (label, SpeculativeDecoder keyword arguments); ``ar`` and a callable drafter run without the
-    draft model."""
-    return {label: SpeculativeDecoder(target, None if kwargs["method"] == "ar" or "drafter" in kwargs else draft,
-                                      max_draft=max_draft, temperature=temperature, **kwargs)
-            for label, kwargs in specs}
+    draft model. ``max_draft`` is the default of specs that do not set their own; ``draft_cost`` goes to the specs
+    whose draft length is ``"gain"``."""
+    decoders = {}
+    for label, kwargs in specs:
+        kwargs = {"max_draft": max_draft, **kwargs}
+        if draft_cost is not None and kwargs.get("draft_length") == "gain":
+            kwargs["draft_cost"] = draft_cost
+        model = None if kwargs["method"] == "ar" or "drafter" in kwargs else draft
+        decoders[label] = SpeculativeDecoder(target, model, temperature=temperature, **kwargs)
+    return decoders
 
 
 def encode_examples(task: Task, examples: Sequence[dict], tokenizer, chat: bool = True) -> list[list[int]]:
     return [encode_prompt(tokenizer, task.prompt(example), chat=chat) for example in examples]
 
 
-def method_specs(methods: Sequence[str], weights: Sequence[float], head=None) -> list[tuple[str, dict]]:
-    """(label, SpeculativeDecoder kwargs) for each method name; ``static`` expands to one entry per weight."""
+def method_specs(methods: Sequence[str], weights: Sequence[float], head=None,
+                 draft_lengths: Sequence[str] = (), fixed_ks: Sequence[int] = ()) -> list[tuple[str, dict]]:
+    """(label, SpeculativeDecoder kwargs) for each method name; ``static`` expands to one entry per weight, and each
+    method that drafts to one entry per draft length (see :func:`with_draft_lengths`)."""
+    specs = _plain_method_specs(methods, weights, head)
+    return with_draft_lengths(specs, draft_lengths, fixed_ks) if draft_lengths else specs
+
+
+def with_draft_lengths(specs: Sequence[tuple[str, dict]], draft_lengths: Sequence[str],
+                       fixed_ks: Sequence[int] = ()) -> list[tuple[str, dict]]:
+    """Each spec that drafts once per draft-length policy, labelled "<label> / <policy>": ``"fixed"`` once per K of
+    ``fixed_ks`` ("<label> / K=3"; with no ``fixed_ks``, at the decoders' max_draft), the others capped at the
+    decoders' max_draft. Specs of ``ar`` stay as they are; each spec's entries stay together."""
+    out = []
+    for label, kwargs in specs:
+        if kwargs["method"] == "ar":
+            out.append((label, kwargs))
+            continue
+        for name in draft_lengths:
+            if name == "fixed" and fixed_ks:
+                out += [(f"{label} / K={k}", {**kwargs, "draft_length": "fixed", "max_draft": int(k)})
+                        for k in fixed_ks]
+            else:
+                out.append((f"{label} / {name}", {**kwargs, "draft_length": name}))
+    return out
+
+
+def with_draft_length(specs: Sequence[tuple[str, dict]], draft_length: str) -> list[tuple[str, dict]]:
+    """The specs with every drafting one set to ``draft_length``, labels unchanged."""
+    return [(label, kwargs if kwargs["method"] == "ar" else {**kwargs, "draft_length": draft_length})
+            for label, kwargs in specs]
+
+
+def _plain_method_specs(methods: Sequence[str], weights: Sequence[float], head=None) -> list[tuple[str, dict]]:
     specs = []
     for method in methods:
         if method == "static":
@@ -144,11 +182,13 @@ def demo_methods(weights: Sequence[float] = DEMO_WEIGHTS, head=None) -> list[tup
 
 def run_demo(target, draft, prompts: Sequence[Sequence[int]], specs: Sequence[tuple[str, dict]], *, max_draft: int = 3,
              max_new_tokens: int, temperature: float, seed: int, eos_token_id=None, progress: bool = True,
-             batch_size: Optional[int] = 1, wall_seconds: Optional[dict] = None, num_draft: Optional[int] = None):
+             batch_size: Optional[int] = 1, wall_seconds: Optional[dict] = None, num_draft: Optional[int] = None,
+             draft_cost: Optional[float] = None):
     """label -> the generations of each method on every prompt (``wall_seconds`` as in :func:`run_interleaved`);
-    ``num_draft``: the deprecated name of ``max_draft``."""
+    ``num_draft``: the deprecated name of ``max_draft``; ``draft_cost``: for specs drafting with ``"gain"``."""
     max_draft = renamed_max_draft(max_draft, num_draft, "run_demo")
-    decoders = build_decoders(target, draft, specs, max_draft=max_draft, temperature=temperature)
+    decoders = build_decoders(target, draft, specs, max_draft=max_draft, temperature=temperature,
+                              draft_cost=draft_cost)
     runners = [(label, decoder_runner(decoders[label], prompts, eos_token_id)) for label, _ in specs]
     return run_interleaved(runners, len(prompts), seed=seed, max_new_tokens=max_new_tokens, batch_size=batch_size,
                            desc="demo", progress=progress, wall_seconds=wall_seconds)
@@ -156,13 +196,16 @@ def run_demo(target, draft, prompts: Sequence[Sequence[int]], specs: Sequence[tu
 
 def evaluate(task: Task, examples: Sequence[dict], target, draft, tokenizer, specs: Sequence[tuple[str, dict]], *,
              max_draft: int = 3, max_new_tokens: int = 64, temperature: float = 1.0, seed: int = 0,
-             eos_token_id=None, chat: bool = True, progress: bool = True,
-             batch_size: Optional[int] = 1, num_draft: Optional[int] = None) -> list[MethodResult]:
+             eos_token_id=None, chat: bool = True, progress: bool = True, batch_size: Optional[int] = 1,
+             num_draft: Optional[int] = None, draft_cost: Optional[float] = None,
+             warmup: bool = False) -> list[MethodResult]:
     """Run every method on every example and score the outputs: task reward and fidelity per prompt.
-    ``num_draft``: the deprecated name of ``max_draft``."""
+    ``num_draft``: the deprecated name of ``max_draft``; ``draft_cost``: for specs drafting with ``"gain"``;
+    ``warmup``: run each method once untimed first (for benchmarks; the results are unchanged)."""
     max_draft = renamed_max_draft(max_draft, num_draft, "evaluate")
     prompts = encode_examples(task, examples, tokenizer, chat)
-    decoders = build_decoders(target, draft, specs, max_draft=max_draft, temperature=temperature)
+    decoders = build_decoders(target, draft, specs, max_draft=max_draft, temperature=temperature,
+                              draft_cost=draft_cost)
 
     def scored(label: str) -> Runner:
         generate = decoder_runner(decoders[label], prompts, eos_token_id)
@@ -170,7 +213,9 @@ def evaluate(task: Task, examples: Sequence[dict], target, draft, tokenizer, spe
         def run(indices: Sequence[int], seed: int, max_new_tokens: int):
             start = time.perf_counter()
             generations = generate(indices, seed, max_new_tokens)
-            decode_seconds[label] += time.perf_counter() - start  # scoring below is not decoding time
+            elapsed = time.perf_counter() - start  # scoring below is not decoding time
+            decode_seconds[label] += elapsed
+            batch_work[label].append((sum(len(generation.tokens) for generation in generations), elapsed))
             return [(generation, *_score(generation, index)) for generation, index in zip(generations, indices)]
         return run
 
@@ -180,13 +225,20 @@ def evaluate(task: Task, examples: Sequence[dict], target, draft, tokenizer, spe
         return quality, fidelity(target, prompts[index], tokens, temperature)
 
     decode_seconds = {label: 0.0 for label, _ in specs}
+    batch_work = {label: [] for label, _ in specs}  # (tokens, seconds) of each batch: the unit of paired comparisons
+    if warmup and prompts:
+        for decoder in decoders.values():
+            decoder.generate(prompts[0], max_new_tokens=min(WARMUP_TOKENS, max_new_tokens), seed=seed)
     runs = run_interleaved([(label, scored(label)) for label, _ in specs], len(prompts), seed=seed,
                            max_new_tokens=max_new_tokens, batch_size=batch_size, warmup=False,
                            desc=f"eval {task.name}", progress=progress)
-    return [_method_result(label, kwargs, runs[label], decode_seconds[label]) for label, kwargs in specs]
+    return [_method_result(label, kwargs, runs[label], decode_seconds[label], tuple(batch_work[label]),
+                           decoders[label].draft_length.name)
+            for label, kwargs in specs]
 
 
-def _method_result(label: str, kwargs: dict, runs: list, seconds: float) -> MethodResult:
+def _method_result(label: str, kwargs: dict, runs: list, seconds: float, batch_work: tuple = (),
+                   draft_length: str = "") -> MethodResult:
     generations, quality, fidelities = ([run[i] for run in runs] for i in range(3))
     summary = throughput_summary(generations, seconds)
     usage = weight_usage(generations)
@@ -198,4 +250,6 @@ def _method_result(label: str, kwargs: dict, runs: list, seconds: float) -> Meth
     return MethodResult(label, weight, summary.acceptance_rate, summary.tokens_per_pass, _mean(quality),
                         _mean(finite_fidelities), summary.tokens_per_second, summary.new_tokens, summary.seconds,
                         tuple(fidelities), tuple(quality),
-                        tuple(generation.summary().acceptance_rate for generation in generations), usage)
+                        tuple(generation.summary().acceptance_rate for generation in generations), usage,
+                        drafts_per_round=summary.drafts_per_round, batch_work=batch_work,
+                        draft_length=draft_length if kwargs["method"] != "ar" else "")

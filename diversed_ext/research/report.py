@@ -32,6 +32,9 @@ class MethodResult:
     quality_per_prompt: tuple = ()
     acceptance_per_prompt: tuple = ()  # NaN where nothing was drafted
     weight_usage: Optional[object] = None  # a head's per-token weights (research.head_usage.WeightUsage)
+    drafts_per_round: float = math.nan  # mean tokens drafted per target pass
+    batch_work: tuple = ()  # (new tokens, decoding seconds) of each batch of prompts, batches in order
+    draft_length: str = ""  # the draft-length policy's name ("" for ar)
 
     @property
     def fidelity_se(self) -> float:
@@ -158,10 +161,11 @@ def markdown_rows(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 def markdown_table(results: Sequence[MethodResult], metric: str = "quality") -> str:
     """The results as a markdown table (``metric`` names the task-quality column)."""
-    header = ["method", "w (mean)", "acceptance", "tokens/pass", metric, "fidelity", "tokens/s"]
+    header = ["method", "w (mean)", "acceptance", "drafts/round", "tokens/pass", metric, "fidelity", "tokens/s"]
     return markdown_rows(header, [[row.label, cell(row.weight, ".2f"), cell(row.acceptance),
-                                   cell(row.tokens_per_pass, ".2f"), cell(row.quality),
-                                   with_error(row.fidelity, row.fidelity_se), cell(row.tokens_per_second, ".1f")]
+                                   cell(row.drafts_per_round, ".2f"), cell(row.tokens_per_pass, ".2f"),
+                                   cell(row.quality), with_error(row.fidelity, row.fidelity_se),
+                                   cell(row.tokens_per_second, ".1f")]
                                   for row in results])
 
 
