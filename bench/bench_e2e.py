@@ -49,6 +49,10 @@ diversed over them: the table above then runs at the K with the most sd tokens/s
 --batch-size B adds the batched comparison of bench/bench_e2e_batched.py (its docstring says how it counts), at the
 K the sweep chose; --batched-only runs that comparison alone, at the first --k.
 
+--draft-lengths runs, instead of all of the above, the draft-length comparison of bench/bench_draft_lengths.py (its
+docstring says how it counts): sd, static w and the default head under a fixed K for every --k, transformers'
+heuristic and confidence rules and our gain rule (at most --draft-cap drafts), at B = 1 and at --batch-size.
+
 Writes a markdown table to stdout and a CSV under bench/results/ (or --csv).
 """
 
@@ -281,10 +285,21 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=0,
                         help="also run the batched comparison at this batch size (default 0: off)")
     parser.add_argument("--batched-only", action="store_true", help="skip the B = 1 table")
+    parser.add_argument("--draft-lengths", action="store_true",
+                        help="compare the draft-length policies with the fixed K of every --k (needs --data)")
+    parser.add_argument("--draft-cap", type=int, default=8,
+                        help="the most drafts a round of the adaptive policies (default 8)")
+    parser.add_argument("--draft-cost", type=float,
+                        help="the gain policy's draft pass over target pass (default: the policy's, 0.33)")
     args = parser.parse_args(argv)
     if (args.prompts < 1 or args.max_new_tokens < 1 or min(args.k) < 1 or args.pass_repeats < 1
-            or args.batch_size < 0):
-        parser.error("--prompts, --max-new-tokens, --k and --pass-repeats must be >= 1, --batch-size >= 0")
+            or args.batch_size < 0 or args.draft_cap < 1):
+        parser.error("--prompts, --max-new-tokens, --k, --pass-repeats and --draft-cap must be >= 1, "
+                     "--batch-size >= 0")
+    if args.draft_cost is not None and not 0.0 <= args.draft_cost < float("inf"):
+        parser.error("--draft-cost must be a finite number >= 0")
+    if args.draft_lengths and not args.data:
+        parser.error("--draft-lengths needs --data (a GSM8K jsonl, e.g. ../shared/data/gsm8k/test.jsonl)")
     if not 0.0 <= args.weight <= 1.0:
         parser.error("--weight must be in [0, 1]")
     if not args.temperature >= 0.0:
@@ -295,6 +310,14 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
     target, draft, tokenizer = load_default_pair()
+    if args.draft_lengths:
+        from bench_draft_lengths import print_draft_lengths
+
+        args.k_values = list(dict.fromkeys(args.k))
+        path = args.csv or RESULTS_DIR / f"draft-lengths-{time.strftime('%Y%m%d-%H%M%S')}.csv"
+        write_csv(print_draft_lengths(target, draft, tokenizer, args), path)
+        print(f"CSV: {path}")
+        return 0
     prompts = load_prompts(args, tokenizer)
     if args.batched_only:
         args.k = args.k[0]
