@@ -37,8 +37,8 @@ from ..research.harness import (DEMO_NUM_DRAFT, DEMO_PROMPTS, DEMO_WEIGHTS, demo
 from ..research.report import format_table
 from . import common
 from .common import (USAGE_EXIT_STATUS, UsageError, _add_batch_argument, _add_draft_length_arguments,
-                     _add_model_arguments, _check_draft_cost, _decoder_error, _load_head, _positive_int,
-                     _unit_float, load_models)
+                     _add_model_arguments, _check_draft_cost, _decoder_error, _draft_length_words, _load_head,
+                     _positive_int, _unit_float, load_models)
 from .experiments import EXPERIMENT_HANDLERS, add_experiment_commands
 
 __all__ = ["build_parser", "main", "UsageError", "load_models", "find_bench_script"]
@@ -123,8 +123,7 @@ def _run_demo(args) -> int:
                                max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
                                eos_token_id=eos_ids(tokenizer, target), batch_size=args.batch_size,
                                wall_seconds=wall, draft_cost=args.draft_cost)
-    print(f"{len(prompts)} prompts, up to {args.max_new_tokens} new tokens, draft length {args.draft_length} "
-          f"({'K' if args.draft_length == 'fixed' else 'at most'} {args.max_draft}), batch size "
+    print(f"{len(prompts)} prompts, up to {args.max_new_tokens} new tokens, {_draft_length_words(args)}, batch size "
           f"{args.batch_size}, temperature {args.temperature:g}, torch threads {torch.get_num_threads()}")
     print(format_table([(label, throughput_summary(generations[label], wall[label])) for label, _ in specs]))
     sample = generations["sd"][0].tokens.tolist()

@@ -107,9 +107,25 @@ def _decoder_error() -> Iterator[None]:
 
 def _check_draft_cost(args) -> None:
     """--draft-cost only with a gain policy: a cost nothing reads is a mistake worth saying."""
-    lengths = args.draft_length if isinstance(args.draft_length, list) else [args.draft_length]
-    if args.draft_cost is not None and "gain" not in lengths:
+    if args.draft_cost is not None and "gain" not in _draft_lengths(args)[0]:
         raise UsageError("--draft-cost applies to --draft-length gain")
+
+
+def _draft_lengths(args) -> tuple[list[str], list[int]]:
+    """The --draft-length names (one or several) and --fixed-k values, each once."""
+    lengths = args.draft_length if isinstance(args.draft_length, list) else [args.draft_length]
+    return list(dict.fromkeys(lengths)), list(dict.fromkeys(getattr(args, "fixed_k", None) or []))
+
+
+def _draft_length_words(args) -> str:
+    """"K = 3", "draft length gain (at most 8)" or, for several, the list of them."""
+    lengths, fixed_ks = _draft_lengths(args)
+    fixed_ks = fixed_ks or [args.max_draft]
+    words = []
+    for name in lengths:
+        words.append(f"K = {', '.join(map(str, fixed_ks))}" if name == "fixed"
+                     else f"draft length {name} (at most {args.max_draft})")
+    return "; ".join(words)
 
 
 def _add_batch_argument(parser: argparse.ArgumentParser) -> None:

@@ -11,7 +11,8 @@ import torch
 from ..decoding import METHODS, eos_ids
 from . import common
 from .common import (UsageError, _add_batch_argument, _add_draft_length_arguments, _add_model_arguments,
-                     _check_draft_cost, _decoder_error, _load_head, _non_negative_float,
+                     _check_draft_cost, _decoder_error, _draft_length_words, _draft_lengths, _load_head,
+                     _non_negative_float,
                      _non_negative_int, _positive_float, _positive_int, _require_writable_folder, _unit_float,
                      _weight_of_untrained_head, _write_text)
 
@@ -198,12 +199,6 @@ def _run_train(args) -> int:
     return 0
 
 
-def _draft_lengths(args) -> tuple[list[str], list[int]]:
-    """The --draft-length names (one or several) and --fixed-k values, each once."""
-    lengths = args.draft_length if isinstance(args.draft_length, list) else [args.draft_length]
-    return list(dict.fromkeys(lengths)), list(dict.fromkeys(getattr(args, "fixed_k", None) or []))
-
-
 def _several_draft_lengths(args) -> bool:
     """Whether each method runs under several draft lengths (a row each, labelled "<method> / <length>")."""
     lengths, fixed_ks = _draft_lengths(args)
@@ -253,17 +248,6 @@ def _evaluate_and_print(args, specs_for, comparisons_for) -> int:
               f"{'prompts' if args.batch_size == 1 else 'batches of ' + str(args.batch_size) + ' prompts'}):\n")
         print(draft_length_table(results))
     return 0
-
-
-def _draft_length_words(args) -> str:
-    """"K = 3", "draft length gain (at most 8)" or, for several, the list of them."""
-    lengths, fixed_ks = _draft_lengths(args)
-    fixed_ks = fixed_ks or [args.max_draft]
-    words = []
-    for name in lengths:
-        words.append(f"K = {', '.join(map(str, fixed_ks))}" if name == "fixed"
-                     else f"draft length {name} (at most {args.max_draft})")
-    return "; ".join(words)
 
 
 def _run_eval(args) -> int:
