@@ -41,6 +41,8 @@ models' forward passes.
     python bench/bench_e2e.py [--prompts N] [--max-new-tokens N] [--k K [K ...]] [--weight W] [--temperature T]
                               [--seed S] [--data gsm8k/test.jsonl] [--csv PATH] [--pass-repeats N]
                               [--batch-size B [--batched-only]]
+    python bench/bench_e2e.py --draft-lengths --data gsm8k/test.jsonl [--prompts N] [--k K [K ...]]
+                              [--draft-cap N] [--draft-cost C] [--batch-size B]
 
 Before that table it prints the per-pass costs (bench/pass_costs.py: draft 1-token, target 1-token, target K+1-token,
 medians, and the draft's weight-streaming floor) and, when --k names several values, a sweep of ar / sd / static /
