@@ -41,6 +41,8 @@ from numbers import Integral, Real
 from typing import Optional, Sequence, Union
 
 DRAFT_LENGTHS = ("fixed", "heuristic", "confidence", "gain")
+# No policy beat each method's best fixed K on GSM8K with the default pair (docs/RESULTS.md#draft-lengths), so the
+# loop drafts max_draft tokens a round unless asked otherwise.
 DEFAULT_DRAFT_LENGTH = "fixed"
 
 # transformers' defaults for its two rules (GenerationConfig of an assistant model).

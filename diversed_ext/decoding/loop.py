@@ -71,7 +71,7 @@ class SpeculativeDecoder:
             :mod:`diversed_ext.decoding.draft_lengths`): ``"fixed"`` (``max_draft`` every round), transformers'
             ``"heuristic"`` schedule and ``"confidence"`` threshold, or ``"gain"`` (ours: draft while one more draft
             raises the round's expected tokens per unit of time); or a
-            :class:`~diversed_ext.decoding.DraftLengthPolicy`. Every policy decides per request, so a request's
+            :class:`~diversed_ext.decoding.DraftLengthPolicy` object (whose own ``max_draft`` is then the cap). Every policy decides per request, so a request's
             tokens do not depend on its neighbours, and from what is known before the draft it stops at is
             verified, so the output law is the fixed K's. ``"confidence"`` and ``"gain"`` read the draft's
             probabilities, so they need a draft model (not a callable ``drafter``).
