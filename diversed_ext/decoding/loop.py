@@ -71,9 +71,9 @@ class SpeculativeDecoder:
             :mod:`diversed_ext.decoding.draft_lengths`): ``"fixed"`` (``max_draft`` every round), transformers'
             ``"heuristic"`` schedule and ``"confidence"`` threshold, or ``"gain"`` (ours: draft while one more draft
             raises the round's expected tokens per unit of time); or a
-            :class:`~diversed_ext.decoding.DraftLengthPolicy` object (whose own ``max_draft`` is then the cap). Every policy decides per request, so a request's
-            tokens do not depend on its neighbours, and from what is known before the draft it stops at is
-            verified, so the output law is the fixed K's. ``"confidence"`` and ``"gain"`` read the draft's
+            :class:`~diversed_ext.decoding.DraftLengthPolicy` object (whose own ``max_draft`` is then the cap).
+            Every policy decides per request, so a request's tokens do not depend on its neighbours, and from what
+            is known before the draft it stops at is verified, so the output law is the fixed K's. ``"confidence"`` and ``"gain"`` read the draft's
             probabilities, so they need a draft model (not a callable ``drafter``).
         draft_cost: for ``draft_length="gain"``: one draft pass over one target pass (default 0.33, the default
             pair's on a 2-core CPU; a small draft next to a large GPU target costs about 0.05-0.2).
@@ -149,8 +149,7 @@ class SpeculativeDecoder:
         return RoundConfig(max_draft=self.max_draft, draft_length=self.draft_length, temperature=self.temperature,
                            draft_mode=self.draft_mode, weight=self.weight, head=self.head, drafter=self.drafter,
                            vocab_size=self.vocab_size, check_inputs=self.check_inputs, device=self.device,
-                           clock=self._clock,
-                           target_runner=self._target_runner, draft_runner=self._draft_runner)
+                           clock=self._clock, target_runner=self._target_runner, draft_runner=self._draft_runner)
 
     # ---- public API ------------------------------------------------------------------------------------------------
 
