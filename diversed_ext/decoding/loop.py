@@ -73,8 +73,9 @@ class SpeculativeDecoder:
             raises the round's expected tokens per unit of time); or a
             :class:`~diversed_ext.decoding.DraftLengthPolicy` object (whose own ``max_draft`` is then the cap).
             Every policy decides per request, so a request's tokens do not depend on its neighbours, and from what
-            is known before the draft it stops at is verified, so the output law is the fixed K's. ``"confidence"`` and ``"gain"`` read the draft's
-            probabilities, so they need a draft model (not a callable ``drafter``).
+            is known before the draft it stops at is verified, so the output law is the fixed K's.
+            ``"confidence"`` and ``"gain"`` read the draft's probabilities, so they need a draft model (not a
+            callable ``drafter``).
         draft_cost: for ``draft_length="gain"``: one draft pass over one target pass (default 0.33, the default
             pair's on a 2-core CPU; a small draft next to a large GPU target costs about 0.05-0.2).
         temperature: >= 0; both models' logits are divided by it before the softmax. 0 is greedy decoding: drafts are
