@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from diversed_ext.decoding import DRAFT_LENGTHS, eos_ids
 from diversed_ext.head import load_head
-from diversed_ext.research.draft_length_report import best_fixed, draft_length_table, method_of, paired_speedup
+from diversed_ext.research.draft_length_report import against_best_fixed, draft_length_table
 from diversed_ext.research.harness import evaluate, method_specs
 from diversed_ext.research.report import markdown_table
 from diversed_ext.research.tasks import get_task, load_task_examples
@@ -61,9 +61,7 @@ def print_draft_lengths(target, draft, tokenizer, args) -> list[dict]:
         print(markdown_table(results, "exact match"))
         print(f"\nAgainst each method's best fixed K (tokens/s, paired over {unit}):\n")
         print(draft_length_table(results))
-        best = best_fixed(results)
-        for result in results:
-            ratio, ratio_se = paired_speedup(result, best[method_of(result)])
+        for result, _, ratio, ratio_se in against_best_fixed(results):
             rows.append({"batch_size": batch_size, "label": result.label, "acceptance": result.acceptance,
                          "acceptance_se": result.acceptance_se, "drafts_per_round": result.drafts_per_round,
                          "tokens_per_pass": result.tokens_per_pass, "tokens_per_s": result.tokens_per_second,

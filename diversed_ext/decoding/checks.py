@@ -10,7 +10,6 @@ from typing import Callable, Optional, Sequence, Union
 import torch
 
 from ..ops import SEED_RANGE
-from .draft_lengths import DraftLengthPolicy, make_policy
 
 METHODS = ("ar", "sd", "static", "diversed")
 # What the verifier gets from a draft: its distributions q (the draft samples from q), or its tokens only (q one-hot at
@@ -76,20 +75,6 @@ def check_draft_mode(method: str, draft_mode, drafter) -> str:
     if draft_mode not in (None, "tokens"):
         raise ValueError(f"drafter gives tokens only, so draft_mode must be 'tokens' (or None); got {draft_mode!r}")
     return "tokens"
-
-
-def check_draft_length(draft_length, max_draft: int, *, method: str, weight: float, drafter,
-                       draft_cost) -> DraftLengthPolicy:
-    """The draft-length policy: a name (capped at ``max_draft``) or a policy object. Policies that read the draft's
-    probabilities need a draft model."""
-    if not isinstance(draft_length, (str, DraftLengthPolicy)):
-        raise TypeError(f"draft_length must be a policy name or a DraftLengthPolicy, got {type(draft_length).__name__}")
-    policy = make_policy(draft_length, max_draft, weight=None if method == "diversed" else weight,
-                         draft_cost=draft_cost)
-    if drafter is not None and policy.reads_draft_probs:
-        raise ValueError(f"draft_length {policy.name!r} reads the draft model's probabilities, which a callable "
-                         "drafter does not give: use 'fixed' or 'heuristic' with drafter=")
-    return policy
 
 
 def check_drafted(tokens, k: int, vocab: Optional[int]) -> list[int]:

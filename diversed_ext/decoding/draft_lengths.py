@@ -37,8 +37,10 @@ Policies (``DRAFT_LENGTHS``; each is capped at the decoder's ``max_draft``):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from numbers import Integral, Real
+from numbers import Real
 from typing import Optional, Sequence, Union
+
+from .checks import check_max_draft
 
 DRAFT_LENGTHS = ("fixed", "heuristic", "confidence", "gain")
 # No policy beat each method's best fixed K on GSM8K with the default pair (docs/RESULTS.md#draft-lengths), so the
@@ -99,7 +101,7 @@ class DraftLengthPolicy:
     reads_draft_probs = False  # whether keep_drafting needs q_i(x_i) (the loop computes it only then)
 
     def __init__(self, max_draft: int):
-        self.max_draft = _positive_int(max_draft, "max_draft")
+        self.max_draft = check_max_draft(max_draft)
 
     def start(self) -> object:
         """A new request's memory."""
@@ -127,7 +129,7 @@ class HeuristicDraftLength(DraftLengthPolicy):
 
     def __init__(self, max_draft: int, start: int = HEURISTIC_START):
         super().__init__(max_draft)
-        self.first = min(_positive_int(start, "start"), self.max_draft)
+        self.first = min(check_max_draft(start, "start"), self.max_draft)
 
     def start(self) -> list:
         return [self.first]
@@ -297,12 +299,18 @@ def make_policy(draft_length: PolicyLike, max_draft: int, *, weight: Optional[fl
             "confidence": ConfidenceDraftLength}[draft_length](max_draft)
 
 
-def _positive_int(value, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, Integral):
-        raise TypeError(f"{name} must be an int >= 1, got {type(value).__name__}")
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
-    return int(value)
+def check_draft_length(draft_length, max_draft: int, *, method: str, weight: float, drafter,
+                       draft_cost) -> DraftLengthPolicy:
+    """The decoder's draft-length policy: a name (capped at ``max_draft``) or a policy object. Policies that read the
+    draft's probabilities need a draft model."""
+    if not isinstance(draft_length, (str, DraftLengthPolicy)):
+        raise TypeError(f"draft_length must be a policy name or a DraftLengthPolicy, got {type(draft_length).__name__}")
+    policy = make_policy(draft_length, max_draft, weight=None if method == "diversed" else weight,
+                         draft_cost=draft_cost)
+    if drafter is not None and policy.reads_draft_probs:
+        raise ValueError(f"draft_length {policy.name!r} reads the draft model's probabilities, which a callable "
+                         "drafter does not give: use 'fixed' or 'heuristic' with drafter=")
+    return policy
 
 
 def _unit_float(value, name: str) -> float:

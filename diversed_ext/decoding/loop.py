@@ -39,10 +39,10 @@ from tqdm.auto import tqdm
 
 from ..ops import SEED_RANGE
 from .batch import RoundConfig, run_round
-from .checks import (DrafterLike, HeadLike, PromptLike, check_batch_size, check_draft_length, check_draft_mode,
-                     check_head, check_max_draft, check_max_new_tokens, check_method, check_prompt, check_seed,
-                     check_temperature, check_weight, renamed_max_draft)
-from .draft_lengths import DEFAULT_DRAFT_LENGTH, PolicyLike
+from .checks import (DrafterLike, HeadLike, PromptLike, check_batch_size, check_draft_mode, check_head,
+                     check_max_draft, check_max_new_tokens, check_method, check_prompt, check_seed, check_temperature,
+                     check_weight, renamed_max_draft)
+from .draft_lengths import DEFAULT_DRAFT_LENGTH, PolicyLike, check_draft_length
 from .prompts import normalise_eos, split_prompts
 from .runners import Clock, make_runner, model_device
 from .state import DecodingState

@@ -12,7 +12,12 @@ from typing import Sequence
 
 from .report import MethodResult, cell, markdown_rows, standard_error, with_error
 
-SEPARATOR = " / "
+SEPARATOR = " / "  # between a method's label and its draft length's
+
+
+def draft_length_label(method_label: str, draft_length: str) -> str:
+    """"sd / gain", "static w=0.5 / K=3": the label of a method's row under one draft length."""
+    return f"{method_label}{SEPARATOR}{draft_length}"
 
 
 def method_of(result: MethodResult) -> str:
@@ -68,21 +73,27 @@ def _speedup_cell(ratio: float, error: float) -> str:
     return cell(ratio, ".3f") + ("" if math.isnan(ratio) else "x") + ("" if math.isnan(error) else f" +- {error:.3f}")
 
 
+def against_best_fixed(results: Sequence[MethodResult]) -> list[tuple[MethodResult, bool, float, float]]:
+    """(result, whether it is its method's best fixed K, its paired speed-up over that, the speed-up's standard error)
+    for every result whose method has a fixed-K result, in order."""
+    best = best_fixed(results)
+    compared = []
+    for result in results:
+        baseline = best.get(method_of(result))
+        if baseline is not None:
+            compared.append((result, result is baseline, *paired_speedup(result, baseline)))
+    return compared
+
+
 def draft_length_table(results: Sequence[MethodResult]) -> str:
     """A markdown table: every drafting result grouped by method, with its throughput over the method's best fixed
     K's on the same batches, +- its jackknife standard error over batches (with one prompt a batch, over prompts).
     Empty when no method has a fixed-K result."""
-    best = best_fixed(results)
-    rows = []
-    for result in results:
-        method = method_of(result)
-        if method not in best:
-            continue
-        ratio, ratio_se = paired_speedup(result, best[method])
-        policy = policy_of(result) + (" (best fixed)" if result is best[method] else "")
-        rows.append([method, policy, with_error(result.acceptance, result.acceptance_se),
-                     cell(result.drafts_per_round, ".2f"), cell(result.tokens_per_pass, ".2f"),
-                     cell(result.tokens_per_second, ".1f"), _speedup_cell(ratio, ratio_se)])
+    rows = [[method_of(result), policy_of(result) + (" (best fixed)" if is_best else ""),
+             with_error(result.acceptance, result.acceptance_se), cell(result.drafts_per_round, ".2f"),
+             cell(result.tokens_per_pass, ".2f"), cell(result.tokens_per_second, ".1f"),
+             _speedup_cell(ratio, ratio_se)]
+            for result, is_best, ratio, ratio_se in against_best_fixed(results)]
     if not rows:
         return ""
     header = ["method", "draft length", "acceptance", "drafts/round", "tokens/pass", "tokens/s",

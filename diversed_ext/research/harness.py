@@ -20,6 +20,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 from tqdm.auto import tqdm
 
 from ..decoding import DRAFT_MODES, NgramDrafter, SpeculativeDecoder, encode_prompt, renamed_max_draft, summarize
+from .draft_length_report import draft_length_label
 from .head_usage import weight_usage
 from .report import MethodResult, _mean
 from .tasks import Task
@@ -125,10 +126,10 @@ def with_draft_lengths(specs: Sequence[tuple[str, dict]], draft_lengths: Sequenc
             continue
         for name in draft_lengths:
             if name == "fixed" and fixed_ks:
-                out += [(f"{label} / K={k}", {**kwargs, "draft_length": "fixed", "max_draft": int(k)})
+                out += [(draft_length_label(label, f"K={k}"), {**kwargs, "draft_length": "fixed", "max_draft": int(k)})
                         for k in fixed_ks]
             else:
-                out.append((f"{label} / {name}", {**kwargs, "draft_length": name}))
+                out.append((draft_length_label(label, name), {**kwargs, "draft_length": name}))
     return out
 
 
@@ -214,7 +215,6 @@ def evaluate(task: Task, examples: Sequence[dict], target, draft, tokenizer, spe
             start = time.perf_counter()
             generations = generate(indices, seed, max_new_tokens)
             elapsed = time.perf_counter() - start  # scoring below is not decoding time
-            decode_seconds[label] += elapsed
             batch_work[label].append((sum(len(generation.tokens) for generation in generations), elapsed))
             return [(generation, *_score(generation, index)) for generation, index in zip(generations, indices)]
         return run
@@ -224,23 +224,21 @@ def evaluate(task: Task, examples: Sequence[dict], target, draft, tokenizer, spe
         quality = float(task.reward(examples[index], tokenizer.decode(tokens, skip_special_tokens=True)))
         return quality, fidelity(target, prompts[index], tokens, temperature)
 
-    decode_seconds = {label: 0.0 for label, _ in specs}
-    batch_work = {label: [] for label, _ in specs}  # (tokens, seconds) of each batch: the unit of paired comparisons
+    # (new tokens, decoding seconds) of each batch: the method's decoding time, and the unit of paired comparisons
+    batch_work = {label: [] for label, _ in specs}
     if warmup and prompts:
         for decoder in decoders.values():
             decoder.generate(prompts[0], max_new_tokens=min(WARMUP_TOKENS, max_new_tokens), seed=seed)
     runs = run_interleaved([(label, scored(label)) for label, _ in specs], len(prompts), seed=seed,
                            max_new_tokens=max_new_tokens, batch_size=batch_size, warmup=False,
                            desc=f"eval {task.name}", progress=progress)
-    return [_method_result(label, kwargs, runs[label], decode_seconds[label], tuple(batch_work[label]),
-                           decoders[label].draft_length.name)
+    return [_method_result(label, kwargs, runs[label], tuple(batch_work[label]), decoders[label].draft_length.name)
             for label, kwargs in specs]
 
 
-def _method_result(label: str, kwargs: dict, runs: list, seconds: float, batch_work: tuple = (),
-                   draft_length: str = "") -> MethodResult:
+def _method_result(label: str, kwargs: dict, runs: list, batch_work: tuple, draft_length: str) -> MethodResult:
     generations, quality, fidelities = ([run[i] for run in runs] for i in range(3))
-    summary = throughput_summary(generations, seconds)
+    summary = throughput_summary(generations, sum(seconds for _, seconds in batch_work))
     usage = weight_usage(generations)
     if usage is not None:
         weight = usage.mean
