@@ -75,3 +75,42 @@ def philox_uniforms_torch(seeds: torch.Tensor, offset, num_positions: int, per_r
         k0 = (k0 + PHILOX_W0) & _MASK32
         k1 = (k1 + PHILOX_W1) & _MASK32
     return (c0 >> (32 - UNIFORM_BITS)).to(torch.float64) / float(1 << UNIFORM_BITS)
+
+
+# Seedless CUDA calls draw their seed inside the kernel from torch's CUDA generator: 64 bits of Philox4x32-10 keyed by
+# the generator's seed, at the counter (offset, GENERATOR_DRAW_LANE, 0 or 1), each call moving the generator's offset
+# by GENERATOR_INCREMENT (verify_math.h's seed_from_generator and ops_cuda.cu).
+GENERATOR_DRAW_LANE = 0x5EED
+GENERATOR_INCREMENT = 4
+
+
+def _philox_first_word_int(counter: tuple[int, int, int, int], key: tuple[int, int]) -> int:
+    """The first 32-bit word of Philox4x32-10 for one counter and key, in Python integers."""
+    c0, c1, c2, c3 = counter
+    k0, k1 = key
+    for _ in range(PHILOX_ROUNDS):
+        product0, product1 = PHILOX_M0 * c0, PHILOX_M1 * c2
+        c0, c1, c2, c3 = ((product1 >> 32) ^ c1 ^ k0, product1 & _MASK32, (product0 >> 32) ^ c3 ^ k1,
+                          product0 & _MASK32)
+        k0, k1 = (k0 + PHILOX_W0) & _MASK32, (k1 + PHILOX_W1) & _MASK32
+    return c0
+
+
+def seed_from_generator(generator_seed: int, generator_offset: int) -> int:
+    """The int64 seed a seedless CUDA call draws from a generator state (seed, offset), as the kernel computes it."""
+    seed, offset = generator_seed % 2**64, generator_offset % 2**64
+    key = (seed & _MASK32, seed >> 32)
+    words = [_philox_first_word_int((offset & _MASK32, offset >> 32, GENERATOR_DRAW_LANE, lane), key)
+             for lane in (0, 1)]
+    value = (words[1] << 32) | words[0]
+    return value - 2**64 if value >= 2**63 else value
+
+
+def draw_cuda_generator_seed(device: torch.device) -> int:
+    """Draws the seed a seedless verify call on this CUDA device would draw now, advancing the generator alike."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    generator = torch.cuda.default_generators[index]
+    offset = generator.get_offset()
+    generator.set_offset(offset + GENERATOR_INCREMENT)
+    return seed_from_generator(generator.initial_seed(), offset)
+
