@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "../common/vocab_split.h"
 #include "row_loads.cuh"
 
 namespace diversed {
@@ -80,26 +81,31 @@ __device__ __forceinline__ int64_t block_max(int64_t value, BlockStorage& s) {
 }
 
 // ------------------------------------------------------------------------------------------------ row operations
-// Each is called by every thread of the block and returns the same value in every thread.
+// Each is called by every thread of the block and returns the same value in every thread. Each reads one span of a
+// row (Span{0, V}: the whole row; the split kernels give each block one chunk), and tiles start where the row's
+// alignment puts them, shifted by the span's start (a multiple of every vector width, see vocab_split.h).
 
-// Softmax normaliser of logits scaled by inverse_temperature, reading the row once (online softmax): each thread keeps
-// its running max and its sum of exp(s - running max), rescaled when a tile raises the max; the block then rescales
-// every thread's sum to the row max and adds them. Float partials per tile, float64 across tiles. NaN is skipped by the
-// max; a row without a finite logit has no mass.
+// The first tile of a span, for rows whose tiles the layout aligns.
+__device__ __forceinline__ int64_t first_tile(Span span, const TileLayout& layout) { return span.begin + layout.base; }
+
+// Softmax partial of logits scaled by inverse_temperature over a span, reading it once (online softmax): each thread
+// keeps its running max and its sum of exp(s - running max), rescaled when a tile raises the max; the block then
+// rescales every thread's sum to the span's max and adds them. Float partials per tile, float64 across tiles. NaN is
+// skipped by the max; a span without a finite logit has max -inf and sum 0.
 template <typename T>
-__device__ SoftmaxStats block_softmax_stats(const T* row, int64_t vocab, float inverse_temperature, BlockStorage& s) {
+__device__ SoftmaxPartial block_softmax_partial(const T* row, Span span, float inverse_temperature, BlockStorage& s) {
   const TileLayout layout = tile_layout<T>(row, nullptr);
   float thread_max = -INFINITY;
   double thread_sum = 0.0;
-  for (int64_t tile = layout.base; tile < vocab; tile += kTileElements) {
+  for (int64_t tile = first_tile(span, layout); tile < span.end; tile += kTileElements) {
     const int64_t first = thread_first(tile);
     float scaled[kItemsPerThread];
-    load_items(row, first, vocab, layout.vectorised, scaled);
+    load_items(row, first, span, layout.vectorised, scaled);
     float tile_max = thread_max;
 #pragma unroll
     for (int k = 0; k < kItemsPerThread; ++k) {
       scaled[k] *= inverse_temperature;
-      if (in_row(first + k, vocab) && scaled[k] > tile_max) tile_max = scaled[k];
+      if (span.contains(first + k) && scaled[k] > tile_max) tile_max = scaled[k];
     }
     if (!(tile_max > -INFINITY)) continue;  // nothing finite seen by this thread yet
     if (tile_max > thread_max) thread_sum = rescale_exp_sum(thread_sum, thread_max, tile_max);
@@ -107,66 +113,91 @@ __device__ SoftmaxStats block_softmax_stats(const T* row, int64_t vocab, float i
     float partial = 0.0f;
 #pragma unroll
     for (int k = 0; k < kItemsPerThread; ++k)
-      if (in_row(first + k, vocab)) partial += exp_nonpositive(scaled[k] - thread_max);
+      if (span.contains(first + k)) partial += exp_nonpositive(scaled[k] - thread_max);
     thread_sum += static_cast<double>(partial);
   }
-  const float row_max = block_all_reduce(thread_max, MaxOp{}, s.temp.max, s.result.max);
-  if (!(row_max > -INFINITY)) return SoftmaxStats{-INFINITY, 0.0f};
-  const double total = block_sum(rescale_exp_sum(thread_sum, thread_max, row_max), s);
-  return SoftmaxStats{row_max, static_cast<float>(1.0 / total)};
+  const float span_max = block_all_reduce(thread_max, MaxOp{}, s.temp.max, s.result.max);
+  if (!(span_max > -INFINITY)) return SoftmaxPartial{-INFINITY, 0.0};
+  return SoftmaxPartial{span_max, block_sum(rescale_exp_sum(thread_sum, thread_max, span_max), s)};
 }
 
-// argmax of nu = w p + (1 - w) q (or of p without a draft row); ties to the lowest id. Always in [0, vocab).
+// The softmax normaliser of a whole row: its max and 1 / sum exp(s - max).
+template <typename T>
+__device__ SoftmaxStats block_softmax_stats(const T* row, int64_t vocab, float inverse_temperature, BlockStorage& s) {
+  const SoftmaxPartial partial = block_softmax_partial(row, Span{0, vocab}, inverse_temperature, s);
+  return finish_softmax(partial.max, partial.sum);
+}
+
+// argmax over a span of nu = w p + (1 - w) q (or of p without a draft row), ties to the lowest id; an index of
+// INT64_MAX (which loses to every element) for an empty span.
 template <typename Row, typename Draft>
-__device__ int64_t block_argmax_mixture(const Row& target, const Draft* draft, float weight, int64_t vocab,
-                                        BlockStorage& s) {
+__device__ ArgMax block_argmax_span(const Row& target, const Draft* draft, float weight, Span span, BlockStorage& s) {
   const TileLayout layout = tile_layout(target.values, row_memory(draft));
-  ArgMax best{-1.0f, vocab};  // loses to every element: masses are >= 0
-  for (int64_t tile = layout.base; tile < vocab; tile += kTileElements) {
+  ArgMax best{-1.0f, INT64_MAX};  // loses to every element: masses are >= 0
+  for (int64_t tile = first_tile(span, layout); tile < span.end; tile += kTileElements) {
     const int64_t first = thread_first(tile);
     float p[kItemsPerThread], q[kItemsPerThread];
-    load_masses(target, first, vocab, layout.vectorised, p);
-    if (draft != nullptr) load_masses(*draft, first, vocab, layout.vectorised, q);
+    load_masses(target, first, span, layout.vectorised, p);
+    if (draft != nullptr) load_masses(*draft, first, span, layout.vectorised, q);
 #pragma unroll
     for (int k = 0; k < kItemsPerThread; ++k) {
       const int64_t v = first + k;
       const float nu = draft != nullptr ? mix_mass(weight, p[k], q[k]) : p[k];
-      if (in_row(v, vocab) && better_candidate(nu, v, best.value, best.index)) best = ArgMax{nu, v};
+      if (span.contains(v) && better_candidate(nu, v, best.value, best.index)) best = ArgMax{nu, v};
     }
   }
-  const int64_t index = block_all_reduce(best, ArgMaxOp{}, s.temp.argmax, s.result.argmax).index;
+  return block_all_reduce(best, ArgMaxOp{}, s.temp.argmax, s.result.argmax);
+}
+
+// The argmax over a whole row, always in [0, vocab).
+template <typename Row, typename Draft>
+__device__ int64_t block_argmax_mixture(const Row& target, const Draft* draft, float weight, int64_t vocab,
+                                        BlockStorage& s) {
+  const int64_t index = block_argmax_span(target, draft, weight, Span{0, vocab}, s).index;
   return index < vocab ? index : 0;  // unreachable guard: vocab >= 1, so some element always wins
 }
 
-// Sum of the sampled mass (residual with a draft row, p without), in float64.
+// What a sampled row's final step may draw from, summed over a span in float64: the sampled mass (the residual
+// max(0, p - q) with a draft row, p without) and p alone, which the sample falls back to when the residual has none.
+struct SampleTotals {
+  double sampled, target;
+};
+
 template <typename Row, typename Draft>
-__device__ double block_sample_total(const Row& target, const Draft* draft, int64_t vocab, BlockStorage& s) {
+__device__ SampleTotals block_sample_totals(const Row& target, const Draft* draft, Span span, BlockStorage& s) {
   const TileLayout layout = tile_layout(target.values, row_memory(draft));
-  double thread_sum = 0.0;
-  for (int64_t tile = layout.base; tile < vocab; tile += kTileElements) {
-    float mass[kItemsPerThread];
-    load_sample_masses(target, draft, thread_first(tile), vocab, layout.vectorised, mass);
+  double thread_sampled = 0.0, thread_target = 0.0;
+  for (int64_t tile = first_tile(span, layout); tile < span.end; tile += kTileElements) {
+    const int64_t first = thread_first(tile);
+    float p[kItemsPerThread], q[kItemsPerThread];
+    load_masses(target, first, span, layout.vectorised, p);
+    if (draft != nullptr) load_masses(*draft, first, span, layout.vectorised, q);
 #pragma unroll
-    for (int k = 0; k < kItemsPerThread; ++k) thread_sum += static_cast<double>(mass[k]);
+    for (int k = 0; k < kItemsPerThread; ++k) {
+      thread_target += static_cast<double>(p[k]);
+      if (draft != nullptr) thread_sampled += static_cast<double>(residual_mass(p[k], q[k]));
+    }
   }
-  return block_sum(thread_sum, s);
+  const double target_total = block_sum(thread_target, s);
+  return SampleTotals{draft != nullptr ? block_sum(thread_sampled, s) : target_total, target_total};
 }
 
-// Inverse CDF: the first id whose running sum of sampled mass exceeds `threshold` (= u * total, total > 0), tile by
-// tile with a block-wide exclusive scan in float64. Only ids with positive mass can be chosen, and when rounding puts
-// the threshold past the scanned sum (the scan and the total add in different orders), the last id with positive mass
-// is returned: a parallel prefix sum is not monotone in floating point, yet the sample must have positive mass.
+// Inverse CDF over a span: the first id whose running sum of sampled mass exceeds `threshold` (relative to the span's
+// start), tile by tile with a block-wide exclusive scan in float64. Only ids with positive mass can be chosen, and
+// when rounding puts the threshold past the scanned sum (the scan and the totals add in different orders), the last
+// id with positive mass is returned: a parallel prefix sum is not monotone in floating point, yet the sample must have
+// positive mass. -1 when the span has no mass. sample_in_chunk (vocab_split.h) states the same rule sequentially.
 template <typename Row, typename Draft>
-__device__ int64_t block_inverse_cdf(const Row& target, const Draft* draft, int64_t vocab, double threshold,
+__device__ int64_t block_inverse_cdf(const Row& target, const Draft* draft, Span span, double threshold,
                                      BlockStorage& s) {
   const TileLayout layout = tile_layout(target.values, row_memory(draft));
   constexpr int64_t kNone = INT64_MAX;
   double carry = 0.0;              // mass of all earlier tiles
   int64_t last_positive = -1;      // this thread's last element with positive mass
-  for (int64_t tile = layout.base; tile < vocab; tile += kTileElements) {
+  for (int64_t tile = first_tile(span, layout); tile < span.end; tile += kTileElements) {
     const int64_t first = thread_first(tile);
     float mass[kItemsPerThread];
-    load_sample_masses(target, draft, first, vocab, layout.vectorised, mass);
+    load_sample_masses(target, draft, first, span, layout.vectorised, mass);
     double local = 0.0;
 #pragma unroll
     for (int k = 0; k < kItemsPerThread; ++k) local += static_cast<double>(mass[k]);
@@ -177,7 +208,7 @@ __device__ int64_t block_inverse_cdf(const Row& target, const Draft* draft, int6
     int64_t found = kNone;
 #pragma unroll
     for (int k = 0; k < kItemsPerThread; ++k) {
-      if (mass[k] > 0.0f) {  // 0 outside the row
+      if (mass[k] > 0.0f) {  // 0 outside the span
         running += static_cast<double>(mass[k]);
         last_positive = first + k;
         if (found == kNone && running > threshold) found = first + k;
@@ -187,8 +218,7 @@ __device__ int64_t block_inverse_cdf(const Row& target, const Draft* draft, int6
     if (found != kNone) return found;
     carry += tile_total;
   }
-  const int64_t fallback = block_max(last_positive, s);
-  return fallback >= 0 ? fallback : 0;  // no mass at all cannot happen with total > 0; 0 keeps the id in range
+  return block_max(last_positive, s);
 }
 
 }  // namespace gpu

@@ -1,10 +1,11 @@
 // Reading distribution rows in the CUDA kernels: element decoding, 16-byte vector loads over tiles, and the row
 // policies that turn loaded elements into probability mass. Free of torch, like every header of the CUDA kernels.
 //
-// One thread block works on one row (per request for verify), reading it in tiles of kThreads x kItemsPerThread
-// elements, each thread owning kItemsPerThread consecutive elements, loaded with 16-byte vector loads where the row
-// allows it (rows start at row * V elements, so a row is aligned only when V is a multiple of the vector width:
-// misaligned rows get a short scalar head, see TileLayout). Nothing is read outside [0, V) of a row.
+// A thread block works on a span of a row (the whole row, or one chunk of it in the split kernels), reading it in
+// tiles of kThreads x kItemsPerThread elements, each thread owning kItemsPerThread consecutive elements, loaded with
+// 16-byte vector loads where the row allows it (rows start at row * V elements, so a row is aligned only when V is a
+// multiple of the vector width: misaligned rows get a short scalar head, see TileLayout). Nothing is read outside the
+// span, which lies inside [0, V) of the row.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -57,6 +58,12 @@ constexpr int kVectorWidth = 16 / static_cast<int>(sizeof(T));  // elements per 
 
 __device__ __forceinline__ bool in_row(int64_t v, int64_t vocab) { return v >= 0 && v < vocab; }
 
+// The elements [begin, end) of a row that one block reads, with 0 <= begin <= end <= V.
+struct Span {
+  int64_t begin, end;
+  __device__ __forceinline__ bool contains(int64_t v) const { return v >= begin && v < end; }
+};
+
 template <typename T>
 __device__ __forceinline__ float load_element(const T* row, int64_t v) {
   using Bits = typename Element<T>::Bits;
@@ -80,17 +87,17 @@ __device__ __forceinline__ TileLayout tile_layout(const T* first, const void* se
   return TileLayout{head > 0 ? head - kVectorWidth<T> : 0, true};
 }
 
-// Elements [first, first + kItemsPerThread) of a row as float32; entries outside [0, vocab) read as 0 and are never
-// loaded (callers skip them with in_row).
+// Elements [first, first + kItemsPerThread) of a row as float32; entries outside the span read as 0 and are never
+// loaded (callers skip them with span.contains).
 template <typename T>
-__device__ __forceinline__ void load_items(const T* row, int64_t first, int64_t vocab, bool vectorised,
+__device__ __forceinline__ void load_items(const T* row, int64_t first, Span span, bool vectorised,
                                            float (&x)[kItemsPerThread]) {
   using Bits = typename Element<T>::Bits;
   constexpr int kWidth = kVectorWidth<T>;
 #pragma unroll
   for (int j = 0; j < kItemsPerThread / kWidth; ++j) {
     const int64_t start = first + j * kWidth;
-    if (vectorised && start >= 0 && start + kWidth <= vocab) {
+    if (vectorised && start >= span.begin && start + kWidth <= span.end) {
       const uint4 raw = __ldg(reinterpret_cast<const uint4*>(row + start));
       const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
 #pragma unroll
@@ -110,7 +117,7 @@ __device__ __forceinline__ void load_items(const T* row, int64_t first, int64_t 
 #pragma unroll
       for (int k = 0; k < kWidth; ++k) {
         const int64_t v = start + k;
-        x[j * kWidth + k] = in_row(v, vocab) ? load_element(row, v) : 0.0f;
+        x[j * kWidth + k] = span.contains(v) ? load_element(row, v) : 0.0f;
       }
     }
   }
@@ -153,30 +160,30 @@ __device__ __forceinline__ const void* row_memory(const Row* row) {
 }
 __device__ __forceinline__ const void* row_memory(const OneHotRow*) { return nullptr; }
 
-// Masses of this thread's elements of a tile; 0 outside the row.
+// Masses of this thread's elements of a tile; 0 outside the span.
 template <typename Row>
-__device__ __forceinline__ void load_masses(const Row& row, int64_t first, int64_t vocab, bool vectorised,
+__device__ __forceinline__ void load_masses(const Row& row, int64_t first, Span span, bool vectorised,
                                             float (&mass)[kItemsPerThread]) {
-  load_items(row.values, first, vocab, vectorised, mass);
+  load_items(row.values, first, span, vectorised, mass);
 #pragma unroll
-  for (int k = 0; k < kItemsPerThread; ++k) mass[k] = in_row(first + k, vocab) ? row.mass(mass[k]) : 0.0f;
+  for (int k = 0; k < kItemsPerThread; ++k) mass[k] = span.contains(first + k) ? row.mass(mass[k]) : 0.0f;
 }
 
-__device__ __forceinline__ void load_masses(const OneHotRow& row, int64_t first, int64_t vocab, bool,
+__device__ __forceinline__ void load_masses(const OneHotRow& row, int64_t first, Span span, bool,
                                             float (&mass)[kItemsPerThread]) {
 #pragma unroll
   for (int k = 0; k < kItemsPerThread; ++k)
-    mass[k] = in_row(first + k, vocab) ? one_hot_mass(first + k, row.token) : 0.0f;  // 0 outside the row, as loads
+    mass[k] = span.contains(first + k) ? one_hot_mass(first + k, row.token) : 0.0f;  // 0 outside, as loads
 }
 
 // The mass sampled by the final step: max(0, p - q) with a draft row, p alone without.
 template <typename Row, typename Draft>
-__device__ __forceinline__ void load_sample_masses(const Row& target, const Draft* draft, int64_t first,
-                                                   int64_t vocab, bool vectorised, float (&mass)[kItemsPerThread]) {
-  load_masses(target, first, vocab, vectorised, mass);
+__device__ __forceinline__ void load_sample_masses(const Row& target, const Draft* draft, int64_t first, Span span,
+                                                   bool vectorised, float (&mass)[kItemsPerThread]) {
+  load_masses(target, first, span, vectorised, mass);
   if (draft != nullptr) {
     float q[kItemsPerThread];
-    load_masses(*draft, first, vocab, vectorised, q);
+    load_masses(*draft, first, span, vectorised, q);
 #pragma unroll
     for (int k = 0; k < kItemsPerThread; ++k) mass[k] = residual_mass(mass[k], q[k]);
   }

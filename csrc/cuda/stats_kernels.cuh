@@ -36,8 +36,8 @@ __device__ __forceinline__ void for_each_pair_tile(const Row& target, const Row&
   for (int64_t tile = layout.base; tile < vocab; tile += kTileElements) {
     const int64_t first = thread_first(tile);
     float p[kItemsPerThread], q[kItemsPerThread];
-    load_masses(target, first, vocab, layout.vectorised, p);
-    load_masses(draft, first, vocab, layout.vectorised, q);
+    load_masses(target, first, Span{0, vocab}, layout.vectorised, p);
+    load_masses(draft, first, Span{0, vocab}, layout.vectorised, q);
     f(first, p, q);
   }
 }

@@ -102,6 +102,44 @@ inline int64_t logits_scratch_size(int64_t batch, int64_t num_positions) {
   return batch * (2 * num_positions + 1);
 }
 
+// Accept tests of a sampled (not greedy) row at its drafted positions, one position per thread: returns m, the first
+// rejection (drafted when every test passes), in every thread. With write_outputs, also each drafted position's
+// accept_prob.
+template <typename Rows>
+__device__ int64_t sampled_first_rejection(const VerifyProblem& params, const Rows& rows, int64_t b, int64_t drafted,
+                                           bool write_outputs, BlockStorage& storage) {
+  using Row = typename Rows::Row;
+  using DraftRow = typename Rows::DraftRow;
+  const int64_t K = params.num_positions;
+  int64_t first_rejection = drafted;
+  for (int64_t i = threadIdx.x; i < drafted; i += kThreads) {
+    const int64_t token = params.draft_tokens[b * K + i];
+    float probability = 0.0f;
+    bool accepted = false;
+    if (in_row(token, params.vocab)) {
+      const Row target = rows.target_row(params, b, i);
+      const DraftRow draft = rows.draft_row(params, b, i);
+      const float q = mass_at(draft, token);
+      const float nu = mix_mass(params.weight_at(b, i), mass_at(target, token), q);
+      probability = accept_probability(nu, q);
+      accepted = accept_draft(params.uniform(b, i), q, nu);
+    }
+    if (write_outputs) params.out_accept_prob[b * K + i] = probability;
+    if (!accepted && i < first_rejection) first_rejection = i;
+  }
+  return block_min(first_rejection, storage);
+}
+
+// Every output of row b but its final token: accept_prob past num_draft, the accepted drafts, -1 padding, and m.
+__device__ __forceinline__ void write_row_outputs(const VerifyProblem& params, int64_t b, int64_t drafted, int64_t m) {
+  const int64_t K = params.num_positions;
+  for (int64_t i = drafted + threadIdx.x; i < K; i += kThreads) params.out_accept_prob[b * K + i] = 0.0f;
+  int64_t* row_tokens = params.out_tokens + b * (K + 1);
+  for (int64_t i = threadIdx.x; i <= K; i += kThreads)
+    if (i != m) row_tokens[i] = i < m ? params.draft_tokens[b * K + i] : -1;
+  if (threadIdx.x == 0) params.out_num_accepted[b] = static_cast<int32_t>(m);
+}
+
 // One block per request: accept tests, outputs, then the greedy argmax or the residual/bonus sample.
 template <typename Rows>
 __global__ void __launch_bounds__(kThreads) verify_kernel(const VerifyProblem params, const Rows rows) {
@@ -130,31 +168,12 @@ __global__ void __launch_bounds__(kThreads) verify_kernel(const VerifyProblem pa
       }
     }
   } else {
-    int64_t first_rejection = drafted;
-    for (int64_t i = threadIdx.x; i < drafted; i += kThreads) {
-      const int64_t token = params.draft_tokens[b * K + i];
-      float probability = 0.0f;
-      bool accepted = false;
-      if (in_row(token, V)) {
-        const Row target = rows.target_row(params, b, i);
-        const DraftRow draft = rows.draft_row(params, b, i);
-        const float q = mass_at(draft, token);
-        const float nu = mix_mass(params.weight_at(b, i), mass_at(target, token), q);
-        probability = accept_probability(nu, q);
-        accepted = accept_draft(params.uniform(b, i), q, nu);
-      }
-      params.out_accept_prob[b * K + i] = probability;
-      if (!accepted && i < first_rejection) first_rejection = i;
-    }
-    m = block_min(first_rejection, storage);
+    m = sampled_first_rejection(params, rows, b, drafted, true, storage);
   }
 
-  // 2. Every output but the final token: accept_prob past num_draft, accepted drafts, -1 padding.
-  for (int64_t i = drafted + threadIdx.x; i < K; i += kThreads) params.out_accept_prob[b * K + i] = 0.0f;
+  // 2. Every output but the final token.
+  write_row_outputs(params, b, drafted, m);
   int64_t* row_tokens = params.out_tokens + b * (K + 1);
-  for (int64_t i = threadIdx.x; i <= K; i += kThreads)
-    if (i != m) row_tokens[i] = i < m ? params.draft_tokens[b * K + i] : -1;
-  if (threadIdx.x == 0) params.out_num_accepted[b] = static_cast<int32_t>(m);
 
   // 3. The final token at position m.
   const bool rejected = m < drafted;
@@ -173,13 +192,15 @@ __global__ void __launch_bounds__(kThreads) verify_kernel(const VerifyProblem pa
     DraftRow draft_storage{};
     if (use_residual) draft_storage = rows.draft_row(params, b, m);
     const DraftRow* draft = use_residual ? &draft_storage : nullptr;
-    double total = block_sample_total(target, draft, V, storage);
-    if (!(total > 0.0) && draft != nullptr) {
+    const SampleTotals totals = block_sample_totals(target, draft, Span{0, V}, storage);
+    double total = totals.sampled;
+    if (!(total > 0.0) && draft != nullptr) {  // zero residual: sample p itself
       draft = nullptr;
-      total = block_sample_total(target, draft, V, storage);
+      total = totals.target;
     }
-    choice = 0;  // a target row without mass has no valid sample; 0 keeps the id in range
-    if (total > 0.0) choice = block_inverse_cdf(target, draft, V, params.uniform(b, K) * total, storage);
+    choice = -1;
+    if (total > 0.0) choice = block_inverse_cdf(target, draft, Span{0, V}, params.uniform(b, K) * total, storage);
+    if (choice < 0) choice = 0;  // a target row without mass has no valid sample; 0 keeps the id in range
   }
   if (threadIdx.x == 0) row_tokens[m] = choice;
 }
