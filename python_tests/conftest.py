@@ -32,3 +32,10 @@ def wide_pair():
 
     return wide_pair_models()
 
+
+@pytest.fixture(params=["block", "split"])
+def cuda_kernels(request, monkeypatch):
+    """Runs a CUDA test once per family of verify kernels (DIVERSED_CUDA_KERNELS, read at every call: "block" gives a
+    request one thread block, "split" spreads its vocabulary over many); the CPU kernels ignore the variable."""
+    monkeypatch.setenv("DIVERSED_CUDA_KERNELS", request.param)
+    return request.param

@@ -90,6 +90,7 @@ def verify_inputs(batch, num_positions, vocab, dtype, seed):
 
 # ------------------------------------------------------------------------------------------------ verify (probs)
 @requires_cuda
+@pytest.mark.usefixtures("cuda_kernels")
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("vocab", VOCABS)
 @pytest.mark.parametrize("num_positions", [0, 1, 4])
@@ -101,6 +102,7 @@ def test_verify_probs_matches_cpu(dtype, vocab, num_positions):
 
 
 @requires_cuda
+@pytest.mark.usefixtures("cuda_kernels")
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_seeded_draws_match_cpu(dtype):
     batch, num_positions, vocab = 16, 4, 1000
@@ -117,6 +119,7 @@ def test_seeded_draws_match_cpu(dtype):
 
 
 @requires_cuda
+@pytest.mark.usefixtures("cuda_kernels")
 def test_misaligned_rows_and_single_rows():
     # V = 4097 float / 4099 bf16: every row starts at a different offset from 16 bytes; one row per request too.
     for dtype, vocab in ((torch.float32, 4097), (torch.bfloat16, 4099), (torch.float16, 3)):
@@ -132,6 +135,7 @@ def test_misaligned_rows_and_single_rows():
 
 # ----------------------------------------------------------------------------------------------- verify (logits)
 @requires_cuda
+@pytest.mark.usefixtures("cuda_kernels")
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("vocab", VOCABS)
 @pytest.mark.parametrize("num_positions", [0, 1, 4])
@@ -144,6 +148,7 @@ def test_verify_logits_matches_cpu(dtype, vocab, num_positions):
 
 
 @requires_cuda
+@pytest.mark.usefixtures("cuda_kernels")
 def test_verify_logits_seeded_and_masked_rows():
     tokens, draft, target = random_logits(8, 3, 5000, seed=7, dtype=torch.float32)
     draft[:, :, 4000:] = float("-inf")
@@ -156,6 +161,28 @@ def test_verify_logits_seeded_and_masked_rows():
                          temperature=torch.full((8,), 0.8), boundary_tol=1e-5)
     emitted = gpu.tokens[gpu.tokens >= 0]
     assert torch.all(emitted < 4500)
+
+
+@requires_cuda
+@pytest.mark.usefixtures("cuda_kernels")
+@pytest.mark.parametrize("from_logits", [False, True])
+@pytest.mark.parametrize("batch,vocab", [(1, 262144), (3, 50001), (64, 8193)])
+def test_wide_rows_match_cpu(from_logits, batch, vocab):
+    # One request over a 262144-token vocabulary: the split kernels cut its rows into many chunks.
+    tokens, draft, target = random_logits(batch, 4, vocab, seed=vocab, dtype=torch.float32)
+    if not from_logits:
+        draft, target = draft.softmax(-1), target.softmax(-1)
+    generator = torch.Generator().manual_seed(batch)
+    uniforms = torch.rand(batch, 5, dtype=torch.float64, generator=generator)
+    weight = torch.rand(batch, 4, generator=generator)
+    num_draft = torch.randint(0, 5, (batch,), generator=generator)
+    temperature = torch.full((batch,), 0.9)
+    temperature[0] = 0.0  # one greedy row
+    options = {"temperature": temperature} if from_logits else {"greedy": temperature == 0}
+    verify = dx.verify_logits if from_logits else dx.verify
+    cpu, gpu = on_both(verify, tokens, draft, target, weight, num_draft=num_draft, uniforms=uniforms, **options)
+    assert_verify_agrees(cpu, gpu, draft=draft, target=target, weight=weight, num_draft=num_draft, uniforms=uniforms,
+                         from_logits=from_logits, temperature=temperature, boundary_tol=1e-5 if from_logits else 1e-9)
 
 
 # ------------------------------------------------------------------------------------------- token_stats and mix
@@ -210,6 +237,7 @@ def test_mix_matches_cpu(from_logits, dtype, vocab):
 
 # ----------------------------------------------------------------------------------- robustness without checks
 @requires_cuda
+@pytest.mark.usefixtures("cuda_kernels")
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_poisoned_inputs_match_cpu(dtype):
     # That the results stay in range is checked on each device by
@@ -225,18 +253,23 @@ def test_poisoned_inputs_match_cpu(dtype):
 
 
 @requires_cuda
+@pytest.mark.usefixtures("cuda_kernels")
 def test_no_host_sync_without_checks():
     tokens, draft, target, weight, num_draft, greedy, uniforms = verify_inputs(8, 4, 1000, torch.float32, seed=2)
     tokens, draft, target, weight, num_draft, greedy, uniforms = (
         t.to(CUDA) for t in (tokens, draft, target, weight, num_draft, greedy, uniforms))
     temperature = torch.rand(8, device=CUDA)
+    seeds = torch.arange(8, device=CUDA)
 
     def calls():
         dx.verify(tokens, draft, target, weight, num_draft=num_draft, greedy=greedy, uniforms=uniforms,
                   check_inputs=False)
         dx.verify(tokens, draft, target, 0.5, seed=3, offset=1, check_inputs=False)
+        dx.verify(tokens, draft, target, 0.5, check_inputs=False)  # seedless: drawn inside the kernel
+        dx.verify(tokens, None, target, weight, seed=seeds, check_inputs=False)  # tokens-only drafts
         dx.verify_logits(tokens, draft, target, weight, temperature=temperature, num_draft=num_draft, seed=4,
                          check_inputs=False)
+        dx.verify_logits(tokens, draft, target, weight, temperature=temperature, check_inputs=False)
         dx.token_stats(draft, target[:, :4].contiguous(), tokens, from_logits=True, check_inputs=False)
         dx.mix(draft, target, weight, check_inputs=False)
 

@@ -59,11 +59,16 @@ struct VerifyScalars {
   bool per_row_seed;
 };
 
+// Where a call without seeds or uniforms gets its seed: drawn with at::randint before the kernel (the CPU), or drawn by
+// the kernel itself from the generator state the binding attaches (CUDA: no launch of its own, and graph-safe).
+enum class SeedSource { kRandint, kKernelGenerator };
+
 // The largest seed torch.randint(0, 2**63 - 1) can give: the Python layer draws seeds the same way (ops/_inputs.py).
 constexpr int64_t kSeedDrawBound = INT64_MAX;
 
 inline VerifyCall start_verify(VerifyInput input, const at::Tensor& draft_tokens, const at::Tensor& target,
-                               const VerifyOptionals& optional, const VerifyScalars& scalars) {
+                               const VerifyOptionals& optional, const VerifyScalars& scalars,
+                               SeedSource seed_source = SeedSource::kRandint) {
   const int64_t B = target.size(0), K = target.size(1) - 1, V = target.size(2);
   const auto options = draft_tokens.options();
   VerifyCall call{at::empty({B, K + 1}, options.dtype(at::kLong)), at::empty({B}, options.dtype(at::kInt)),
@@ -90,8 +95,10 @@ inline VerifyCall start_verify(VerifyInput input, const at::Tensor& draft_tokens
   if (optional.seeds.has_value()) {
     problem.seeds = optional.seeds->data_ptr<int64_t>();
     problem.seed_stride = 1;
+  } else if (!scalars.seed.has_value() && problem.uniforms == nullptr && seed_source == SeedSource::kKernelGenerator) {
+    problem.from_generator = true;
   } else if (!scalars.seed.has_value() && problem.uniforms == nullptr) {
-    // Drawn on the device from its default generator, so torch.manual_seed repeats runs and CUDA never syncs.
+    // Drawn on the device from its default generator, so torch.manual_seed repeats runs.
     call.drawn_seed = at::randint(0, kSeedDrawBound, {1}, options.dtype(at::kLong));
     problem.seeds = call.drawn_seed.data_ptr<int64_t>();
   }

@@ -26,6 +26,12 @@ struct VerifyProblem {
   int64_t seed_value;
   int64_t offset;
   bool per_row_seed;
+  // CUDA calls without seeds or uniforms draw their seed from torch's CUDA generator (seed_from_generator): its seed
+  // and offset are read from device memory where a CUDA graph is being captured (the pointers), else passed as values.
+  bool from_generator;
+  const int64_t* generator_seed;    // or nullptr: generator_seed_value
+  const int64_t* generator_offset;  // or nullptr: 0; generator_offset_value is added either way
+  uint64_t generator_seed_value, generator_offset_value;
   int64_t* out_tokens;        // [B, K+1]
   int32_t* out_num_accepted;  // [B]
   float* out_accept_prob;     // [B, K]
@@ -36,7 +42,13 @@ struct VerifyProblem {
     return philox_uniform(seed_of(row), offset, per_row_seed ? 0 : row, position);
   }
   DX_HD int64_t seed_of(int64_t row) const {
-    return seeds ? seeds[row * seed_stride] : seed_value;
+    if (seeds) return seeds[row * seed_stride];
+    return from_generator ? generator_call_seed() : seed_value;
+  }
+  DX_HD int64_t generator_call_seed() const {
+    const uint64_t seed = generator_seed ? static_cast<uint64_t>(*generator_seed) : generator_seed_value;
+    const uint64_t base = generator_offset ? static_cast<uint64_t>(*generator_offset) : 0u;
+    return seed_from_generator(seed, base + generator_offset_value);
   }
   // num_draft clamped to [0, K] (garbage is only reachable with check_inputs=False).
   DX_HD int64_t drafted(int64_t row) const {

@@ -1,8 +1,10 @@
-// CUDA bindings of the four `diversed` ops: argument and device checks, output allocation, one kernel launch per call.
+// CUDA bindings of the four `diversed` ops: argument and device checks, output allocation, the kernel launches.
 // Nothing here reads device memory, so a call never syncs with the host (CUDA graphs can capture it). The kernels are
-// torch-free headers: verify_kernels.cuh (verify_probs, verify_logits) and stats_kernels.cuh (token_stats, mix).
+// torch-free headers: verify_kernels.cuh and split_kernels.cuh (verify_probs, verify_logits: two families, picked by
+// DIVERSED_CUDA_KERNELS) and stats_kernels.cuh (token_stats, mix).
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/cuda/CUDAGeneratorImpl.h>
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -11,12 +13,17 @@
 #include <cuda_fp16.h>
 #include <torch/library.h>
 
+#include <atomic>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <limits>
+#include <mutex>
 #include <tuple>
 
 #include "../common/op_checks.h"
 #include "../common/op_outputs.h"
+#include "split_kernels.cuh"
 #include "stats_kernels.cuh"
 #include "verify_kernels.cuh"
 
@@ -45,6 +52,71 @@ void check_grid_rows(const char* op, int64_t rows) {
   TORCH_CHECK(rows <= std::numeric_limits<int32_t>::max(), op, ": too many rows for one launch (", rows, ")");
 }
 
+// ------------------------------------------------------------------------------------------------ verify helpers
+// The verify kernels a call runs: DIVERSED_CUDA_KERNELS=block (one block per request, the default) or split (each
+// request's vocabulary over many blocks). Read at every call, so one process can compare the two.
+constexpr const char* kKernelFamilyVariable = "DIVERSED_CUDA_KERNELS";
+bool use_split_kernels() {
+  const char* value = std::getenv(kKernelFamilyVariable);
+  if (value == nullptr || *value == '\0' || std::strcmp(value, "block") == 0) return false;
+  TORCH_CHECK(std::strcmp(value, "split") == 0, kKernelFamilyVariable, " must be 'block' or 'split', got '", value,
+              "'");
+  return true;
+}
+
+// A seedless call draws its seed inside the kernel from torch's CUDA generator (seed_from_generator), which hands each
+// call its own offset: no launch of its own, and under graph capture the state is read from device memory, so every
+// replay draws afresh. Torch's Philox offsets move in steps of 4.
+constexpr uint64_t kGeneratorIncrement = 4;
+void attach_cuda_generator(VerifyProblem& problem) {
+  if (!problem.from_generator) return;
+  auto* generator = at::cuda::detail::getDefaultCUDAGenerator().get<at::CUDAGeneratorImpl>();
+  at::PhiloxCudaState state;
+  {
+    std::lock_guard<std::mutex> lock(generator->mutex_);
+    state = generator->philox_cuda_state(kGeneratorIncrement);
+  }
+  if (state.captured_) {
+    problem.generator_seed = state.seed_.ptr;
+    problem.generator_offset = state.offset_.ptr;
+    problem.generator_offset_value = state.offset_intragraph_;
+  } else {
+    problem.generator_seed_value = state.seed_.val;
+    problem.generator_offset_value = state.offset_.val;
+  }
+}
+
+// The split kernels aim for this many blocks per multiprocessor of the device (queried once per device).
+constexpr int64_t kSplitBlocksPerMultiprocessor = 4;
+constexpr int kMaxDevices = 64;
+int64_t split_target_blocks(c10::DeviceIndex device) {
+  static std::atomic<int> multiprocessors[kMaxDevices];
+  if (device < 0 || device >= kMaxDevices) return 132 * kSplitBlocksPerMultiprocessor;  // an H100's count
+  int count = multiprocessors[device].load(std::memory_order_relaxed);
+  if (count == 0) {
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
+    multiprocessors[device].store(count, std::memory_order_relaxed);
+  }
+  return count * kSplitBlocksPerMultiprocessor;
+}
+
+// The split kernels' cut of a call and their scratch, counters zeroed on the stream (a memset, which graphs capture).
+struct SplitLaunch {
+  SplitPlan plan;
+  at::Tensor memory;
+  SplitScratch scratch;
+};
+SplitLaunch prepare_split(const char* op, const VerifyProblem& problem, const at::Tensor& like, bool logits,
+                          cudaStream_t stream) {
+  const SplitPlan plan = split_plan(problem.batch, problem.num_positions, problem.vocab, logits,
+                                    split_target_blocks(like.device().index()));
+  check_grid_rows(op, problem.batch * plan.verify.num_chunks);
+  if (logits) check_grid_rows(op, problem.batch * (2 * problem.num_positions + 1) * plan.rows.num_chunks);
+  at::Tensor memory = at::empty({split_scratch_bytes(plan)}, like.options().dtype(at::kByte));
+  C10_CUDA_CHECK(cudaMemsetAsync(memory.data_ptr(), 0, split_counter_bytes(plan), stream));
+  return SplitLaunch{plan, memory, carve_split_scratch(plan, memory.data_ptr())};
+}
+
 using VerifyTuple = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
 using OptionalTensor = c10::optional<at::Tensor>;
 
@@ -68,13 +140,21 @@ VerifyTuple verify_probs_cuda(const at::Tensor& draft_tokens, const OptionalTens
   check_verify_devices(kVerifyProbsOp, draft_tokens, draft_probs, target_probs, optional);
   const c10::cuda::CUDAGuard guard(target_probs.device());
   const VerifyCall call = start_verify(VerifyInput::kProbs, draft_tokens, target_probs, optional,
-                                       VerifyScalars{weight_value, 1.0, seed, offset, per_row_seed});
+                                       VerifyScalars{weight_value, 1.0, seed, offset, per_row_seed},
+                                       SeedSource::kKernelGenerator);
   if (call.empty()) return call.result();
+  VerifyProblem problem = call.problem;
+  attach_cuda_generator(problem);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const bool split = use_split_kernels();
+  const SplitLaunch launch =
+      split ? prepare_split(kVerifyProbsOp, problem, target_probs, false, stream) : SplitLaunch{};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, target_probs.scalar_type(), "verify_probs_cuda", [&] {
     using T = CudaElement<scalar_t>;
-    launch_verify_probs(call.problem, kernel_data<T, scalar_t>(draft_probs), kernel_data<T, scalar_t>(target_probs),
-                        stream);
+    const T* draft = kernel_data<T, scalar_t>(draft_probs);
+    const T* target = kernel_data<T, scalar_t>(target_probs);
+    if (split) launch_split_verify_probs(problem, draft, target, launch.plan, launch.scratch, stream);
+    else launch_verify_probs(problem, draft, target, stream);
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return call.result();
@@ -91,17 +171,32 @@ VerifyTuple verify_logits_cuda(const at::Tensor& draft_tokens, const OptionalTen
   check_verify_devices(kVerifyLogitsOp, draft_tokens, draft_logits, target_logits, optional);
   const c10::cuda::CUDAGuard guard(target_logits.device());
   const VerifyCall call = start_verify(VerifyInput::kLogits, draft_tokens, target_logits, optional,
-                                       VerifyScalars{weight_value, temperature_value, seed, offset, per_row_seed});
+                                       VerifyScalars{weight_value, temperature_value, seed, offset, per_row_seed},
+                                       SeedSource::kKernelGenerator);
   if (call.empty()) return call.result();
-  // Softmax normalisers of the rows each request reads, written and read back by its own block.
-  static_assert(sizeof(SoftmaxStats) == 2 * sizeof(float), "SoftmaxStats is stored as two floats");
-  const int64_t scratch_entries = logits_scratch_size(call.problem.batch, call.problem.num_positions);
-  const at::Tensor scratch = at::empty({2 * scratch_entries}, target_logits.options().dtype(at::kFloat));
+  VerifyProblem problem = call.problem;
+  attach_cuda_generator(problem);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const bool split = use_split_kernels();
+  const SplitLaunch launch =
+      split ? prepare_split(kVerifyLogitsOp, problem, target_logits, true, stream) : SplitLaunch{};
+  // The block kernels' scratch: the softmax normalisers of the rows each request reads, written and read back by its
+  // own block.
+  static_assert(sizeof(SoftmaxStats) == 2 * sizeof(float), "SoftmaxStats is stored as two floats");
+  const at::Tensor block_scratch =
+      split ? at::Tensor()
+            : at::empty({2 * logits_scratch_size(problem.batch, problem.num_positions)},
+                        target_logits.options().dtype(at::kFloat));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, target_logits.scalar_type(), "verify_logits_cuda", [&] {
     using T = CudaElement<scalar_t>;
-    launch_verify_logits(call.problem, kernel_data<T, scalar_t>(draft_logits), kernel_data<T, scalar_t>(target_logits),
-                         reinterpret_cast<SoftmaxStats*>(scratch.data_ptr<float>()), stream);
+    const T* draft = kernel_data<T, scalar_t>(draft_logits);
+    const T* target = kernel_data<T, scalar_t>(target_logits);
+    if (split) {
+      launch_split_verify_logits(problem, draft, target, launch.plan, launch.scratch, stream);
+    } else {
+      launch_verify_logits(problem, draft, target, reinterpret_cast<SoftmaxStats*>(block_scratch.data_ptr<float>()),
+                           stream);
+    }
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return call.result();

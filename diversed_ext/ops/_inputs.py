@@ -13,6 +13,7 @@ from typing import Optional, Union
 
 import torch
 
+from ._philox import draw_cuda_generator_seed
 from ._values import check_token_ids, check_values, check_verify_probabilities
 
 PROB_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -292,6 +293,9 @@ def seed_tensor(seed: SeedLike, batch: int, device: torch.device) -> tuple[torch
     seeds, value, per_row = seed_argument(seed, batch, device)
     if seeds is not None:
         return seeds, per_row
+    if value is None and device.type == "cuda":
+        # The CUDA kernels draw their seed from the CUDA generator's Philox state inside the kernel.
+        return torch.full((batch,), draw_cuda_generator_seed(device), dtype=torch.int64, device=device), False
     if value is None:
         # Drawn where it is used, from that device's default generator: a CPU draw copied to a GPU would make every
         # call synchronise with the host. The native ops draw theirs the same way (csrc/common/op_outputs.h).
