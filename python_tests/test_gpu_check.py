@@ -1,0 +1,60 @@
+"""The GPU check script (scripts/gpu_check.sh) and its hostile-input driver, as far as a machine without a GPU can run
+them: the dry run, the clear refusal without a GPU (it must never wait on a device that is not there), usage errors,
+and the hostile inputs on the CPU kernels."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "gpu_check.sh"
+STEPS = ["build", "tests-block", "tests-split", "sanitizer-memcheck", "sanitizer-racecheck", "sanitizer-synccheck",
+         "sanitizer-initcheck", "bench-block", "bench-split", "profile-block", "profile-split"]
+
+
+def gpu_check(tmp_path, *args):
+    environment = dict(os.environ, PYTHON=sys.executable)
+    return subprocess.run(["bash", str(SCRIPT), str(tmp_path / "report"), "--kit", str(tmp_path / "kit"), *args],
+                          capture_output=True, text=True, timeout=120, env=environment)
+
+
+def test_dry_run_lists_every_step(tmp_path):
+    (tmp_path / "kit").mkdir()
+    (tmp_path / "kit" / "bench_vs_flashinfer.py").write_text("")
+    result = gpu_check(tmp_path, "--dry-run")
+    assert result.returncode == 0, result.stderr
+    for step in STEPS:
+        assert f"[dry-run] {step} " in result.stdout
+    summary = (tmp_path / "report" / "summary.md").read_text()
+    assert all(f"| {step} | dry run |" in summary for step in STEPS)
+    assert "compute-sanitizer --tool racecheck" in result.stdout and "DIVERSED_CUDA_KERNELS=split" in result.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU, so the script would run for real")
+def test_without_a_gpu_it_stops_at_once_with_the_reason(tmp_path):
+    result = gpu_check(tmp_path, "--only", "tests")
+    assert result.returncode == 2
+    assert "no GPU visible" in result.stderr
+    assert "no GPU visible" in (tmp_path / "report" / "summary.md").read_text()
+    assert not (tmp_path / "report" / "tests-block.log").exists()
+
+
+@pytest.mark.parametrize("args,message", [((), "usage"), (("--only", "tests,lint"), "unknown step 'lint'"),
+                                          (("--kit",), "usage")])
+def test_usage_errors(tmp_path, args, message):
+    if args:
+        result = gpu_check(tmp_path, *args)
+    else:
+        result = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and message in result.stderr
+
+
+def test_hostile_inputs_run_on_the_cpu_kernels():
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_hostile_inputs.py"), "--device", "cpu",
+                             "--quick"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "block kernels done" in result.stdout and "split kernels done" in result.stdout

@@ -1,0 +1,142 @@
+#!/usr/bin/env bash
+# Everything the CUDA kernels need checked on a GPU machine, in one go, from the checkout:
+#   1. environment  nvidia-smi, torch, nvcc, compute-sanitizer, ncu
+#   2. build        the extension with this machine's python3 and torch (DIVERSED_CUDA=1, no build isolation)
+#   3. tests        the CUDA tests of the suite (pytest -k cuda), once per kernel family (DIVERSED_CUDA_KERNELS)
+#   4. sanitizers   compute-sanitizer memcheck, racecheck, synccheck and initcheck over scripts/gpu_hostile_inputs.py
+#   5. bench        the GPU kit's bench_vs_flashinfer.py, once per kernel family
+#   6. profile      ncu's speed-of-light and occupancy of both families at B = 64, K = 8, V = 128256
+# Each step writes REPORT_DIR/<step>.log; REPORT_DIR/summary.md gives each step's status and time. A failing step is
+# reported and the later steps still run (except after a failed build). Exit status: 0 when every step passed, 1
+# when one failed, 2 for a usage error or a machine without a GPU.
+#
+#   scripts/gpu_check.sh REPORT_DIR [--kit DIR] [--only STEPS] [--dry-run]
+#     --kit DIR     the GPU kit (bench_vs_flashinfer.py, fi_bind.cu, fi_include/); default .gpu-kit, which is copied
+#                   from ../shared/gpu when that exists and .gpu-kit does not (a GPU machine gets the checkout only:
+#                   make the copy before sending it, as the kit's README says)
+#     --only STEPS  a comma-separated subset of: build,tests,sanitizers,bench,profile (the environment always runs)
+#     --dry-run     checks the prerequisites it can and prints each step's command without running it (any machine)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+checkout="$PWD"
+
+usage() { echo "usage: scripts/gpu_check.sh REPORT_DIR [--kit DIR] [--only STEPS] [--dry-run]" >&2; exit 2; }
+[ $# -ge 1 ] || usage
+report="$1"; shift
+kit=.gpu-kit; only=build,tests,sanitizers,bench,profile; dry_run=0
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --kit) [ $# -ge 2 ] || usage; kit="$2"; shift 2 ;;
+    --only) [ $# -ge 2 ] || usage; only="$2"; shift 2 ;;
+    --dry-run) dry_run=1; shift ;;
+    *) usage ;;
+  esac
+done
+for step in ${only//,/ }; do
+  case "$step" in build|tests|sanitizers|bench|profile) ;; *) echo "gpu_check: unknown step '$step'" >&2; exit 2 ;; esac
+done
+mkdir -p "$report" || { echo "gpu_check: cannot create the report folder $report" >&2; exit 2; }
+report="$(cd "$report" && pwd)"
+if [ ! -d "$kit" ] && [ "$kit" = .gpu-kit ] && [ -d ../shared/gpu ]; then
+  mkdir -p .gpu-kit && cp -r ../shared/gpu/* .gpu-kit/
+  grep -qx '/.gpu-kit/' .git/info/exclude 2>/dev/null || echo /.gpu-kit/ >> .git/info/exclude
+fi
+kit="$(cd "$kit" 2>/dev/null && pwd || echo "$kit")"
+
+python=${PYTHON:-python3}
+export MAX_JOBS=${MAX_JOBS:-$(nproc)} DIVERSED_CUDA=1 PYTHONDONTWRITEBYTECODE=1
+summary="$report/summary.md"
+commit="$(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+printf '# gpu_check of %s\n\n| step | status | seconds |\n|---|---|---:|\n' "$commit" > "$summary"
+failures=0
+
+# run NAME LIMIT_SECONDS COMMAND...: from /tmp, so that `import diversed_ext` finds the installed build rather than
+# the source tree; the output goes to REPORT_DIR/NAME.log.
+run() {
+  local name="$1" limit="$2"; shift 2
+  if [ "$dry_run" = 1 ]; then
+    echo "[dry-run] $name (at most ${limit}s): $*"
+    echo "| $name | dry run | 0 |" >> "$summary"
+    return 0
+  fi
+  echo "== $name" >&2
+  local start=$SECONDS status
+  (cd /tmp && timeout --kill-after=10 "$limit" "$@") > "$report/$name.log" 2>&1
+  status=$?
+  local verdict=passed
+  if [ $status -eq 124 ] || [ $status -eq 137 ]; then verdict="timed out after ${limit}s"; fi
+  if [ $status -ne 0 ] && [ "$verdict" = passed ]; then verdict="failed (exit $status)"; fi
+  [ $status -eq 0 ] || failures=$((failures + 1))
+  echo "| $name | $verdict | $((SECONDS - start)) |" >> "$summary"
+  echo "   $verdict; log: $report/$name.log" >&2
+  return $status
+}
+wants() { [[ ",$only," == *",$1,"* ]]; }
+
+# 1. The machine. Without a GPU nothing else can run: say so and stop, rather than wait on a device that is not there.
+{
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1
+  "$python" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda,
+      'gpus', torch.cuda.device_count())" 2>&1
+  for tool in nvcc compute-sanitizer ncu; do printf '%s: %s\n' "$tool" "$(command -v "$tool" || echo missing)"; done
+} > "$report/environment.log"
+gpus=$("$python" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+if [ "$dry_run" = 0 ] && [ "${gpus:-0}" -lt 1 ]; then
+  echo "| environment | no GPU visible to $python's torch (see environment.log) | 0 |" >> "$summary"
+  echo "gpu_check: no GPU visible to $python's torch; nothing was run (details: $report/environment.log)" >&2
+  exit 2
+fi
+echo "| environment | ${gpus:-0} GPU(s) | 0 |" >> "$summary"
+if wants bench && [ ! -f "$kit/bench_vs_flashinfer.py" ]; then
+  echo "gpu_check: the GPU kit is not at $kit (bench_vs_flashinfer.py missing; see --kit)" >&2
+  exit 2
+fi
+
+# 2. Build with this machine's torch; nothing else can run without it.
+if wants build; then
+  run build 900 "$python" -m pip install -q --no-build-isolation --no-deps "$checkout" || {
+    echo "gpu_check: the build failed; see $report/build.log" >&2
+    exit 1
+  }
+fi
+
+# 3. The CUDA tests, once per kernel family.
+if wants tests; then
+  for family in block split; do
+    run "tests-$family" 900 env DIVERSED_CUDA_KERNELS=$family DIVERSED_EXPECT_CUDA_BUILD=1 \
+      "$python" -m pytest -q -p no:cacheprovider -k cuda "$checkout/python_tests"
+  done
+fi
+
+# 4. The four sanitizer tools over hostile unchecked inputs (both families inside the script); --quick keeps the
+# slow tools (racecheck, initcheck) within minutes.
+if wants sanitizers; then
+  for tool in memcheck racecheck synccheck initcheck; do
+    quick=--quick; [ "$tool" = memcheck ] && quick=
+    run "sanitizer-$tool" 900 compute-sanitizer --tool "$tool" --error-exitcode 3 \
+      "$python" "$checkout/scripts/gpu_hostile_inputs.py" $quick
+  done
+fi
+
+# 5. Side by side with FlashInfer, once per family (the kit writes its CSV to $OUT).
+if wants bench; then
+  for family in block split; do
+    mkdir -p "$report/bench-$family"
+    run "bench-$family" 900 env DIVERSED_CUDA_KERNELS=$family OUT="$report/bench-$family" \
+      "$python" "$kit/bench_vs_flashinfer.py"
+  done
+fi
+
+# 6. Where the time goes: ncu on the verify kernels of both families at the kit's B = 64, K = 8, V = 128256 shape.
+if wants profile; then
+  for family in block split; do
+    run "profile-$family" 600 env DIVERSED_CUDA_KERNELS=$family ncu --kernel-name "regex:verify|softmax_partials" \
+      --launch-skip 8 --launch-count 6 --section SpeedOfLight --section Occupancy --section LaunchStats \
+      "$python" "$checkout/bench/bench_verify.py" --ops verify verify_logits --batch 64 --draft 8 --vocab 128256 \
+      --dtype float32 --device cuda --csv "$report/profile-$family.csv"
+  done
+fi
+
+echo "gpu_check: $failures step(s) failed; summary: $summary" >&2
+cat "$summary"
+[ "$failures" = 0 ]

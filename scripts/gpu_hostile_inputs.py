@@ -1,0 +1,92 @@
+"""Every verify, token_stats and mix kernel on hostile unchecked inputs, for the compute-sanitizer tools.
+
+Each call runs with check_inputs=False on inputs the checks would refuse: NaN, negative and infinite mass, rows
+without mass, token ids outside [0, V), num_draft outside [0, K], uniforms outside [0, 1), greedy and sampled rows,
+tokens-only drafts, seedless calls, vocabularies that leave rows misaligned and rows cut into many chunks; for both
+kernel families (DIVERSED_CUDA_KERNELS=block and split) and the three element types. Every emitted token must stay
+in [-1, V). Run it under `compute-sanitizer --tool memcheck|racecheck|synccheck|initcheck` (scripts/gpu_check.sh
+does); with --device cpu it runs the same calls on the CPU kernels, which checks the script itself anywhere.
+
+    python scripts/gpu_hostile_inputs.py [--device cuda|cpu] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+import diversed_ext as dx
+
+FAMILIES = ("block", "split")
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def hostile_problem(batch, num_positions, vocab, device, generator):
+    """Draft and target probabilities with poisoned rows, ids partly outside [0, V), num_draft partly outside [0, K]."""
+    draft = torch.rand(batch, num_positions, vocab, generator=generator)
+    target = torch.rand(batch, num_positions + 1, vocab, generator=generator)
+    if num_positions:
+        draft[0, 0] = float("nan")
+        target[1, 0, 0] = -1.0
+        target[1 % batch, -1, vocab // 2] = float("inf")
+    target[-1] = 0.0  # a request whose target has no mass anywhere
+    tokens = torch.randint(-5, vocab + 5, (batch, num_positions), generator=generator)
+    num_draft = torch.tensor([num_positions, max(num_positions - 1, 0), 0, num_positions + 3, -2])[:batch]
+    uniforms = torch.rand(batch, num_positions + 1, dtype=torch.float64, generator=generator) * 1.5 - 0.2
+    return tuple(t.to(device) for t in (tokens, draft, target, num_draft, uniforms))
+
+
+def assert_in_range(result, vocab, what):
+    tokens = result.tokens
+    if not bool(((tokens >= -1) & (tokens < vocab)).all()):
+        raise AssertionError(f"{what}: a token outside [-1, {vocab})")
+
+
+def exercise(device, batch, num_positions, vocab, generator):
+    tokens, draft, target, num_draft, uniforms = hostile_problem(batch, num_positions, vocab, device, generator)
+    weight = torch.rand(batch, num_positions, generator=generator).to(device)
+    greedy = (torch.arange(batch) % 2 == 1).to(device)
+    temperature = torch.tensor([0.0, 0.7, 1.0, 1e-9, float("nan")][:batch], device=device)
+    seeds = torch.arange(batch, device=device)
+    for dtype in DTYPES:
+        q, p = draft.to(dtype), target.to(dtype)
+        what = f"B={batch} K={num_positions} V={vocab} {dtype}"
+        for draft_rows in (q, None):  # with draft distributions, and tokens only
+            assert_in_range(dx.verify(tokens, draft_rows, p, weight, num_draft=num_draft, greedy=greedy,
+                                      uniforms=uniforms, check_inputs=False), vocab, what)
+            assert_in_range(dx.verify(tokens, draft_rows, p, 0.5, num_draft=num_draft, check_inputs=False), vocab,
+                            what)
+            logits = None if draft_rows is None else draft_rows.log()
+            assert_in_range(dx.verify_logits(tokens, logits, p.log(), 0.5, num_draft=num_draft, seed=seeds,
+                                             temperature=temperature, check_inputs=False), vocab, what)
+        if num_positions:
+            dx.token_stats(q, p[:, :num_positions], tokens.clamp(0, vocab - 1), check_inputs=False)
+            dx.mix(q, p[:, :num_positions], 0.3, check_inputs=False)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--quick", action="store_true", help="small vocabularies only")
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("gpu_hostile_inputs: no GPU visible (use --device cpu to run the calls on the CPU)", file=sys.stderr)
+        return 2
+    vocabs = (1, 7, 31, 1000) if args.quick else (1, 7, 31, 1000, 32001, 49152, 262147)
+    generator = torch.Generator().manual_seed(0)
+    for family in FAMILIES:
+        os.environ["DIVERSED_CUDA_KERNELS"] = family
+        for vocab in vocabs:
+            for num_positions in (0, 1, 5):
+                exercise(args.device, 5 if vocab < 100000 else 2, num_positions, vocab, generator)
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+        print(f"gpu_hostile_inputs: {family} kernels done", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
