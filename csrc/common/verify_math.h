@@ -117,11 +117,14 @@ DX_HD double philox_uniform(int64_t seed, int64_t offset, int64_t row_key, int64
 }
 
 // The seed of one seedless call drawn from a generator's Philox state (seed, offset), as torch's CUDA generator hands
-// it out: 64 bits of Philox4x32-10 keyed by the generator's seed at the counter (offset, kGeneratorDrawLane), so every
-// call (every offset) gets an independent seed, and torch.manual_seed repeats them. Computed on the device, so drawing
+// it out: 64 bits of Philox4x32-10 keyed by the generator's seed (xor kGeneratorDrawKey, so no word of torch's own
+// streams doubles as a seed) at the counter (offset, kGeneratorDrawLane), so every call (every offset) gets an
+// independent seed, and torch.manual_seed repeats them. Computed on the device, so drawing
 // needs no kernel of its own and a CUDA graph replays fresh draws (the state is read from device memory there).
 constexpr uint32_t kGeneratorDrawLane = 0x5EEDu;
+constexpr uint64_t kGeneratorDrawKey = 0xD1B54A32D192ED03ull;
 DX_HD int64_t seed_from_generator(uint64_t generator_seed, uint64_t generator_offset) {
+  generator_seed ^= kGeneratorDrawKey;
   const uint32_t k0 = static_cast<uint32_t>(generator_seed), k1 = static_cast<uint32_t>(generator_seed >> 32);
   const uint32_t c0 = static_cast<uint32_t>(generator_offset), c1 = static_cast<uint32_t>(generator_offset >> 32);
   const uint64_t low = philox_first_word(c0, c1, kGeneratorDrawLane, 0u, k0, k1);

@@ -95,14 +95,16 @@ inline SplitScratch carve_split_scratch(const SplitPlan& plan, void* memory) {
 }
 
 // ------------------------------------------------------------------------------------------------ block handoff
-// Whether this block is the last of `blocks` blocks counted on `counter`: every thread fences its writes before the
-// block counts itself, so the last block sees every other block's partials (which it reads with __ldcg, past L1).
-// Reached by every thread of the block; the answer is the same in all of them.
+// Whether this block is the last of `blocks` blocks counted on `counter`. Thread 0, the only thread that writes a
+// block's partials, fences them before it counts the block, so the last block sees every other block's partials (which
+// it reads with __ldcg, past L1). Reached by every thread of the block; the answer is the same in all of them.
 __device__ __forceinline__ bool arrive_last(unsigned* counter, int64_t blocks) {
   __shared__ bool last;
-  __threadfence();
   __syncthreads();
-  if (threadIdx.x == 0) last = atomicAdd(counter, 1u) == static_cast<unsigned>(blocks - 1);
+  if (threadIdx.x == 0) {
+    __threadfence();
+    last = atomicAdd(counter, 1u) == static_cast<unsigned>(blocks - 1);
+  }
   __syncthreads();
   const bool is_last = last;
   if (is_last) __threadfence();

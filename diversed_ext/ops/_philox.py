@@ -78,9 +78,10 @@ def philox_uniforms_torch(seeds: torch.Tensor, offset, num_positions: int, per_r
 
 
 # Seedless CUDA calls draw their seed inside the kernel from torch's CUDA generator: 64 bits of Philox4x32-10 keyed by
-# the generator's seed, at the counter (offset, GENERATOR_DRAW_LANE, 0 or 1), each call moving the generator's offset
+# the generator's seed xor GENERATOR_DRAW_KEY (so no word of torch's own streams doubles as a seed), at the counter (offset, GENERATOR_DRAW_LANE, 0 or 1), each call moving the generator's offset
 # by GENERATOR_INCREMENT (verify_math.h's seed_from_generator and ops_cuda.cu).
 GENERATOR_DRAW_LANE = 0x5EED
+GENERATOR_DRAW_KEY = 0xD1B54A32D192ED03
 GENERATOR_INCREMENT = 4
 
 
@@ -98,7 +99,7 @@ def _philox_first_word_int(counter: tuple[int, int, int, int], key: tuple[int, i
 
 def seed_from_generator(generator_seed: int, generator_offset: int) -> int:
     """The int64 seed a seedless CUDA call draws from a generator state (seed, offset), as the kernel computes it."""
-    seed, offset = generator_seed % 2**64, generator_offset % 2**64
+    seed, offset = (generator_seed % 2**64) ^ GENERATOR_DRAW_KEY, generator_offset % 2**64
     key = (seed & _MASK32, seed >> 32)
     words = [_philox_first_word_int((offset & _MASK32, offset >> 32, GENERATOR_DRAW_LANE, lane), key)
              for lane in (0, 1)]
@@ -107,7 +108,8 @@ def seed_from_generator(generator_seed: int, generator_offset: int) -> int:
 
 
 def draw_cuda_generator_seed(device: torch.device) -> int:
-    """Draws the seed a seedless verify call on this CUDA device would draw now, advancing the generator alike."""
+    """Draws the seed a seedless verify call on this CUDA device would draw now, advancing the generator alike. Moves
+    the generator's offset from the host, so not for use under CUDA graph capture (the reference never runs there)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     generator = torch.cuda.default_generators[index]
     offset = generator.get_offset()
