@@ -8,7 +8,9 @@
 #   6. profile      ncu's speed-of-light and occupancy of both families at B = 64, K = 8, V = 128256
 # Each step writes REPORT_DIR/<step>.log; REPORT_DIR/summary.md gives each step's status and time. A failing step is
 # reported and the later steps still run (except after a failed build). Exit status: 0 when every step passed, 1
-# when one failed, 2 for a usage error or a machine without a GPU.
+# when one failed, 2 for a usage error or a machine without a GPU. Every step has a time limit (a few minutes); where
+# one command may run 10 minutes at most, split the steps over calls on the same machine (the build stays installed):
+#   --only build,tests    then    --only sanitizers    then    --only bench,profile
 #
 #   scripts/gpu_check.sh REPORT_DIR [--kit DIR] [--only STEPS] [--dry-run]
 #     --kit DIR     the GPU kit (bench_vs_flashinfer.py, fi_bind.cu, fi_include/); default .gpu-kit, which is copied
@@ -94,7 +96,7 @@ fi
 
 # 2. Build with this machine's torch; nothing else can run without it.
 if wants build; then
-  run build 900 "$python" -m pip install -q --no-build-isolation --no-deps "$checkout" || {
+  run build 420 "$python" -m pip install -q --no-build-isolation --no-deps "$checkout" || {
     echo "gpu_check: the build failed; see $report/build.log" >&2
     exit 1
   }
@@ -103,7 +105,7 @@ fi
 # 3. The CUDA tests, once per kernel family.
 if wants tests; then
   for family in block split; do
-    run "tests-$family" 900 env DIVERSED_CUDA_KERNELS=$family DIVERSED_EXPECT_CUDA_BUILD=1 \
+    run "tests-$family" 240 env DIVERSED_CUDA_KERNELS=$family DIVERSED_EXPECT_CUDA_BUILD=1 \
       "$python" -m pytest -q -p no:cacheprovider -k cuda "$checkout/python_tests"
   done
 fi
@@ -113,7 +115,7 @@ fi
 if wants sanitizers; then
   for tool in memcheck racecheck synccheck initcheck; do
     quick=--quick; [ "$tool" = memcheck ] && quick=
-    run "sanitizer-$tool" 900 compute-sanitizer --tool "$tool" --error-exitcode 3 \
+    run "sanitizer-$tool" 240 compute-sanitizer --tool "$tool" --error-exitcode 3 \
       "$python" "$checkout/scripts/gpu_hostile_inputs.py" $quick
   done
 fi
@@ -122,7 +124,7 @@ fi
 if wants bench; then
   for family in block split; do
     mkdir -p "$report/bench-$family"
-    run "bench-$family" 900 env DIVERSED_CUDA_KERNELS=$family OUT="$report/bench-$family" \
+    run "bench-$family" 280 env DIVERSED_CUDA_KERNELS=$family OUT="$report/bench-$family" \
       "$python" "$kit/bench_vs_flashinfer.py"
   done
 fi
@@ -130,7 +132,7 @@ fi
 # 6. Where the time goes: ncu on the verify kernels of both families at the kit's B = 64, K = 8, V = 128256 shape.
 if wants profile; then
   for family in block split; do
-    run "profile-$family" 600 env DIVERSED_CUDA_KERNELS=$family ncu --kernel-name "regex:verify|softmax_partials" \
+    run "profile-$family" 280 env DIVERSED_CUDA_KERNELS=$family ncu --kernel-name "regex:verify|softmax_partials" \
       --launch-skip 8 --launch-count 6 --section SpeedOfLight --section Occupancy --section LaunchStats \
       "$python" "$checkout/bench/bench_verify.py" --ops verify verify_logits --batch 64 --draft 8 --vocab 128256 \
       --dtype float32 --device cuda --csv "$report/profile-$family.csv"
