@@ -69,7 +69,6 @@ bool use_split_kernels() {
 // replay draws afresh. Torch's Philox offsets move in steps of 4.
 constexpr uint64_t kGeneratorIncrement = 4;
 void attach_cuda_generator(VerifyProblem& problem) {
-  if (!problem.from_generator) return;
   auto* generator = at::cuda::detail::getDefaultCUDAGenerator().get<at::CUDAGeneratorImpl>();
   at::PhiloxCudaState state;
   {
@@ -84,6 +83,14 @@ void attach_cuda_generator(VerifyProblem& problem) {
     problem.generator_seed_value = state.seed_.val;
     problem.generator_offset_value = state.offset_.val;
   }
+}
+
+// start_verify for the CUDA kernels: a seedless call's seed is left to the kernel, from the generator state.
+VerifyCall start_cuda_verify(VerifyInput input, const at::Tensor& draft_tokens, const at::Tensor& target,
+                             const VerifyOptionals& optional, const VerifyScalars& scalars) {
+  VerifyCall call = start_verify(input, draft_tokens, target, optional, scalars, SeedSource::kKernelGenerator);
+  if (call.problem.from_generator) attach_cuda_generator(call.problem);
+  return call;
 }
 
 // The split kernels aim for this many blocks per multiprocessor of the device (queried once per device).
@@ -112,9 +119,10 @@ SplitLaunch prepare_split(const char* op, const VerifyProblem& problem, const at
                                     split_target_blocks(like.device().index()));
   check_grid_rows(op, problem.batch * plan.verify.num_chunks);
   if (logits) check_grid_rows(op, problem.batch * (2 * problem.num_positions + 1) * plan.rows.num_chunks);
-  at::Tensor memory = at::empty({split_scratch_bytes(plan)}, like.options().dtype(at::kByte));
-  C10_CUDA_CHECK(cudaMemsetAsync(memory.data_ptr(), 0, split_counter_bytes(plan), stream));
-  return SplitLaunch{plan, memory, carve_split_scratch(plan, memory.data_ptr())};
+  const SplitScratchLayout size = lay_out_split_scratch(plan, nullptr);
+  at::Tensor memory = at::empty({size.bytes}, like.options().dtype(at::kByte));
+  C10_CUDA_CHECK(cudaMemsetAsync(memory.data_ptr(), 0, size.counter_bytes, stream));
+  return SplitLaunch{plan, memory, lay_out_split_scratch(plan, memory.data_ptr()).scratch};
 }
 
 using VerifyTuple = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
@@ -139,12 +147,10 @@ VerifyTuple verify_probs_cuda(const at::Tensor& draft_tokens, const OptionalTens
   check_verify_args(VerifyInput::kProbs, draft_tokens, draft_probs, target_probs, optional);
   check_verify_devices(kVerifyProbsOp, draft_tokens, draft_probs, target_probs, optional);
   const c10::cuda::CUDAGuard guard(target_probs.device());
-  const VerifyCall call = start_verify(VerifyInput::kProbs, draft_tokens, target_probs, optional,
-                                       VerifyScalars{weight_value, 1.0, seed, offset, per_row_seed},
-                                       SeedSource::kKernelGenerator);
+  const VerifyCall call = start_cuda_verify(VerifyInput::kProbs, draft_tokens, target_probs, optional,
+                                            VerifyScalars{weight_value, 1.0, seed, offset, per_row_seed});
   if (call.empty()) return call.result();
-  VerifyProblem problem = call.problem;
-  attach_cuda_generator(problem);
+  const VerifyProblem& problem = call.problem;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const bool split = use_split_kernels();
   const SplitLaunch launch =
@@ -170,12 +176,10 @@ VerifyTuple verify_logits_cuda(const at::Tensor& draft_tokens, const OptionalTen
   check_verify_args(VerifyInput::kLogits, draft_tokens, draft_logits, target_logits, optional);
   check_verify_devices(kVerifyLogitsOp, draft_tokens, draft_logits, target_logits, optional);
   const c10::cuda::CUDAGuard guard(target_logits.device());
-  const VerifyCall call = start_verify(VerifyInput::kLogits, draft_tokens, target_logits, optional,
-                                       VerifyScalars{weight_value, temperature_value, seed, offset, per_row_seed},
-                                       SeedSource::kKernelGenerator);
+  const VerifyCall call = start_cuda_verify(VerifyInput::kLogits, draft_tokens, target_logits, optional,
+                                            VerifyScalars{weight_value, temperature_value, seed, offset, per_row_seed});
   if (call.empty()) return call.result();
-  VerifyProblem problem = call.problem;
-  attach_cuda_generator(problem);
+  const VerifyProblem& problem = call.problem;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const bool split = use_split_kernels();
   const SplitLaunch launch =

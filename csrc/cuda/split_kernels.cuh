@@ -12,7 +12,7 @@
 //      by its last.
 // verify_logits first launches softmax_partials_kernel over (request, row, chunk) blocks, whose last block per row
 // merges the chunks' online-softmax partials into the row's normaliser; the verify launch then reads those.
-// Torch-free, like the block kernels; the binding provides the scratch (split_scratch_bytes) with its counters zeroed.
+// Torch-free, like the block kernels; the binding provides the scratch (lay_out_split_scratch), counters zeroed.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -25,7 +25,7 @@
 namespace diversed {
 namespace gpu {
 
-// Per-call scratch of the split kernels, carved from one allocation (see carve_split_scratch). The counters come
+// Per-call scratch of the split kernels, carved from one allocation (see lay_out_split_scratch). The counters come
 // first, so one memset zeroes them all.
 struct SplitScratch {
   unsigned* request_done;        // [B] blocks of a request that have finished
@@ -55,43 +55,36 @@ inline SplitPlan split_plan(int64_t batch, int64_t num_positions, int64_t vocab,
 
 inline int64_t aligned_bytes(int64_t bytes) { return (bytes + 15) / 16 * 16; }
 
-// Bytes of scratch a call needs, and how many of them (from the start) hold counters that must be zeroed.
-inline int64_t split_counter_bytes(const SplitPlan& plan) {
-  return aligned_bytes(plan.counters() * static_cast<int64_t>(sizeof(unsigned)));
-}
-inline int64_t split_scratch_bytes(const SplitPlan& plan) {
-  const int64_t B = plan.batch, K = plan.num_positions, chunks = plan.verify.num_chunks;
-  int64_t bytes = split_counter_bytes(plan) + 2 * aligned_bytes(B * chunks * sizeof(double)) +
-                  aligned_bytes(B * (K + 1) * chunks * static_cast<int64_t>(sizeof(ArgMax)));
-  if (plan.logits)
-    bytes += aligned_bytes(B * (2 * K + 1) * plan.rows.num_chunks * static_cast<int64_t>(sizeof(SoftmaxPartial))) +
-             aligned_bytes(B * (2 * K + 1) * static_cast<int64_t>(sizeof(SoftmaxStats)));
-  return bytes;
-}
+// The scratch of a call: its size, how many of its first bytes hold the counters (zeroed before the launch), and the
+// regions carved from `memory`, each 16-byte aligned. With memory == nullptr it only measures (the pointers stay null),
+// so the sizes are stated once, here.
+struct SplitScratchLayout {
+  int64_t bytes, counter_bytes;
+  SplitScratch scratch;
+};
 
-inline SplitScratch carve_split_scratch(const SplitPlan& plan, void* memory) {
+inline SplitScratchLayout lay_out_split_scratch(const SplitPlan& plan, void* memory) {
   const int64_t B = plan.batch, K = plan.num_positions, chunks = plan.verify.num_chunks;
-  char* next = static_cast<char*>(memory);
-  auto take = [&next](int64_t bytes) {
-    char* start = next;
-    next += aligned_bytes(bytes);
-    return start;
+  int64_t used = 0;
+  const auto take = [&](int64_t count, int64_t element_bytes) -> void* {
+    const int64_t start = used;
+    used += aligned_bytes(count * element_bytes);
+    return memory != nullptr ? static_cast<char*>(memory) + start : nullptr;
   };
   SplitScratch scratch{};
-  char* counters = take(plan.counters() * static_cast<int64_t>(sizeof(unsigned)));
-  scratch.request_done = reinterpret_cast<unsigned*>(counters);
-  scratch.row_done = plan.logits ? scratch.request_done + B : nullptr;
-  scratch.sampled_mass = reinterpret_cast<double*>(take(B * chunks * sizeof(double)));
-  scratch.target_mass = reinterpret_cast<double*>(take(B * chunks * sizeof(double)));
-  scratch.argmax = reinterpret_cast<ArgMax*>(take(B * (K + 1) * chunks * static_cast<int64_t>(sizeof(ArgMax))));
+  scratch.request_done = static_cast<unsigned*>(take(plan.counters(), sizeof(unsigned)));
+  scratch.row_done = plan.logits && memory != nullptr ? scratch.request_done + B : nullptr;
+  const int64_t counter_bytes = used;
+  scratch.sampled_mass = static_cast<double*>(take(B * chunks, sizeof(double)));
+  scratch.target_mass = static_cast<double*>(take(B * chunks, sizeof(double)));
+  scratch.argmax = static_cast<ArgMax*>(take(B * (K + 1) * chunks, sizeof(ArgMax)));
   if (plan.logits) {
     const int64_t rows = B * (2 * K + 1);
-    scratch.partials = reinterpret_cast<SoftmaxPartial*>(
-        take(rows * plan.rows.num_chunks * static_cast<int64_t>(sizeof(SoftmaxPartial))));
-    scratch.draft_stats = reinterpret_cast<SoftmaxStats*>(take(rows * static_cast<int64_t>(sizeof(SoftmaxStats))));
-    scratch.target_stats = scratch.draft_stats + B * K;
+    scratch.partials = static_cast<SoftmaxPartial*>(take(rows * plan.rows.num_chunks, sizeof(SoftmaxPartial)));
+    scratch.draft_stats = static_cast<SoftmaxStats*>(take(rows, sizeof(SoftmaxStats)));
+    scratch.target_stats = memory != nullptr ? scratch.draft_stats + B * K : nullptr;
   }
-  return scratch;
+  return SplitScratchLayout{used, counter_bytes, scratch};
 }
 
 // ------------------------------------------------------------------------------------------------ block handoff
@@ -276,7 +269,7 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // ------------------------------------------------------------------------------------------------ launchers
-// `scratch` points at split_scratch_bytes(plan) bytes whose first split_counter_bytes(plan) are zero. A null draft
+// `scratch` was laid out by lay_out_split_scratch, its counters zeroed. A null draft
 // pointer: the drafter gave tokens only.
 template <typename Rows>
 void launch_split_verify(const VerifyProblem& params, const Rows& rows, bool has_draft, const SplitPlan& plan,
