@@ -176,12 +176,12 @@ def test_generator_seeds_match_the_python_rule():
 
 
 def test_python_philox_word_is_the_kernels():
-    # The integer Philox behind seed_from_generator gives the words of the kernels' uniforms.
+    # Philox on Python ints (as seed_from_generator runs it) gives the words of the kernels' uniforms.
     seeds = torch.tensor([7, -3, 2**62 + 5], dtype=torch.int64)
     uniforms = torch.ops.diversed.philox_uniforms(seeds, torch.tensor([0, 9, 2**33 + 1]), 3, False)
     for row, (seed, offset) in enumerate(zip(seeds.tolist(), (0, 9, 2**33 + 1))):
         seed %= 2**64
         for position in range(3):
-            word = _philox._philox_first_word_int((position, row, offset & 0xFFFFFFFF, offset >> 32),
-                                                  (seed & 0xFFFFFFFF, seed >> 32))
+            word = _philox.philox_first_word(position, row, offset & 0xFFFFFFFF, offset >> 32, seed & 0xFFFFFFFF,
+                                             seed >> 32)
             assert float(uniforms[row, position]) == (word >> 8) / 2**24

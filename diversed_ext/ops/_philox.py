@@ -68,40 +68,35 @@ def philox_uniforms_torch(seeds: torch.Tensor, offset, num_positions: int, per_r
     c3 = ((offsets >> 32) & _MASK32).unsqueeze(1).expand(shape)
     k0 = (seeds & _MASK32).unsqueeze(1).expand(shape)
     k1 = ((seeds >> 32) & _MASK32).unsqueeze(1).expand(shape)
+    word = philox_first_word(c0, c1, c2, c3, k0, k1)
+    return (word >> (32 - UNIFORM_BITS)).to(torch.float64) / float(1 << UNIFORM_BITS)
+
+
+def philox_first_word(c0, c1, c2, c3, k0, k1):
+    """The first 32-bit word of Philox4x32-10 for counter (c0, c1, c2, c3) and key (k0, k1), each a 32-bit value:
+    int64 tensors (element-wise) or Python ints alike."""
     for _ in range(PHILOX_ROUNDS):
         hi0, lo0 = _mul_hi_lo(PHILOX_M0, c0)
         hi1, lo1 = _mul_hi_lo(PHILOX_M1, c2)
         c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
         k0 = (k0 + PHILOX_W0) & _MASK32
         k1 = (k1 + PHILOX_W1) & _MASK32
-    return (c0 >> (32 - UNIFORM_BITS)).to(torch.float64) / float(1 << UNIFORM_BITS)
+    return c0
 
 
 # Seedless CUDA calls draw their seed inside the kernel from torch's CUDA generator: 64 bits of Philox4x32-10 keyed by
-# the generator's seed xor GENERATOR_DRAW_KEY (so no word of torch's own streams doubles as a seed), at the counter (offset, GENERATOR_DRAW_LANE, 0 or 1), each call moving the generator's offset
-# by GENERATOR_INCREMENT (verify_math.h's seed_from_generator and ops_cuda.cu).
+# the generator's seed xor GENERATOR_DRAW_KEY (so no word of torch's own streams doubles as a seed), at the counter
+# (offset, GENERATOR_DRAW_LANE, 0 or 1), each call moving the generator's offset by GENERATOR_INCREMENT (verify_math.h's
+# seed_from_generator and ops_cuda.cu).
 GENERATOR_DRAW_LANE = 0x5EED
 GENERATOR_DRAW_KEY = 0xD1B54A32D192ED03
 GENERATOR_INCREMENT = 4
 
 
-def _philox_first_word_int(counter: tuple[int, int, int, int], key: tuple[int, int]) -> int:
-    """The first 32-bit word of Philox4x32-10 for one counter and key, in Python integers."""
-    c0, c1, c2, c3 = counter
-    k0, k1 = key
-    for _ in range(PHILOX_ROUNDS):
-        product0, product1 = PHILOX_M0 * c0, PHILOX_M1 * c2
-        c0, c1, c2, c3 = ((product1 >> 32) ^ c1 ^ k0, product1 & _MASK32, (product0 >> 32) ^ c3 ^ k1,
-                          product0 & _MASK32)
-        k0, k1 = (k0 + PHILOX_W0) & _MASK32, (k1 + PHILOX_W1) & _MASK32
-    return c0
-
-
 def seed_from_generator(generator_seed: int, generator_offset: int) -> int:
     """The int64 seed a seedless CUDA call draws from a generator state (seed, offset), as the kernel computes it."""
     seed, offset = (generator_seed % 2**64) ^ GENERATOR_DRAW_KEY, generator_offset % 2**64
-    key = (seed & _MASK32, seed >> 32)
-    words = [_philox_first_word_int((offset & _MASK32, offset >> 32, GENERATOR_DRAW_LANE, lane), key)
+    words = [philox_first_word(offset & _MASK32, offset >> 32, GENERATOR_DRAW_LANE, lane, seed & _MASK32, seed >> 32)
              for lane in (0, 1)]
     value = (words[1] << 32) | words[0]
     return value - 2**64 if value >= 2**63 else value
