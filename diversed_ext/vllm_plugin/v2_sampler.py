@@ -1,0 +1,133 @@
+"""vLLM's V2 rejection sampler (``vllm/v1/worker/gpu/spec_decode/rejection_sampler.py``), verifying with diversed_ext.
+
+V2 hands verification its batch as logits rows: request r owns rows ``cu_num_logits[r] .. cu_num_logits[r + 1] - 1``,
+one per drafted token plus the bonus row (a request without drafts has one row), and the input token of each row
+(``draft_sampled``: row j + 1 holds draft j; -1 marks a draft that must be rejected). Draft logits, when the drafter
+samples probabilistically, stay where the drafter wrote them: ``[max_num_reqs, K, V]``, indexed by the request's
+state (``idx_mapping``), before temperature. Per-request temperature and seed live in the sampler's state tables,
+indexed the same way.
+
+Everything of V2's own that is not the acceptance rule is kept, because only :meth:`_verify`'s call of V2's
+``rejection_sample`` is replaced: its chunking of large batches, its sampling parameters (penalties, bad words, logit
+bias, temperature, min-p, top-k / top-p) applied to the target rows by its own sampler, its log-probabilities and its
+output (``sampled`` [num_reqs, K + 1] and ``num_sampled``). The replacement is one diversed_ext verify call per chunk
+that reads the rows where they lie (row indices, no padded copy), with
+
+- the target rows as V2 processed them (already divided by the temperature, so the op's target temperature is 1),
+  and the draft logits divided by the request's temperature in the op;
+- greedy rows (temperature 0) verified greedily against nu;
+- randomness from the request's seed and the position of its first row, so a request's tokens do not depend on its
+  neighbours in the batch and a seeded request repeats them;
+- each request's weight, or its head's weight per drafted token (:mod:`.v2_state`).
+"""
+
+from __future__ import annotations
+
+import torch
+from vllm.v1.worker.gpu.spec_decode.rejection_sampler import RejectionSampler
+
+from .. import ops as dx_ops
+from .counts import VerifyCounts
+
+# Mixes a request's seed with the position of its first row into the seed of this step's draws: an odd multiplier
+# (2^64 / golden ratio) so that distinct (seed, position) pairs give distinct seeds, whatever the batch.
+SEED_MIX = -7046029254386353131  # 0x9E3779B97F4A7C15 as a signed int64
+
+
+def request_rows(cu_num_logits: torch.Tensor, num_positions: int, num_logits: int):
+    """Where each request's rows lie: ``first`` [R] its first logits row, ``num_draft`` [R] its drafted tokens,
+    ``target_rows`` [R, K + 1] its K + 1 target rows (clamped into the chunk: rows past a request's own are never
+    read) and ``draft_token_rows`` [R, K], the rows whose input token is each draft."""
+    first = cu_num_logits[:-1].to(torch.int64)
+    num_draft = (cu_num_logits[1:] - cu_num_logits[:-1]).to(torch.int64) - 1
+    offsets = torch.arange(num_positions + 1, dtype=torch.int64, device=first.device)
+    last_row = max(num_logits - 1, 0)
+    target_rows = (first[:, None] + offsets[None, :]).clamp_(max=last_row)
+    draft_token_rows = (first[:, None] + 1 + offsets[None, :num_positions]).clamp_(max=last_row)
+    return first, num_draft.clamp_(min=0), target_rows, draft_token_rows
+
+
+def step_seeds(seeds: torch.Tensor, first_positions: torch.Tensor) -> torch.Tensor:
+    """[R] int64 seeds of this step: a request's seed mixed with the sequence position of its first row (fresh draws
+    every step, the same draws for the same request and position in any batch)."""
+    return seeds.to(torch.int64) * SEED_MIX + first_positions.to(torch.int64)
+
+
+class DiversedV2RejectionSampler(RejectionSampler):
+    """V2's RejectionSampler with the acceptance rule replaced (see the module docstring)."""
+
+    def bind(self, weights, device, exact_vllm: bool = False) -> "DiversedV2RejectionSampler":
+        """``weights`` gives each step's weight on the target (:class:`.v2_state.StateWeights`); ``exact_vllm``
+        keeps V2's own acceptance (a control for benchmarks)."""
+        self.weight_source = weights
+        self.exact_vllm = exact_vllm
+        self.diversed_verifier = "vllm" if exact_vllm else "diversed"
+        self.counts = VerifyCounts(device)
+        self._step_logits = None
+        return self
+
+    def status(self) -> dict:
+        """What this sampler verified so far (read by ``collective_rpc("diversed_status")``)."""
+        return dict(sampler=type(self).__name__, verifier=self.diversed_verifier, runner="v2", **self.counts.read())
+
+    def __call__(self, logits, input_batch, *args, **kwargs):
+        self._step_logits = logits  # _verify sees chunks of it; a head's target hidden rows are indexed by the whole
+        try:
+            return super().__call__(logits, input_batch, *args, **kwargs)
+        finally:
+            self._step_logits = None
+
+    def _verify(self, logits, draft_logits, draft_sampled, pos, cu_num_logits, idx_mapping, idx_mapping_np,
+                expanded_idx_mapping, expanded_local_pos, seq_lens_upper_bound_np, verify_draft_sampled=None):
+        if self.exact_vllm:
+            return super()._verify(logits, draft_logits, draft_sampled, pos, cu_num_logits, idx_mapping,
+                                   idx_mapping_np, expanded_idx_mapping, expanded_local_pos, seq_lens_upper_bound_np,
+                                   verify_draft_sampled)
+        processed_logits = self.sampler.apply_sampling_params(
+            logits, expanded_idx_mapping, idx_mapping, idx_mapping_np, pos, draft_sampled, expanded_local_pos,
+            seq_lens_upper_bound_np)
+        if verify_draft_sampled is None:
+            verify_draft_sampled = draft_sampled
+        sampled, num_sampled = self._verify_chunk(processed_logits, draft_logits, verify_draft_sampled, pos,
+                                                  cu_num_logits, idx_mapping, self._chunk_start(logits))
+        return processed_logits, sampled, num_sampled
+
+    def _chunk_start(self, chunk: torch.Tensor) -> int:
+        """The first row of ``chunk`` in the step's logits (V2 passes chunks as row slices of one tensor)."""
+        whole = self._step_logits
+        if whole is None or chunk.shape[0] == 0:
+            return 0
+        return (chunk.data_ptr() - whole.data_ptr()) // (whole.stride(0) * whole.element_size())
+
+    def _verify_chunk(self, target_logits, draft_logits, draft_sampled, pos, cu_num_logits, idx_mapping,
+                      chunk_start: int):
+        num_positions = self.num_speculative_steps
+        first, num_draft, target_rows, draft_token_rows = request_rows(cu_num_logits, num_positions,
+                                                                      target_logits.shape[0])
+        states = idx_mapping.to(torch.int64)
+        sampling = self.sampler.sampling_states
+        temperature = sampling.temperature.gpu[states].to(torch.float32)
+        draft_tokens = draft_sampled[draft_token_rows]
+        weight = self.weight_source(states, num_draft, chunk_start + target_rows[:, :num_positions], target_logits,
+                                    target_rows, draft_logits, temperature)
+        draft_rows = None
+        if draft_logits is not None:
+            positions = torch.arange(num_positions, dtype=torch.int64, device=states.device)
+            draft_rows = states[:, None] * num_positions + positions[None, :]
+            draft_logits = draft_logits.reshape(-1, draft_logits.shape[-1])
+        result = verify_rows(draft_tokens, draft_logits, draft_rows, target_logits, target_rows, weight,
+                             temperature, num_draft, step_seeds(sampling.seeds.gpu[states], pos[first]))
+        self.counts.add(num_draft, result.num_accepted, weight)
+        return result.tokens, result.num_accepted + 1
+
+
+def verify_rows(draft_tokens, draft_logits, draft_rows, target_logits, target_rows, weight, temperature, num_draft,
+                seeds):
+    """One unchecked verify_logits call: the target rows already tempered, the draft rows divided by each request's
+    temperature (0 marks a greedy request)."""
+    scale = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
+    target = target_logits[target_rows]
+    draft = None if draft_logits is None else draft_logits[draft_rows].float() / scale[:, None, None]
+    return dx_ops.verify_logits(draft_tokens, draft, target.to(torch.float32) if draft is not None else target,
+                                weight, temperature=torch.where(temperature > 0, 1.0, 0.0), num_draft=num_draft,
+                                seed=seeds, check_inputs=False)

