@@ -37,7 +37,11 @@ class HiddenStateCapture:
         self.runner = runner
         self.keep_draft_logits = keep_draft_logits  # only heads that read distribution features need them
         self.target_hidden: Optional[torch.Tensor] = None  # [N + B, H] this step, in vLLM's logits row order
-        self.drafted: dict = {}  # request id -> (draft hidden [K, H], draft logits [K, V] or None) proposed last step
+        # the last proposal: draft hidden states [P, K, H] and logits [P, K, V] (or None), by the row each request
+        # had in the batch that proposed them (rows move between steps, so requests are found by id)
+        self.hidden: Optional[torch.Tensor] = None
+        self.logits: Optional[torch.Tensor] = None
+        self.row_of: dict = {}
         self._proposing: list = []  # per draft position: (hidden [B, H], logits [B, V] or None) of the propose
         self._install()
 
@@ -69,33 +73,29 @@ class HiddenStateCapture:
 
     def _commit_proposal(self) -> None:
         request_ids = list(self.runner.input_batch.req_ids)
-        self.drafted = {}
+        self.row_of = {}
         if not self._proposing:
             return
-        hidden = torch.stack([position[0][:len(request_ids)] for position in self._proposing], dim=1)
-        logits = (torch.stack([position[1][:len(request_ids)] for position in self._proposing], dim=1)
-                  if self.keep_draft_logits else None)
-        for row, request_id in enumerate(request_ids[:hidden.shape[0]]):
-            self.drafted[request_id] = (hidden[row], None if logits is None else logits[row])
+        self.hidden = torch.stack([position[0][:len(request_ids)] for position in self._proposing], dim=1)
+        self.logits = (torch.stack([position[1][:len(request_ids)] for position in self._proposing], dim=1)
+                       if self.keep_draft_logits else None)
+        self.row_of = {request_id: row for row, request_id in enumerate(request_ids[:self.hidden.shape[0]])}
         self._proposing = []
 
 
-def head_weights(head, capture: HiddenStateCapture, request_id: str, target_rows: torch.Tensor,
-                 target_logits: torch.Tensor, temperature: float) -> Optional[torch.Tensor]:
-    """w [n] for one request's n drafted tokens, or None when its drafts were not captured (vLLM's start-up dummy
-    batches; the caller counts those tokens). ``target_rows`` [n] index the step's logits rows; ``target_logits`` [n, V] are the request's target
-    rows after temperature, top-k and top-p."""
-    drafted = capture.drafted.get(request_id)
-    if drafted is None or capture.target_hidden is None:
-        return None
-    draft_hidden, draft_logits = drafted
-    count = target_rows.shape[0]
-    if draft_hidden.shape[0] < count:
-        return None
-    target_hidden = capture.target_hidden[target_rows]
-    inputs = [draft_hidden[:count][None], target_hidden[None]]
+def head_weights(head, capture: HiddenStateCapture, proposal_rows: torch.Tensor, target_index: torch.Tensor,
+                 target_logits: torch.Tensor, logits_rows: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """w [M, K] for M requests' drafted tokens, in one call of the head. ``proposal_rows`` [M] are the requests' rows
+    in the captured proposal, ``target_index`` [M, K] their drafted positions' rows in ``target_logits`` ([N, V]
+    after temperature, top-k and top-p), ``logits_rows`` [N] the step's logits row of each target row (the target
+    hidden states' index), ``temperature`` [M] the requests' temperatures (0: greedy)."""
+    width = target_index.shape[1]
+    draft_hidden = capture.hidden[proposal_rows, :width]
+    target_hidden = capture.target_hidden[logits_rows[target_index]].to(draft_hidden.dtype)
+    inputs = [draft_hidden, target_hidden]
     if head.wants_distributions:
-        scaled_draft = draft_logits[:count].float() / (temperature if temperature > 0 else 1.0)
-        inputs.append(distribution_features(scaled_draft, target_logits.float())[None])
+        scale = torch.where(temperature > 0, temperature, torch.ones_like(temperature)).to(torch.float32)
+        scaled_draft = capture.logits[proposal_rows, :width].float() / scale[:, None, None]
+        inputs.append(distribution_features(scaled_draft, target_logits[target_index].float()))
     with torch.no_grad():
-        return head(*inputs).reshape(count).float()
+        return head(*inputs).reshape(target_index.shape).float()

@@ -1,12 +1,21 @@
-"""Each request's weight on the target for one verification step, in the batch's row order.
+"""Each request's weight on the target for one V1 verification step, in the batch's row order.
 
 A request's ``diversed_weight`` wins, then its ``diversed_head``, then the engine's default (its head, else its
-weight). Rows are looked up through the runner: ``input_batch.req_ids`` lists the requests in the order vLLM lays
-out the sampler's rows, and ``requests[id].sampling_params.extra_args`` holds what the request asked for. vLLM's
-start-up dummy batches have rows but no requests: they get the engine default's static weight.
+weight). V1 lays out the sampler's rows in the order of ``input_batch.req_ids`` and keeps each request's
+``sampling_params.extra_args`` in ``runner.requests``; rows move between steps as requests come and go, so a step's
+plan (the static weights as one device tensor, and which rows use which head) is built when the batch's requests
+change and reused while they do not. vLLM's start-up dummy batches have rows but no requests: they get the engine
+default's static weight.
+
+Heads run once per step each, over all the rows that chose them. The only work per request is a dictionary lookup,
+on the host, of where each head request's drafts lie in the captured proposal (V1 keys rows by request id); nothing
+waits for the device. A head request whose drafts were not captured is verified at the engine's static weight and
+counted.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -14,18 +23,28 @@ from .heads import head_weights
 from .settings import EngineSettings, RequestChoice, parse_request
 
 
+@dataclass
+class StepPlan:
+    """What a batch of requests asked for: static weights [B] on the device, and each head's rows."""
+
+    request_ids: tuple
+    static: torch.Tensor
+    head_rows: dict  # head name -> (row indices [M] on the device, their request ids)
+
+
 class RequestWeights:
     """Callable the sampler asks for [B] (all static) or [B, K] (some head) float32 weights each step."""
 
     def __init__(self, runner, settings: EngineSettings, heads: dict, capture=None, counts_owner=None):
         self.runner = runner
-        self.counts_owner = counts_owner  # the sampler, whose counts record tokens verified without their head
         self.settings = settings
         self.heads = heads
         self.capture = capture
+        self.counts_owner = counts_owner  # the sampler, whose counts record tokens verified without their head
         self._choices: dict = {}  # request id -> RequestChoice: extra_args are parsed once per request
+        self._plan: StepPlan | None = None
 
-    def _choice(self, request_id: str) -> RequestChoice:
+    def _choice(self, request_id) -> RequestChoice:
         choice = self._choices.get(request_id)
         if choice is None:
             request = self.runner.requests.get(request_id)
@@ -34,46 +53,40 @@ class RequestWeights:
             self._choices[request_id] = choice
         return choice
 
-    def _row_plan(self, batch: int) -> list:
-        """Per row: a float (static weight) or (head name, request id)."""
-        request_ids = list(self.runner.input_batch.req_ids)[:batch]
-        live = set(request_ids)
-        if len(self._choices) > 4 * max(len(live), 16):  # forget finished requests now and then
-            self._choices = {key: value for key, value in self._choices.items() if key in live}
-        plan = []
+    def _plan_for(self, request_ids: tuple, batch: int, device) -> StepPlan:
+        if self._plan is not None and self._plan.request_ids == request_ids:
+            return self._plan
+        self._choices = {key: value for key, value in self._choices.items() if key in set(request_ids)}
+        static, head_rows = [], {}
         for row in range(batch):
-            if row >= len(request_ids):
-                plan.append(self.settings.weight)
-                continue
-            choice = self._choice(request_ids[row])
-            if choice.weight is not None:
-                plan.append(choice.weight)
-            elif choice.head is not None or self.settings.head is not None:
-                plan.append((choice.head or self.settings.head, request_ids[row]))
-            else:
-                plan.append(self.settings.weight)
-        return plan
+            choice = self._choice(request_ids[row]) if row < len(request_ids) else RequestChoice()
+            head = None if choice.weight is not None else (choice.head or self.settings.head)
+            if head is not None and row < len(request_ids):
+                head_rows.setdefault(head, []).append(row)
+            static.append(self.settings.weight if choice.weight is None else choice.weight)
+        rows = {name: (torch.tensor(indices, dtype=torch.int64, device=device),
+                       [request_ids[index] for index in indices]) for name, indices in head_rows.items()}
+        self._plan = StepPlan(request_ids, torch.tensor(static, dtype=torch.float32, device=device), rows)
+        return self._plan
 
     def __call__(self, rows, target_logits: torch.Tensor, sampling_metadata, target_logits_indices: torch.Tensor):
-        plan = self._row_plan(rows.batch)
         device = target_logits.device
-        if all(isinstance(entry, float) for entry in plan):
-            return torch.tensor(plan, dtype=torch.float32, device=device)
-        weight = torch.tensor([entry if isinstance(entry, float) else self.settings.weight for entry in plan],
-                              dtype=torch.float32, device=device)[:, None].repeat(1, rows.width)
-        starts = (rows.index[:, 0]).tolist()
-        counts = rows.num_draft.tolist()
-        temperatures = (sampling_metadata.temperature.tolist() if sampling_metadata.temperature is not None
-                        else [0.0] * rows.batch)
-        for row, entry in enumerate(plan):
-            if isinstance(entry, float) or counts[row] == 0:
+        plan = self._plan_for(tuple(self.runner.input_batch.req_ids[:rows.batch]), rows.batch, device)
+        if not plan.head_rows:
+            return plan.static
+        weight = plan.static[:, None].repeat(1, rows.width)
+        temperature = (sampling_metadata.temperature if sampling_metadata.temperature is not None
+                       else torch.zeros(rows.batch, dtype=torch.float32, device=device))
+        for name, (head_rows, request_ids) in plan.head_rows.items():
+            proposal = [self.capture.row_of.get(request_id, -1) for request_id in request_ids]
+            captured = torch.tensor([row >= 0 for row in proposal], dtype=torch.bool, device=device)
+            if self.counts_owner is not None:
+                self.counts_owner.counts.add_without_head(torch.where(captured, 0, rows.num_draft[head_rows]))
+            if self.capture.hidden is None or self.capture.target_hidden is None or not any(row >= 0
+                                                                                          for row in proposal):
                 continue
-            name, request_id = entry
-            flat = slice(starts[row], starts[row] + counts[row])
-            row_weight = head_weights(self.heads[name], self.capture, request_id, target_logits_indices[flat],
-                                      target_logits[flat], temperatures[row])
-            if row_weight is not None:
-                weight[row, :counts[row]] = row_weight.to(device)
-            elif self.counts_owner is not None:
-                self.counts_owner.counts.add_without_head(rows.num_draft[row])
+            proposal_rows = torch.tensor([max(row, 0) for row in proposal], dtype=torch.int64, device=device)
+            head_weight = head_weights(self.heads[name], self.capture, proposal_rows, rows.index[head_rows],
+                                       target_logits, target_logits_indices, temperature[head_rows])
+            weight[head_rows] = torch.where(captured[:, None], head_weight, weight[head_rows])
         return weight
