@@ -7,7 +7,6 @@ import argparse
 import contextlib
 import math
 import os
-import sys
 import tempfile
 from typing import Iterator, Optional
 
@@ -42,26 +41,11 @@ _positive_float = _number_in(float, lambda value: value > 0.0, "a finite number 
 _weight_of_untrained_head = _number_in(float, lambda value: 0.0 < value <= 1.0, "a number in (0, 1]")
 
 
-class _OldSpelling(argparse.Action):
-    """A flag's deprecated spelling: stores its value where the new flag does, with a note on stderr, so scripts
-    written for it keep running."""
-
-    def __init__(self, option_strings, dest, new_flag: str, **kwargs):
-        super().__init__(option_strings, dest, **kwargs)
-        self.new_flag = new_flag
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        print(f"note: {option_string} is deprecated; use {self.new_flag}", file=sys.stderr)
-        setattr(namespace, self.dest, values)
-
-
 def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", help="target model name or folder (default: the embedded SmolLM2-135M pair)")
     parser.add_argument("--draft", help="draft model name or folder (default: an int8 copy of the target)")
     parser.add_argument("--max-draft", type=_positive_int, default=3,
                         help="K, the most tokens drafted per round (default %(default)s)")
-    parser.add_argument("--k", dest="max_draft", type=_positive_int, action=_OldSpelling, new_flag="--max-draft",
-                        default=argparse.SUPPRESS, help="deprecated spelling of --max-draft")
     parser.add_argument("--temperature", type=_non_negative_float, default=1.0,
                         help="0 = greedy (default %(default)s)")
     parser.add_argument("--max-new-tokens", type=_positive_int, default=64, help="default %(default)s")

@@ -7,7 +7,7 @@ drafters that give tokens only; ``prompts`` prompt encoding and EOS ids; ``check
 the floors below it (``forward``, ``ops``).
 """
 
-from .checks import DRAFT_MODES, METHODS, renamed_max_draft
+from .checks import DRAFT_MODES, METHODS
 from .draft_lengths import (DEFAULT_DRAFT_LENGTH, DRAFT_LENGTHS, ConfidenceDraftLength, DraftLengthPolicy,
                             GainDraftLength, HeuristicDraftLength, RoundOutcome)
 from .drafters import NgramDrafter

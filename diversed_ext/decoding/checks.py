@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import warnings
 from numbers import Integral, Real
 from typing import Callable, Optional, Sequence, Union
 
@@ -105,17 +104,6 @@ def check_max_draft(max_draft, name: str = "max_draft") -> int:
     if max_draft < 1:
         raise ValueError(f"{name} (K) must be >= 1, got {max_draft}")
     return int(max_draft)
-
-
-def renamed_max_draft(max_draft, num_draft, caller: str):
-    """``max_draft``, or the value passed under its old name ``num_draft`` (with a DeprecationWarning), for a caller
-    that still takes the old keyword. The old name also meant the verifier's [B] tensor of each row's drafts, hence
-    the rename."""
-    if num_draft is None:
-        return max_draft
-    warnings.warn(f"{caller}(num_draft=...) is deprecated; use max_draft=... (the most tokens drafted per round)",
-                  DeprecationWarning, stacklevel=3)
-    return num_draft
 
 
 def check_temperature(temperature) -> float:

@@ -19,7 +19,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 from tqdm.auto import tqdm
 
-from ..decoding import DRAFT_MODES, NgramDrafter, SpeculativeDecoder, encode_prompt, renamed_max_draft, summarize
+from ..decoding import DRAFT_MODES, NgramDrafter, SpeculativeDecoder, encode_prompt, summarize
 from .draft_length_report import draft_length_label
 from .head_usage import weight_usage
 from .report import MethodResult, _mean
@@ -183,11 +183,10 @@ def demo_methods(weights: Sequence[float] = DEMO_WEIGHTS, head=None) -> list[tup
 
 def run_demo(target, draft, prompts: Sequence[Sequence[int]], specs: Sequence[tuple[str, dict]], *, max_draft: int = 3,
              max_new_tokens: int, temperature: float, seed: int, eos_token_id=None, progress: bool = True,
-             batch_size: Optional[int] = 1, wall_seconds: Optional[dict] = None, num_draft: Optional[int] = None,
+             batch_size: Optional[int] = 1, wall_seconds: Optional[dict] = None,
              draft_cost: Optional[float] = None):
     """label -> the generations of each method on every prompt (``wall_seconds`` as in :func:`run_interleaved`);
-    ``num_draft``: the deprecated name of ``max_draft``; ``draft_cost``: for specs drafting with ``"gain"``."""
-    max_draft = renamed_max_draft(max_draft, num_draft, "run_demo")
+    ``draft_cost``: for specs drafting with ``"gain"``."""
     decoders = build_decoders(target, draft, specs, max_draft=max_draft, temperature=temperature,
                               draft_cost=draft_cost)
     runners = [(label, decoder_runner(decoders[label], prompts, eos_token_id)) for label, _ in specs]
@@ -198,12 +197,10 @@ def run_demo(target, draft, prompts: Sequence[Sequence[int]], specs: Sequence[tu
 def evaluate(task: Task, examples: Sequence[dict], target, draft, tokenizer, specs: Sequence[tuple[str, dict]], *,
              max_draft: int = 3, max_new_tokens: int = 64, temperature: float = 1.0, seed: int = 0,
              eos_token_id=None, chat: bool = True, progress: bool = True, batch_size: Optional[int] = 1,
-             num_draft: Optional[int] = None, draft_cost: Optional[float] = None,
-             warmup: bool = False) -> list[MethodResult]:
+             draft_cost: Optional[float] = None, warmup: bool = False) -> list[MethodResult]:
     """Run every method on every example and score the outputs: task reward and fidelity per prompt.
-    ``num_draft``: the deprecated name of ``max_draft``; ``draft_cost``: for specs drafting with ``"gain"``;
-    ``warmup``: run each method once untimed first (for benchmarks; the results are unchanged)."""
-    max_draft = renamed_max_draft(max_draft, num_draft, "evaluate")
+    ``draft_cost``: for specs drafting with ``"gain"``; ``warmup``: run each method once untimed first (for
+    benchmarks; the results are unchanged)."""
     prompts = encode_examples(task, examples, tokenizer, chat)
     decoders = build_decoders(target, draft, specs, max_draft=max_draft, temperature=temperature,
                               draft_cost=draft_cost)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from ..decoding import renamed_max_draft
 from ..head import HEAD_INPUTS, EnsembleHead
 from ..models import hidden_size
 from .harness import encode_examples
@@ -17,17 +16,14 @@ def build_trainer(task: Task, examples: Sequence[dict], target, draft, tokenizer
                   head: Optional[EnsembleHead] = None, head_hidden: Optional[int] = None, init_weight: float = 0.5,
                   head_inputs: str = "hidden",
                   max_draft: int = 3, max_new_tokens: int = 48, rollout: str = "speculative",
-                  eos_token_id=None, pair: Optional[dict] = None, chat: bool = True,
-                  num_draft: Optional[int] = None) -> Trainer:
+                  eos_token_id=None, pair: Optional[dict] = None, chat: bool = True) -> Trainer:
     """A Trainer for ``task``: reward = the task reward (+ ``config.fidelity_coef`` x fidelity, added by the Trainer).
 
     Args:
         rollout: ``"speculative"`` (the decoding loop with the current head) or ``"mixture"`` (token by token).
         head: a head to keep training; otherwise a new one with ``head_hidden``, ``init_weight`` and ``head_inputs``
             (a key of :data:`~diversed_ext.head.HEAD_INPUTS`: hidden states, distribution features, or both).
-        num_draft: the deprecated name of ``max_draft``.
     """
-    max_draft = renamed_max_draft(max_draft, num_draft, "build_trainer")
     if head is None:
         if head_inputs not in HEAD_INPUTS:
             raise ValueError(f"head_inputs must be one of {', '.join(HEAD_INPUTS)}, got {head_inputs!r}")
