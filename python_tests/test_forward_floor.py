@@ -1,5 +1,6 @@
-"""The lean forward's floor (diversed_ext.forward): the verify ops never load it, and a build without the forward's
-native ops keeps decoding through the models' own forward while what needs those ops says so."""
+"""The lean forward's floor (diversed_ext.forward): the verify ops and the head never load it (nor the models), and a
+build without the forward's native ops keeps decoding through the models' own forward while what needs those ops says
+so."""
 
 import json
 import subprocess
@@ -30,6 +31,26 @@ def test_the_verify_ops_do_not_load_the_forward():
     loaded = _run_python("import json, sys, diversed_ext, diversed_ext.ops; "
                          "print(json.dumps(sorted(m for m in sys.modules if m.startswith('diversed_ext.forward'))))")
     assert loaded == []
+
+
+def test_the_head_loads_neither_the_models_nor_the_forward():
+    # What a server imports to run a head: the head, its rules and the ops, nothing of the models or the lean forward.
+    loaded = _run_python("import json, sys, diversed_ext.head, diversed_ext.rules; print(json.dumps(sorted(m for m in "
+                         "sys.modules if m.startswith(('diversed_ext.models', 'diversed_ext.forward')))))")
+    assert loaded == []
+
+
+def test_the_rules_import_neither_torch_nor_vllm():
+    # The package's __init__ loads the ops (and torch); the rules module itself needs only the standard library, so
+    # the vLLM plugin's settings can use it before any engine or tensor exists.
+    import ast
+    import diversed_ext.rules as rules
+
+    tree = ast.parse(Path(rules.__file__).read_text())
+    imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
+                for alias in node.names}
+    imported |= {(node.module or "").split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    assert imported <= {"__future__", "math", "numbers"}, imported
 
 
 @pytest.fixture

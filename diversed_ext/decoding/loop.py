@@ -36,16 +36,21 @@ from typing import Optional
 import torch
 from tqdm.auto import tqdm
 
-from ..ops import SEED_RANGE
+from .. import rules
 from .batch import RoundConfig, run_round
 from .checks import (DrafterLike, HeadLike, PromptLike, check_batch_size, check_draft_mode, check_head,
-                     check_max_draft, check_max_new_tokens, check_method, check_prompt, check_seed, check_temperature,
-                     check_weight)
+                     check_max_new_tokens, check_method, check_prompt, check_seed, check_weight)
 from .draft_lengths import DEFAULT_DRAFT_LENGTH, PolicyLike, check_draft_length
 from .prompts import normalise_eos, split_prompts
 from .runners import Clock, make_runner, model_device
 from .state import DecodingState
 from .stats import Generation, GenerationOutput, RoundStats
+
+# K, the most tokens drafted a round, wherever none is given (the decoder, the harness, the trainer, the command line).
+# On the default pair (a draft pass costs a third of a target pass on a 2-core CPU) K = 3 gives diversed and the static
+# ensembles their most tokens/s, and the shipped heads were trained at it; sd alone does best at K = 2
+# (docs/benchmarks.md).
+DEFAULT_MAX_DRAFT = 3
 
 
 class SpeculativeDecoder:
@@ -103,7 +108,7 @@ class SpeculativeDecoder:
     """
 
     def __init__(self, target: torch.nn.Module, draft: Optional[torch.nn.Module] = None, *, method: str = "sd",
-                 weight: Optional[float] = None, head: Optional[HeadLike] = None, max_draft: int = 4,
+                 weight: Optional[float] = None, head: Optional[HeadLike] = None, max_draft: int = DEFAULT_MAX_DRAFT,
                  temperature: float = 1.0, draft_mode: Optional[str] = None, drafter: Optional[DrafterLike] = None,
                  check_inputs: bool = False, synchronize_timing: bool = True, fast_forward: bool = True,
                  draft_length: PolicyLike = DEFAULT_DRAFT_LENGTH,
@@ -111,8 +116,8 @@ class SpeculativeDecoder:
         self.method = check_method(method)
         self.weight = check_weight(method, weight)
         self.head = check_head(method, head)
-        self.max_draft = check_max_draft(max_draft)
-        self.temperature = check_temperature(temperature)
+        self.max_draft = rules.draft_length(max_draft)
+        self.temperature = rules.temperature(temperature)
         self.draft_mode = check_draft_mode(method, draft_mode, drafter)
         self.draft_length = check_draft_length(draft_length, self.max_draft, method=method, weight=self.weight,
                                                drafter=drafter, draft_cost=draft_cost)
@@ -203,7 +208,7 @@ class SpeculativeDecoder:
                 raise ValueError(f"seed: a list needs one seed per prompt ({num_prompts}), got {len(seed)}")
             return [check_seed(value) for value in seed]
         base_seed = check_seed(seed)
-        return [(base_seed + index) % SEED_RANGE for index in range(num_prompts)]
+        return [(base_seed + index) % rules.SEED_RANGE for index in range(num_prompts)]
 
     def start(self, prompt: PromptLike, *, max_new_tokens: int, eos_token_id=None, seed: Optional[int] = None
               ) -> DecodingState:
