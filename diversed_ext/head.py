@@ -309,8 +309,8 @@ def _check_matches(config: HeadConfig, pair: Optional[dict], draft_hidden: Optio
 
 
 SHIPPED_HEADS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "heads")
-# The head `--head default` and the demo load: one of the trained family, the one chosen on GSM8K test (see the
-# README's "Trained heads").
+# The head `--head default` and the demo load: one of the trained family, the one chosen on GSM8K test
+# (docs/training.md, "Why the shipped heads are as they are").
 DEFAULT_HEAD_NAME = "smollm2-135m-lambda4"
 DEFAULT_HEAD_DIR = os.path.join(SHIPPED_HEADS_DIR, DEFAULT_HEAD_NAME)
 
