@@ -17,7 +17,7 @@ log-probability) are in the first table of each batch size: for sd the output la
 lengths; for w < 1 every position a round does not draft takes its token from the target (the bonus) rather than
 from nu, so a policy that drafts less stays a little closer to the target.
 
-    python bench/bench_e2e.py --draft-lengths --data ../shared/data/gsm8k/test.jsonl --prompts 30 \\
+    python bench/bench_e2e.py --draft-lengths --data PATH/gsm8k/test.jsonl --prompts 30 \\
         --max-new-tokens 64 --k 1 2 3 4 5 --batch-size 8
 
 bench_e2e.py writes one CSV row per (batch size, row) under bench/results/ (or --csv).

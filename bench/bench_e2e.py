@@ -301,7 +301,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     if args.draft_cost is not None and not 0.0 <= args.draft_cost < float("inf"):
         parser.error("--draft-cost must be a finite number >= 0")
     if args.draft_lengths and not args.data:
-        parser.error("--draft-lengths needs --data (a GSM8K jsonl, e.g. ../shared/data/gsm8k/test.jsonl)")
+        parser.error("--draft-lengths needs --data (a GSM8K jsonl, e.g. gsm8k/test.jsonl)")
     if not 0.0 <= args.weight <= 1.0:
         parser.error("--weight must be in [0, 1]")
     if not args.temperature >= 0.0:

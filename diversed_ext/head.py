@@ -10,8 +10,10 @@ needs w_t fixed before the draft is seen, so a feature such as q_t(x) of the dra
 
 The output layer starts at zero with bias logit(init_weight), so an untrained head returns exactly ``init_weight``
 everywhere (0.5 is the midpoint of the static ensembles; 1.0 would be standard speculative decoding). Heads are saved
-as ``head.safetensors`` plus ``head.json`` (sizes, init weight and the names of the model pair they were trained for),
-and loading one against another pair or other hidden sizes is an error.
+as ``head.safetensors`` plus ``head.json`` (sizes, init weight, the names of the model pair they were trained for and
+the ``diversed train`` options that produced them), and loading one against another pair or other hidden sizes is an
+error. A server imports this module to run a head: it needs the ops' temperature rule and nothing of the models or
+the lean forward.
 """
 
 from __future__ import annotations
@@ -25,8 +27,8 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
+from . import rules
 from ._atomic import atomic_path
-from .models.pairs import hidden_size
 from .ops import distribution_temperature
 
 CONFIG_NAME = "head.json"
@@ -87,6 +89,9 @@ class HeadConfig:
     pair: dict = field(default_factory=dict)  # {"target": name, "draft": name}; empty when unknown
     features: list = field(default_factory=list)  # names from DISTRIBUTION_FEATURES; empty: hidden states only
     use_hidden: bool = True  # False: the distribution features alone
+    # The ``diversed train`` options that produced the head, by name (``diversed train --recipe`` reruns them); empty
+    # for a head built by hand.
+    recipe: dict = field(default_factory=dict)
 
 
 class EnsembleHead(nn.Module):
@@ -100,22 +105,22 @@ class EnsembleHead(nn.Module):
         pair: optional {"target": name, "draft": name}, recorded when saving and checked when loading.
         features: names from :data:`DISTRIBUTION_FEATURES` the head also reads (default none).
         use_hidden: read the hidden states (default); False needs ``features``.
+        recipe: the training options that produce this head, recorded in head.json.
     """
 
     def __init__(self, draft_hidden: int, target_hidden: int, *, hidden: Optional[int] = None,
                  init_weight: float = 0.5, pair: Optional[dict] = None, features: Sequence[str] = (),
-                 use_hidden: bool = True):
+                 use_hidden: bool = True, recipe: Optional[dict] = None):
         super().__init__()
         for name, value in (("draft_hidden", draft_hidden), ("target_hidden", target_hidden)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if hidden is not None and (isinstance(hidden, bool) or not isinstance(hidden, int) or hidden <= 0):
             raise ValueError(f"hidden must be None or a positive int, got {hidden!r}")
-        if not 0.0 < float(init_weight) <= 1.0:
-            raise ValueError(f"init_weight must lie in (0, 1], got {init_weight}")
+        init_weight = rules.positive_weight(init_weight, "init_weight")
         features = _check_features(features, use_hidden)
-        self.config = HeadConfig(draft_hidden, target_hidden, hidden, float(init_weight), dict(pair or {}),
-                                 list(features), bool(use_hidden))
+        self.config = HeadConfig(draft_hidden, target_hidden, hidden, init_weight, dict(pair or {}),
+                                 list(features), bool(use_hidden), dict(recipe or {}))
         self.register_buffer("feature_index", torch.tensor([DISTRIBUTION_FEATURES.index(name) for name in features],
                                                            dtype=torch.int64), persistent=False)
         if use_hidden:
@@ -200,7 +205,7 @@ class EnsembleHead(nn.Module):
         config = _read_config(config_path)
         _check_matches(config, pair, draft_hidden, target_hidden, directory)
         head = cls(config.draft_hidden, config.target_hidden, hidden=config.hidden, init_weight=config.init_weight,
-                   pair=config.pair, features=config.features, use_hidden=config.use_hidden)
+                   pair=config.pair, features=config.features, use_hidden=config.use_hidden, recipe=config.recipe)
         head.load_state_dict(_read_weights(weights_path, head, map_location))
         return head
 
@@ -228,10 +233,13 @@ def _read_config(path: str) -> HeadConfig:
     if config.hidden is not None and (isinstance(config.hidden, bool) or not isinstance(config.hidden, int)
                                       or config.hidden <= 0):
         raise ValueError(f"{path}: hidden must be null or a positive integer, got {config.hidden!r}")
-    if not isinstance(config.init_weight, (int, float)) or not 0.0 < config.init_weight <= 1.0:
-        raise ValueError(f"{path}: init_weight must be in (0, 1], got {config.init_weight!r}")
-    if not isinstance(config.pair, dict):
-        raise ValueError(f"{path}: pair must be an object, got {config.pair!r}")
+    try:
+        rules.positive_weight(config.init_weight, "init_weight")
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"{path}: {error}") from None
+    for name in ("pair", "recipe"):
+        if not isinstance(getattr(config, name), dict):
+            raise ValueError(f"{path}: {name} must be an object, got {getattr(config, name)!r}")
     if not isinstance(config.features, list) or not isinstance(config.use_hidden, bool):
         raise ValueError(f"{path}: features must be a list and use_hidden a boolean")
     try:
@@ -276,6 +284,15 @@ def _read_weights(path: str, head: "EnsembleHead", map_location: str) -> dict:
     return tensors
 
 
+def hidden_size(model) -> int:
+    """Width of a causal LM's last hidden state (what the head reads), from its config."""
+    config = getattr(model, "config", None)
+    size = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None)
+    if size is None:
+        raise ValueError(f"cannot tell the hidden size of {type(model).__name__}; pass a head built by hand")
+    return int(size)
+
+
 def _check_matches(config: HeadConfig, pair: Optional[dict], draft_hidden: Optional[int],
                    target_hidden: Optional[int], directory: str) -> None:
     if draft_hidden is not None and draft_hidden != config.draft_hidden:
@@ -292,8 +309,8 @@ def _check_matches(config: HeadConfig, pair: Optional[dict], draft_hidden: Optio
 
 
 SHIPPED_HEADS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "heads")
-# The head `--head default` and the demo load: one of the trained family, the one chosen on GSM8K test (see the
-# README's "Trained heads").
+# The head `--head default` and the demo load: one of the trained family, the one chosen on GSM8K test
+# (docs/training.md, "Why the shipped heads are as they are").
 DEFAULT_HEAD_NAME = "smollm2-135m-lambda4"
 DEFAULT_HEAD_DIR = os.path.join(SHIPPED_HEADS_DIR, DEFAULT_HEAD_NAME)
 
@@ -313,6 +330,16 @@ def resolve_head_path(path: str) -> str:
     if not os.path.exists(path) and path in shipped_heads():
         return os.path.join(SHIPPED_HEADS_DIR, path)
     return path
+
+
+def head_recipe(path: str) -> dict:
+    """The ``diversed train`` options recorded in the head.json of a head (a folder, ``"default"`` or a shipped
+    head's name): what ``diversed train --recipe`` reruns. Empty for a head built by hand."""
+    path = resolve_head_path(path)
+    config_path = path if os.path.isfile(path) else os.path.join(path, CONFIG_NAME)
+    if not os.path.isfile(config_path):
+        raise FileNotFoundError(f"no ensemble head at {path!r}: missing {CONFIG_NAME}")
+    return dict(_read_config(config_path).recipe)
 
 
 def load_head(path: str, *, target=None, draft=None, **checks) -> EnsembleHead:

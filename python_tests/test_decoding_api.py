@@ -193,10 +193,10 @@ def test_round_statistics_add_up(wide_pair):
 @pytest.mark.parametrize("kwargs,error,match", [
     ({"method": "beam"}, ValueError, "method must be one of"),
     ({"method": "static"}, ValueError, "needs weight"),
-    ({"method": "static", "weight": 1.5}, ValueError, r"weight must be in \[0, 1\]"),
-    ({"method": "static", "weight": -0.1}, ValueError, r"weight must be in \[0, 1\]"),
-    ({"method": "static", "weight": float("nan")}, ValueError, r"weight must be in \[0, 1\]"),
-    ({"method": "static", "weight": "0.5"}, TypeError, "weight must be a float"),
+    ({"method": "static", "weight": 1.5}, ValueError, r"weight must be a number in \[0, 1\]"),
+    ({"method": "static", "weight": -0.1}, ValueError, r"weight must be a number in \[0, 1\]"),
+    ({"method": "static", "weight": float("nan")}, ValueError, r"weight must be a number in \[0, 1\]"),
+    ({"method": "static", "weight": "0.5"}, TypeError, "weight must be a number"),
     ({"method": "sd", "weight": 0.5}, ValueError, "method 'sd' is the w = 1 case"),
     ({"method": "diversed"}, ValueError, "needs head"),
     ({"method": "diversed", "head": 3}, TypeError, "head must be callable"),
@@ -211,30 +211,6 @@ def test_bad_decoder_arguments_name_the_argument(wide_pair, kwargs, error, match
     target, draft = wide_pair
     with pytest.raises(error, match=match):
         SpeculativeDecoder(target, draft, **kwargs)
-
-
-# The old spelling of max_draft still works, with a DeprecationWarning, and its errors name it.
-@pytest.mark.parametrize("kwargs,error,match", [
-    ({"method": "sd", "num_draft": 0}, ValueError, r"num_draft \(K\) must be >= 1"),
-    ({"method": "sd", "num_draft": -2}, ValueError, r"num_draft \(K\) must be >= 1"),
-    ({"method": "sd", "num_draft": 2.0}, TypeError, "num_draft must be an int"),
-])
-def test_bad_num_draft_warns_and_names_the_old_argument(wide_pair, kwargs, error, match):
-    target, draft = wide_pair
-    with pytest.warns(DeprecationWarning, match="num_draft"), pytest.raises(error, match=match):
-        SpeculativeDecoder(target, draft, **kwargs)
-
-
-def test_num_draft_is_the_deprecated_name_of_max_draft(wide_pair):
-    target, draft = wide_pair
-    with pytest.warns(DeprecationWarning, match=r"SpeculativeDecoder\(num_draft=\.\.\.\) is deprecated; use max_draft"):
-        old = SpeculativeDecoder(target, draft, method="sd", num_draft=5)
-    assert old.max_draft == 5
-    with pytest.warns(DeprecationWarning, match="use max_draft"):
-        assert old.num_draft == 5
-    new = SpeculativeDecoder(target, draft, method="sd", max_draft=5)
-    assert torch.equal(new.generate(PROMPT, max_new_tokens=12, seed=3).sequences[0],
-                       old.generate(PROMPT, max_new_tokens=12, seed=3).sequences[0])
 
 
 def test_speculative_methods_need_a_draft(wide_pair):

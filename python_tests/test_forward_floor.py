@@ -1,6 +1,6 @@
-"""The lean forward's floor (diversed_ext.forward): the verify ops never load it, old module paths still work with a
-DeprecationWarning, and a build without the forward's native ops keeps decoding through the models' own forward while
-what needs those ops says so."""
+"""The lean forward's floor (diversed_ext.forward): the verify ops and the head never load it (nor the models), and a
+build without the forward's native ops keeps decoding through the models' own forward while what needs those ops says
+so."""
 
 import json
 import subprocess
@@ -16,14 +16,6 @@ from diversed_ext.decoding.runners import HFRunner, make_runner  # noqa: E402
 from diversed_ext.forward import _native  # noqa: E402
 from diversed_ext.forward import ForwardOpsMissing, LlamaRunner, pack_float, pack_int8, supports_fast_forward  # noqa
 from test_fast_llama import tiny_llama  # noqa: E402
-
-MOVED = {"diversed_ext.ops.int8": "diversed_ext.forward.int8",
-         "diversed_ext.ops.float_linear": "diversed_ext.forward.float_linear",
-         "diversed_ext.ops.llama_layers": "diversed_ext.forward.llama_layers",
-         "diversed_ext.decoding.fast_llama": "diversed_ext.forward.llama_runner",
-         "diversed_ext.decoding.projections": "diversed_ext.forward.projections",
-         "diversed_ext.models.int8": "diversed_ext.forward.int8_draft"}
-
 
 def _run_python(code: str) -> dict:
     """``code`` in a fresh interpreter (imports cannot be undone in this one); it prints one JSON object."""
@@ -41,23 +33,24 @@ def test_the_verify_ops_do_not_load_the_forward():
     assert loaded == []
 
 
-def test_old_module_paths_warn_and_are_the_new_modules():
-    code = f"""
-import importlib, json, warnings
-results = {{}}
-for old, new in {MOVED!r}.items():
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        module = importlib.import_module(old)
-    results[old] = [module is importlib.import_module(new),
-                    [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning)]]
-print(json.dumps(results))
-"""
-    results = _run_python(code)
-    for old, new in MOVED.items():
-        same, messages = results[old]
-        assert same, old
-        assert any(old in message and new in message for message in messages), (old, messages)
+def test_the_head_loads_neither_the_models_nor_the_forward():
+    # What a server imports to run a head: the head, its rules and the ops, nothing of the models or the lean forward.
+    loaded = _run_python("import json, sys, diversed_ext.head, diversed_ext.rules; print(json.dumps(sorted(m for m in "
+                         "sys.modules if m.startswith(('diversed_ext.models', 'diversed_ext.forward')))))")
+    assert loaded == []
+
+
+def test_the_rules_import_neither_torch_nor_vllm():
+    # The package's __init__ loads the ops (and torch); the rules module itself needs only the standard library, so
+    # the vLLM plugin's settings can use it before any engine or tensor exists.
+    import ast
+    import diversed_ext.rules as rules
+
+    tree = ast.parse(Path(rules.__file__).read_text())
+    imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
+                for alias in node.names}
+    imported |= {(node.module or "").split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    assert imported <= {"__future__", "math", "numbers"}, imported
 
 
 @pytest.fixture

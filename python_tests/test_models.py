@@ -191,7 +191,7 @@ def test_cli_generate_on_the_default_pair(default_pair, capsys):
 
 
 def test_cli_demo_with_tiny_settings(default_pair, capsys):
-    status = cli.main(["demo", "--prompts", "1", "--max-new-tokens", "3", "--k", "2", "--weights", "0.5"])
+    status = cli.main(["demo", "--prompts", "1", "--max-new-tokens", "3", "--max-draft", "2", "--weights", "0.5"])
     assert status == 0
     out = capsys.readouterr().out
     assert "1 prompts, up to 3 new tokens" in out

@@ -116,17 +116,6 @@ def test_method_diversed_without_head_names_the_default(capsys, no_models):
     assert status == 2 and "--head default" in error
 
 
-def test_k_is_the_deprecated_spelling_of_max_draft(capsys):
-    parser = cli.build_parser()
-    assert parser.parse_args(["generate", "--prompt", "hi"]).max_draft == 3
-    assert parser.parse_args(["generate", "--prompt", "hi", "--max-draft", "5"]).max_draft == 5
-    assert capsys.readouterr().err == ""
-    assert parser.parse_args(["generate", "--prompt", "hi", "--k", "2"]).max_draft == 2
-    assert "--k is deprecated; use --max-draft" in capsys.readouterr().err
-    generate = parser._subparsers._group_actions[0].choices["generate"]
-    assert "deprecated spelling of --max-draft" in generate.format_help()
-
-
 def test_help_shows_the_defaults_each_command_uses():
     parser = cli.build_parser()
     demo = parser._subparsers._group_actions[0].choices["demo"]

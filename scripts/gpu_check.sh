@@ -4,18 +4,16 @@
 #   2. build        the extension with this machine's python3 and torch (DIVERSED_CUDA=1, no build isolation)
 #   3. tests        the CUDA tests of the suite (pytest -k cuda), once per kernel family (DIVERSED_CUDA_KERNELS)
 #   4. sanitizers   compute-sanitizer memcheck, racecheck, synccheck and initcheck over scripts/gpu_hostile_inputs.py
-#   5. bench        the GPU kit's bench_vs_flashinfer.py, once per kernel family
+#   5. bench        the benchmark kit's bench_vs_flashinfer.py (side by side with FlashInfer), once per kernel family
 #   6. profile      ncu's speed-of-light and occupancy of both families at B = 64, K = 8, V = 128256
 # Each step writes REPORT_DIR/<step>.log; REPORT_DIR/summary.md gives each step's status and time. A failing step is
 # reported and the later steps still run (except after a failed build). Exit status: 0 when every step passed, 1
-# when one failed, 2 for a usage error or a machine without a GPU. Every step has a time limit (a few minutes); where
-# one command may run 10 minutes at most, split the steps over calls on the same machine (the build stays installed):
-#   --only build,tests    then    --only sanitizers    then    --only bench,profile
+# when one failed, 2 for a usage error or a machine without a GPU. Every step has a time limit, so a hung kernel fails
+# its step instead of stalling the check. Steps can run separately (--only); the build stays installed between runs.
+# The check writes nothing outside REPORT_DIR (its temporary files included) and the installed build.
 #
 #   scripts/gpu_check.sh REPORT_DIR [--kit DIR] [--only STEPS] [--dry-run]
-#     --kit DIR     the GPU kit (bench_vs_flashinfer.py, fi_bind.cu, fi_include/); default .gpu-kit, which is copied
-#                   from ../shared/gpu when that exists and .gpu-kit does not (a GPU machine gets the checkout only:
-#                   make the copy before sending it, as the kit's README says)
+#     --kit DIR     the benchmark kit's folder (bench_vs_flashinfer.py, fi_bind.cu, fi_include/); the bench step needs it
 #     --only STEPS  a comma-separated subset of: build,tests,sanitizers,bench,profile (the environment always runs)
 #     --dry-run     checks the prerequisites it can and prints each step's command without running it (any machine)
 set -uo pipefail
@@ -25,7 +23,7 @@ checkout="$PWD"
 usage() { echo "usage: scripts/gpu_check.sh REPORT_DIR [--kit DIR] [--only STEPS] [--dry-run]" >&2; exit 2; }
 [ $# -ge 1 ] || usage
 report="$1"; shift
-kit=.gpu-kit; only=build,tests,sanitizers,bench,profile; dry_run=0
+kit=; only=build,tests,sanitizers,bench,profile; dry_run=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --kit) [ $# -ge 2 ] || usage; kit="$2"; shift 2 ;;
@@ -37,23 +35,27 @@ done
 for step in ${only//,/ }; do
   case "$step" in build|tests|sanitizers|bench|profile) ;; *) echo "gpu_check: unknown step '$step'" >&2; exit 2 ;; esac
 done
+wants() { [[ ",$only," == *",$1,"* ]]; }
+if wants bench && [ -z "$kit" ]; then
+  echo "gpu_check: the bench step needs --kit DIR, the benchmark kit's folder (or leave bench out with --only)" >&2
+  exit 2
+fi
 mkdir -p "$report" || { echo "gpu_check: cannot create the report folder $report" >&2; exit 2; }
 report="$(cd "$report" && pwd)"
-if [ ! -d "$kit" ] && [ "$kit" = .gpu-kit ] && [ -d ../shared/gpu ]; then
-  mkdir -p .gpu-kit && cp -r ../shared/gpu/* .gpu-kit/
-  grep -qx '/.gpu-kit/' .git/info/exclude 2>/dev/null || echo /.gpu-kit/ >> .git/info/exclude
-fi
-kit="$(cd "$kit" 2>/dev/null && pwd || echo "$kit")"
+[ -z "$kit" ] || kit="$(cd "$kit" 2>/dev/null && pwd || echo "$kit")"
 
 python=${PYTHON:-python3}
-export MAX_JOBS=${MAX_JOBS:-$(nproc)} DIVERSED_CUDA=1 PYTHONDONTWRITEBYTECODE=1
+# Temporary files (pip's build folder, pytest's tmp_path) stay inside the report folder, and are removed at the end.
+mkdir -p "$report/tmp"
+trap 'rm -rf "$report/tmp"' EXIT
+export MAX_JOBS=${MAX_JOBS:-$(nproc)} DIVERSED_CUDA=1 PYTHONDONTWRITEBYTECODE=1 TMPDIR="$report/tmp"
 summary="$report/summary.md"
 commit="$(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
 printf '# gpu_check of %s\n\n| step | status | seconds |\n|---|---|---:|\n' "$commit" > "$summary"
 failures=0
 
-# run NAME LIMIT_SECONDS COMMAND...: from /tmp, so that `import diversed_ext` finds the installed build rather than
-# the source tree; the output goes to REPORT_DIR/NAME.log.
+# run NAME LIMIT_SECONDS COMMAND...: from the report folder, so that `import diversed_ext` finds the installed build
+# rather than the source tree; the output goes to REPORT_DIR/NAME.log.
 run() {
   local name="$1" limit="$2"; shift 2
   if [ "$dry_run" = 1 ]; then
@@ -63,7 +65,7 @@ run() {
   fi
   echo "== $name" >&2
   local start=$SECONDS status
-  (cd /tmp && timeout --kill-after=10 "$limit" "$@") > "$report/$name.log" 2>&1
+  (cd "$report" && timeout --kill-after=10 "$limit" "$@") > "$report/$name.log" 2>&1
   status=$?
   local verdict=passed
   if [ $status -eq 124 ] || [ $status -eq 137 ]; then verdict="timed out after ${limit}s"; fi
@@ -73,7 +75,6 @@ run() {
   echo "   $verdict; log: $report/$name.log" >&2
   return $status
 }
-wants() { [[ ",$only," == *",$1,"* ]]; }
 
 # 1. The machine. Without a GPU nothing else can run: say so and stop, rather than wait on a device that is not there.
 {
@@ -96,7 +97,7 @@ fi
 
 # 2. Build with this machine's torch; nothing else can run without it.
 if wants build; then
-  run build 420 "$python" -m pip install -q --no-build-isolation --no-deps "$checkout" || {
+  run build 900 "$python" -m pip install -q --no-build-isolation --no-deps "$checkout" || {
     echo "gpu_check: the build failed; see $report/build.log" >&2
     exit 1
   }

@@ -1,12 +1,14 @@
 """The ``diversed`` command line.
 
-    diversed generate --prompt "..." [--method ar|sd|static|diversed] [--weight W] [--head PATH] [--k K]
+    diversed generate --prompt "..." [--method ar|sd|static|diversed] [--weight W] [--head PATH] [--max-draft K]
                       [--temperature T] [--max-new-tokens N] [--seed S] [--target NAME_OR_PATH [--draft ...]]
     diversed demo     [--prompts N] [--max-new-tokens N] [--weights W ...] ...
                       ar, sd and static ensembles on the default pair and a few built-in prompts: one table
     diversed bench verify [ARGS...]   runs bench/bench_verify.py (from the source checkout: bench/ is not installed)
     diversed bench e2e    [ARGS...]   runs bench/bench_e2e.py
     diversed train    --task gsm8k --data PATH [--steps --batch-size --lr --acceptance-coef --fidelity-coef ...]
+    diversed train    --recipe smollm2-135m-lambda4 --data PATH/gsm8k/train.jsonl
+                      a shipped head's training run again, from the recipe in its head.json
     diversed eval     --task gsm8k --data PATH --method ar sd static diversed [--weight W ...] [--head PATH]
     diversed pareto   --task gsm8k --data PATH [--weights W ...] [--head PATH ...] [--output-dir DIR]
     diversed compare-drafts [--task gsm8k --data PATH] [--drafts distributions tokens ...] [--weight W ...]
@@ -32,14 +34,15 @@ import torch
 
 from ..decoding import METHODS, SpeculativeDecoder, encode_prompt, eos_ids
 from ..models.export import export_default_pair
-from ..research.harness import (DEMO_NUM_DRAFT, DEMO_PROMPTS, DEMO_WEIGHTS, demo_methods, run_demo,
+from ..research.harness import (DEMO_PROMPTS, DEMO_WEIGHTS, demo_methods, run_demo,
                                 throughput_summary, with_draft_length)
 from ..research.report import format_table
 from . import common
 from .common import (USAGE_EXIT_STATUS, UsageError, _add_batch_argument, _add_draft_length_arguments,
                      _add_model_arguments, _check_draft_cost, _decoder_error, _draft_length_words, _load_head,
-                     _positive_int, _unit_float, load_models)
+                     _positive_int, _unit_float, library_defaults, load_models)
 from .experiments import EXPERIMENT_HANDLERS, add_experiment_commands
+from .train import add_train_command, run_train, with_recipe
 
 __all__ = ["build_parser", "main", "UsageError", "load_models", "find_bench_script"]
 
@@ -55,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--weight", type=_unit_float, help="weight w on the target, for --method static")
     generate.add_argument("--head", help="head folder for --method diversed, or a shipped head's name ('default': "
                                          "the default SmolLM2-135M pair's default head)")
-    _add_model_arguments(generate)
+    _add_model_arguments(generate, library_defaults(SpeculativeDecoder.generate, SpeculativeDecoder))
     _add_draft_length_arguments(generate)
 
     demo = commands.add_parser("demo", help="compare ar, sd and static ensembles on built-in prompts")
@@ -63,13 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help=f"static ensemble weights (default {' '.join(map(str, DEMO_WEIGHTS))})")
     demo.add_argument("--prompts", type=_positive_int, default=len(DEMO_PROMPTS),
                       help=f"how many of the built-in prompts to run (default {len(DEMO_PROMPTS)}, cycled past that)")
-    _add_batch_argument(demo)
-    _add_model_arguments(demo)
+    _add_batch_argument(demo, library_defaults(run_demo))
+    _add_model_arguments(demo, library_defaults(run_demo))
     _add_draft_length_arguments(demo)
-    # One request at a time by default: speculation buys latency per request. On this CPU a batch already keeps the
-    # cores busy, so batched ar gains as much as speculation would (measured: at batch 4, sd 0.78x and diversed 0.98x
-    # of batched ar); --batch-size shows that trade-off.
-    demo.set_defaults(max_new_tokens=48, k=DEMO_NUM_DRAFT, batch_size=1)
 
     bench = commands.add_parser("bench", help="run a benchmark script from bench/")
     bench.add_argument("which", choices=("verify", "e2e"), help="verify: bench_verify.py, e2e: bench_e2e.py")
@@ -78,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     export = commands.add_parser("export-pair", help="write the default pair as two folders vLLM loads")
     export.add_argument("directory", type=Path, help="gets target/ and draft/")
     export.add_argument("--overwrite", action="store_true", help="replace existing target/ and draft/ folders")
+    add_train_command(commands)
     add_experiment_commands(commands)
     return parser
 
@@ -159,10 +159,14 @@ def _run_export_pair(args) -> int:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of the ``diversed`` console script; returns the exit status (2 for a user's mistake)."""
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     handlers = {"generate": _run_generate, "demo": _run_demo, "bench": _run_bench, "export-pair": _run_export_pair,
-                **EXPERIMENT_HANDLERS}
+                "train": run_train, **EXPERIMENT_HANDLERS}
     try:
+        if getattr(args, "recipe", None):
+            args = with_recipe(parser, argv, args)
         return handlers[args.command](args)
     except UsageError as error:
         print(f"diversed: {error}", file=sys.stderr)

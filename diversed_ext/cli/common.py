@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import inspect
 import math
 import os
-import sys
 import tempfile
 from typing import Iterator, Optional
 
+from .. import rules
 from ..head import load_head
 
 
@@ -34,38 +35,54 @@ def _number_in(convert, accept, description: str):
     return parse
 
 
+def _ruled(convert, rule, description: str):
+    """An argparse type: ``convert(text)`` accepted by the library's ``rule`` (:mod:`diversed_ext.rules`), else
+    "must be <description>"; the value is returned as written."""
+    def parse(text: str):
+        try:
+            value = convert(text)
+            rule(value, "value")
+        except (TypeError, ValueError):
+            raise argparse.ArgumentTypeError(f"must be {description}, got {text}") from None
+        return value
+    return parse
+
+
 _positive_int = _number_in(int, lambda value: value >= 1, "an integer >= 1")
 _non_negative_int = _number_in(int, lambda value: value >= 0, "an integer >= 0")
-_unit_float = _number_in(float, lambda value: 0.0 <= value <= 1.0, "a number in [0, 1]")
-_non_negative_float = _number_in(float, lambda value: value >= 0.0, "a finite number >= 0")
 _positive_float = _number_in(float, lambda value: value > 0.0, "a finite number > 0")
-_weight_of_untrained_head = _number_in(float, lambda value: 0.0 < value <= 1.0, "a number in (0, 1]")
+_unit_float = _ruled(float, rules.weight, rules.WEIGHT)
+_weight_of_untrained_head = _ruled(float, rules.positive_weight, rules.POSITIVE_WEIGHT)
+_non_negative_float = _ruled(float, rules.non_negative, rules.NON_NEGATIVE)
+_temperature = _ruled(float, rules.temperature, rules.TEMPERATURE)
+_draft_length = _ruled(int, rules.draft_length, rules.DRAFT_LENGTH)
+_seed = _ruled(int, rules.seed, rules.SEED)
 
 
-class _OldSpelling(argparse.Action):
-    """A flag's deprecated spelling: stores its value where the new flag does, with a note on stderr, so scripts
-    written for it keep running."""
-
-    def __init__(self, option_strings, dest, new_flag: str, **kwargs):
-        super().__init__(option_strings, dest, **kwargs)
-        self.new_flag = new_flag
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        print(f"note: {option_string} is deprecated; use {self.new_flag}", file=sys.stderr)
-        setattr(namespace, self.dest, values)
+def library_defaults(*functions) -> dict:
+    """name -> default of every keyword argument of ``functions`` (the first one naming it wins). The commands take
+    their defaults from the functions they call, so the command line and the Python API cannot disagree."""
+    defaults = {}
+    for function in functions:
+        for name, parameter in inspect.signature(function).parameters.items():
+            if parameter.default is not inspect.Parameter.empty:
+                defaults.setdefault(name, parameter.default)
+    return defaults
 
 
-def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
+def _add_model_arguments(parser: argparse.ArgumentParser, defaults: dict) -> None:
+    """The pair, K, temperature, length and seed flags, with ``defaults`` (from :func:`library_defaults`)."""
     parser.add_argument("--target", help="target model name or folder (default: the embedded SmolLM2-135M pair)")
     parser.add_argument("--draft", help="draft model name or folder (default: an int8 copy of the target)")
-    parser.add_argument("--max-draft", type=_positive_int, default=3,
+    parser.add_argument("--max-draft", type=_draft_length, default=defaults["max_draft"],
                         help="K, the most tokens drafted per round (default %(default)s)")
-    parser.add_argument("--k", dest="max_draft", type=_positive_int, action=_OldSpelling, new_flag="--max-draft",
-                        default=argparse.SUPPRESS, help="deprecated spelling of --max-draft")
-    parser.add_argument("--temperature", type=_non_negative_float, default=1.0,
+    parser.add_argument("--temperature", type=_temperature, default=defaults["temperature"],
                         help="0 = greedy (default %(default)s)")
-    parser.add_argument("--max-new-tokens", type=_positive_int, default=64, help="default %(default)s")
-    parser.add_argument("--seed", type=_non_negative_int, default=0, help="default %(default)s")
+    parser.add_argument("--max-new-tokens", type=_positive_int, default=defaults["max_new_tokens"],
+                        help="default %(default)s")
+    seed = defaults["seed"]
+    parser.add_argument("--seed", type=_seed, default=seed,
+                        help="default " + ("a fresh one each run" if seed is None else "%(default)s"))
     parser.add_argument("--no-chat-template", action="store_true", help="tokenize the prompt as plain text")
 
 
@@ -80,7 +97,7 @@ def _add_draft_length_arguments(parser: argparse.ArgumentParser, several: bool =
     if several:
         parser.add_argument("--draft-length", choices=DRAFT_LENGTHS, nargs="+", default=[DEFAULT_DRAFT_LENGTH],
                             help=f"one or more policies, each a row per method: {about} (default %(default)s)")
-        parser.add_argument("--fixed-k", type=_positive_int, nargs="+",
+        parser.add_argument("--fixed-k", type=_draft_length, nargs="+",
                             help="the K of each fixed row (a sweep; default: --max-draft alone); the table then "
                             "compares every policy with each method's best fixed K")
     else:
@@ -128,8 +145,8 @@ def _draft_length_words(args) -> str:
     return "; ".join(words)
 
 
-def _add_batch_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--batch-size", type=_positive_int, default=8,
+def _add_batch_argument(parser: argparse.ArgumentParser, defaults: dict) -> None:
+    parser.add_argument("--batch-size", type=_positive_int, default=defaults["batch_size"],
                         help="prompts decoded together per target pass (default %(default)s; 1: one after another); "
                              "tokens/s is then every token over the wall time of the batches")
 

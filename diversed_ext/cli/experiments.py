@@ -1,5 +1,5 @@
-"""The research sub-commands: ``diversed train``, ``eval``, ``pareto``, ``validate`` and ``compare-drafts`` (see
-:mod:`diversed_ext.research`)."""
+"""The research sub-commands ``diversed eval``, ``pareto``, ``validate`` and ``compare-drafts`` (see
+:mod:`diversed_ext.research`), and what they share with ``diversed train`` (:mod:`.train`)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,8 @@ from ..decoding import METHODS, eos_ids
 from . import common
 from .common import (UsageError, _add_batch_argument, _add_draft_length_arguments, _add_model_arguments,
                      _check_draft_cost, _decoder_error, _draft_length_words, _draft_lengths, _load_head,
-                     _non_negative_float,
-                     _non_negative_int, _positive_float, _positive_int, _require_writable_folder, _unit_float,
-                     _weight_of_untrained_head, _write_text)
+                     _non_negative_float, _non_negative_int, _positive_int, _require_writable_folder, _unit_float,
+                     _write_text, library_defaults)
 
 
 def _add_task_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,43 +28,12 @@ def _add_task_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_experiment_commands(commands) -> None:
-    """The train, eval, pareto, validate and compare-drafts sub-commands (see :mod:`diversed_ext.research`)."""
-    from ..head import HEAD_INPUTS
-    from ..research.harness import DRAFT_SOURCES, PARETO_WEIGHTS
-    from ..research.objective import CLOSED_FORMS
+    """The eval, pareto, validate and compare-drafts sub-commands (see :mod:`diversed_ext.research`)."""
+    from ..research.harness import DRAFT_SOURCES, PARETO_WEIGHTS, evaluate
+    from ..research.validation import sample_validation_tokens
 
-    train = commands.add_parser("train", help="train an ensemble head with RL on a task")
-    _add_task_arguments(train)
-    train.add_argument("--steps", type=_positive_int, default=50, help="default 50")
-    train.add_argument("--batch-size", type=_positive_int, default=4,
-                       help="rollouts per step, decoded together (default 4)")
-    train.add_argument("--lr", type=_positive_float, default=1e-2, help="AdamW learning rate (default 1e-2)")
-    train.add_argument("--warmup-steps", type=_non_negative_int, default=2, help="default 2")
-    train.add_argument("--acceptance-coef", type=_non_negative_float, default=0.05,
-                       help="lambda of the acceptance regulariser (default 0.05)")
-    train.add_argument("--fidelity-coef", type=_non_negative_float, default=1.0,
-                       help="weight of the fidelity (mean target log-prob per token) in the reward (default 1)")
-    train.add_argument("--expected-fidelity-coef", type=_non_negative_float, default=0.0,
-                       help="mu of the closed-form expected next-token fidelity term of the loss (default 0: off)")
-    train.add_argument("--closed-form", choices=CLOSED_FORMS, default="linear",
-                       help="the acceptance and expected-fidelity terms as written (linear, default), or their "
-                       "logistic surrogate: the same per-token optimum, gradients that do not vanish where a "
-                       "saturated head is wrong")
-    train.add_argument("--epochs", type=_positive_int, default=1,
-                       help="optimiser updates per batch of rollouts (default 1)")
-    train.add_argument("--head-hidden", type=_positive_int, help="hidden width of the head (default: linear head)")
-    train.add_argument("--head-inputs", choices=sorted(HEAD_INPUTS), default="hidden",
-                       help="what the head reads: both models' hidden states (default), distribution features of "
-                       "their next-token distributions (entropies, largest probabilities, TV), or both")
-    train.add_argument("--init-weight", type=_weight_of_untrained_head, default=0.5,
-                       help="w of the untrained head, in (0, 1] (default 0.5)")
-    train.add_argument("--rollout", choices=("speculative", "mixture"), default="speculative",
-                       help="sample rollouts through the speculative loop (default) or token by token")
-    train.add_argument("--output-dir", default="runs/head", help="checkpoints, log, curve, head/ (default runs/head)")
-    train.add_argument("--checkpoint-every", type=_positive_int, default=5, help="default 5")
-    train.add_argument("--resume", action="store_true", help="continue from the checkpoint in --output-dir")
-    _add_model_arguments(train)
-    train.set_defaults(max_new_tokens=48)
+    run = library_defaults(evaluate)
+    validation = library_defaults(sample_validation_tokens)
 
     evaluate = commands.add_parser("eval", help="acceptance, task quality, fidelity and speed per method")
     _add_task_arguments(evaluate)
@@ -74,8 +42,8 @@ def add_experiment_commands(commands) -> None:
                           help="w of each static ensemble (default 0.5)")
     evaluate.add_argument("--head", help="head folder for diversed, or the name of a head shipped in "
                           "diversed_ext/heads/ ('default': the default pair's default head)")
-    _add_batch_argument(evaluate)
-    _add_model_arguments(evaluate)
+    _add_batch_argument(evaluate, run)
+    _add_model_arguments(evaluate, run)
     _add_draft_length_arguments(evaluate, several=True)
 
     pareto = commands.add_parser("pareto", help="static sweep over w and every head's point: tables and PNGs")
@@ -86,8 +54,8 @@ def add_experiment_commands(commands) -> None:
                         "point each ('default' for the default head)")
     pareto.add_argument("--output-dir", default="runs/pareto",
                         help="where pareto.png, pareto.md and, with heads, head_weights.png and lowest_w_tokens.md go")
-    _add_batch_argument(pareto)
-    _add_model_arguments(pareto)
+    _add_batch_argument(pareto, run)
+    _add_model_arguments(pareto, run)
     _add_draft_length_arguments(pareto)
 
     validate = commands.add_parser("validate", help="heads and coefficients on held-out contexts, in closed form "
@@ -99,13 +67,12 @@ def add_experiment_commands(commands) -> None:
                           help="lambdas whose token-by-token loss minimiser to place (what a perfect head would do)")
     validate.add_argument("--expected-fidelity-coef", type=_non_negative_float, default=1.0,
                           help="mu of those minimisers (default 1)")
-    validate.add_argument("--weight", type=_unit_float, default=0.5,
-                          help="static w the held-out completions are sampled from (default 0.5)")
+    validate.add_argument("--weight", type=_unit_float, default=validation["weight"],
+                          help="static w the held-out completions are sampled from (default %(default)s)")
     validate.add_argument("--tokens", help="safetensors file of the teacher-forced contexts: read when it exists, "
                           "else sampled and written there")
-    _add_batch_argument(validate)
-    _add_model_arguments(validate)
-    validate.set_defaults(max_new_tokens=128, batch_size=16)
+    _add_batch_argument(validate, validation)
+    _add_model_arguments(validate, validation)
 
     compare = commands.add_parser("compare-drafts", help="sd and static w verified with the draft's distributions "
                                   "against its tokens only: acceptance and fidelity side by side (default: the first "
@@ -117,10 +84,10 @@ def add_experiment_commands(commands) -> None:
                          "(tokens only); each is compared with the first (default: distributions tokens)")
     compare.add_argument("--weight", type=_unit_float, nargs="+", default=[0.5],
                          help="w of each static ensemble (default 0.5)")
-    _add_batch_argument(compare)
-    _add_model_arguments(compare)
+    _add_batch_argument(compare, run)
+    _add_model_arguments(compare, run)
     _add_draft_length_arguments(compare)
-    compare.set_defaults(limit=32, max_new_tokens=64)
+    compare.set_defaults(limit=32)
 
 
 def _experiment_setup(args):
@@ -164,39 +131,6 @@ def _heads_by_label(args, target, draft) -> dict:
     if len(set(labels)) != len(labels):
         raise UsageError(f"--head: two head folders share a name: {' '.join(paths)}")
     return {label: _load_head(path, target, draft) for label, path in zip(labels, paths)}
-
-
-def _run_train(args) -> int:
-    from ..models import DEFAULT_PAIR
-    from ..research.recipes import build_trainer
-    from ..research.checkpoints import CheckpointError
-    from ..research.trainer import TrainerConfig, distributed_session
-
-    if not args.data and args.task != "humaneval":
-        raise UsageError("train needs --data PATH (a jsonl of training examples)")
-    task, examples, target, draft, tokenizer, eos = _experiment_setup(args)
-    config = TrainerConfig(output_dir=args.output_dir, steps=args.steps, batch_size=args.batch_size,
-                           learning_rate=args.lr, warmup_steps=args.warmup_steps,
-                           acceptance_coef=args.acceptance_coef, fidelity_coef=args.fidelity_coef,
-                           expected_fidelity_coef=args.expected_fidelity_coef, closed_form=args.closed_form,
-                           epochs=args.epochs,
-                           temperature=args.temperature, seed=args.seed, checkpoint_every=args.checkpoint_every)
-    # Under torchrun every rank joins the job here; train() releases DDP before the group is destroyed.
-    with distributed_session():
-        trainer = build_trainer(task, examples, target, draft, tokenizer, config, head_hidden=args.head_hidden,
-                                init_weight=args.init_weight, head_inputs=args.head_inputs, max_draft=args.max_draft,
-                                max_new_tokens=args.max_new_tokens, rollout=args.rollout, eos_token_id=eos,
-                                pair=None if args.target else DEFAULT_PAIR, chat=not args.no_chat_template)
-        try:
-            history = trainer.train(resume=args.resume)
-        except CheckpointError as error:
-            raise UsageError(f"--resume: {error}") from None
-    if history:
-        last = history[-1]
-        print(f"step {last['step']}: mean w {last['mean_weight']:.3f}, expected acceptance "
-              f"{last['expected_acceptance']:.3f}, task reward {last['task_reward']:.3f}, "
-              f"fidelity {last['fidelity']:.3f}; head saved in {os.path.join(args.output_dir, 'head')}")
-    return 0
 
 
 def _several_draft_lengths(args) -> bool:
@@ -333,6 +267,6 @@ def _run_compare_drafts(args) -> int:
                                source_comparison_lines)
 
 
-EXPERIMENT_HANDLERS = {"train": _run_train, "eval": _run_eval, "pareto": _run_pareto, "validate": _run_validate,
+EXPERIMENT_HANDLERS = {"eval": _run_eval, "pareto": _run_pareto, "validate": _run_validate,
                        "compare-drafts": _run_compare_drafts}
 

@@ -7,16 +7,16 @@ drafters that give tokens only; ``prompts`` prompt encoding and EOS ids; ``check
 the floors below it (``forward``, ``ops``).
 """
 
-from .checks import DRAFT_MODES, METHODS, renamed_max_draft
+from .checks import DRAFT_MODES, METHODS
 from .draft_lengths import (DEFAULT_DRAFT_LENGTH, DRAFT_LENGTHS, ConfidenceDraftLength, DraftLengthPolicy,
                             GainDraftLength, HeuristicDraftLength, RoundOutcome)
 from .drafters import NgramDrafter
-from .loop import SpeculativeDecoder
+from .loop import DEFAULT_MAX_DRAFT, SpeculativeDecoder
 from .prompts import encode_prompt, eos_ids
 from .state import DecodingState
 from .stats import DecodingSummary, Generation, GenerationOutput, RoundStats, summarize
 
-__all__ = ["SpeculativeDecoder", "DecodingState", "METHODS", "DRAFT_MODES", "NgramDrafter", "RoundStats", "Generation",
+__all__ = ["SpeculativeDecoder", "DEFAULT_MAX_DRAFT", "DecodingState", "METHODS", "DRAFT_MODES", "NgramDrafter", "RoundStats", "Generation",
            "DecodingSummary", "GenerationOutput", "summarize", "encode_prompt", "eos_ids", "DRAFT_LENGTHS",
            "DEFAULT_DRAFT_LENGTH", "DraftLengthPolicy", "HeuristicDraftLength", "ConfidenceDraftLength",
            "GainDraftLength", "RoundOutcome"]

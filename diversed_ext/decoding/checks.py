@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import math
-import warnings
-from numbers import Integral, Real
+from numbers import Integral
 from typing import Callable, Optional, Sequence, Union
 
 import torch
 
-from ..ops import SEED_RANGE
+from .. import rules
 
 METHODS = ("ar", "sd", "static", "diversed")
 # What the verifier gets from a draft: its distributions q (the draft samples from q), or its tokens only (q one-hot at
@@ -30,11 +28,7 @@ def check_method(method) -> str:
 def check_weight(method: str, weight) -> float:
     """The static weight on the target: required for ``static``, 1 for ``sd``, absent otherwise."""
     if weight is not None:
-        if isinstance(weight, bool) or not isinstance(weight, Real):
-            raise TypeError(f"weight must be a float in [0, 1], got {type(weight).__name__}")
-        weight = float(weight)
-        if not 0.0 <= weight <= 1.0:  # also rejects NaN
-            raise ValueError(f"weight must be in [0, 1] (the weight on the target), got {weight}")
+        weight = rules.weight(weight)
     if method == "static" and weight is None:
         raise ValueError("method 'static' needs weight=w in [0, 1] (the weight on the target)")
     if method == "sd" and weight not in (None, 1.0):
@@ -98,35 +92,6 @@ def check_drafted(tokens, k: int, vocab: Optional[int]) -> list[int]:
     return [int(token) for token in tokens]
 
 
-def check_max_draft(max_draft, name: str = "max_draft") -> int:
-    """The most tokens drafted per round (K), an int >= 1; ``name`` is the spelling the caller used."""
-    if isinstance(max_draft, bool) or not isinstance(max_draft, Integral):
-        raise TypeError(f"{name} must be an int >= 1, got {type(max_draft).__name__}")
-    if max_draft < 1:
-        raise ValueError(f"{name} (K) must be >= 1, got {max_draft}")
-    return int(max_draft)
-
-
-def renamed_max_draft(max_draft, num_draft, caller: str):
-    """``max_draft``, or the value passed under its old name ``num_draft`` (with a DeprecationWarning), for a caller
-    that still takes the old keyword. The old name also meant the verifier's [B] tensor of each row's drafts, hence
-    the rename."""
-    if num_draft is None:
-        return max_draft
-    warnings.warn(f"{caller}(num_draft=...) is deprecated; use max_draft=... (the most tokens drafted per round)",
-                  DeprecationWarning, stacklevel=3)
-    return num_draft
-
-
-def check_temperature(temperature) -> float:
-    if isinstance(temperature, bool) or not isinstance(temperature, Real):
-        raise TypeError(f"temperature must be a float >= 0, got {type(temperature).__name__}")
-    temperature = float(temperature)
-    if not temperature >= 0.0 or math.isinf(temperature):  # also rejects NaN
-        raise ValueError(f"temperature must be a finite float >= 0 (0 = greedy), got {temperature}")
-    return temperature
-
-
 def check_max_new_tokens(max_new_tokens) -> int:
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, Integral) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
@@ -142,12 +107,11 @@ def check_prompt(tokens: list[int], vocab: Optional[int]) -> None:
 
 
 def check_seed(seed) -> int:
-    """A seed in [0, 2**63); None draws one from torch's default generator (so torch.manual_seed repeats runs)."""
+    """A seed (:func:`diversed_ext.rules.seed`) as a counter in [0, 2**63); None draws one from torch's default
+    generator (so torch.manual_seed repeats runs)."""
     if seed is None:
         return int(torch.randint(0, 2**62, (1,)))
-    if isinstance(seed, bool) or not isinstance(seed, Integral):
-        raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
-    return int(seed) % SEED_RANGE
+    return rules.seed(seed) % rules.SEED_RANGE
 
 
 def check_batch_size(batch_size, num_prompts: int) -> int:

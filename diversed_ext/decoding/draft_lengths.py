@@ -37,10 +37,9 @@ Policies (``DRAFT_LENGTHS``; each is capped at the decoder's ``max_draft``):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from numbers import Real
 from typing import Optional, Sequence, Union
 
-from .checks import check_max_draft
+from .. import rules
 
 DRAFT_LENGTHS = ("fixed", "heuristic", "confidence", "gain")
 # No policy beat each method's best fixed K on GSM8K with the default pair (docs/RESULTS.md#draft-lengths), so the
@@ -101,7 +100,7 @@ class DraftLengthPolicy:
     reads_draft_probs = False  # whether keep_drafting needs q_i(x_i) (the loop computes it only then)
 
     def __init__(self, max_draft: int):
-        self.max_draft = check_max_draft(max_draft)
+        self.max_draft = rules.draft_length(max_draft)
 
     def start(self) -> object:
         """A new request's memory."""
@@ -129,7 +128,7 @@ class HeuristicDraftLength(DraftLengthPolicy):
 
     def __init__(self, max_draft: int, start: int = HEURISTIC_START):
         super().__init__(max_draft)
-        self.first = min(check_max_draft(start, "start"), self.max_draft)
+        self.first = min(rules.draft_length(start, "start"), self.max_draft)
 
     def start(self) -> list:
         return [self.first]
@@ -161,7 +160,7 @@ class ConfidenceDraftLength(DraftLengthPolicy):
 
     def __init__(self, max_draft: int, threshold: float = CONFIDENCE_THRESHOLD, adaptive: bool = True):
         super().__init__(max_draft)
-        self.threshold = _unit_float(threshold, "threshold")
+        self.threshold = rules.weight(threshold, "threshold")
         self.adaptive = bool(adaptive)
 
     def start(self) -> _ConfidenceMemory:
@@ -227,8 +226,8 @@ class GainDraftLength(DraftLengthPolicy):
 
     def __init__(self, max_draft: int, weight: Optional[float] = 1.0, draft_cost: float = DEFAULT_DRAFT_COST):
         super().__init__(max_draft)
-        self.weight = None if weight is None else _unit_float(weight, "weight")
-        self.draft_cost = _non_negative_float(draft_cost, "draft_cost")
+        self.weight = None if weight is None else rules.weight(weight)
+        self.draft_cost = rules.non_negative(draft_cost, "draft_cost")
 
     def start(self) -> _GainMemory:
         return _GainMemory()
@@ -312,14 +311,3 @@ def check_draft_length(draft_length, max_draft: int, *, method: str, weight: flo
                          "drafter does not give: use 'fixed' or 'heuristic' with drafter=")
     return policy
 
-
-def _unit_float(value, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, Real) or not 0.0 <= float(value) <= 1.0:
-        raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")
-    return float(value)
-
-
-def _non_negative_float(value, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, Real) or not 0.0 <= float(value) < float("inf"):
-        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
-    return float(value)

@@ -30,23 +30,27 @@ rounding.
 from __future__ import annotations
 
 import time
-import warnings
 from collections import deque
 from typing import Optional
 
 import torch
 from tqdm.auto import tqdm
 
-from ..ops import SEED_RANGE
+from .. import rules
 from .batch import RoundConfig, run_round
 from .checks import (DrafterLike, HeadLike, PromptLike, check_batch_size, check_draft_mode, check_head,
-                     check_max_draft, check_max_new_tokens, check_method, check_prompt, check_seed, check_temperature,
-                     check_weight, renamed_max_draft)
+                     check_max_new_tokens, check_method, check_prompt, check_seed, check_weight)
 from .draft_lengths import DEFAULT_DRAFT_LENGTH, PolicyLike, check_draft_length
 from .prompts import normalise_eos, split_prompts
 from .runners import Clock, make_runner, model_device
 from .state import DecodingState
 from .stats import Generation, GenerationOutput, RoundStats
+
+# K, the most tokens drafted a round, wherever none is given (the decoder, the harness, the trainer, the command line).
+# On the default pair (a draft pass costs a third of a target pass on a 2-core CPU) K = 3 gives diversed and the static
+# ensembles their most tokens/s, and the shipped heads were trained at it; sd alone does best at K = 2
+# (docs/benchmarks.md).
+DEFAULT_MAX_DRAFT = 3
 
 
 class SpeculativeDecoder:
@@ -65,8 +69,7 @@ class SpeculativeDecoder:
             gets, third, the :func:`~diversed_ext.head.distribution_features` [1, k, 5] of those positions.
         max_draft: K, the most tokens drafted per round (>= 1): every round's count with ``draft_length="fixed"``,
             the cap of the adaptive policies. Fewer are drafted when fewer tokens are left, and the draft stops early
-            after proposing an EOS token. (Once called ``num_draft``, which still works with a DeprecationWarning:
-            that name is the verifier's [B] tensor of each row's drafts.)
+            after proposing an EOS token.
         draft_length: how many tokens each request drafts each round, by name (see
             :mod:`diversed_ext.decoding.draft_lengths`): ``"fixed"`` (``max_draft`` every round), transformers'
             ``"heuristic"`` schedule and ``"confidence"`` threshold, or ``"gain"`` (ours: draft while one more draft
@@ -105,17 +108,16 @@ class SpeculativeDecoder:
     """
 
     def __init__(self, target: torch.nn.Module, draft: Optional[torch.nn.Module] = None, *, method: str = "sd",
-                 weight: Optional[float] = None, head: Optional[HeadLike] = None, max_draft: int = 4,
+                 weight: Optional[float] = None, head: Optional[HeadLike] = None, max_draft: int = DEFAULT_MAX_DRAFT,
                  temperature: float = 1.0, draft_mode: Optional[str] = None, drafter: Optional[DrafterLike] = None,
                  check_inputs: bool = False, synchronize_timing: bool = True, fast_forward: bool = True,
-                 num_draft: Optional[int] = None, draft_length: PolicyLike = DEFAULT_DRAFT_LENGTH,
+                 draft_length: PolicyLike = DEFAULT_DRAFT_LENGTH,
                  draft_cost: Optional[float] = None):
         self.method = check_method(method)
         self.weight = check_weight(method, weight)
         self.head = check_head(method, head)
-        self.max_draft = check_max_draft(renamed_max_draft(max_draft, num_draft, "SpeculativeDecoder"),
-                                         "max_draft" if num_draft is None else "num_draft")
-        self.temperature = check_temperature(temperature)
+        self.max_draft = rules.draft_length(max_draft)
+        self.temperature = rules.temperature(temperature)
         self.draft_mode = check_draft_mode(method, draft_mode, drafter)
         self.draft_length = check_draft_length(draft_length, self.max_draft, method=method, weight=self.weight,
                                                drafter=drafter, draft_cost=draft_cost)
@@ -137,12 +139,6 @@ class SpeculativeDecoder:
         self._target_runner = make_runner(target, self.device, fast_forward)
         self._draft_runner = (make_runner(self.draft, self.draft_device, fast_forward) if self.draft is not None
                               else None)
-
-    @property
-    def num_draft(self) -> int:
-        """Deprecated name of :attr:`max_draft`."""
-        warnings.warn("SpeculativeDecoder.num_draft is deprecated; use max_draft", DeprecationWarning, stacklevel=2)
-        return self.max_draft
 
     def round_config(self) -> RoundConfig:
         """What a decoding round needs of this decoder, read when the round starts (so a changed attribute, say
@@ -212,7 +208,7 @@ class SpeculativeDecoder:
                 raise ValueError(f"seed: a list needs one seed per prompt ({num_prompts}), got {len(seed)}")
             return [check_seed(value) for value in seed]
         base_seed = check_seed(seed)
-        return [(base_seed + index) % SEED_RANGE for index in range(num_prompts)]
+        return [(base_seed + index) % rules.SEED_RANGE for index in range(num_prompts)]
 
     def start(self, prompt: PromptLike, *, max_new_tokens: int, eos_token_id=None, seed: Optional[int] = None
               ) -> DecodingState:

@@ -183,15 +183,6 @@ def convert_default_checkpoint(cache_dir: Optional[Union[str, Path]] = None, *, 
     return folder
 
 
-def hidden_size(model) -> int:
-    """Width of a causal LM's last hidden state (what the head reads)."""
-    config = getattr(model, "config", None)
-    size = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None)
-    if size is None:
-        raise ValueError(f"cannot tell the hidden size of {type(model).__name__}; pass a head built by hand")
-    return int(size)
-
-
 def load_model(name_or_path: Union[str, Path], *, dtype: torch.dtype = torch.float32, device="cpu",
                gguf_file: Optional[str] = None) -> torch.nn.Module:
     """``AutoModelForCausalLM.from_pretrained`` in eval mode on ``device`` (a hub name needs network access)."""

@@ -19,7 +19,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 from tqdm.auto import tqdm
 
-from ..decoding import DRAFT_MODES, NgramDrafter, SpeculativeDecoder, encode_prompt, renamed_max_draft, summarize
+from ..decoding import DEFAULT_MAX_DRAFT, DRAFT_MODES, NgramDrafter, SpeculativeDecoder, encode_prompt, summarize
 from .draft_length_report import draft_length_label
 from .head_usage import weight_usage
 from .report import MethodResult, _mean
@@ -33,11 +33,6 @@ DEMO_PROMPTS = (
     "What is the capital of France, and what is it famous for?",
 )
 DEMO_WEIGHTS = (0.75, 0.5)
-# Drafts per round in the demo: the K with the most diversed tokens/s in `bench/bench_e2e.py --k 2 3 4 5` (4 demo
-# prompts, 32 new tokens, 2 threads, 2026-11-24, both models' layers native): diversed 1.18/1.31/1.10/1.19x ar at
-# K = 2..5, static w=0.5 1.25/1.39/1.26/1.37x; sd is best at K = 2 (1.13x against 1.05x at K = 3): each draft pass
-# costs a third of a target pass, more than sd's acceptance repays past K = 2 (docs/RESULTS.md).
-DEMO_NUM_DRAFT = 3
 PARETO_WEIGHTS = (0.0, 0.125, 0.25, 0.375, 0.5, 0.625, 0.75, 0.875, 1.0)  # w = 1 is sd
 # Where a comparison of drafts takes them from: the draft model in one of its draft modes, or an n-gram lookup.
 DRAFT_SOURCES = DRAFT_MODES + ("ngram",)
@@ -181,13 +176,16 @@ def demo_methods(weights: Sequence[float] = DEMO_WEIGHTS, head=None) -> list[tup
     return method_specs(["ar", "sd", "static"] + (["diversed"] if head is not None else []), weights, head)
 
 
-def run_demo(target, draft, prompts: Sequence[Sequence[int]], specs: Sequence[tuple[str, dict]], *, max_draft: int = 3,
-             max_new_tokens: int, temperature: float, seed: int, eos_token_id=None, progress: bool = True,
-             batch_size: Optional[int] = 1, wall_seconds: Optional[dict] = None, num_draft: Optional[int] = None,
-             draft_cost: Optional[float] = None):
+def run_demo(target, draft, prompts: Sequence[Sequence[int]], specs: Sequence[tuple[str, dict]], *,
+             max_draft: int = DEFAULT_MAX_DRAFT, max_new_tokens: int = 48, temperature: float = 1.0, seed: int = 0,
+             eos_token_id=None, progress: bool = True, batch_size: Optional[int] = 1,
+             wall_seconds: Optional[dict] = None, draft_cost: Optional[float] = None):
     """label -> the generations of each method on every prompt (``wall_seconds`` as in :func:`run_interleaved`);
-    ``num_draft``: the deprecated name of ``max_draft``; ``draft_cost``: for specs drafting with ``"gain"``."""
-    max_draft = renamed_max_draft(max_draft, num_draft, "run_demo")
+    ``draft_cost``: for specs drafting with ``"gain"``.
+
+    One request at a time by default: speculation buys latency per request. On a small CPU a batch already keeps the
+    cores busy, so batched ar gains as much as speculation would (at batch 4 on 2 cores, sd ran at 0.78x and diversed
+    at 0.98x of batched ar); ``batch_size`` shows that trade-off."""
     decoders = build_decoders(target, draft, specs, max_draft=max_draft, temperature=temperature,
                               draft_cost=draft_cost)
     runners = [(label, decoder_runner(decoders[label], prompts, eos_token_id)) for label, _ in specs]
@@ -196,14 +194,12 @@ def run_demo(target, draft, prompts: Sequence[Sequence[int]], specs: Sequence[tu
 
 
 def evaluate(task: Task, examples: Sequence[dict], target, draft, tokenizer, specs: Sequence[tuple[str, dict]], *,
-             max_draft: int = 3, max_new_tokens: int = 64, temperature: float = 1.0, seed: int = 0,
-             eos_token_id=None, chat: bool = True, progress: bool = True, batch_size: Optional[int] = 1,
-             num_draft: Optional[int] = None, draft_cost: Optional[float] = None,
-             warmup: bool = False) -> list[MethodResult]:
+             max_draft: int = DEFAULT_MAX_DRAFT, max_new_tokens: int = 64, temperature: float = 1.0, seed: int = 0,
+             eos_token_id=None, chat: bool = True, progress: bool = True, batch_size: Optional[int] = 8,
+             draft_cost: Optional[float] = None, warmup: bool = False) -> list[MethodResult]:
     """Run every method on every example and score the outputs: task reward and fidelity per prompt.
-    ``num_draft``: the deprecated name of ``max_draft``; ``draft_cost``: for specs drafting with ``"gain"``;
-    ``warmup``: run each method once untimed first (for benchmarks; the results are unchanged)."""
-    max_draft = renamed_max_draft(max_draft, num_draft, "evaluate")
+    ``draft_cost``: for specs drafting with ``"gain"``; ``warmup``: run each method once untimed first (for
+    benchmarks; the results are unchanged)."""
     prompts = encode_examples(task, examples, tokenizer, chat)
     decoders = build_decoders(target, draft, specs, max_draft=max_draft, temperature=temperature,
                               draft_cost=draft_cost)

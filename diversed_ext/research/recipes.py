@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from ..decoding import renamed_max_draft
-from ..head import HEAD_INPUTS, EnsembleHead
-from ..models import hidden_size
+from ..decoding import DEFAULT_MAX_DRAFT
+from ..head import HEAD_INPUTS, EnsembleHead, hidden_size
 from .harness import encode_examples
 from .rollouts import mixture_rollout, speculative_rollout
 from .tasks import Task
@@ -16,24 +15,23 @@ from .trainer import Trainer, TrainerConfig
 def build_trainer(task: Task, examples: Sequence[dict], target, draft, tokenizer, config: TrainerConfig, *,
                   head: Optional[EnsembleHead] = None, head_hidden: Optional[int] = None, init_weight: float = 0.5,
                   head_inputs: str = "hidden",
-                  max_draft: int = 3, max_new_tokens: int = 48, rollout: str = "speculative",
+                  max_draft: int = DEFAULT_MAX_DRAFT, max_new_tokens: int = 48, rollout: str = "speculative",
                   eos_token_id=None, pair: Optional[dict] = None, chat: bool = True,
-                  num_draft: Optional[int] = None) -> Trainer:
+                  recipe: Optional[dict] = None) -> Trainer:
     """A Trainer for ``task``: reward = the task reward (+ ``config.fidelity_coef`` x fidelity, added by the Trainer).
 
     Args:
         rollout: ``"speculative"`` (the decoding loop with the current head) or ``"mixture"`` (token by token).
         head: a head to keep training; otherwise a new one with ``head_hidden``, ``init_weight`` and ``head_inputs``
             (a key of :data:`~diversed_ext.head.HEAD_INPUTS`: hidden states, distribution features, or both).
-        num_draft: the deprecated name of ``max_draft``.
+        recipe: the ``diversed train`` options of this run, recorded in the new head's head.json.
     """
-    max_draft = renamed_max_draft(max_draft, num_draft, "build_trainer")
     if head is None:
         if head_inputs not in HEAD_INPUTS:
             raise ValueError(f"head_inputs must be one of {', '.join(HEAD_INPUTS)}, got {head_inputs!r}")
         features, use_hidden = HEAD_INPUTS[head_inputs]
         head = EnsembleHead(hidden_size(draft), hidden_size(target), hidden=head_hidden, init_weight=init_weight,
-                            pair=pair, features=features, use_hidden=use_hidden)
+                            pair=pair, features=features, use_hidden=use_hidden, recipe=recipe)
     prompts = encode_examples(task, examples, tokenizer, chat)
     if rollout == "speculative":
         sampler = speculative_rollout(target, draft, head, max_draft=max_draft, max_new_tokens=max_new_tokens,

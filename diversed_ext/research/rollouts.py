@@ -11,7 +11,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from ..decoding import SpeculativeDecoder, renamed_max_draft
+from ..decoding import DEFAULT_MAX_DRAFT, SpeculativeDecoder
 from ..head import EnsembleHead, distribution_features, wants_distributions
 from ..ops import distribution_temperature, is_greedy_temperature
 
@@ -19,13 +19,11 @@ from ..ops import distribution_temperature, is_greedy_temperature
 Rollout = Callable[[Sequence[Sequence[int]], Sequence[int]], list[Sequence[int]]]
 
 
-def speculative_rollout(target, draft, head, *, max_draft: int = 3, max_new_tokens: int, temperature: float = 1.0,
-                        eos_token_id=None, batch_size: Optional[int] = None, num_draft: Optional[int] = None):
+def speculative_rollout(target, draft, head, *, max_draft: int = DEFAULT_MAX_DRAFT, max_new_tokens: int, temperature: float = 1.0,
+                        eos_token_id=None, batch_size: Optional[int] = None):
     """A rollout that samples from nu through the speculative loop with the current head (the same
     distribution as :func:`mixture_rollout`, at the cost of deployment); the prompts are decoded together, up to
-    ``batch_size`` at a time (None: all), each with its own seed. ``num_draft``: the deprecated name of
-    ``max_draft``."""
-    max_draft = renamed_max_draft(max_draft, num_draft, "speculative_rollout")
+    ``batch_size`` at a time (None: all), each with its own seed."""
     decoder = SpeculativeDecoder(target, draft, method="diversed", head=head, max_draft=max_draft,
                                  temperature=temperature)
 

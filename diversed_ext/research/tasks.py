@@ -140,7 +140,7 @@ def _strip_calculator(answer: str) -> str:
 
 
 def load_gsm8k(path: str, limit: Optional[int] = None) -> list[dict]:
-    """GSM8K records ({"question", "answer"}) from ``path`` (e.g. ../shared/data/gsm8k/test.jsonl from the checkout)."""
+    """GSM8K records ({"question", "answer"}) from ``path`` (a copy of openai/grade-school-math, e.g. gsm8k/test.jsonl)."""
     return _require_fields(load_jsonl(path, limit), ("question", "answer"), path)
 
 # ------------------------------------------------------------------------------------------------------ HumanEval

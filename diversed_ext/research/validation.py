@@ -23,7 +23,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..decoding import SpeculativeDecoder, renamed_max_draft
+from ..decoding import DEFAULT_MAX_DRAFT, SpeculativeDecoder
 from .report import _mean, paired_difference, standard_error
 from .teacher_forcing import TokenBatch, teacher_forced_tokens
 
@@ -39,12 +39,10 @@ class ClosedFormPoint:
 
 
 def sample_validation_tokens(target, draft, prompts: Sequence[Sequence[int]], *, weight: float = 0.5,
-                             max_draft: int = 3, max_new_tokens: int = 128, temperature: float = 1.0, seed: int = 0,
-                             eos_token_id=None, batch_size: Optional[int] = 16,
-                             num_draft: Optional[int] = None) -> TokenBatch:
+                             max_draft: int = DEFAULT_MAX_DRAFT, max_new_tokens: int = 128, temperature: float = 1.0, seed: int = 0,
+                             eos_token_id=None, batch_size: Optional[int] = 16) -> TokenBatch:
     """Completions of ``prompts`` sampled from the static ensemble ``weight`` (prompt i with seed + i), then one
-    teacher-forced pass of both models over them. ``num_draft``: the deprecated name of ``max_draft``."""
-    max_draft = renamed_max_draft(max_draft, num_draft, "sample_validation_tokens")
+    teacher-forced pass of both models over them."""
     decoder = SpeculativeDecoder(target, draft, method="static", weight=weight, max_draft=max_draft,
                                  temperature=temperature)
     output = decoder.generate([list(prompt) for prompt in prompts], max_new_tokens=max_new_tokens,

@@ -1,0 +1,91 @@
+"""The rules for the numbers a user gives, each written once: a weight on the target, a temperature, a draft length,
+a seed. The decoding loop, the head, the command line, the ops and the vLLM plugin's settings all check through here.
+
+Each rule takes the value and the name it travels under, returns it normalised, and raises TypeError for the wrong
+kind of value (a bool, a string) and ValueError for one out of range (NaN included), both naming the argument and what
+it must be. The command line words its errors with the same descriptions (``WEIGHT``, ``TEMPERATURE``, ...).
+
+This module imports neither torch nor vLLM, so a server's configuration checks cost nothing to load.
+"""
+
+from __future__ import annotations
+
+import math
+from numbers import Integral, Real
+
+# What each rule accepts, in words (the errors of the rules and of the command line use them).
+WEIGHT = "a number in [0, 1]"
+POSITIVE_WEIGHT = "a number in (0, 1]"
+NON_NEGATIVE = "a finite number >= 0"
+TEMPERATURE = NON_NEGATIVE + " (0 = greedy)"
+DRAFT_LENGTH = "an int >= 1"
+SEED = "an int that fits in 64 bits"
+
+# Seeds and offsets are int64 counters of the verifier's Philox generator.
+SEED_RANGE = 2**63
+
+
+def _real(value, name: str, description: str) -> float:
+    """``value`` as a float when it is a real number (not a bool, not a string), else TypeError."""
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise TypeError(f"{name} must be {description}, got {value!r} ({type(value).__name__})")
+    return float(value)
+
+
+def _integer(value, name: str, description: str) -> int:
+    """``value`` as an int when it is an integer (not a bool), else TypeError."""
+    if isinstance(value, bool) or not isinstance(value, Integral):
+        raise TypeError(f"{name} must be {description}, got {value!r} ({type(value).__name__})")
+    return int(value)
+
+
+def weight(value, name: str = "weight") -> float:
+    """A weight on the target: a real number in [0, 1] (w = 1 is standard speculative decoding, w = 0 the draft)."""
+    if type(value) is float and 0.0 <= value <= 1.0:  # the common case: one type test, one range test
+        return value
+    value = _real(value, name, WEIGHT)
+    if not 0.0 <= value <= 1.0:  # also refuses NaN
+        raise ValueError(f"{name} must be {WEIGHT}, got {value}")
+    return value
+
+
+def positive_weight(value, name: str = "init_weight") -> float:
+    """A weight in (0, 1]: what an untrained head may return everywhere (its logit must be finite)."""
+    value = _real(value, name, POSITIVE_WEIGHT)
+    if not 0.0 < value <= 1.0:
+        raise ValueError(f"{name} must be {POSITIVE_WEIGHT}, got {value}")
+    return value
+
+
+def non_negative(value, name: str, description: str = NON_NEGATIVE) -> float:
+    """A finite real number >= 0 (a cost, a coefficient); ``description`` words the error."""
+    if type(value) is float and 0.0 <= value < math.inf:  # the common case; NaN fails it too
+        return value
+    value = _real(value, name, description)
+    if not 0.0 <= value < math.inf:
+        raise ValueError(f"{name} must be {description}, got {value}")
+    return value
+
+
+def temperature(value, name: str = "temperature") -> float:
+    """A sampling temperature: a finite real number >= 0; 0 asks for greedy decisions."""
+    return non_negative(value, name, TEMPERATURE)
+
+
+def draft_length(value, name: str = "max_draft") -> int:
+    """The most tokens drafted a round (K): an int >= 1."""
+    value = _integer(value, name, DRAFT_LENGTH)
+    if value < 1:
+        raise ValueError(f"{name} (K) must be >= 1, got {value}")
+    return value
+
+
+def seed(value, name: str = "seed") -> int:
+    """A seed: an int that fits in 64 bits, signed or unsigned, as the signed int64 the verifier's generator takes
+    (values in [2**63, 2**64) wrap to negative, so unsigned 64-bit seeds work too)."""
+    if type(value) is int and -SEED_RANGE <= value < SEED_RANGE:  # the common case, without the abstract Integral
+        return value
+    value = _integer(value, name, SEED)
+    if not -SEED_RANGE <= value < 2 * SEED_RANGE:
+        raise ValueError(f"{name} must be {SEED}, got {value}")
+    return value - 2 * SEED_RANGE if value >= SEED_RANGE else value
