@@ -18,9 +18,10 @@ Nothing here imports vLLM: the rules are plain functions, tested without an engi
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
+
+from .. import rules
 
 CONFIG_KEY = "diversed"  # the entry of vLLM's additional_config that switches the plugin on
 REQUEST_WEIGHT = "diversed_weight"
@@ -63,12 +64,12 @@ def engine_entry(additional_config: Any) -> Optional[Any]:
 
 
 def weight_value(value: Any, name: str) -> float:
-    """``value`` as a weight on the target: a real number (not a bool, not a string) in [0, 1]."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name} must be a number in [0, 1], got {value!r} ({type(value).__name__})")
-    if not math.isfinite(value) or not 0.0 <= value <= 1.0:
-        raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")
-    return float(value)
+    """``value`` as a weight on the target (:func:`diversed_ext.rules.weight`), its errors as the ValueError vLLM
+    turns into a request's error."""
+    try:
+        return rules.weight(value, name)
+    except TypeError as error:
+        raise ValueError(str(error)) from None
 
 
 def _head_name(value: Any, name: str) -> str:
