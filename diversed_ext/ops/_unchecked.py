@@ -46,6 +46,24 @@ def temperature_as_given(temperature) -> Optional[tuple]:
     return None
 
 
+def rows_as_given(target_rows, draft_rows) -> bool:
+    """Whether the row indices go to the op as given: each absent or a contiguous int64 tensor (int32 is converted)."""
+    return ((target_rows is None or tensor_as_given(target_rows, _INT64))
+            and (draft_rows is None or tensor_as_given(draft_rows, _INT64)))
+
+
+def target_temperature_as_given(target_temperature) -> Optional[tuple]:
+    """verify_logits' (target_temperature, target_temperature_value) when it goes to the op as given (absent, a float
+    or a contiguous float32 [B] tensor), else None."""
+    if target_temperature is None:
+        return None, None
+    if type(target_temperature) is float:
+        return None, scalar_temperature(target_temperature, "target_temperature")
+    if tensor_as_given(target_temperature, _FLOAT32, 1):
+        return target_temperature, None
+    return None
+
+
 def unchecked_arguments(draft_tokens, draft, target, weight, num_draft, row_flags, uniforms, seed, offset,
                         *row_flag_value) -> Optional[tuple]:
     """The op's positional arguments when every argument goes to it as given, else None. ``row_flags``: greedy (bool
