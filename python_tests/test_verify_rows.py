@@ -9,7 +9,7 @@ import torch
 from scipy.stats import chisquare
 
 import diversed_ext as dx
-from helpers import DTYPES, assert_verify_result_in_range, on_device
+from helpers import DTYPES, assert_verify_result_in_range, dispatched, on_device, requires_cuda
 
 
 def assert_identical(a, b):
@@ -120,6 +120,18 @@ def test_one_index_alone_and_a_vllm_layout(logits, device):
                                        **common))
 
 
+@requires_cuda
+@pytest.mark.parametrize("logits", [False, True])
+def test_rows_on_both_cuda_kernel_families(logits, cuda_kernels):
+    """The split kernels (each request's vocabulary over many blocks, softmax normalisers by row chunks) read through
+    the indices as the block kernels do; a vocabulary wide enough to split."""
+    tokens, draft, target, weight, rows, common = rows_case(5, 3, 20011, logits=logits, seed=29)
+    op = dx.verify_logits if logits else dx.verify
+    in_place = on_device("cuda", op, tokens, draft, target, weight, **rows, **common)
+    padded_draft, padded_target = gather_padded(draft, target, rows)
+    assert_identical(in_place, on_device("cuda", op, tokens, padded_draft, padded_target, weight, **common))
+
+
 def test_shared_rows_sample_the_mixture(device):
     """The law, once: 40000 requests that all read the same two target rows and one draft row emit nu."""
     samples, vocab, weight = 40_000, 8, 0.4
@@ -156,6 +168,24 @@ def test_opcheck_of_the_row_forms(dtype, device):
     torch.library.opcheck(torch.ops.diversed.verify_logits.default, logits_args + (None, 1.0))
     if device == "cpu":
         torch.library.opcheck(torch.ops.diversed.verify_logits_with_flags.default, logits_args + (None, 1.0))
+
+
+def test_unchecked_row_forms_dispatch_only_the_op():
+    """Without checks, indices in the op's layout (int64) and a target temperature (float or float32 [B]) go to the op
+    untouched: no torch op runs before it, so nothing syncs with the device; int32 indices are converted, once."""
+    tokens, draft, target, weight, rows, common = rows_case(4, 3, 30, logits=True, seed=31)
+    del common["uniforms"]
+    for target_temperature in (None, 1.0, torch.ones(4)):
+        ops = dispatched(lambda: dx.verify_logits(tokens, draft, target, weight, **rows, **common, seed=2,
+                                                  target_temperature=target_temperature, check_inputs=False))
+        assert ops == ["diversed.verify_logits"], ops
+    probs = {"target_rows": rows["target_rows"], "draft_rows": rows["draft_rows"], "num_draft": common["num_draft"]}
+    draft, target = draft.softmax(-1), target.softmax(-1)
+    ops = dispatched(lambda: dx.verify(tokens, draft, target, weight, **probs, check_inputs=False))
+    assert ops == ["diversed.verify_probs"], ops
+    narrow = {**probs, "target_rows": rows["target_rows"].int()}
+    ops = dispatched(lambda: dx.verify(tokens, draft, target, weight, **narrow, check_inputs=False))
+    assert ops.count("diversed.verify_probs") == 1 and "aten._to_copy" in ops, ops
 
 
 # ------------------------------------------------------------------------------------------- bad indices

@@ -53,6 +53,9 @@ struct VerifyOptionals {
   const c10::optional<at::Tensor>& target_temperature;
 };
 
+// The target temperature of a verify_probs call, which has none.
+inline const c10::optional<at::Tensor> kNoTargetTemperature;
+
 // B, K and V of a verify call, as the checks found them.
 struct VerifyShape {
   int64_t batch, num_positions, vocab;

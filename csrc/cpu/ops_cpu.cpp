@@ -32,9 +32,8 @@ VerifyTuple verify_probs_cpu(const at::Tensor& draft_tokens, const OptionalTenso
                              const OptionalTensor& uniforms, const OptionalTensor& seeds, int64_t offset,
                              bool per_row_seed, double weight_value, c10::optional<int64_t> seed,
                              const OptionalTensor& target_rows, const OptionalTensor& draft_rows) {
-  const OptionalTensor no_target_temperature;
   const VerifyOptionals optional{weight, num_draft, greedy, uniforms, seeds, target_rows, draft_rows,
-                                 no_target_temperature};
+                                 kNoTargetTemperature};
   const VerifyShape shape = check_verify_args(VerifyInput::kProbs, draft_tokens, draft_probs, target_probs, optional);
   const VerifyCall call = start_verify(VerifyInput::kProbs, shape, draft_tokens, draft_probs, target_probs, optional,
                                        VerifyScalars{weight_value, 1.0, seed, offset, per_row_seed});

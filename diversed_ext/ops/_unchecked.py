@@ -1,5 +1,5 @@
 """The serving path of the verify ops: an unchecked call (``check_inputs=False``) whose arguments need no conversion
-goes to the op as given; any other call goes through :func:`~diversed_ext.ops._inputs.prepare_verify`.
+goes to the op as given; any other call goes through :func:`~diversed_ext.ops._prepare.prepare_verify`.
 
 Whether the arguments need converting is decided up front, by tests of kind only: each tensor of the op's dtype and
 contiguous, and of its rank where another rank is a form to convert (int32 ids, a [B] weight, a 0-d temperature or a

@@ -68,6 +68,7 @@ def verify(draft_tokens, draft_probs, target_probs, weight, *, num_draft=None, g
             tokens only (EAGLE, MTP, ngram lookup): q is then one-hot at each drafted token, so x_i is accepted with
             probability w_i p_i(x_i) + 1 - w_i and a rejection draws from p_m without x_m. No draft row is read.
         target_probs: [B, K+1, V] target distributions p, same dtype and device; row K (or num_draft[b]) gives the bonus.
+            [R, V] rows with ``target_rows`` (and ``draft_probs`` [Rd, V] rows with ``draft_rows``).
         weight: weight w on the target: a float, a [B] tensor (per request) or a [B, K] tensor (per token, e.g. from
             :class:`diversed_ext.head.EnsembleHead`). 1 is standard speculative decoding, 0 accepts every draft.
         num_draft: optional int [B] in [0, K]: ragged rows; row b verifies positions < num_draft[b].
@@ -102,8 +103,10 @@ def verify(draft_tokens, draft_probs, target_probs, weight, *, num_draft=None, g
         op_arguments = unchecked_arguments(draft_tokens, draft_probs, target_probs, weight, num_draft, greedy,
                                            uniforms, seed, offset)
         if op_arguments is not None:
+            # Trailing arguments left at their defaults are not passed: each costs the dispatcher a fraction of a us.
+            extra = () if target_rows is None and draft_rows is None else rows
             try:
-                return VerifyResult(*_VERIFY_PROBS(*op_arguments, *rows))
+                return VerifyResult(*_VERIFY_PROBS(*op_arguments, *extra))
             except RuntimeError as error:
                 refusal = error  # a size or device the op refuses: the rules below name the argument, or it stands
             _prepare_probs(draft_tokens, draft_probs, target_probs, weight, num_draft, greedy, uniforms, seed, offset,
@@ -149,7 +152,7 @@ def verify_logits(draft_tokens, draft_logits, target_logits, weight, *, temperat
     Args:
         draft_logits: [B, K, V] draft logits (float32, bfloat16 or float16); -inf entries mask tokens out. None when
             the drafter gives tokens only (q one-hot at each drafted token, as in :func:`diversed_ext.verify`).
-        target_logits: [B, K+1, V] target logits, same dtype and device.
+        target_logits: [B, K+1, V] target logits, same dtype and device ([R, V] rows with ``target_rows``).
         temperature: float or [B] tensor, >= 0. Probabilities are softmax(logits / temperature); 0 makes the row
             greedy (accept while x_i = argmax nu_i, with nu formed from the temperature-1 softmax).
         target_temperature: None (the target logits are divided by ``temperature`` too), or a float or [B] tensor,
@@ -168,9 +171,10 @@ def verify_logits(draft_tokens, draft_logits, target_logits, weight, *, temperat
         op_arguments = unchecked_arguments(draft_tokens, draft_logits, target_logits, weight, num_draft,
                                            temperature_given[0], uniforms, seed, offset, temperature_given[1])
         if op_arguments is not None:
+            extra = (() if target_rows is None and draft_rows is None and target_temperature is None
+                     else (target_rows, draft_rows, *target_temperature_given))  # as in verify
             try:
-                return VerifyResult(*_VERIFY_LOGITS(*op_arguments, target_rows, draft_rows,
-                                                    *target_temperature_given))
+                return VerifyResult(*_VERIFY_LOGITS(*op_arguments, *extra))
             except RuntimeError as error:
                 refusal = error  # as in verify
             _prepare_logits(draft_tokens, draft_logits, target_logits, weight, temperature, num_draft, uniforms, seed,
