@@ -1,4 +1,5 @@
-"""Builders the tests share: random draft/target problems, poisoned inputs, result checks, and the CUDA skip.
+"""Builders the tests share: random draft/target problems, poisoned inputs, result checks, the dispatch log and the
+CUDA skip.
 
 Tests import these with `from helpers import ...`; pytest configuration (the output poisoning default, the `device`
 fixture) lives in conftest.py.
@@ -6,6 +7,7 @@ fixture) lives in conftest.py.
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 CUDA_SKIP_REASON = "CUDA tests need a GPU, and none is visible on this machine"
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason=CUDA_SKIP_REASON)
@@ -136,3 +138,22 @@ requires_pinned_quantised_layer = pytest.mark.skipif(
     not torch.__version__.startswith(LAYER_ARITHMETIC_TORCH),
     reason=f"compares with torch's own quantised layer, whose arithmetic int8_linear reproduces for torch "
            f"{LAYER_ARITHMETIC_TORCH}x; this is torch {torch.__version__}")
+
+
+class DispatchLog(TorchDispatchMode):
+    """Names of the ops dispatched while active (only the outermost ones: nothing inside a kernel)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+def dispatched(call):
+    """The ops `call` dispatches (DispatchLog's names), in order."""
+    with DispatchLog() as log:
+        call()
+    return log.ops

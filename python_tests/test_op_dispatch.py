@@ -6,33 +6,14 @@ no aten.full / aten.zeros / aten.randint runs in Python before it (the op draws 
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import diversed_ext as dx
-from helpers import random_problem
-
-
-class DispatchLog(TorchDispatchMode):
-    """Names of the ops dispatched while active (only the outermost ones: nothing inside a kernel)."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(str(func.overloadpacket))
-        return func(*args, **(kwargs or {}))
+from helpers import dispatched, random_problem
 
 
 @pytest.fixture
 def problem():
     return random_problem(3, 4, 50, seed=7)
-
-
-def dispatched(call):
-    with DispatchLog() as log:
-        call()
-    return log.ops
 
 
 def test_unchecked_verify_with_defaults_dispatches_only_the_op(problem):

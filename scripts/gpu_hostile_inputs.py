@@ -2,7 +2,8 @@
 
 Each call runs with check_inputs=False on inputs the checks would refuse: NaN, negative and infinite mass, rows
 without mass, token ids outside [0, V), num_draft outside [0, K], uniforms outside [0, 1), greedy and sampled rows,
-tokens-only drafts, seedless calls, vocabularies that leave rows misaligned and rows cut into many chunks; for both
+tokens-only drafts, seedless calls, rows read in place through indices outside [0, R), vocabularies that leave rows
+misaligned and rows cut into many chunks; for both
 kernel families (DIVERSED_CUDA_KERNELS=block and split) and the three element types. Every emitted token must stay
 in [-1, V). Run it under `compute-sanitizer --tool memcheck|racecheck|synccheck|initcheck` (scripts/gpu_check.sh
 does); with --device cpu it runs the same calls on the CPU kernels, which checks the script itself anywhere.
@@ -39,6 +40,13 @@ def hostile_problem(batch, num_positions, vocab, device, generator):
     return tuple(t.to(device) for t in (tokens, draft, target, num_draft, uniforms))
 
 
+def hostile_rows(batch, width, device, generator):
+    """Row indices a check would refuse, beside valid ones (of rows [0, batch * width)): -1, R, and far past R."""
+    rows = torch.randint(-2, batch * width + 2, (batch, width), generator=generator)
+    rows.view(-1)[::4] = 2**62
+    return rows.to(device)
+
+
 def assert_in_range(result, vocab, what):
     tokens = result.tokens
     if not bool(((tokens >= -1) & (tokens < vocab)).all()):
@@ -62,6 +70,16 @@ def exercise(device, batch, num_positions, vocab, generator):
             logits = None if draft_rows is None else draft_rows.log()
             assert_in_range(dx.verify_logits(tokens, logits, p.log(), 0.5, num_draft=num_draft, seed=seeds,
                                              temperature=temperature, check_inputs=False), vocab, what)
+        target_rows = hostile_rows(batch, num_positions + 1, device, generator)
+        draft_rows = hostile_rows(batch, num_positions, device, generator)
+        flat_q, flat_p = q.reshape(-1, vocab), p.reshape(-1, vocab)
+        assert_in_range(dx.verify(tokens, flat_q, flat_p, weight, num_draft=num_draft, greedy=greedy,
+                                  uniforms=uniforms, target_rows=target_rows, draft_rows=draft_rows,
+                                  check_inputs=False), vocab, what + " rows")
+        assert_in_range(dx.verify_logits(tokens, flat_q.log(), flat_p.log(), 0.5, num_draft=num_draft, seed=seeds,
+                                         temperature=temperature, target_temperature=temperature,
+                                         target_rows=target_rows, draft_rows=draft_rows, check_inputs=False),
+                        vocab, what + " rows")
         if num_positions:
             dx.token_stats(q, p[:, :num_positions], tokens.clamp(0, vocab - 1), check_inputs=False)
             dx.mix(q, p[:, :num_positions], 0.3, check_inputs=False)

@@ -33,39 +33,72 @@ inline void check_pair(const at::Tensor& draft, const at::Tensor& target, const 
 // verify_probs / verify_logits: draft [B, K, V], target [B, K+1, V], draft_tokens (int64 [B, K]), and when given:
 // weight (float32 [B, K]), num_draft and seeds (int64 [B]), uniforms (float64 [B, K+1]), and the per-row flags: greedy
 // (bool [B]) from probabilities, temperature (float32 [B]) from logits. An absent one takes its scalar default.
+// Rows read in place: with target_rows (int64 [B, K+1]) the target is a row tensor [R, V], and B and K come from
+// draft_tokens; with draft_rows (int64 [B, K]) the draft is [Rd, V]. The indices' values are not read here.
 enum class VerifyInput { kProbs, kLogits };
 
 inline const char* verify_op(VerifyInput input) {
   return input == VerifyInput::kProbs ? kVerifyProbsOp : kVerifyLogitsOp;
 }
 
-// The optional tensor arguments of the verify ops, in schema order.
+// The optional tensor arguments of the verify ops, in schema order (target_temperature: logits only).
 struct VerifyOptionals {
   const c10::optional<at::Tensor>& weight;
   const c10::optional<at::Tensor>& num_draft;
   const c10::optional<at::Tensor>& greedy_or_temperature;
   const c10::optional<at::Tensor>& uniforms;
   const c10::optional<at::Tensor>& seeds;
+  const c10::optional<at::Tensor>& target_rows;
+  const c10::optional<at::Tensor>& draft_rows;
+  const c10::optional<at::Tensor>& target_temperature;
 };
 
-// The target alone, for a call whose drafter gave tokens only (no draft tensor): [B, K+1, V] with K + 1 >= 1.
-inline void check_target_only(const at::Tensor& target, const char* op) {
-  TORCH_CHECK(target.dim() == 3, op, ": target must be 3-D");
-  TORCH_CHECK(target.is_contiguous(), op, ": target must be contiguous");
-  TORCH_CHECK(target.size(2) > 0, op, ": the vocabulary size is zero");
-  TORCH_CHECK(target.size(1) >= 1, op, ": target must be [B, K+1, V] with K >= 0");
+// The target temperature of a verify_probs call, which has none.
+inline const c10::optional<at::Tensor> kNoTargetTemperature;
+
+// B, K and V of a verify call, as the checks found them.
+struct VerifyShape {
+  int64_t batch, num_positions, vocab;
+};
+
+// A distribution tensor of a verify call: [B, positions, V], or [R, V] read through an index tensor `rows` (int64
+// [B, positions]) that must find a row whenever one may be read (R >= 1 unless B * positions is 0).
+inline void check_verify_values(const at::Tensor& values, const c10::optional<at::Tensor>& rows, int64_t batch,
+                                int64_t positions, int64_t vocab, const char* op, const char* what,
+                                const char* rows_name) {
+  TORCH_CHECK(values.is_contiguous(), op, ": ", what, " must be contiguous");
+  TORCH_CHECK(values.size(-1) == vocab, op, ": ", what, " has vocabulary size ", values.size(-1), ", expected ", vocab);
+  if (rows.has_value()) {
+    TORCH_CHECK(values.dim() == 2, op, ": with ", rows_name, ", ", what, " must be 2-D [R, V], got ", values.sizes());
+    check_layout(*rows, at::kLong, {batch, positions}, op, rows_name);
+    TORCH_CHECK(batch * positions == 0 || values.size(0) > 0, op, ": ", what, " has no rows for ", rows_name);
+  } else {
+    TORCH_CHECK(values.dim() == 3 && values.size(0) == batch && values.size(1) == positions, op, ": ", what,
+                " must be [", batch, ", ", positions, ", V], got ", values.sizes());
+  }
 }
 
-// verify's draft tensor is optional (absent: the drafter gave tokens only); B, K and V come from the target.
-inline void check_verify_args(VerifyInput input, const at::Tensor& draft_tokens,
-                              const c10::optional<at::Tensor>& draft, const at::Tensor& target,
-                              const VerifyOptionals& optional) {
+// verify's draft tensor is optional (absent: the drafter gave tokens only, and draft_rows must be absent too); B and
+// K come from the target [B, K+1, V], or from draft_tokens when the target is read through target_rows.
+inline VerifyShape check_verify_args(VerifyInput input, const at::Tensor& draft_tokens,
+                                     const c10::optional<at::Tensor>& draft, const at::Tensor& target,
+                                     const VerifyOptionals& optional) {
   const char* op = verify_op(input);
-  check_target_only(target, op);
-  const int64_t B = target.size(0), K = target.size(1) - 1;
+  const bool target_indexed = optional.target_rows.has_value();
+  TORCH_CHECK(target.dim() == (target_indexed ? 2 : 3), op, ": target must be ",
+              target_indexed ? "[R, V] with target_rows" : "[B, K+1, V]", ", got ", target.sizes());
+  TORCH_CHECK(target_indexed || target.size(1) >= 1, op, ": target must be [B, K+1, V] with K >= 0");
+  TORCH_CHECK(!target_indexed || draft_tokens.dim() == 2, op, ": draft_tokens must be [B, K]");
+  const int64_t B = target_indexed ? draft_tokens.size(0) : target.size(0);
+  const int64_t K = target_indexed ? draft_tokens.size(1) : target.size(1) - 1;
+  const int64_t V = target.size(-1);
+  TORCH_CHECK(V > 0, op, ": the vocabulary size is zero");
+  check_verify_values(target, optional.target_rows, B, K + 1, V, op, "target", "target_rows");
   if (draft.has_value()) {
-    check_pair(*draft, target, op);
-    TORCH_CHECK(draft->size(1) == K, op, ": target must be [B, K+1, V]");
+    TORCH_CHECK(draft->scalar_type() == target.scalar_type(), op, ": draft and target dtypes differ");
+    check_verify_values(*draft, optional.draft_rows, B, K, V, op, "draft", "draft_rows");
+  } else {
+    TORCH_CHECK(!optional.draft_rows.has_value(), op, ": draft_rows given without a draft tensor");
   }
   check_layout(draft_tokens, at::kLong, {B, K}, op, "draft_tokens");
   if (optional.weight.has_value()) check_layout(*optional.weight, at::kFloat, {B, K}, op, "weight");
@@ -73,13 +106,17 @@ inline void check_verify_args(VerifyInput input, const at::Tensor& draft_tokens,
   if (optional.seeds.has_value()) check_int64_vector(*optional.seeds, B, op, "seeds");
   const auto& uniforms = optional.uniforms;
   if (uniforms.has_value()) check_layout(*uniforms, at::kDouble, {B, K + 1}, op, "uniforms");
-  if (!optional.greedy_or_temperature.has_value()) return;
-  const at::Tensor& flags = *optional.greedy_or_temperature;
-  if (input == VerifyInput::kLogits) {
-    check_float_vector(flags, B, op, "temperature");
-  } else {
-    check_layout(flags, at::kBool, {B}, op, "greedy");
+  const bool logits = input == VerifyInput::kLogits;
+  if (optional.target_temperature.has_value()) {
+    TORCH_CHECK(logits, op, ": target_temperature belongs to the logits path");
+    check_float_vector(*optional.target_temperature, B, op, "target_temperature");
   }
+  if (optional.greedy_or_temperature.has_value()) {
+    const at::Tensor& flags = *optional.greedy_or_temperature;
+    if (logits) check_float_vector(flags, B, op, "temperature");
+    else check_layout(flags, at::kBool, {B}, op, "greedy");
+  }
+  return VerifyShape{B, K, V};
 }
 
 // token_stats: draft and target [B, T, V], tokens int64 [B, T], temperature float32 [B].

@@ -49,14 +49,15 @@ struct VerifyCall {
   std::tuple<at::Tensor, at::Tensor, at::Tensor> result() const { return {tokens, num_accepted, accept_prob}; }
 };
 
-// The scalar arguments of the verify ops: the values of absent weight / temperature tensors, an int seed, and the
-// generator's counter.
+// The scalar arguments of the verify ops: the values of absent weight / temperature tensors, an int seed, the
+// generator's counter, and the target rows' own temperature when it is one value.
 struct VerifyScalars {
   double weight_value;
   double temperature_value;
   c10::optional<int64_t> seed;
   int64_t offset;
   bool per_row_seed;
+  c10::optional<double> target_temperature_value = c10::nullopt;  // logits only
 };
 
 // Where a call without seeds or uniforms gets its seed: drawn with at::randint before the kernel (the CPU), or drawn by
@@ -66,10 +67,13 @@ enum class SeedSource { kRandint, kKernelGenerator };
 // The largest seed torch.randint(0, 2**63 - 1) can give: the Python layer draws seeds the same way (ops/_inputs.py).
 constexpr int64_t kSeedDrawBound = INT64_MAX;
 
-inline VerifyCall start_verify(VerifyInput input, const at::Tensor& draft_tokens, const at::Tensor& target,
+// `shape` is what check_verify_args returned; `draft` and `target` are the distribution tensors (row counts of the
+// row tensors read through target_rows / draft_rows).
+inline VerifyCall start_verify(VerifyInput input, const VerifyShape& shape, const at::Tensor& draft_tokens,
+                               const c10::optional<at::Tensor>& draft, const at::Tensor& target,
                                const VerifyOptionals& optional, const VerifyScalars& scalars,
                                SeedSource seed_source = SeedSource::kRandint) {
-  const int64_t B = target.size(0), K = target.size(1) - 1, V = target.size(2);
+  const int64_t B = shape.batch, K = shape.num_positions, V = shape.vocab;
   const auto options = draft_tokens.options();
   VerifyCall call{at::empty({B, K + 1}, options.dtype(at::kLong)), at::empty({B}, options.dtype(at::kInt)),
                   at::empty({B, K}, options.dtype(at::kFloat)), at::Tensor(), VerifyProblem{}};
@@ -88,6 +92,18 @@ inline VerifyCall start_verify(VerifyInput input, const at::Tensor& draft_tokens
   problem.greedy = probs && flags.has_value() ? flags->data_ptr<bool>() : nullptr;
   problem.temperature = !probs && flags.has_value() ? flags->data_ptr<float>() : nullptr;
   problem.temperature_value = static_cast<float>(scalars.temperature_value);
+  const auto& target_temperature = optional.target_temperature;
+  problem.has_target_temperature = target_temperature.has_value() || scalars.target_temperature_value.has_value();
+  problem.target_temperature = target_temperature.has_value() ? target_temperature->data_ptr<float>() : nullptr;
+  problem.target_temperature_value = static_cast<float>(scalars.target_temperature_value.value_or(1.0));
+  if (optional.target_rows.has_value()) {
+    problem.target_rows = optional.target_rows->data_ptr<int64_t>();
+    problem.target_row_count = target.size(0);
+  }
+  if (optional.draft_rows.has_value() && draft.has_value()) {
+    problem.draft_rows = optional.draft_rows->data_ptr<int64_t>();
+    problem.draft_row_count = draft->size(0);
+  }
   problem.uniforms = optional.uniforms.has_value() ? optional.uniforms->data_ptr<double>() : nullptr;
   problem.seeds = nullptr;
   problem.seed_stride = 0;

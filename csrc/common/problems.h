@@ -9,6 +9,17 @@
 
 namespace diversed {
 
+// The tensor row that slot `slot` (= request * width + position) reads: the slot itself for a [B, width, V] tensor,
+// or rows[slot] of a row tensor [count, V] read through an index (target_rows / draft_rows). An index outside
+// [0, count) is clamped into it: only check_inputs=False lets one through, and the clamp keeps every read inside the
+// tensor without a branch the kernels would have to carry through every policy (count >= 1 is checked by the
+// bindings whenever a row may be read).
+DX_HD int64_t indexed_row(const int64_t* rows, int64_t count, int64_t slot) {
+  if (rows == nullptr) return slot;
+  const int64_t index = rows[slot];
+  return index < 0 ? 0 : (index >= count ? count - 1 : index);
+}
+
 // verify_probs / verify_logits: the request-level inputs, the randomness and the outputs. The distributions themselves
 // (probabilities or logits, of whatever element type) are passed to the kernels beside it.
 struct VerifyProblem {
@@ -20,6 +31,17 @@ struct VerifyProblem {
   const bool* greedy;                   // [B] or nullptr (no greedy row); the logits path derives it from temperatures
   const float* temperature;             // logits only: [B], or nullptr: temperature_value for every row
   float temperature_value;
+  // Logits only: the target rows' own temperature (the caller divided the target logits already); without it
+  // (has_target_temperature false) the target rows use `temperature` too. Greedy rows still come from `temperature`.
+  bool has_target_temperature;
+  const float* target_temperature;      // [B], or nullptr: target_temperature_value for every row
+  float target_temperature_value;
+  // Rows read in place (indexed_row): target_rows [B, K+1] into a target of target_row_count rows, draft_rows [B, K]
+  // into a draft of draft_row_count rows; nullptr: the target is [B, K+1, V] (the draft [B, K, V]).
+  const int64_t* target_rows;
+  int64_t target_row_count;
+  const int64_t* draft_rows;
+  int64_t draft_row_count;
   const double* uniforms;               // [B, K+1] or nullptr (then Philox)
   const int64_t* seeds;                 // seeds[row * seed_stride], or nullptr: seed_value for every row
   int64_t seed_stride;                  // 1 for a [B] tensor, 0 for one seed drawn on the device
@@ -58,6 +80,17 @@ struct VerifyProblem {
   }
   DX_HD bool greedy_at(int64_t row) const { return greedy != nullptr && greedy[row]; }
   DX_HD float temperature_at(int64_t row) const { return temperature ? temperature[row] : temperature_value; }
+  DX_HD float target_temperature_at(int64_t row) const {
+    if (!has_target_temperature) return temperature_at(row);
+    return target_temperature ? target_temperature[row] : target_temperature_value;
+  }
+  // The tensor rows of a request's positions (indexed_row): target position i <= K, draft position i < K.
+  DX_HD int64_t target_row(int64_t row, int64_t position) const {
+    return indexed_row(target_rows, target_row_count, row * (num_positions + 1) + position);
+  }
+  DX_HD int64_t draft_row(int64_t row, int64_t position) const {
+    return indexed_row(draft_rows, draft_row_count, row * num_positions + position);
+  }
   DX_HD float weight_at(int64_t row, int64_t position) const {
     return sanitize_weight(weight ? weight[row * num_positions + position] : weight_value);
   }

@@ -30,10 +30,12 @@ VerifyTuple verify_probs_cpu(const at::Tensor& draft_tokens, const OptionalTenso
                              const at::Tensor& target_probs, const OptionalTensor& weight,
                              const OptionalTensor& num_draft, const OptionalTensor& greedy,
                              const OptionalTensor& uniforms, const OptionalTensor& seeds, int64_t offset,
-                             bool per_row_seed, double weight_value, c10::optional<int64_t> seed) {
-  const VerifyOptionals optional{weight, num_draft, greedy, uniforms, seeds};
-  check_verify_args(VerifyInput::kProbs, draft_tokens, draft_probs, target_probs, optional);
-  const VerifyCall call = start_verify(VerifyInput::kProbs, draft_tokens, target_probs, optional,
+                             bool per_row_seed, double weight_value, c10::optional<int64_t> seed,
+                             const OptionalTensor& target_rows, const OptionalTensor& draft_rows) {
+  const VerifyOptionals optional{weight, num_draft, greedy, uniforms, seeds, target_rows, draft_rows,
+                                 kNoTargetTemperature};
+  const VerifyShape shape = check_verify_args(VerifyInput::kProbs, draft_tokens, draft_probs, target_probs, optional);
+  const VerifyCall call = start_verify(VerifyInput::kProbs, shape, draft_tokens, draft_probs, target_probs, optional,
                                        VerifyScalars{weight_value, 1.0, seed, offset, per_row_seed});
   if (call.empty()) return call.result();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, target_probs.scalar_type(), "verify_probs_cpu", [&] {
@@ -44,20 +46,31 @@ VerifyTuple verify_probs_cpu(const at::Tensor& draft_tokens, const OptionalTenso
   return call.result();
 }
 
+// The arguments verify_logits adds to verify_probs' (rows read in place, the target's own temperature).
+struct LogitExtras {
+  const OptionalTensor& target_rows;
+  const OptionalTensor& draft_rows;
+  const OptionalTensor& target_temperature;
+  c10::optional<double> target_temperature_value;
+};
+
 // verify_logits, and with row_flags (int32 [B, 2K + 1]) every row's value flags from the same passes.
 VerifyTuple run_verify_logits(const at::Tensor& draft_tokens, const OptionalTensor& draft_logits,
                               const at::Tensor& target_logits, const OptionalTensor& weight,
                               const OptionalTensor& num_draft, const OptionalTensor& temperature,
                               const OptionalTensor& uniforms, const OptionalTensor& seeds, int64_t offset,
                               bool per_row_seed, double weight_value, double temperature_value,
-                              c10::optional<int64_t> seed, at::Tensor* row_flags) {
-  const VerifyOptionals optional{weight, num_draft, temperature, uniforms, seeds};
-  check_verify_args(VerifyInput::kLogits, draft_tokens, draft_logits, target_logits, optional);
-  const VerifyCall call = start_verify(VerifyInput::kLogits, draft_tokens, target_logits, optional,
-                                       VerifyScalars{weight_value, temperature_value, seed, offset, per_row_seed});
+                              c10::optional<int64_t> seed, const LogitExtras& extras, at::Tensor* row_flags) {
+  const VerifyOptionals optional{weight,  num_draft, temperature, uniforms, seeds, extras.target_rows,
+                                 extras.draft_rows, extras.target_temperature};
+  const VerifyShape shape =
+      check_verify_args(VerifyInput::kLogits, draft_tokens, draft_logits, target_logits, optional);
+  const VerifyCall call =
+      start_verify(VerifyInput::kLogits, shape, draft_tokens, draft_logits, target_logits, optional,
+                   VerifyScalars{weight_value, temperature_value, seed, offset, per_row_seed,
+                                 extras.target_temperature_value});
   if (row_flags) {
-    const int64_t batch = target_logits.size(0), num_positions = target_logits.size(1) - 1;
-    *row_flags = at::empty({batch, 2 * num_positions + 1}, draft_tokens.options().dtype(at::kInt));
+    *row_flags = at::empty({shape.batch, 2 * shape.num_positions + 1}, draft_tokens.options().dtype(at::kInt));
     poison_outputs(*row_flags);
   }
   if (call.empty()) return call.result();
@@ -75,20 +88,28 @@ VerifyTuple verify_logits_cpu(const at::Tensor& draft_tokens, const OptionalTens
                               const OptionalTensor& num_draft, const OptionalTensor& temperature,
                               const OptionalTensor& uniforms, const OptionalTensor& seeds, int64_t offset,
                               bool per_row_seed, double weight_value, double temperature_value,
-                              c10::optional<int64_t> seed) {
+                              c10::optional<int64_t> seed, const OptionalTensor& target_rows,
+                              const OptionalTensor& draft_rows, const OptionalTensor& target_temperature,
+                              c10::optional<double> target_temperature_value) {
   return run_verify_logits(draft_tokens, draft_logits, target_logits, weight, num_draft, temperature, uniforms, seeds,
-                           offset, per_row_seed, weight_value, temperature_value, seed, nullptr);
+                           offset, per_row_seed, weight_value, temperature_value, seed,
+                           LogitExtras{target_rows, draft_rows, target_temperature, target_temperature_value},
+                           nullptr);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> verify_logits_with_flags_cpu(
     const at::Tensor& draft_tokens, const OptionalTensor& draft_logits, const at::Tensor& target_logits,
     const OptionalTensor& weight, const OptionalTensor& num_draft, const OptionalTensor& temperature,
     const OptionalTensor& uniforms, const OptionalTensor& seeds, int64_t offset, bool per_row_seed,
-    double weight_value, double temperature_value, c10::optional<int64_t> seed) {
+    double weight_value, double temperature_value, c10::optional<int64_t> seed, const OptionalTensor& target_rows,
+    const OptionalTensor& draft_rows, const OptionalTensor& target_temperature,
+    c10::optional<double> target_temperature_value) {
   at::Tensor row_flags;
   const auto [tokens, num_accepted, accept_prob] =
       run_verify_logits(draft_tokens, draft_logits, target_logits, weight, num_draft, temperature, uniforms, seeds,
-                        offset, per_row_seed, weight_value, temperature_value, seed, &row_flags);
+                        offset, per_row_seed, weight_value, temperature_value, seed,
+                        LogitExtras{target_rows, draft_rows, target_temperature, target_temperature_value},
+                        &row_flags);
   return {tokens, num_accepted, accept_prob, row_flags};
 }
 

@@ -14,6 +14,7 @@
 #include "check_kernels.h"
 #include "kernel_prelude.h"
 #include "row_ops.h"
+#include "verify_rows.h"
 
 namespace diversed {
 namespace cpu {
@@ -184,168 +185,6 @@ void run_verify(const VerifyProblem& problem, const Rows& rows, const ParallelFo
     if (plans[row].needs_sample) sample_row(problem, rows, plans[row], row, block_sums.data() + row * num_blocks);
 }
 
-// ------------------------------------------------------------------------------------------ rows of the two paths
-// Rows of draft probabilities [B, K, V] and target probabilities [B, K+1, V].
-template <typename T>
-struct ProbRows {
-  const T* draft_probs;
-  const T* target_probs;
-  int64_t num_positions, vocab;
-
-  ProbRow<T> draft(int64_t row, int64_t position) const {
-    return {draft_probs + (row * num_positions + position) * vocab};
-  }
-  ProbRow<T> target(int64_t row, int64_t position) const {
-    return {target_probs + (row * (num_positions + 1) + position) * vocab};
-  }
-};
-
-// Rows of a drafter that gives tokens only: the base rows' target rows, and one-hot draft rows at the drafted ids. The
-// base rows' draft rows are never built (their draft tensor is absent).
-template <typename Rows>
-struct TokenDraftRows {
-  Rows base;
-  const int64_t* draft_tokens;  // [B, K]
-  int64_t num_positions, vocab;
-
-  OneHotRow draft(int64_t row, int64_t position) const {
-    return {one_hot_draft_token(draft_tokens[row * num_positions + position], vocab)};
-  }
-  auto target(int64_t row, int64_t position) const { return base.target(row, position); }
-};
-
-// Rows of draft logits [B, K, V] and target logits [B, Kt, V] with their normalisers.
-template <typename T>
-struct LogitRows {
-  const T* draft_logits;
-  const T* target_logits;
-  int64_t draft_positions, target_positions, vocab;
-  const float* inverse_temperature;  // [B]
-  const SoftmaxStats* draft_stats;   // [B * draft_positions]
-  const SoftmaxStats* target_stats;  // [B * target_positions]
-  const uint8_t* draft_vouched;      // [B * draft_positions]: normaliser_vouches_for_row
-  const uint8_t* target_vouched;     // [B * target_positions]
-
-  LogitRow<T> draft(int64_t row, int64_t position) const {
-    const int64_t index = row * draft_positions + position;
-    return {draft_logits + index * vocab, inverse_temperature[row], draft_stats[index], draft_vouched[index] != 0};
-  }
-  LogitRow<T> target(int64_t row, int64_t position) const {
-    const int64_t index = row * target_positions + position;
-    return {target_logits + index * vocab, inverse_temperature[row], target_stats[index], target_vouched[index] != 0};
-  }
-};
-
-// Softmax normalisers of the rows a request reads: draft positions < num_draft and target positions <= num_draft.
-// Slots [0, K) of a request are its draft positions, slots [K, 2K + 1) its target positions. With `row_flags`
-// ([B, 2K + 1], check_inputs=True), every slot also gets its value flags (those of value_flags), which cost nothing
-// extra where a normaliser vouches for its row; the rows the request does not read, and those it cannot vouch for,
-// get a pass of their own. A drafted position also flags a token id outside [0, V) (kValueFlagBadToken). Without draft
-// logits (tokens only), a draft slot holds that flag alone.
-template <typename T>
-struct SoftmaxStatsPlan {
-  const VerifyProblem& problem;
-  const T* draft_logits;
-  const T* target_logits;
-  const float* inverse_temperature;  // [B]
-  int32_t* row_flags;                // [B, 2K + 1] or nullptr
-  std::vector<SoftmaxStats> draft_stats, target_stats;
-  std::vector<uint8_t> draft_vouched, target_vouched;  // whether each normaliser vouches for its row
-
-  SoftmaxStatsPlan(const VerifyProblem& p, const T* draft, const T* target, const float* inverse, int32_t* flags)
-      : problem(p), draft_logits(draft), target_logits(target), inverse_temperature(inverse), row_flags(flags),
-        draft_stats(p.batch * p.num_positions, SoftmaxStats{0.0f, 0.0f}),
-        target_stats(p.batch * (p.num_positions + 1), SoftmaxStats{0.0f, 0.0f}),
-        draft_vouched(draft_stats.size(), 0), target_vouched(target_stats.size(), 0) {}
-
-  int64_t slots() const { return 2 * problem.num_positions + 1; }
-  bool is_draft(int64_t slot) const { return slot < problem.num_positions; }
-  // The index of a slot's row in its tensor, and whether the request reads that row.
-  int64_t tensor_row(int64_t row, int64_t slot) const {
-    const int64_t K = problem.num_positions;
-    return is_draft(slot) ? row * K + slot : row * (K + 1) + slot - K;
-  }
-  bool reads(int64_t row, int64_t slot) const {
-    const int64_t K = problem.num_positions, drafted = problem.drafted(row);
-    return is_draft(slot) ? slot < drafted : slot - K <= drafted;
-  }
-  const T* values(int64_t row, int64_t slot) const {
-    return (is_draft(slot) ? draft_logits : target_logits) + tensor_row(row, slot) * problem.vocab;
-  }
-  int32_t& flags_of(int64_t row, int64_t slot) { return row_flags[row * slots() + slot]; }
-  void flag_by_values(int64_t row, int64_t slot) {
-    flags_of(row, slot) = row_value_flags(values(row, slot), problem.vocab, true);
-  }
-
-  int32_t token_flag(int64_t row, int64_t slot) const {
-    const int64_t token = problem.draft_tokens[tensor_row(row, slot)];
-    return token < 0 || token >= problem.vocab ? kValueFlagBadToken : 0;
-  }
-
-  void compute(int64_t row, int64_t slot) {
-    if (is_draft(slot) && draft_logits == nullptr) {
-      if (row_flags) flags_of(row, slot) = reads(row, slot) ? token_flag(row, slot) : 0;
-      return;
-    }
-    if (!reads(row, slot)) {
-      if (row_flags) flag_by_values(row, slot);
-      return;
-    }
-    const bool vouched = normalise(row, slot);
-    if (!row_flags) return;
-    if (vouched) flags_of(row, slot) = 0;
-    else flag_by_values(row, slot);
-    if (is_draft(slot)) flags_of(row, slot) |= token_flag(row, slot);
-  }
-  // The normalisers of the rows the accept tests read; the bonus row's too when `with_bonus` (a greedy row's argmax
-  // of it is taken in the accept phase). A sampled row's bonus normaliser is computed only when the bonus is drawn:
-  // after a rejection, which is the common case, its row is never read (its flags come from a pass of their own).
-  void compute_row(int64_t row, bool with_bonus) {
-    const int64_t bonus_slot = problem.num_positions + problem.drafted(row);
-    for (int64_t slot = 0; slot < slots(); ++slot) {
-      if (slot != bonus_slot || with_bonus) compute(row, slot);
-      else if (row_flags) flag_by_values(row, slot);
-    }
-  }
-  void compute_bonus(int64_t row) { normalise(row, problem.num_positions + problem.drafted(row)); }
-  // The normaliser of a slot's row, stored with whether it vouches for the row (returned).
-  bool normalise(int64_t row, int64_t slot) {
-    bool summed_every_block = false;
-    const SoftmaxStats stats =
-        softmax_stats(values(row, slot), problem.vocab, inverse_temperature[row], &summed_every_block);
-    const bool vouched = normaliser_vouches_for_row(stats, summed_every_block);
-    const int64_t index = tensor_row(row, slot);
-    (is_draft(slot) ? draft_stats : target_stats)[index] = stats;
-    (is_draft(slot) ? draft_vouched : target_vouched)[index] = vouched;
-    return vouched;
-  }
-  // Every request's normalisers, in parallel over (request, slot).
-  void compute_all(const ParallelFor& parallel_for) {
-    parallel_for(0, problem.batch * slots(), grain_for(problem.vocab), [&](int64_t begin, int64_t end) {
-      for (int64_t task = begin; task < end; ++task) compute(task / slots(), task % slots());
-    });
-  }
-};
-
-// Temperatures as the kernels use them: 1 / T, and greedy where T = 0 (NaN and negatives count as greedy too).
-struct TemperaturePlan {
-  std::vector<float> inverse;
-  std::unique_ptr<bool[]> greedy;
-};
-
-inline TemperaturePlan plan_temperatures(const VerifyProblem& problem) {
-  const int64_t batch = problem.batch;
-  TemperaturePlan plan;
-  plan.inverse.resize(batch);
-  plan.greedy.reset(new bool[batch]);
-  for (int64_t row = 0; row < batch; ++row) {
-    const float temperature = problem.temperature_at(row);
-    plan.greedy[row] = is_greedy_temperature(temperature);
-    plan.inverse[row] = inverse_temperature_of(temperature);
-  }
-  return plan;
-}
-
 // ------------------------------------------------------------------------------------------ entry points
 // Called by the binding (ops_cpu.cpp, through cpu_dispatch.h) after the checks and the allocation of the outputs.
 
@@ -356,35 +195,36 @@ void with_draft_rows(const VerifyProblem& problem, const Rows& rows, bool has_dr
   else body(TokenDraftRows<Rows>{rows, problem.draft_tokens, problem.num_positions, problem.vocab});
 }
 
-// verify_probs: draft probabilities [B, K, V] (or nullptr: tokens only), target probabilities [B, K+1, V];
-// problem.greedy is set.
+// verify_probs: draft probabilities [B, K, V] (or nullptr: tokens only), target probabilities [B, K+1, V]; either may
+// be a row tensor [R, V] that the problem's target_rows / draft_rows index. problem.greedy is set.
 template <typename T>
 void verify_probs(const VerifyProblem& problem, const T* draft_probs, const T* target_probs,
                   const ParallelFor& parallel_for) {
-  const ProbRows<T> prob_rows{draft_probs, target_probs, problem.num_positions, problem.vocab};
+  const ProbRows<T> prob_rows{draft_probs, target_probs, &problem};
   with_draft_rows(problem, prob_rows, draft_probs != nullptr, [&](const auto& rows) {
     run_verify(problem, rows, parallel_for, verify_layout(problem.batch, problem.vocab, parallel_for),
                [](int64_t) {}, [](int64_t) {});
   });
 }
 
-// verify_logits: draft logits [B, K, V] (or nullptr: tokens only), target logits [B, K+1, V], temperatures from the
-// problem. Each row the request reads gets its softmax normaliser first (inside the request's own task when the
-// layout is by rows, where a sampled row's bonus normaliser waits until the bonus is drawn); the greedy flags come from
-// the temperatures.
+// verify_logits: draft logits [B, K, V] (or nullptr: tokens only), target logits [B, K+1, V] (either may be a row
+// tensor, as in verify_probs), temperatures from the problem. Each row the request reads gets its softmax normaliser
+// first (inside the request's own task when the layout is by rows, where a sampled row's bonus normaliser waits until
+// the bonus is drawn); the greedy flags come from the temperatures.
 // With `row_flags` ([B, 2K + 1]: draft positions, then target positions) every row of both tensors also gets its
-// value flags, as value_flags would give them, for check_inputs=True to read after the call.
+// value flags, as value_flags would give them, for check_inputs=True to read after the call (a row tensor's rows that
+// no position reads excepted, see SoftmaxStatsPlan).
 template <typename T>
 void verify_logits(const VerifyProblem& problem, const T* draft_logits, const T* target_logits,
                    const ParallelFor& parallel_for, int32_t* row_flags) {
-  const int64_t K = problem.num_positions, V = problem.vocab;
   const TemperaturePlan temperatures = plan_temperatures(problem);
-  SoftmaxStatsPlan<T> stats(problem, draft_logits, target_logits, temperatures.inverse.data(), row_flags);
-  const VerifyLayout layout = verify_layout(problem.batch, V, parallel_for);
+  SoftmaxStatsPlan<T> stats(problem, draft_logits, target_logits, temperatures.inverse.data(),
+                            temperatures.target_inverse.data(), row_flags);
+  const VerifyLayout layout = verify_layout(problem.batch, problem.vocab, parallel_for);
   if (layout == VerifyLayout::kChunks) stats.compute_all(parallel_for);
-  const LogitRows<T> logit_rows{draft_logits, target_logits, K, K + 1, V, temperatures.inverse.data(),
-                                stats.draft_stats.data(), stats.target_stats.data(), stats.draft_vouched.data(),
-                                stats.target_vouched.data()};
+  const LogitRows<T> logit_rows{draft_logits, target_logits, &problem, temperatures.inverse.data(),
+                                temperatures.target_inverse.data(), stats.draft_stats.data(),
+                                stats.target_stats.data(), stats.draft_vouched.data(), stats.target_vouched.data()};
   VerifyProblem with_greedy = problem;
   with_greedy.greedy = temperatures.greedy.get();
   with_draft_rows(problem, logit_rows, draft_logits != nullptr, [&](const auto& rows) {

@@ -86,9 +86,11 @@ void attach_cuda_generator(VerifyProblem& problem) {
 }
 
 // start_verify for the CUDA kernels: a seedless call's seed is left to the kernel, from the generator state.
-VerifyCall start_cuda_verify(VerifyInput input, const at::Tensor& draft_tokens, const at::Tensor& target,
+VerifyCall start_cuda_verify(VerifyInput input, const VerifyShape& shape, const at::Tensor& draft_tokens,
+                             const c10::optional<at::Tensor>& draft, const at::Tensor& target,
                              const VerifyOptionals& optional, const VerifyScalars& scalars) {
-  VerifyCall call = start_verify(input, draft_tokens, target, optional, scalars, SeedSource::kKernelGenerator);
+  VerifyCall call =
+      start_verify(input, shape, draft_tokens, draft, target, optional, scalars, SeedSource::kKernelGenerator);
   if (call.problem.from_generator) attach_cuda_generator(call.problem);
   return call;
 }
@@ -130,25 +132,28 @@ using OptionalTensor = c10::optional<at::Tensor>;
 
 // Every tensor argument on one CUDA device (the draft's may be absent); one block per request must fit in the grid.
 void check_verify_devices(const char* op, const at::Tensor& draft_tokens, const OptionalTensor& draft,
-                          const at::Tensor& target, const VerifyOptionals& optional) {
+                          const at::Tensor& target, const VerifyOptionals& optional, const VerifyShape& shape) {
   check_cuda_device(op, target, draft_tokens);
   for (const auto* tensor : {&draft, &optional.weight, &optional.num_draft, &optional.greedy_or_temperature,
-                             &optional.uniforms, &optional.seeds})
+                             &optional.uniforms, &optional.seeds, &optional.target_rows, &optional.draft_rows,
+                             &optional.target_temperature})
     if (tensor->has_value()) check_same_device(op, target.device(), **tensor);
-  check_grid_rows(op, target.size(0));
+  check_grid_rows(op, shape.batch);
 }
 
 VerifyTuple verify_probs_cuda(const at::Tensor& draft_tokens, const OptionalTensor& draft_probs,
                               const at::Tensor& target_probs, const OptionalTensor& weight,
                               const OptionalTensor& num_draft, const OptionalTensor& greedy,
                               const OptionalTensor& uniforms, const OptionalTensor& seeds, int64_t offset,
-                              bool per_row_seed, double weight_value, c10::optional<int64_t> seed) {
-  const VerifyOptionals optional{weight, num_draft, greedy, uniforms, seeds};
-  check_verify_args(VerifyInput::kProbs, draft_tokens, draft_probs, target_probs, optional);
-  check_verify_devices(kVerifyProbsOp, draft_tokens, draft_probs, target_probs, optional);
+                              bool per_row_seed, double weight_value, c10::optional<int64_t> seed,
+                              const OptionalTensor& target_rows, const OptionalTensor& draft_rows) {
+  const VerifyOptionals optional{weight, num_draft, greedy, uniforms, seeds, target_rows, draft_rows,
+                                 kNoTargetTemperature};
+  const VerifyShape shape = check_verify_args(VerifyInput::kProbs, draft_tokens, draft_probs, target_probs, optional);
+  check_verify_devices(kVerifyProbsOp, draft_tokens, draft_probs, target_probs, optional, shape);
   const c10::cuda::CUDAGuard guard(target_probs.device());
-  const VerifyCall call = start_cuda_verify(VerifyInput::kProbs, draft_tokens, target_probs, optional,
-                                            VerifyScalars{weight_value, 1.0, seed, offset, per_row_seed});
+  const VerifyCall call = start_cuda_verify(VerifyInput::kProbs, shape, draft_tokens, draft_probs, target_probs,
+                                            optional, VerifyScalars{weight_value, 1.0, seed, offset, per_row_seed});
   if (call.empty()) return call.result();
   const VerifyProblem& problem = call.problem;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
@@ -171,13 +176,18 @@ VerifyTuple verify_logits_cuda(const at::Tensor& draft_tokens, const OptionalTen
                                const OptionalTensor& num_draft, const OptionalTensor& temperature,
                                const OptionalTensor& uniforms, const OptionalTensor& seeds, int64_t offset,
                                bool per_row_seed, double weight_value, double temperature_value,
-                               c10::optional<int64_t> seed) {
-  const VerifyOptionals optional{weight, num_draft, temperature, uniforms, seeds};
-  check_verify_args(VerifyInput::kLogits, draft_tokens, draft_logits, target_logits, optional);
-  check_verify_devices(kVerifyLogitsOp, draft_tokens, draft_logits, target_logits, optional);
+                               c10::optional<int64_t> seed, const OptionalTensor& target_rows,
+                               const OptionalTensor& draft_rows, const OptionalTensor& target_temperature,
+                               c10::optional<double> target_temperature_value) {
+  const VerifyOptionals optional{weight, num_draft, temperature, uniforms, seeds, target_rows, draft_rows,
+                                 target_temperature};
+  const VerifyShape shape =
+      check_verify_args(VerifyInput::kLogits, draft_tokens, draft_logits, target_logits, optional);
+  check_verify_devices(kVerifyLogitsOp, draft_tokens, draft_logits, target_logits, optional, shape);
   const c10::cuda::CUDAGuard guard(target_logits.device());
-  const VerifyCall call = start_cuda_verify(VerifyInput::kLogits, draft_tokens, target_logits, optional,
-                                            VerifyScalars{weight_value, temperature_value, seed, offset, per_row_seed});
+  const VerifyCall call = start_cuda_verify(
+      VerifyInput::kLogits, shape, draft_tokens, draft_logits, target_logits, optional,
+      VerifyScalars{weight_value, temperature_value, seed, offset, per_row_seed, target_temperature_value});
   if (call.empty()) return call.result();
   const VerifyProblem& problem = call.problem;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();

@@ -17,7 +17,8 @@ namespace gpu {
 // The request-level inputs and outputs are a VerifyProblem, shared with the CPU kernels; its greedy flags are read by
 // ProbRows, while LogitRows derives them from the temperatures.
 
-// Rows of draft probabilities [B, K, V] and target probabilities [B, K+1, V]; greedy rows flagged per request.
+// Rows of draft probabilities and target probabilities, at the tensor rows the problem maps positions to ([B, K, V] /
+// [B, K+1, V], or row tensors read through target_rows / draft_rows); greedy rows flagged per request.
 template <typename T>
 struct ProbRows {
   using Row = ProbRow<T>;
@@ -28,10 +29,10 @@ struct ProbRows {
   __device__ bool greedy(const VerifyProblem& p, int64_t row) const { return p.greedy_at(row); }
   __device__ void prepare(const VerifyProblem&, int64_t, int64_t, BlockStorage&) const {}
   __device__ Row draft_row(const VerifyProblem& p, int64_t row, int64_t position) const {
-    return Row{draft + (row * p.num_positions + position) * p.vocab};
+    return Row{draft + p.draft_row(row, position) * p.vocab};
   }
   __device__ Row target_row(const VerifyProblem& p, int64_t row, int64_t position) const {
-    return Row{target + (row * (p.num_positions + 1) + position) * p.vocab};
+    return Row{target + p.target_row(row, position) * p.vocab};
   }
 };
 
@@ -44,36 +45,41 @@ struct LogitRows {
   using DraftRow = Row;
   const T* draft;
   const T* target;
-  const float* temperature;    // [B], or nullptr: temperature_value for every row
-  float temperature_value;
-  SoftmaxStats* draft_stats;   // [B, K] scratch
+  SoftmaxStats* draft_stats;   // [B, K] scratch, one normaliser per request position (a row read twice gets two)
   SoftmaxStats* target_stats;  // [B, K+1] scratch
 
-  __device__ float temperature_at(int64_t row) const { return temperature ? temperature[row] : temperature_value; }
-  __device__ bool greedy(const VerifyProblem&, int64_t row) const { return is_greedy_temperature(temperature_at(row)); }
-  __device__ float inverse_temperature(int64_t row) const { return inverse_temperature_of(temperature_at(row)); }
+  __device__ bool greedy(const VerifyProblem& p, int64_t row) const {
+    return is_greedy_temperature(p.temperature_at(row));
+  }
+  // The draft rows are divided by the temperature, the target rows by the target's own when the call gives one.
+  __device__ float inverse_temperature(const VerifyProblem& p, int64_t row) const {
+    return inverse_temperature_of(p.temperature_at(row));
+  }
+  __device__ float target_inverse_temperature(const VerifyProblem& p, int64_t row) const {
+    return inverse_temperature_of(p.target_temperature_at(row));
+  }
 
   __device__ void prepare(const VerifyProblem& p, int64_t row, int64_t drafted, BlockStorage& s) const {
-    const float inverse_t = inverse_temperature(row);
+    const float target_inverse_t = target_inverse_temperature(p, row);
     for (int64_t i = 0; i <= drafted; ++i) {
-      const int64_t index = row * (p.num_positions + 1) + i;
-      const SoftmaxStats stats = block_softmax_stats(target + index * p.vocab, p.vocab, inverse_t, s);
-      if (threadIdx.x == 0) target_stats[index] = stats;
+      const T* values = target + p.target_row(row, i) * p.vocab;
+      const SoftmaxStats stats = block_softmax_stats(values, p.vocab, target_inverse_t, s);
+      if (threadIdx.x == 0) target_stats[row * (p.num_positions + 1) + i] = stats;
     }
+    const float inverse_t = inverse_temperature(p, row);
     for (int64_t i = 0; draft != nullptr && i < drafted; ++i) {  // no draft logits: the drafter gave tokens only
-      const int64_t index = row * p.num_positions + i;
-      const SoftmaxStats stats = block_softmax_stats(draft + index * p.vocab, p.vocab, inverse_t, s);
-      if (threadIdx.x == 0) draft_stats[index] = stats;
+      const SoftmaxStats stats = block_softmax_stats(draft + p.draft_row(row, i) * p.vocab, p.vocab, inverse_t, s);
+      if (threadIdx.x == 0) draft_stats[row * p.num_positions + i] = stats;
     }
     __syncthreads();  // the block reads the normalisers back from global memory
   }
   __device__ Row draft_row(const VerifyProblem& p, int64_t row, int64_t position) const {
-    const int64_t index = row * p.num_positions + position;
-    return Row{draft + index * p.vocab, inverse_temperature(row), draft_stats[index]};
+    return Row{draft + p.draft_row(row, position) * p.vocab, inverse_temperature(p, row),
+               draft_stats[row * p.num_positions + position]};
   }
   __device__ Row target_row(const VerifyProblem& p, int64_t row, int64_t position) const {
-    const int64_t index = row * (p.num_positions + 1) + position;
-    return Row{target + index * p.vocab, inverse_temperature(row), target_stats[index]};
+    return Row{target + p.target_row(row, position) * p.vocab, target_inverse_temperature(p, row),
+               target_stats[row * (p.num_positions + 1) + position]};
   }
 };
 
@@ -225,8 +231,7 @@ template <typename T>
 void launch_verify_logits(const VerifyProblem& params, const T* draft, const T* target, SoftmaxStats* scratch,
                           cudaStream_t stream) {
   if (params.batch == 0) return;
-  const LogitRows<T> rows{draft, target, params.temperature, params.temperature_value, scratch,
-                          scratch + params.batch * params.num_positions};
+  const LogitRows<T> rows{draft, target, scratch, scratch + params.batch * params.num_positions};
   launch_verify(params, rows, draft != nullptr, stream);
 }
 

@@ -1,8 +1,9 @@
 """The custom-op library: fused DIVERSED verification, token statistics and the mixture, CPU and CUDA.
 
 ``api`` holds the four ops and their result types; ``_inputs`` every argument check and normalisation, one
-function per argument (the temperature's is in ``_temperature``, with the greedy threshold); ``_unchecked`` decides
-whether an unchecked call's arguments go to the op as given; ``_fake`` loads the native library and registers the shape-only kernels that
+function per argument (the temperature's is in ``_temperature``, with the greedy threshold; the row indices' in
+``_rows``), and ``_prepare`` applies them to a verify call; ``_unchecked`` decides whether an unchecked call's arguments
+go to the op as given; ``_fake`` loads the native library and registers the shape-only kernels that
 ``torch.compile`` and ``opcheck`` need; ``_philox`` reproduces the kernels' random numbers; ``reference`` states the
 same contracts in plain PyTorch (the test oracle and a benchmark baseline). Nothing here imports the rest of the
 package.

@@ -21,8 +21,9 @@ def cuda_kernels_registered() -> bool:
 
 @torch.library.register_fake("diversed::verify_probs")
 def _verify_probs_fake(draft_tokens, draft_probs, target_probs, weight, num_draft, greedy, uniforms, seeds, offset=0,
-                       per_row_seed=False, weight_value=1.0, seed=None):
-    batch, num_positions = draft_tokens.shape  # the draft's rows may be absent (tokens only)
+                       per_row_seed=False, weight_value=1.0, seed=None, target_rows=None, draft_rows=None):
+    # B and K from the ids: the draft may be absent (tokens only), and either tensor may be rows [R, V] read in place.
+    batch, num_positions = draft_tokens.shape
     tokens = target_probs.new_empty((batch, num_positions + 1), dtype=torch.int64)
     num_accepted = target_probs.new_empty((batch,), dtype=torch.int32)
     accept_prob = target_probs.new_empty((batch, num_positions), dtype=torch.float32)
@@ -31,7 +32,8 @@ def _verify_probs_fake(draft_tokens, draft_probs, target_probs, weight, num_draf
 
 @torch.library.register_fake("diversed::verify_logits")
 def _verify_logits_fake(draft_tokens, draft_logits, target_logits, weight, num_draft, temperature, uniforms, seeds,
-                        offset=0, per_row_seed=False, weight_value=1.0, temperature_value=1.0, seed=None):
+                        offset=0, per_row_seed=False, weight_value=1.0, temperature_value=1.0, seed=None,
+                        target_rows=None, draft_rows=None, target_temperature=None, target_temperature_value=None):
     return _verify_probs_fake(draft_tokens, draft_logits, target_logits, weight, num_draft, None, uniforms, seeds,
                               offset, per_row_seed)
 
@@ -39,7 +41,8 @@ def _verify_logits_fake(draft_tokens, draft_logits, target_logits, weight, num_d
 @torch.library.register_fake("diversed::verify_logits_with_flags")
 def _verify_logits_with_flags_fake(draft_tokens, draft_logits, target_logits, weight, num_draft, temperature, uniforms,
                                    seeds, offset=0, per_row_seed=False, weight_value=1.0, temperature_value=1.0,
-                                   seed=None):
+                                   seed=None, target_rows=None, draft_rows=None, target_temperature=None,
+                                   target_temperature_value=None):
     batch, num_positions = draft_tokens.shape
     row_flags = target_logits.new_empty((batch, 2 * num_positions + 1), dtype=torch.int32)
     return (*_verify_probs_fake(draft_tokens, draft_logits, target_logits, weight, num_draft, None, uniforms, seeds,

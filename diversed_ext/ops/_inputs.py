@@ -1,4 +1,5 @@
-"""Validation and normalisation of verify arguments, shared by the native ops and the references.
+"""Validation and normalisation of verify arguments, one rule per argument, shared by the native ops and the
+references (``_prepare`` applies them all to a verify call; ``_rows`` holds the rules of the row indices).
 
 Structural checks (types, ranks, shapes, dtypes, devices) cost nothing and always run. Checks of values (token ids,
 probabilities, weights, uniforms, draft lengths) read tensors back to the host, so they run only with
@@ -14,7 +15,6 @@ from typing import Optional, Union
 import torch
 
 from ._philox import draw_cuda_generator_seed
-from ._values import check_token_ids, check_values, check_verify_probabilities
 
 PROB_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 TOKEN_DTYPES = (torch.int32, torch.int64)
@@ -27,9 +27,9 @@ SeedLike = Union[int, torch.Tensor, None]
 
 @dataclass(slots=True)
 class VerifyArgs:
-    """The positional arguments of ``diversed::verify_probs``, named, in its order (what :func:`prepare_verify`
-    returns as a plain tuple; verify_logits takes its temperatures in place of greedy and its temperature_value before
-    the seed). Defaults stay scalars or None, so that a call with default arguments creates no tensor before the op;
+    """The positional arguments of ``diversed::verify_probs``, named, in its order (what
+    :func:`~diversed_ext.ops._prepare.prepare_verify` returns as a plain tuple; verify_logits takes its temperatures
+    in place of greedy and its temperature_value before the seed). Defaults stay scalars or None, so that a call with default arguments creates no tensor before the op;
     :meth:`materialized` spells them out as tensors."""
 
     draft_tokens: torch.Tensor  # int64 [B, K]
@@ -44,6 +44,8 @@ class VerifyArgs:
     per_row_seed: bool
     weight_value: float
     seed: Optional[int]  # a shared seed; None with seeds and uniforms None: the op draws one on the device
+    target_rows: Optional[torch.Tensor] = None  # int64 [B, K+1]: target is then [R, V], read at these rows
+    draft_rows: Optional[torch.Tensor] = None  # int64 [B, K]: draft is then [Rd, V]
 
     def materialized(self) -> "VerifyArgs":
         """The same arguments with every default as a tensor (weight [B, K], num_draft, greedy, and seeds [B] unless
@@ -62,7 +64,8 @@ class VerifyArgs:
         if seeds is None and self.uniforms is None:
             seeds, _ = seed_tensor(self.seed, batch, device)
         return VerifyArgs(self.draft_tokens, self.draft, self.target, weight, num_draft, greedy, self.uniforms, seeds,
-                          self.offset, self.per_row_seed, self.weight_value, self.seed)
+                          self.offset, self.per_row_seed, self.weight_value, self.seed, self.target_rows,
+                          self.draft_rows)
 
 
 def require_tensor(value, name: str) -> torch.Tensor:
@@ -71,7 +74,7 @@ def require_tensor(value, name: str) -> torch.Tensor:
     return value
 
 
-def _require_rank(tensor: torch.Tensor, rank: int, name: str, layout: str) -> None:
+def require_rank(tensor: torch.Tensor, rank: int, name: str, layout: str) -> None:
     if tensor.dim() != rank:
         raise ValueError(f"{name} must have {rank} dimensions {layout}, got shape {tuple(tensor.shape)}")
 
@@ -81,7 +84,7 @@ def require_device(tensor: torch.Tensor, device: torch.device, name: str) -> Non
         raise ValueError(f"{name} is on {tensor.device} but the probabilities are on {device}; put them on one device")
 
 
-def _check_dtype(dtype: torch.dtype, name: str, kind: str) -> None:
+def check_value_dtype(dtype: torch.dtype, name: str, kind: str) -> None:
     if dtype in PROB_DTYPES:
         return
     if not dtype.is_floating_point:
@@ -93,8 +96,8 @@ def check_target_only(target: torch.Tensor, target_name: str, kind: str) -> tupl
     """The target tensor of a call without draft distributions (the draft gave tokens only); returns (B, K, V) with K
     one less than the target's positions."""
     require_tensor(target, target_name)
-    _check_dtype(target.dtype, target_name, kind)
-    _require_rank(target, 3, target_name, "[B, K+1, V]")
+    check_value_dtype(target.dtype, target_name, kind)
+    require_rank(target, 3, target_name, "[B, K+1, V]")
     batch, target_positions, vocab = target.shape
     if target_positions == 0:
         raise ValueError(f"{target_name} must have K+1 >= 1 positions (the bonus row), got shape {tuple(target.shape)}")
@@ -115,12 +118,12 @@ def check_pair_layout(draft: torch.Tensor, target: torch.Tensor, draft_name: str
         require_tensor(target, target_name)
     draft_dtype, target_dtype = draft.dtype, target.dtype
     if draft_dtype not in PROB_DTYPES or target_dtype not in PROB_DTYPES:
-        _check_dtype(draft_dtype, draft_name, kind)
-        _check_dtype(target_dtype, target_name, kind)
+        check_value_dtype(draft_dtype, draft_name, kind)
+        check_value_dtype(target_dtype, target_name, kind)
     draft_shape, target_shape = draft.shape, target.shape
     if len(draft_shape) != 3 or len(target_shape) != 3:
-        _require_rank(draft, 3, draft_name, "[B, K, V]")
-        _require_rank(target, 3, target_name, "[B, K+1, V]")
+        require_rank(draft, 3, draft_name, "[B, K, V]")
+        require_rank(target, 3, target_name, "[B, K+1, V]")
     if draft_dtype != target_dtype:
         raise TypeError(f"{draft_name} ({draft_dtype}) and {target_name} ({target_dtype}) must have the same dtype")
     if target.device != draft.device:
@@ -220,7 +223,7 @@ def normalize_tokens(draft_tokens, batch: int, num_positions: int, device: torch
         raise TypeError(f"draft_tokens must be int32 or int64, got {dtype}")
     shape = draft_tokens.shape
     if len(shape) != 2:
-        _require_rank(draft_tokens, 2, "draft_tokens", "[B, K]")
+        require_rank(draft_tokens, 2, "draft_tokens", "[B, K]")
     if shape != (batch, num_positions):
         shape_source = draft_name if draft_name is not None else f"{target_name}, which has K+1 positions"
         raise ValueError(f"draft_tokens must be [B, K] = [{batch}, {num_positions}] (from {shape_source}), "
@@ -341,37 +344,3 @@ def seed_argument(seed: SeedLike, batch: int, device: torch.device) -> tuple[Opt
     if tuple(seed.shape) != (batch,):
         raise ValueError(f"seed tensor must have shape [B] = [{batch}], got {tuple(seed.shape)}")
     return seed.to(device=device, dtype=torch.int64).contiguous(), None, True
-
-
-def prepare_verify(draft_tokens, draft, target, weight, *, num_draft, greedy, uniforms, seed, offset,
-                   check_inputs: bool, draft_name: str, target_name: str, kind: str,
-                   checks_in_kernel: bool = False) -> tuple:
-    """Validate and normalise every verify argument (probabilities or logits alike), checked call or not; returns
-    ``diversed::verify_probs``' positional arguments as a plain tuple (no object built on the serving path; the
-    fields are :class:`VerifyArgs`'). Each argument has one rule, whose first test passes a value already in the op's
-    layout untouched, so an unchecked call pays a few attribute reads per argument and no conversion. Defaults stay
-    scalars or None (VerifyArgs.materialized). ``checks_in_kernel``: the CPU logits kernel flags token ids and values
-    itself. A draft of None verifies drafted tokens without their distributions (q one-hot at each drafted token)."""
-    batch, num_positions, vocab = check_distributions(draft, target, draft_name, target_name, kind)
-    device = target.device
-    tokens = normalize_tokens(draft_tokens, batch, num_positions, device, draft_name if draft is not None else None,
-                              target_name)
-    weight_t, weight_value = weight_argument(weight, batch, num_positions, device, check_inputs)
-    num_draft_t = normalize_num_draft(num_draft, batch, num_positions, device, check_inputs)
-    greedy_t = normalize_greedy(greedy, batch, device)
-    uniforms_t = normalize_uniforms(uniforms, batch, num_positions, device, check_inputs)
-    if uniforms is not None and seed is not None:
-        raise ValueError("pass either uniforms or seed, not both: explicit uniforms replace the generator")
-    seeds_t, seed_value, per_row_seed = seed_argument(seed, batch, device)
-    offset_i = normalize_offset(offset)
-    if check_inputs and not checks_in_kernel:
-        check_token_ids(tokens, num_draft_t, vocab)
-        if kind == "logits":
-            if draft is not None:
-                check_values(draft, draft_name, from_logits=True)
-            check_values(target, target_name, from_logits=True)
-        else:
-            check_verify_probabilities(draft, target, num_draft_t, draft_name, target_name)
-    draft = None if draft is None else draft.contiguous()
-    return (tokens, draft, target.contiguous(), weight_t, num_draft_t, greedy_t, uniforms_t, seeds_t, offset_i,
-            per_row_seed, weight_value, seed_value)

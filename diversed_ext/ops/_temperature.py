@@ -38,52 +38,55 @@ def distribution_temperature(temperature):
     return 1.0 if is_greedy_temperature(temperature) else temperature
 
 
-def scalar_temperature(temperature) -> float:
-    """The rule of a temperature given as a number: a finite float (or another real, not a bool) >= 0."""
+def scalar_temperature(temperature, name: str = "temperature") -> float:
+    """The rule of a temperature given as a number: a finite float (or another real, not a bool) >= 0. ``name``
+    words the error (verify_logits' target_temperature follows the same rule)."""
     if type(temperature) is float and 0.0 <= temperature < _INFINITY:  # the common case; NaN fails it too
         return temperature
     if isinstance(temperature, bool) or not isinstance(temperature, Real):
-        raise TypeError(f"temperature must be a float or a tensor of shape [B], got {type(temperature).__name__}")
+        raise TypeError(f"{name} must be a float or a tensor of shape [B], got {type(temperature).__name__}")
     value = float(temperature)
     if not 0.0 <= value < _INFINITY:
-        raise ValueError(f"temperature must be finite and >= 0 (0 means greedy), got {value}")
+        meaning = " (0 means greedy)" if name == "temperature" else ""
+        raise ValueError(f"{name} must be finite and >= 0{meaning}, got {value}")
     return value
 
 
-def temperature_argument(temperature, batch: int, device: torch.device,
-                         check_inputs: bool) -> tuple[Optional[torch.Tensor], float]:
+def temperature_argument(temperature, batch: int, device: torch.device, check_inputs: bool,
+                         name: str = "temperature") -> tuple[Optional[torch.Tensor], float]:
     """The temperature rule, for every caller: the op's (temperature, temperature_value). A number stays a scalar
     (scalar_temperature, no tensor made); a 0-d or [B] floating-point tensor becomes float32 [B], untouched when it
     already is one (contiguous). Its values are read only with ``check_inputs``."""
     if not isinstance(temperature, torch.Tensor):
-        return None, scalar_temperature(temperature)
+        return None, scalar_temperature(temperature, name)
     if not (temperature.dtype == torch.float32 and temperature.shape == (batch,) and temperature.is_contiguous()):
-        temperature = _temperature_as_op_layout(temperature, batch)
+        temperature = _temperature_as_op_layout(temperature, batch, name)
     if temperature.device != device:
-        require_device(temperature, device, "temperature")
+        require_device(temperature, device, name)
     if check_inputs and batch > 0:
         if bool(torch.isnan(temperature).any()):
-            raise ValueError("temperature contains NaN")
+            raise ValueError(f"{name} contains NaN")
         if bool((temperature < 0).any()) or bool(torch.isinf(temperature).any()):
-            raise ValueError(f"temperature must be finite and >= 0, got minimum {float(temperature.min())}")
+            raise ValueError(f"{name} must be finite and >= 0, got minimum {float(temperature.min())}")
     return temperature, 1.0
 
 
-def _temperature_as_op_layout(temperature: torch.Tensor, batch: int) -> torch.Tensor:
+def _temperature_as_op_layout(temperature: torch.Tensor, batch: int, name: str) -> torch.Tensor:
     """A 0-d or [B] floating-point temperature tensor as contiguous float32 [B]."""
     if not temperature.is_floating_point():
-        raise TypeError(f"temperature must be a floating-point tensor, got dtype {temperature.dtype}")
+        raise TypeError(f"{name} must be a floating-point tensor, got dtype {temperature.dtype}")
     if temperature.dim() == 0:
         temperature = temperature.reshape(1).expand(batch)
     if tuple(temperature.shape) != (batch,):
-        raise ValueError(f"temperature must be a float or have shape [B] = [{batch}], got {tuple(temperature.shape)}")
+        raise ValueError(f"{name} must be a float or have shape [B] = [{batch}], got {tuple(temperature.shape)}")
     return temperature.to(torch.float32).contiguous()
 
 
-def temperature_tensor(temperature, batch: int, device: torch.device, check_inputs: bool) -> torch.Tensor:
+def temperature_tensor(temperature, batch: int, device: torch.device, check_inputs: bool,
+                       name: str = "temperature") -> torch.Tensor:
     """The temperature as float32 [B] even when it is a float (token_stats, mix and the references work on tensors);
     the rule is temperature_argument's."""
-    temperature_t, temperature_value = temperature_argument(temperature, batch, device, check_inputs)
+    temperature_t, temperature_value = temperature_argument(temperature, batch, device, check_inputs, name)
     if temperature_t is None:
         temperature_t = torch.full((batch,), temperature_value, dtype=torch.float32, device=device)
     return temperature_t

@@ -1,5 +1,5 @@
 """The serving path of the verify ops: an unchecked call (``check_inputs=False``) whose arguments need no conversion
-goes to the op as given; any other call goes through :func:`~diversed_ext.ops._inputs.prepare_verify`.
+goes to the op as given; any other call goes through :func:`~diversed_ext.ops._prepare.prepare_verify`.
 
 Whether the arguments need converting is decided up front, by tests of kind only: each tensor of the op's dtype and
 contiguous, and of its rank where another rank is a form to convert (int32 ids, a [B] weight, a 0-d temperature or a
@@ -43,6 +43,24 @@ def temperature_as_given(temperature) -> Optional[tuple]:
         return None, scalar_temperature(temperature)
     if tensor_as_given(temperature, _FLOAT32, 1):
         return temperature, 1.0
+    return None
+
+
+def rows_as_given(target_rows, draft_rows) -> bool:
+    """Whether the row indices go to the op as given: each absent or a contiguous int64 tensor (int32 is converted)."""
+    return ((target_rows is None or tensor_as_given(target_rows, _INT64))
+            and (draft_rows is None or tensor_as_given(draft_rows, _INT64)))
+
+
+def target_temperature_as_given(target_temperature) -> Optional[tuple]:
+    """verify_logits' (target_temperature, target_temperature_value) when it goes to the op as given (absent, a float
+    or a contiguous float32 [B] tensor), else None."""
+    if target_temperature is None:
+        return None, None
+    if type(target_temperature) is float:
+        return None, scalar_temperature(target_temperature, "target_temperature")
+    if tensor_as_given(target_temperature, _FLOAT32, 1):
+        return target_temperature, None
     return None
 
 

@@ -33,6 +33,18 @@ def _native_flags(tensor: torch.Tensor, from_logits: bool) -> Optional[torch.Ten
     return torch.ops.diversed.value_flags(tensor, from_logits)
 
 
+def row_value_flags(tensor: torch.Tensor, from_logits: bool) -> torch.Tensor:
+    """int32 [...] per row of ``tensor`` [..., V], with value_flags' bits: the native pass on the CPU, torch reductions
+    elsewhere (a few passes; only checked calls come here)."""
+    flags = _native_flags(tensor, from_logits)
+    if flags is not None:
+        return flags
+    bits = torch.isnan(tensor).any(-1).int() * FLAG_NAN + (tensor == float("inf")).any(-1).int() * FLAG_POSITIVE_INFINITY
+    if from_logits:
+        return bits + (~(tensor > float("-inf")).any(-1)).int() * FLAG_NO_MASS
+    return bits + (tensor < 0).any(-1).int() * FLAG_NEGATIVE + (~(tensor > 0).any(-1)).int() * FLAG_NO_MASS
+
+
 def _raise_first(name: str, flags: int, messages) -> None:
     """The error of the first (bit, message) in ``messages`` whose bit is among ``flags`` (or-ed row flags)."""
     for bit, message in messages:
@@ -79,34 +91,47 @@ def _drafted_lengths(num_draft: Optional[torch.Tensor], batch: int, num_position
     return torch.full((batch,), num_positions, device=device) if num_draft is None else num_draft
 
 
+def read_positions(num_draft: Optional[torch.Tensor], batch: int, num_positions: int, last_offset: int,
+                   device: torch.device) -> torch.Tensor:
+    """bool [B, K + last_offset]: the positions the verifier reads, i < num_draft[b] + last_offset (0 for draft rows,
+    1 for target rows, whose position num_draft[b] is the bonus row)."""
+    drafted = _drafted_lengths(num_draft, batch, num_positions, device)
+    positions = torch.arange(num_positions + last_offset, device=device).unsqueeze(0)
+    return positions < (drafted + last_offset).unsqueeze(1)
+
+
 def check_verify_probabilities(draft: Optional[torch.Tensor], target: torch.Tensor,
                                num_draft: Optional[torch.Tensor], draft_name: str, target_name: str) -> None:
     """The value checks of verify's probabilities, and every row the verifier reads needs some mass: draft rows
     k < num_draft[b] (q at a rejection) and target rows k <= num_draft[b]. Rows past them are never read, so a server
     may leave them as zero padding. One pass over each tensor; a draft of None (tokens only) has nothing to check."""
     num_positions = target.shape[1] - 1
-
-    def read_rows(last_offset: int) -> torch.Tensor:
-        """Rows the verifier reads: positions < num_draft[b] + last_offset (0 for draft rows, 1 for target rows)."""
-        drafted = _drafted_lengths(num_draft, target.shape[0], num_positions, target.device)
-        positions = torch.arange(num_positions + last_offset, device=target.device).unsqueeze(0)
-        return positions < (drafted + last_offset).unsqueeze(1)
-
     for tensor, name, last_offset in ((draft, draft_name, 0), (target, target_name, 1)):
-        if tensor is None or tensor.numel() == 0:
-            continue
-        flags = _native_flags(tensor, from_logits=False)
-        if flags is None:
-            _first_empty_row((_probability_row_maxima(tensor, name) == 0) & read_rows(last_offset), name)
-            continue
-        # Nothing flagged, the common case, costs one host read. Only a flagged tensor needs the rows the verifier
-        # reads: the no-mass bit counts on those rows alone (padding past num_draft may be all zeros).
-        if not bool(flags.any()):
-            continue
-        relevant = (flags & PROBABILITY_ERRORS) | torch.where(read_rows(last_offset), flags & FLAG_NO_MASS, 0)
-        if bool(relevant.any()):
-            _raise_probability_error(tensor, name, _or_reduce(relevant))
-            _first_empty_row((relevant & FLAG_NO_MASS) != 0, name)
+        if tensor is not None:
+            check_probability_positions(tensor, name, num_draft, num_positions, last_offset)
+
+
+def check_probability_positions(tensor: torch.Tensor, name: str, num_draft: Optional[torch.Tensor],
+                                num_positions: int, last_offset: int) -> None:
+    """check_verify_probabilities for one [B, K + last_offset, V] tensor: its values, and mass on the rows read."""
+    if tensor.numel() == 0:
+        return
+
+    def read_rows() -> torch.Tensor:
+        return read_positions(num_draft, tensor.shape[0], num_positions, last_offset, tensor.device)
+
+    flags = _native_flags(tensor, from_logits=False)
+    if flags is None:
+        _first_empty_row((_probability_row_maxima(tensor, name) == 0) & read_rows(), name)
+        return
+    # Nothing flagged, the common case, costs one host read. Only a flagged tensor needs the rows the verifier
+    # reads: the no-mass bit counts on those rows alone (padding past num_draft may be all zeros).
+    if not bool(flags.any()):
+        return
+    relevant = (flags & PROBABILITY_ERRORS) | torch.where(read_rows(), flags & FLAG_NO_MASS, 0)
+    if bool(relevant.any()):
+        _raise_probability_error(tensor, name, _or_reduce(relevant))
+        _first_empty_row((relevant & FLAG_NO_MASS) != 0, name)
 
 
 def check_token_ids(draft_tokens: torch.Tensor, num_draft: Optional[torch.Tensor], vocab: int) -> None:

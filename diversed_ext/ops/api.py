@@ -27,10 +27,12 @@ from typing import NamedTuple
 import torch
 
 from . import _fake  # noqa: F401  (registers the native ops and their fake kernels)
-from ._inputs import prepare_verify, weight_tensor
+from ._inputs import weight_tensor
 from ._pair_inputs import normalize_stat_tokens, prepare_pair
+from ._prepare import prepare_verify
 from ._temperature import temperature_argument
-from ._unchecked import greedy_as_given, temperature_as_given, unchecked_arguments
+from ._unchecked import (greedy_as_given, rows_as_given, target_temperature_as_given, temperature_as_given,
+                         unchecked_arguments)
 from ._values import check_verify_logits_flags
 
 # The verify overloads, looked up once: torch.ops.<namespace>.<op> is two attribute lookups and an overload resolution
@@ -57,7 +59,7 @@ class VerifyResult(NamedTuple):
 
 
 def verify(draft_tokens, draft_probs, target_probs, weight, *, num_draft=None, greedy=None, uniforms=None, seed=None,
-           offset=0, check_inputs=True) -> VerifyResult:
+           offset=0, check_inputs=True, target_rows=None, draft_rows=None) -> VerifyResult:
     """Verify a batch of draft blocks against the DIVERSED mixture, in one fused native call.
 
     Args:
@@ -66,6 +68,7 @@ def verify(draft_tokens, draft_probs, target_probs, weight, *, num_draft=None, g
             tokens only (EAGLE, MTP, ngram lookup): q is then one-hot at each drafted token, so x_i is accepted with
             probability w_i p_i(x_i) + 1 - w_i and a rejection draws from p_m without x_m. No draft row is read.
         target_probs: [B, K+1, V] target distributions p, same dtype and device; row K (or num_draft[b]) gives the bonus.
+            [R, V] rows with ``target_rows`` (and ``draft_probs`` [Rd, V] rows with ``draft_rows``).
         weight: weight w on the target: a float, a [B] tensor (per request) or a [B, K] tensor (per token, e.g. from
             :class:`diversed_ext.head.EnsembleHead`). 1 is standard speculative decoding, 0 accepts every draft.
         num_draft: optional int [B] in [0, K]: ragged rows; row b verifies positions < num_draft[b].
@@ -75,9 +78,19 @@ def verify(draft_tokens, draft_probs, target_probs, weight, *, num_draft=None, g
         seed: int, or int64 [B] for per-request seeds (a row then depends only on its own inputs and seed). Without
             uniforms or seed, a seed is drawn from torch's default generator (so ``torch.manual_seed`` repeats runs).
         offset: counter of the generator; pass the decoding step so successive calls draw fresh numbers.
-        check_inputs: validate values (token ids, probabilities, weights, uniforms, num_draft), which syncs with the
-            device. False skips those checks (CUDA-graph friendly); the kernels then treat out-of-range ids as
-            rejected and NaN/negative/infinite mass as zero, and never access memory out of bounds.
+        check_inputs: validate values (token ids, probabilities, weights, uniforms, num_draft, row indices), which
+            syncs with the device. False skips those checks (CUDA-graph friendly); the kernels then treat out-of-range
+            ids as rejected, NaN/negative/infinite mass as zero and clamp row indices into [0, R), and never access
+            memory out of bounds.
+        target_rows: optional int32/int64 [B, K+1]: read the target in place from a row tensor. ``target_probs`` is
+            then [R, V] and position i of request b reads its row ``target_rows[b, i]`` (B and K come from
+            ``draft_tokens``); rows may repeat and come in any order. Positions the request does not read (past
+            num_draft[b], the bonus row num_draft[b] excepted) may hold any index. With check_inputs an index read
+            outside [0, R) is a ValueError; without, the kernels clamp it into [0, R) (a meaningless but well-formed
+            result: ids in [0, V), counts in range).
+        draft_rows: optional int32/int64 [B, K]: the same for ``draft_probs`` as an [Rd, V] row tensor (positions
+            >= num_draft[b] are not read). Only with a draft tensor: a tokens-only call (draft_probs None) that
+            passes draft_rows is a ValueError.
 
     Returns:
         :class:`VerifyResult` with ``tokens`` [B, K+1] int64, ``num_accepted`` [B] int32, ``accept_prob`` [B, K] float32.
@@ -85,27 +98,31 @@ def verify(draft_tokens, draft_probs, target_probs, weight, *, num_draft=None, g
     Raises:
         TypeError / ValueError naming the offending argument.
     """
-    if not check_inputs and (greedy is None or greedy_as_given(greedy)):
+    rows = (target_rows, draft_rows)
+    if not check_inputs and (greedy is None or greedy_as_given(greedy)) and rows_as_given(*rows):
         op_arguments = unchecked_arguments(draft_tokens, draft_probs, target_probs, weight, num_draft, greedy,
                                            uniforms, seed, offset)
         if op_arguments is not None:
+            # Trailing arguments left at their defaults are not passed: each costs the dispatcher a fraction of a us.
+            extra = () if target_rows is None and draft_rows is None else rows
             try:
-                return VerifyResult(*_VERIFY_PROBS(*op_arguments))
+                return VerifyResult(*_VERIFY_PROBS(*op_arguments, *extra))
             except RuntimeError as error:
                 refusal = error  # a size or device the op refuses: the rules below name the argument, or it stands
             _prepare_probs(draft_tokens, draft_probs, target_probs, weight, num_draft, greedy, uniforms, seed, offset,
-                           False)
+                           False, rows)
             raise refusal
     return VerifyResult(*_VERIFY_PROBS(*_prepare_probs(draft_tokens, draft_probs, target_probs, weight, num_draft,
-                                                       greedy, uniforms, seed, offset, check_inputs)))
+                                                       greedy, uniforms, seed, offset, check_inputs, rows)))
 
 
 def _prepare_probs(draft_tokens, draft_probs, target_probs, weight, num_draft, greedy, uniforms, seed, offset,
-                   check_inputs) -> tuple:
-    """verify's op arguments through the argument rules (prepare_verify)."""
+                   check_inputs, rows) -> tuple:
+    """verify's op arguments through the argument rules (prepare_verify); ``rows``: (target_rows, draft_rows)."""
     return prepare_verify(draft_tokens, draft_probs, target_probs, weight, num_draft=num_draft, greedy=greedy,
                           uniforms=uniforms, seed=seed, offset=offset, check_inputs=check_inputs,
-                          draft_name="draft_probs", target_name="target_probs", kind="probabilities")
+                          draft_name="draft_probs", target_name="target_probs", kind="probabilities",
+                          target_rows=rows[0], draft_rows=rows[1])
 
 
 class TokenStats(NamedTuple):
@@ -128,34 +145,46 @@ class TokenStats(NamedTuple):
 
 
 def verify_logits(draft_tokens, draft_logits, target_logits, weight, *, temperature=1.0, num_draft=None,
-                  uniforms=None, seed=None, offset=0, check_inputs=True) -> VerifyResult:
+                  uniforms=None, seed=None, offset=0, check_inputs=True, target_rows=None, draft_rows=None,
+                  target_temperature=None) -> VerifyResult:
     """:func:`diversed_ext.verify` straight from logits, with a fused online softmax.
 
     Args:
         draft_logits: [B, K, V] draft logits (float32, bfloat16 or float16); -inf entries mask tokens out. None when
             the drafter gives tokens only (q one-hot at each drafted token, as in :func:`diversed_ext.verify`).
-        target_logits: [B, K+1, V] target logits, same dtype and device.
+        target_logits: [B, K+1, V] target logits, same dtype and device ([R, V] rows with ``target_rows``).
         temperature: float or [B] tensor, >= 0. Probabilities are softmax(logits / temperature); 0 makes the row
             greedy (accept while x_i = argmax nu_i, with nu formed from the temperature-1 softmax).
+        target_temperature: None (the target logits are divided by ``temperature`` too), or a float or [B] tensor,
+            >= 0, that divides the target logits instead: for a server that hands target logits already divided by
+            the request's temperature (pass 1.0) and draft logits not yet divided. ``temperature`` still divides the
+            draft logits and marks greedy rows; a target temperature of 0 counts as 1 (untempered), as greedy
+            rows' distributions do.
+        target_rows, draft_rows: rows read in place, as in :func:`diversed_ext.verify` (``target_logits`` [R, V],
+            ``draft_logits`` [Rd, V]); out-of-range indices without checks are clamped into [0, R).
         Everything else as :func:`diversed_ext.verify` (weights, ragged rows, uniforms, seeds, offset, check_inputs).
     """
+    extras = (target_rows, draft_rows, target_temperature)
     temperature_given = None if check_inputs else temperature_as_given(temperature)
-    if temperature_given is not None:
+    target_temperature_given = None if temperature_given is None else target_temperature_as_given(target_temperature)
+    if target_temperature_given is not None and rows_as_given(target_rows, draft_rows):
         op_arguments = unchecked_arguments(draft_tokens, draft_logits, target_logits, weight, num_draft,
                                            temperature_given[0], uniforms, seed, offset, temperature_given[1])
         if op_arguments is not None:
+            extra = (() if target_rows is None and draft_rows is None and target_temperature is None
+                     else (target_rows, draft_rows, *target_temperature_given))  # as in verify
             try:
-                return VerifyResult(*_VERIFY_LOGITS(*op_arguments))
+                return VerifyResult(*_VERIFY_LOGITS(*op_arguments, *extra))
             except RuntimeError as error:
                 refusal = error  # as in verify
             _prepare_logits(draft_tokens, draft_logits, target_logits, weight, temperature, num_draft, uniforms, seed,
-                            offset, check_inputs=False, flags_from_kernel=False)
+                            offset, extras, check_inputs=False, flags_from_kernel=False)
             raise refusal
     # On the CPU the kernel flags the token ids and the logits' values in its own passes (checked after the call,
     # which then raises); elsewhere they are checked before it.
     flags_from_kernel = check_inputs and isinstance(target_logits, torch.Tensor) and target_logits.device.type == "cpu"
     op_arguments = _prepare_logits(draft_tokens, draft_logits, target_logits, weight, temperature, num_draft,
-                                   uniforms, seed, offset, check_inputs, flags_from_kernel)
+                                   uniforms, seed, offset, extras, check_inputs, flags_from_kernel)
     if not flags_from_kernel:
         return VerifyResult(*_VERIFY_LOGITS(*op_arguments))
     tokens, num_accepted, accept_prob, row_flags = _VERIFY_LOGITS_WITH_FLAGS(*op_arguments)
@@ -164,17 +193,27 @@ def verify_logits(draft_tokens, draft_logits, target_logits, weight, *, temperat
 
 
 def _prepare_logits(draft_tokens, draft_logits, target_logits, weight, temperature, num_draft, uniforms, seed, offset,
-                    check_inputs, flags_from_kernel) -> tuple:
+                    extras, check_inputs, flags_from_kernel) -> tuple:
     """verify_logits' op arguments through the argument rules: prepare_verify's, with the temperature (its own rule)
-    in the place of greedy and its value before the seed."""
+    in the place of greedy and its value before the seed, and after the row indices the target temperature
+    (``extras``: target_rows, draft_rows, target_temperature)."""
+    target_rows, draft_rows, target_temperature = extras
     (draft_ids, draft, target, weight_t, num_draft_t, _, uniforms_t, seeds, offset_i, per_row_seed, weight_value,
-     seed_value) = prepare_verify(draft_tokens, draft_logits, target_logits, weight, num_draft=num_draft, greedy=None,
-                                  uniforms=uniforms, seed=seed, offset=offset, check_inputs=check_inputs,
-                                  draft_name="draft_logits", target_name="target_logits", kind="logits",
-                                  checks_in_kernel=flags_from_kernel)
-    temperature_t, temperature_value = temperature_argument(temperature, target.shape[0], target.device, check_inputs)
+     seed_value, target_rows_t, draft_rows_t) = prepare_verify(
+        draft_tokens, draft_logits, target_logits, weight, num_draft=num_draft, greedy=None, uniforms=uniforms,
+        seed=seed, offset=offset, check_inputs=check_inputs, draft_name="draft_logits", target_name="target_logits",
+        kind="logits", checks_in_kernel=flags_from_kernel, target_rows=target_rows, draft_rows=draft_rows)
+    batch = draft_ids.shape[0]
+    temperature_t, temperature_value = temperature_argument(temperature, batch, target.device, check_inputs)
+    target_temperature_t, target_temperature_value = None, None
+    if target_temperature is not None:
+        target_temperature_t, target_temperature_value = temperature_argument(
+            target_temperature, batch, target.device, check_inputs, "target_temperature")
+        if target_temperature_t is not None:
+            target_temperature_value = None  # the tensor gives the values
     return (draft_ids, draft, target, weight_t, num_draft_t, temperature_t, uniforms_t, seeds, offset_i, per_row_seed,
-            weight_value, temperature_value, seed_value)
+            weight_value, temperature_value, seed_value, target_rows_t, draft_rows_t, target_temperature_t,
+            target_temperature_value)
 
 
 def token_stats(draft, target, tokens, *, from_logits=False, temperature=1.0, check_inputs=True) -> TokenStats:

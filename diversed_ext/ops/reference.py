@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import torch
 
-from ._inputs import VerifyArgs, prepare_verify, weight_tensor
+from ._inputs import VerifyArgs, weight_tensor
 from ._pair_inputs import normalize_stat_tokens, prepare_pair
 from ._philox import philox_uniforms
+from ._prepare import prepare_verify
+from ._rows import gather_rows
 from ._temperature import distribution_temperature, is_greedy_temperature, temperature_tensor
 from .api import TokenStats, VerifyResult
 
@@ -108,13 +110,23 @@ def reference_core(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, target
     return VerifyResult(tokens, num_accepted.to(torch.int32), accept_prob)
 
 
+def _gathered(args: VerifyArgs) -> VerifyArgs:
+    """Rows read through target_rows / draft_rows, gathered into [B, K+1, V] / [B, K, V] (clamped as the kernels
+    clamp them)."""
+    args.target = gather_rows(args.target, args.target_rows)
+    args.draft = gather_rows(args.draft, args.draft_rows)
+    args.target_rows = args.draft_rows = None
+    return args
+
+
 def verify_reference(draft_tokens, draft_probs, target_probs, weight, *, num_draft=None, greedy=None, uniforms=None,
-                     seed=None, offset=0, check_inputs=True) -> VerifyResult:
+                     seed=None, offset=0, check_inputs=True, target_rows=None, draft_rows=None) -> VerifyResult:
     """Reference implementation of :func:`diversed_ext.verify` in plain PyTorch (same arguments, same result)."""
     args = prepare_verify(draft_tokens, draft_probs, target_probs, weight, num_draft=num_draft, greedy=greedy,
                           uniforms=uniforms, seed=seed, offset=offset, check_inputs=check_inputs,
-                          draft_name="draft_probs", target_name="target_probs", kind="probabilities")
-    args = VerifyArgs(*args).materialized()
+                          draft_name="draft_probs", target_name="target_probs", kind="probabilities",
+                          target_rows=target_rows, draft_rows=draft_rows)
+    args = _gathered(VerifyArgs(*args).materialized())
     if args.uniforms is None:
         args.uniforms = philox_uniforms(args.seeds, args.offset, args.draft_tokens.shape[1] + 1, args.per_row_seed)
     draft_probs = one_hot_drafts(args.draft_tokens, args.target.shape[-1]) if args.draft is None else args.draft
@@ -130,22 +142,26 @@ def _tempered_softmax(logits: torch.Tensor, temperature: torch.Tensor) -> torch.
 
 
 def verify_logits_reference(draft_tokens, draft_logits, target_logits, weight, *, temperature=1.0, num_draft=None,
-                            uniforms=None, seed=None, offset=0, check_inputs=True) -> VerifyResult:
+                            uniforms=None, seed=None, offset=0, check_inputs=True, target_rows=None, draft_rows=None,
+                            target_temperature=None) -> VerifyResult:
     """Reference of :func:`diversed_ext.verify_logits`: softmax everything, then verify on probabilities (one-hot
     draft rows when ``draft_logits`` is None)."""
     args = prepare_verify(draft_tokens, draft_logits, target_logits, weight, num_draft=num_draft, greedy=None,
                           uniforms=uniforms, seed=seed, offset=offset, check_inputs=check_inputs,
-                          draft_name="draft_logits", target_name="target_logits", kind="logits")
-    args = VerifyArgs(*args).materialized()
+                          draft_name="draft_logits", target_name="target_logits", kind="logits",
+                          target_rows=target_rows, draft_rows=draft_rows)
+    args = _gathered(VerifyArgs(*args).materialized())
     temperature_t = temperature_tensor(temperature, args.target.shape[0], args.target.device, check_inputs)
+    target_temperature_t = temperature_t if target_temperature is None else temperature_tensor(
+        target_temperature, args.target.shape[0], args.target.device, check_inputs, "target_temperature")
     if args.uniforms is None:
         args.uniforms = philox_uniforms(args.seeds, args.offset, args.draft_tokens.shape[1] + 1, args.per_row_seed)
     if args.draft is None:
         draft_probs = one_hot_drafts(args.draft_tokens, args.target.shape[-1])
     else:
         draft_probs = _tempered_softmax(args.draft, temperature_t)
-    return reference_core(args.draft_tokens, draft_probs, _tempered_softmax(args.target, temperature_t), args.weight,
-                          args.num_draft, is_greedy_temperature(temperature_t), args.uniforms)
+    return reference_core(args.draft_tokens, draft_probs, _tempered_softmax(args.target, target_temperature_t),
+                          args.weight, args.num_draft, is_greedy_temperature(temperature_t), args.uniforms)
 
 
 def token_stats_reference(draft, target, tokens, *, from_logits=False, temperature=1.0, check_inputs=True):

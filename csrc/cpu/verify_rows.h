@@ -1,0 +1,202 @@
+// The rows the CPU verify kernels read (verify_kernels.h), as row policies of row_ops.h: probabilities or logits
+// with their softmax normalisers, and the one-hot draft rows of a tokens-only drafter. A request's position maps to a
+// tensor row through the VerifyProblem (target_row / draft_row), which reads the row indices of a call that passes
+// target_rows / draft_rows and clamps them into the tensor. Torch-free, compiled once per instruction set.
+#pragma once
+
+#include "check_kernels.h"
+#include "kernel_prelude.h"
+#include "row_ops.h"
+
+namespace diversed {
+namespace cpu {
+namespace DIVERSED_CPU_CAPABILITY {
+
+// Rows of draft probabilities and target probabilities, at the tensor rows the problem maps positions to.
+template <typename T>
+struct ProbRows {
+  const T* draft_probs;
+  const T* target_probs;
+  const VerifyProblem* problem;
+
+  ProbRow<T> draft(int64_t row, int64_t position) const {
+    return {draft_probs + problem->draft_row(row, position) * problem->vocab};
+  }
+  ProbRow<T> target(int64_t row, int64_t position) const {
+    return {target_probs + problem->target_row(row, position) * problem->vocab};
+  }
+};
+
+// Rows of a drafter that gives tokens only: the base rows' target rows, and one-hot draft rows at the drafted ids. The
+// base rows' draft rows are never built (their draft tensor is absent).
+template <typename Rows>
+struct TokenDraftRows {
+  Rows base;
+  const int64_t* draft_tokens;  // [B, K]
+  int64_t num_positions, vocab;
+
+  OneHotRow draft(int64_t row, int64_t position) const {
+    return {one_hot_draft_token(draft_tokens[row * num_positions + position], vocab)};
+  }
+  auto target(int64_t row, int64_t position) const { return base.target(row, position); }
+};
+
+// Rows of draft and target logits with their normalisers. The normalisers are kept per request position ([B, K] and
+// [B, K+1] slots), not per tensor row: a row that several positions read gets one normaliser per position.
+template <typename T>
+struct LogitRows {
+  const T* draft_logits;
+  const T* target_logits;
+  const VerifyProblem* problem;
+  const float* inverse_temperature;         // [B], the draft rows'
+  const float* target_inverse_temperature;  // [B]
+  const SoftmaxStats* draft_stats;          // [B * K]
+  const SoftmaxStats* target_stats;         // [B * (K + 1)]
+  const uint8_t* draft_vouched;             // [B * K]: normaliser_vouches_for_row
+  const uint8_t* target_vouched;            // [B * (K + 1)]
+
+  LogitRow<T> draft(int64_t row, int64_t position) const {
+    const int64_t index = row * problem->num_positions + position;
+    return {draft_logits + problem->draft_row(row, position) * problem->vocab, inverse_temperature[row],
+            draft_stats[index], draft_vouched[index] != 0};
+  }
+  LogitRow<T> target(int64_t row, int64_t position) const {
+    const int64_t index = row * (problem->num_positions + 1) + position;
+    return {target_logits + problem->target_row(row, position) * problem->vocab, target_inverse_temperature[row],
+            target_stats[index], target_vouched[index] != 0};
+  }
+};
+
+// Softmax normalisers of the rows a request reads: draft positions < num_draft and target positions <= num_draft.
+// Slots [0, K) of a request are its draft positions, slots [K, 2K + 1) its target positions. With `row_flags`
+// ([B, 2K + 1], check_inputs=True), every slot also gets its value flags (those of value_flags), which cost nothing
+// extra where a normaliser vouches for its row; the rows the request does not read, and those it cannot vouch for,
+// get a pass of their own, except the unread slots of a row tensor (read through an index), which get no flags: their
+// index may be padding. A drafted position also flags a token id outside [0, V) (kValueFlagBadToken). Without draft
+// logits (tokens only), a draft slot holds that flag alone.
+template <typename T>
+struct SoftmaxStatsPlan {
+  const VerifyProblem& problem;
+  const T* draft_logits;
+  const T* target_logits;
+  const float* inverse_temperature;         // [B], the draft rows'
+  const float* target_inverse_temperature;  // [B]
+  int32_t* row_flags;                       // [B, 2K + 1] or nullptr
+  std::vector<SoftmaxStats> draft_stats, target_stats;
+  std::vector<uint8_t> draft_vouched, target_vouched;  // whether each normaliser vouches for its row
+
+  SoftmaxStatsPlan(const VerifyProblem& p, const T* draft, const T* target, const float* inverse,
+                   const float* target_inverse, int32_t* flags)
+      : problem(p), draft_logits(draft), target_logits(target), inverse_temperature(inverse),
+        target_inverse_temperature(target_inverse), row_flags(flags),
+        draft_stats(p.batch * p.num_positions, SoftmaxStats{0.0f, 0.0f}),
+        target_stats(p.batch * (p.num_positions + 1), SoftmaxStats{0.0f, 0.0f}),
+        draft_vouched(draft_stats.size(), 0), target_vouched(target_stats.size(), 0) {}
+
+  int64_t slots() const { return 2 * problem.num_positions + 1; }
+  bool is_draft(int64_t slot) const { return slot < problem.num_positions; }
+  // The index of a slot among its tensor's [B, K] (draft) or [B, K+1] (target) positions, whether the request reads
+  // its row, and whether that row is read through an index (target_rows / draft_rows).
+  int64_t position_index(int64_t row, int64_t slot) const {
+    const int64_t K = problem.num_positions;
+    return is_draft(slot) ? row * K + slot : row * (K + 1) + slot - K;
+  }
+  bool indexed(int64_t slot) const {
+    return (is_draft(slot) ? problem.draft_rows : problem.target_rows) != nullptr;
+  }
+  bool reads(int64_t row, int64_t slot) const {
+    const int64_t K = problem.num_positions, drafted = problem.drafted(row);
+    return is_draft(slot) ? slot < drafted : slot - K <= drafted;
+  }
+  const T* values(int64_t row, int64_t slot) const {
+    const int64_t K = problem.num_positions;
+    const int64_t tensor_row = is_draft(slot) ? problem.draft_row(row, slot) : problem.target_row(row, slot - K);
+    return (is_draft(slot) ? draft_logits : target_logits) + tensor_row * problem.vocab;
+  }
+  float inverse_temperature_of_slot(int64_t row, int64_t slot) const {
+    return (is_draft(slot) ? inverse_temperature : target_inverse_temperature)[row];
+  }
+  int32_t& flags_of(int64_t row, int64_t slot) { return row_flags[row * slots() + slot]; }
+  void flag_by_values(int64_t row, int64_t slot) {
+    flags_of(row, slot) = row_value_flags(values(row, slot), problem.vocab, true);
+  }
+
+  int32_t token_flag(int64_t row, int64_t slot) const {
+    const int64_t token = problem.draft_tokens[position_index(row, slot)];
+    return token < 0 || token >= problem.vocab ? kValueFlagBadToken : 0;
+  }
+
+  void compute(int64_t row, int64_t slot) {
+    if (is_draft(slot) && draft_logits == nullptr) {
+      if (row_flags) flags_of(row, slot) = reads(row, slot) ? token_flag(row, slot) : 0;
+      return;
+    }
+    if (!reads(row, slot)) {
+      // A row tensor's index at a position the request does not read may be anything (padding): no row to flag.
+      if (row_flags) {
+        if (indexed(slot)) flags_of(row, slot) = 0;
+        else flag_by_values(row, slot);
+      }
+      return;
+    }
+    const bool vouched = normalise(row, slot);
+    if (!row_flags) return;
+    if (vouched) flags_of(row, slot) = 0;
+    else flag_by_values(row, slot);
+    if (is_draft(slot)) flags_of(row, slot) |= token_flag(row, slot);
+  }
+  // The normalisers of the rows the accept tests read; the bonus row's too when `with_bonus` (a greedy row's argmax
+  // of it is taken in the accept phase). A sampled row's bonus normaliser is computed only when the bonus is drawn:
+  // after a rejection, which is the common case, its row is never read (its flags come from a pass of their own).
+  void compute_row(int64_t row, bool with_bonus) {
+    const int64_t bonus_slot = problem.num_positions + problem.drafted(row);
+    for (int64_t slot = 0; slot < slots(); ++slot) {
+      if (slot != bonus_slot || with_bonus) compute(row, slot);
+      else if (row_flags) flag_by_values(row, slot);
+    }
+  }
+  void compute_bonus(int64_t row) { normalise(row, problem.num_positions + problem.drafted(row)); }
+  // The normaliser of a slot's row, stored with whether it vouches for the row (returned).
+  bool normalise(int64_t row, int64_t slot) {
+    bool summed_every_block = false;
+    const SoftmaxStats stats = softmax_stats(values(row, slot), problem.vocab, inverse_temperature_of_slot(row, slot),
+                                             &summed_every_block);
+    const bool vouched = normaliser_vouches_for_row(stats, summed_every_block);
+    const int64_t index = position_index(row, slot);
+    (is_draft(slot) ? draft_stats : target_stats)[index] = stats;
+    (is_draft(slot) ? draft_vouched : target_vouched)[index] = vouched;
+    return vouched;
+  }
+  // Every request's normalisers, in parallel over (request, slot).
+  void compute_all(const ParallelFor& parallel_for) {
+    parallel_for(0, problem.batch * slots(), grain_for(problem.vocab), [&](int64_t begin, int64_t end) {
+      for (int64_t task = begin; task < end; ++task) compute(task / slots(), task % slots());
+    });
+  }
+};
+
+// Temperatures as the kernels use them: 1 / T of the draft rows and of the target rows (the target's own temperature
+// when the call gives one), and greedy where T = 0 (NaN and negatives count as greedy too).
+struct TemperaturePlan {
+  std::vector<float> inverse, target_inverse;
+  std::unique_ptr<bool[]> greedy;
+};
+
+inline TemperaturePlan plan_temperatures(const VerifyProblem& problem) {
+  const int64_t batch = problem.batch;
+  TemperaturePlan plan;
+  plan.inverse.resize(batch);
+  plan.target_inverse.resize(batch);
+  plan.greedy.reset(new bool[batch]);
+  for (int64_t row = 0; row < batch; ++row) {
+    const float temperature = problem.temperature_at(row);
+    plan.greedy[row] = is_greedy_temperature(temperature);
+    plan.inverse[row] = inverse_temperature_of(temperature);
+    plan.target_inverse[row] = inverse_temperature_of(problem.target_temperature_at(row));
+  }
+  return plan;
+}
+
+}  // namespace DIVERSED_CPU_CAPABILITY
+}  // namespace cpu
+}  // namespace diversed
