@@ -10,9 +10,10 @@ step of vLLM's own that is not the acceptance rule:
 2. vLLM's logits processors on the target rows (penalties, bad words, min tokens), then temperature, top-k and top-p
    per request. vLLM's CPU build expands those per-request values with a kernel that leaves float outputs unwritten,
    so that expansion is done here with ``torch.repeat_interleave``;
-3. verification: the N rows padded to [B, K] (K = the longest request's draft count) and one ``verify_logits`` call
-   (drafts as tokens: q one-hot at each draft) or ``verify`` call (the draft's probabilities), with each request's
-   weight (a static weight, or a learned head's w per token), its seed and its greedy flag;
+3. verification: one ``verify_logits`` call (drafts as tokens: q one-hot at each draft) or ``verify`` call (the
+   draft's probabilities) that reads the N rows where they lie through [B, K] row indices (K = the longest request's
+   draft count), with each request's weight (a static weight, or a learned head's w per token), its seed and its
+   greedy flag;
 4. vLLM's log-probabilities of the emitted tokens, and its output layout: [B, K + 1] int32, the kept drafts, then the
    correction or bonus token, then -1.
 
@@ -109,22 +110,22 @@ def row_seeds(sampling_metadata, num_draft_tokens: list, device) -> torch.Tensor
     return seeds
 
 
-def verify_padded(rows: PaddedRows, draft_token_ids: torch.Tensor, draft_probs: Optional[torch.Tensor],
-                  target_logits: torch.Tensor, weight: torch.Tensor, greedy: torch.Tensor,
-                  seeds: torch.Tensor) -> dx_ops.VerifyResult:
-    """One diversed_ext call over the padded batch. Row K of the target (the bonus position) is a placeholder:
-    the bonus comes from vLLM's sampler."""
-    batch, width, vocab = rows.batch, rows.width, target_logits.shape[-1]
+def verify_in_place(rows: PaddedRows, draft_token_ids: torch.Tensor, draft_probs: Optional[torch.Tensor],
+                    target_logits: torch.Tensor, weight: torch.Tensor, greedy: torch.Tensor,
+                    seeds: torch.Tensor) -> dx_ops.VerifyResult:
+    """One diversed_ext call that reads vLLM's [N, V] rows where they lie. The target's bonus position reads any row:
+    the bonus comes from vLLM's sampler. With the draft's probabilities the target is needed as probabilities too: one
+    softmax of the N rows, as vLLM's own rejection sampling computes."""
     drafts = rows.gather(draft_token_ids.to(torch.int64))
-    target = target_logits.new_zeros((batch, width + 1, vocab))
-    target[:, :width] = rows.gather(target_logits)
+    target_rows = torch.cat([rows.index, rows.index[:, :1]], dim=1)
     if draft_probs is None:
         temperature = torch.where(greedy, 0.0, 1.0).to(torch.float32)
-        return dx_ops.verify_logits(drafts, None, target, weight, temperature=temperature, num_draft=rows.num_draft,
-                                    seed=seeds, check_inputs=False)
-    draft = rows.gather(draft_probs.to(torch.float32), fill=1.0 / vocab)
-    return dx_ops.verify(drafts, draft, target.softmax(-1), weight, num_draft=rows.num_draft, greedy=greedy,
-                         seed=seeds, check_inputs=False)
+        return dx_ops.verify_logits(drafts, None, target_logits, weight, temperature=temperature,
+                                    num_draft=rows.num_draft, seed=seeds, target_rows=target_rows,
+                                    check_inputs=False)
+    return dx_ops.verify(drafts, draft_probs.to(torch.float32), target_logits.softmax(-1), weight,
+                         num_draft=rows.num_draft, greedy=greedy, seed=seeds, target_rows=target_rows,
+                         draft_rows=rows.index, check_inputs=False)
 
 
 def vllm_layout(result: dx_ops.VerifyResult, rows: PaddedRows, bonus_token_ids: torch.Tensor) -> torch.Tensor:
@@ -189,7 +190,7 @@ class DiversedRejectionSampler(vllm_rejection.RejectionSampler):
             output[:, 0] = bonus_token_ids.reshape(-1).to(torch.int32)
             return output
         weight = self.weight_source(rows, target_logits, sampling_metadata, metadata.target_logits_indices)
-        result = verify_padded(rows, metadata.draft_token_ids, draft_probs, target_logits, weight,
+        result = verify_in_place(rows, metadata.draft_token_ids, draft_probs, target_logits, weight,
                                greedy_rows(sampling_metadata, rows.batch, device),
                                row_seeds(sampling_metadata, metadata.num_draft_tokens, device))
         self.counts.add(rows.num_draft, result.num_accepted, weight)

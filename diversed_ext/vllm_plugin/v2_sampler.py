@@ -112,22 +112,30 @@ class DiversedV2RejectionSampler(RejectionSampler):
                                     target_rows, draft_logits, temperature)
         draft_rows = None
         if draft_logits is not None:
-            positions = torch.arange(num_positions, dtype=torch.int64, device=states.device)
-            draft_rows = states[:, None] * num_positions + positions[None, :]
-            draft_logits = draft_logits.reshape(-1, draft_logits.shape[-1])
+            draft_logits, draft_rows = draft_rows_of(draft_logits, states, target_logits.dtype)
         result = verify_rows(draft_tokens, draft_logits, draft_rows, target_logits, target_rows, weight,
                              temperature, num_draft, step_seeds(sampling.seeds.gpu[states], pos[first]))
         self.counts.add(num_draft, result.num_accepted, weight)
         return result.tokens, result.num_accepted + 1
 
 
+def draft_rows_of(draft_logits: torch.Tensor, states: torch.Tensor, dtype: torch.dtype):
+    """The drafter's [max_num_reqs, K, V] logits as [max_num_reqs * K, V] rows and each request's K row indices. The
+    ops read both sides in one dtype: where V2's sampling parameters made the target rows float32 and the drafter
+    keeps its logits in the model's dtype, the step's requests' draft rows are converted (the one copy left)."""
+    num_positions = draft_logits.shape[1]
+    positions = torch.arange(num_positions, dtype=torch.int64, device=states.device)
+    if draft_logits.dtype != dtype:
+        converted = draft_logits[states].to(dtype).reshape(-1, draft_logits.shape[-1])
+        local = torch.arange(states.shape[0], dtype=torch.int64, device=states.device)
+        return converted, local[:, None] * num_positions + positions[None, :]
+    return draft_logits.reshape(-1, draft_logits.shape[-1]), states[:, None] * num_positions + positions[None, :]
+
+
 def verify_rows(draft_tokens, draft_logits, draft_rows, target_logits, target_rows, weight, temperature, num_draft,
                 seeds):
-    """One unchecked verify_logits call: the target rows already tempered, the draft rows divided by each request's
-    temperature (0 marks a greedy request)."""
-    scale = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
-    target = target_logits[target_rows]
-    draft = None if draft_logits is None else draft_logits[draft_rows].float() / scale[:, None, None]
-    return dx_ops.verify_logits(draft_tokens, draft, target.to(torch.float32) if draft is not None else target,
-                                weight, temperature=torch.where(temperature > 0, 1.0, 0.0), num_draft=num_draft,
-                                seed=seeds, check_inputs=False)
+    """One unchecked verify_logits call on rows where they lie: the target rows already tempered, the draft rows
+    divided by each request's temperature (0 marks a greedy request)."""
+    return dx_ops.verify_logits(draft_tokens, draft_logits, target_logits, weight, temperature=temperature,
+                                target_temperature=1.0, num_draft=num_draft, seed=seeds, target_rows=target_rows,
+                                draft_rows=draft_rows, check_inputs=False)

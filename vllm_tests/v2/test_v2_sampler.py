@@ -117,3 +117,15 @@ def test_the_counts_add_up():
     assert counts["drafted"] == 4 and counts["accepted"] == 4 and counts["weight_sum"] == 0.0
     assert [len(row) for row in tokens] == [4, 2, 1]
     assert counts["verified_without_head"] == 0
+
+
+def test_draft_logits_in_another_dtype_than_the_target_rows():
+    """V2 keeps draft logits in the model's dtype while its sampling parameters make target rows float32: the
+    plugin converts the step's draft rows, which equals a float32 table holding the same values."""
+    generator = torch.Generator().manual_seed(9)
+    problem = make_problem([3, 2, 3], 29, num_positions=3, generator=generator, sharpness=1.0)
+    problem.draft_logits = problem.draft_logits.to(torch.bfloat16)
+    as_float = Problem(problem.target_logits, problem.draft_logits.float(), problem.draft_sampled, problem.pos,
+                       problem.num_draft, problem.states, problem.num_positions)
+    _, ours = samplers(3, *_tables(8, weight=0.7))
+    assert emitted(ours, problem) == emitted(ours, as_float)
