@@ -296,7 +296,7 @@ def test_target_logits_divided_beforehand(exact, device):
 
 def test_target_temperature_is_checked():
     tokens, draft, target, weight, rows, common = rows_case(4, 2, 30, logits=True, seed=23)
-    with pytest.raises(ValueError, match="target_temperature must be finite and >= 0"):
+    with pytest.raises(ValueError, match="target_temperature must be a finite number >= 0"):
         dx.verify_logits(tokens, draft, target, weight, **rows, **common, target_temperature=-1.0)
     with pytest.raises(ValueError, match="target_temperature contains NaN"):
         dx.verify_logits(tokens, draft, target, weight, **rows, **common,

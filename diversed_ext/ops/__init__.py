@@ -10,7 +10,6 @@ package.
 """
 
 from ._fake import cuda_kernels_registered
-from ._inputs import SEED_RANGE
 from ._temperature import MIN_TEMPERATURE, distribution_temperature, is_greedy_temperature
 from ._philox import philox_uniforms
 from .api import TokenStats, VerifyResult, mix, token_stats, verify, verify_logits

@@ -9,16 +9,16 @@ probabilities, weights, uniforms, draft lengths) read tensors back to the host, 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from numbers import Integral, Real
+from numbers import Integral
 from typing import Optional, Union
 
 import torch
 
+from .. import rules
 from ._philox import draw_cuda_generator_seed
 
 PROB_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 TOKEN_DTYPES = (torch.int32, torch.int64)
-SEED_RANGE = 2**63  # seeds and offsets are int64 counters of the verifier's Philox generator
 
 
 WeightLike = Union[float, torch.Tensor]
@@ -152,25 +152,13 @@ def check_distributions(draft: Optional[torch.Tensor], target: torch.Tensor, dra
     return batch, num_positions, vocab
 
 
-def scalar_weight(weight) -> float:
-    """The rule of a weight given as a number: a float (or another real, not a bool) in [0, 1]."""
-    if type(weight) is float and 0.0 <= weight <= 1.0:  # the common case: one type test, one range test
-        return weight
-    if isinstance(weight, bool) or not isinstance(weight, Real):
-        raise TypeError(f"weight must be a float or a tensor of shape [B] or [B, K], got {type(weight).__name__}")
-    value = float(weight)
-    if not 0.0 <= value <= 1.0:  # also refuses NaN
-        raise ValueError(f"weight must lie in [0, 1], got {value}")
-    return value
-
-
 def weight_argument(weight: WeightLike, batch: int, num_positions: int, device: torch.device,
                     check_inputs: bool) -> tuple[Optional[torch.Tensor], float]:
-    """The weight rule, for every caller: the op's (weight, weight_value). A number stays a scalar (scalar_weight, no
+    """The weight rule, for every caller: the op's (weight, weight_value). A number stays a scalar (rules.weight, no
     tensor made); a 0-d, [B] or [B, K] floating-point tensor becomes float32 [B, K], untouched when it already is one
     (contiguous). Its values are read only with ``check_inputs``."""
     if not isinstance(weight, torch.Tensor):
-        return None, scalar_weight(weight)
+        return None, rules.weight(weight)
     if not (weight.dtype == torch.float32 and weight.shape == (batch, num_positions) and weight.is_contiguous()):
         weight = _weight_as_op_layout(weight, batch, num_positions)
     if weight.device != device:
@@ -302,41 +290,29 @@ def seed_tensor(seed: SeedLike, batch: int, device: torch.device) -> tuple[torch
     if value is None:
         # Drawn where it is used, from that device's default generator: a CPU draw copied to a GPU would make every
         # call synchronise with the host. The native ops draw theirs the same way (csrc/common/op_outputs.h).
-        drawn = torch.randint(0, SEED_RANGE - 1, (1,), dtype=torch.int64, device=device)
+        drawn = torch.randint(0, rules.SEED_RANGE - 1, (1,), dtype=torch.int64, device=device)
         return drawn.expand(batch).contiguous(), False
     return torch.full((batch,), value, dtype=torch.int64, device=device), False
 
 
 def normalize_offset(offset) -> int:
-    if type(offset) is int and 0 <= offset < SEED_RANGE:  # the common case, without the abstract Integral
+    if type(offset) is int and 0 <= offset < rules.SEED_RANGE:  # the common case, without the abstract Integral
         return offset
     if isinstance(offset, bool) or not isinstance(offset, Integral):
         raise TypeError(f"offset must be an int, got {type(offset).__name__}")
-    if not 0 <= int(offset) < SEED_RANGE:
+    if not 0 <= int(offset) < rules.SEED_RANGE:
         raise ValueError(f"offset must lie in [0, 2**63), got {offset}")
     return int(offset)
 
 
-def scalar_seed(seed) -> int:
-    """The rule of a seed given as a number: an int that fits in 64 bits, as the signed int64 the op takes (values in
-    [2**63, 2**64) wrap, so unsigned 64-bit seeds work too)."""
-    if type(seed) is int and -SEED_RANGE <= seed < SEED_RANGE:  # the common case, without the abstract Integral
-        return seed
-    if isinstance(seed, bool) or not isinstance(seed, Integral):
-        raise TypeError(f"seed must be an int or an int64 tensor of shape [B], got {type(seed).__name__}")
-    if not -SEED_RANGE <= int(seed) < 2 * SEED_RANGE:
-        raise ValueError(f"seed must fit in 64 bits, got {seed}")
-    return int(seed) - 2 * SEED_RANGE if int(seed) >= SEED_RANGE else int(seed)
-
-
 def seed_argument(seed: SeedLike, batch: int, device: torch.device) -> tuple[Optional[torch.Tensor], Optional[int], bool]:
     """The seed rule, for every caller: the op's (seeds, seed, per_row_seed). Per-request seeds as int64 [B] (moved
-    to the device), or one int seed (scalar_seed), or neither (the op then draws a seed on the device, as seed_tensor
+    to the device), or one int seed (rules.seed), or neither (the op then draws a seed on the device, as seed_tensor
     does)."""
     if seed is None:
         return None, None, False
     if not isinstance(seed, torch.Tensor):
-        return None, scalar_seed(seed), False
+        return None, rules.seed(seed), False
     if seed.dtype == torch.int64 and seed.shape == (batch,) and seed.is_contiguous() and seed.device == device:
         return seed, None, True  # already the op's layout: nothing to convert
     if seed.dtype not in TOKEN_DTYPES:

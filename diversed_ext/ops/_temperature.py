@@ -3,14 +3,13 @@ temperature the distributions are taken. The kernels follow the same rule (csrc/
 
 from __future__ import annotations
 
-from numbers import Real
 from typing import Optional
 
 import torch
 
+from .. import rules
 from ._inputs import require_device
 
-_INFINITY = float("inf")
 
 # Temperatures below this (and 0) are greedy rows: dividing logits by them would overflow to inf, and greedy is their
 # limit anyway. The kernels use the same threshold (csrc/common/verify_math.h).
@@ -38,27 +37,13 @@ def distribution_temperature(temperature):
     return 1.0 if is_greedy_temperature(temperature) else temperature
 
 
-def scalar_temperature(temperature, name: str = "temperature") -> float:
-    """The rule of a temperature given as a number: a finite float (or another real, not a bool) >= 0. ``name``
-    words the error (verify_logits' target_temperature follows the same rule)."""
-    if type(temperature) is float and 0.0 <= temperature < _INFINITY:  # the common case; NaN fails it too
-        return temperature
-    if isinstance(temperature, bool) or not isinstance(temperature, Real):
-        raise TypeError(f"{name} must be a float or a tensor of shape [B], got {type(temperature).__name__}")
-    value = float(temperature)
-    if not 0.0 <= value < _INFINITY:
-        meaning = " (0 means greedy)" if name == "temperature" else ""
-        raise ValueError(f"{name} must be finite and >= 0{meaning}, got {value}")
-    return value
-
-
 def temperature_argument(temperature, batch: int, device: torch.device, check_inputs: bool,
                          name: str = "temperature") -> tuple[Optional[torch.Tensor], float]:
     """The temperature rule, for every caller: the op's (temperature, temperature_value). A number stays a scalar
-    (scalar_temperature, no tensor made); a 0-d or [B] floating-point tensor becomes float32 [B], untouched when it
+    (rules.temperature, no tensor made); a 0-d or [B] floating-point tensor becomes float32 [B], untouched when it
     already is one (contiguous). Its values are read only with ``check_inputs``."""
     if not isinstance(temperature, torch.Tensor):
-        return None, scalar_temperature(temperature, name)
+        return None, rules.temperature(temperature, name)
     if not (temperature.dtype == torch.float32 and temperature.shape == (batch,) and temperature.is_contiguous()):
         temperature = _temperature_as_op_layout(temperature, batch, name)
     if temperature.device != device:

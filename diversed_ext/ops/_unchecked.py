@@ -3,8 +3,8 @@ goes to the op as given; any other call goes through :func:`~diversed_ext.ops._p
 
 Whether the arguments need converting is decided up front, by tests of kind only: each tensor of the op's dtype and
 contiguous, and of its rank where another rank is a form to convert (int32 ids, a [B] weight, a 0-d temperature or a
-strided tensor need converting), each number through its own rule (scalar_weight, scalar_seed, normalize_offset,
-scalar_temperature: the same functions prepare_verify uses). Sizes and devices are not compared here (but for a seed
+strided tensor need converting), each number through its own rule (rules.weight, rules.seed, normalize_offset,
+rules.temperature: the same functions prepare_verify uses). Sizes and devices are not compared here (but for a seed
 tensor's device: seeds elsewhere are moved), which would cost a microsecond of attribute reads on every call: the op
 compares them itself (csrc/common/op_checks.h). A tensor of the right kind and the wrong size is a mistake, not a
 form to convert, so when the op refuses the arguments, the caller (ops/api.py) runs the argument rules, which raise
@@ -18,8 +18,8 @@ from typing import Optional
 
 import torch
 
-from ._inputs import PROB_DTYPES, normalize_offset, scalar_seed, scalar_weight
-from ._temperature import scalar_temperature
+from .. import rules
+from ._inputs import PROB_DTYPES, normalize_offset
 
 
 _Tensor, _BOOL, _INT64, _FLOAT32, _FLOAT64 = torch.Tensor, torch.bool, torch.int64, torch.float32, torch.float64
@@ -40,7 +40,7 @@ def greedy_as_given(greedy) -> bool:
 def temperature_as_given(temperature) -> Optional[tuple]:
     """verify_logits' (temperature, temperature_value) when the temperature goes to the op as given, else None."""
     if type(temperature) is float:
-        return None, scalar_temperature(temperature)
+        return None, rules.temperature(temperature)
     if tensor_as_given(temperature, _FLOAT32, 1):
         return temperature, 1.0
     return None
@@ -58,7 +58,7 @@ def target_temperature_as_given(target_temperature) -> Optional[tuple]:
     if target_temperature is None:
         return None, None
     if type(target_temperature) is float:
-        return None, scalar_temperature(target_temperature, "target_temperature")
+        return None, rules.temperature(target_temperature, "target_temperature")
     if tensor_as_given(target_temperature, _FLOAT32, 1):
         return target_temperature, None
     return None
@@ -74,7 +74,7 @@ def unchecked_arguments(draft_tokens, draft, target, weight, num_draft, row_flag
             and isinstance(draft_tokens, _Tensor) and draft_tokens.dtype == _INT64 and draft_tokens.is_contiguous()):
         return None
     if type(weight) is float or not isinstance(weight, _Tensor):
-        weight_t, weight_value = None, scalar_weight(weight)
+        weight_t, weight_value = None, rules.weight(weight)
     elif tensor_as_given(weight, _FLOAT32, 2):
         weight_t, weight_value = weight, 1.0
     else:
@@ -86,7 +86,7 @@ def unchecked_arguments(draft_tokens, draft, target, weight, num_draft, row_flag
     if seed is None:
         seeds, seed_value, per_row_seed = None, None, False
     elif not isinstance(seed, _Tensor):
-        seeds, seed_value, per_row_seed = None, scalar_seed(seed), False
+        seeds, seed_value, per_row_seed = None, rules.seed(seed), False
     elif tensor_as_given(seed, _INT64) and seed.device == target.device:  # seeds elsewhere are moved
         seeds, seed_value, per_row_seed = seed, None, True
     else:
