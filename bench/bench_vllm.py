@@ -196,8 +196,9 @@ def main(argv: Optional[list] = None) -> None:
                 else export_default_pair(scratch, progress=False))
         questions = load_questions(args.data, args.prompts)
         results = measure(pair, questions, args)
-    print(f"vLLM {vllm.__version__} ({args.runner} model runner), {len(questions)} prompts ({args.data or 'built-in'}), up to {args.max_tokens} "
-          f"new tokens, K = {args.max_draft}, temperature 1, greedy drafts\n")
+    print(f"vLLM {vllm.__version__} ({args.runner} model runner), {len(questions)} prompts "
+          f"({args.data or 'built-in'}), up to {args.max_tokens} new tokens, K = {args.max_draft}, temperature 1, "
+          "greedy drafts\n")
     print(table(results))
     out = args.csv or Path(__file__).parent / "results" / f"vllm-{time.strftime('%Y%m%d-%H%M%S')}.csv"
     out.parent.mkdir(parents=True, exist_ok=True)
