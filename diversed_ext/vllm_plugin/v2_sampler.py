@@ -18,12 +18,16 @@ that reads the rows where they lie (row indices, no padded copy), with
 - greedy rows (temperature 0) verified greedily against nu;
 - randomness from the request's seed and the position of its first row, so a request's tokens do not depend on its
   neighbours in the batch and a seeded request repeats them;
+- the token after a request's last kept draft (the bonus, and the only token of a request without drafts) sampled by
+  V2's own sampler (``gumbel_sample`` at the request's seed and that row's position), so a request's tokens are the
+  same whether or not its batch drafted;
 - each request's weight, or its head's weight per drafted token (:mod:`.v2_state`).
 """
 
 from __future__ import annotations
 
 import torch
+from vllm.v1.worker.gpu.sample.gumbel import gumbel_sample
 from vllm.v1.worker.gpu.spec_decode.rejection_sampler import RejectionSampler
 
 from .. import ops as dx_ops
@@ -116,7 +120,20 @@ class DiversedV2RejectionSampler(RejectionSampler):
         result = verify_rows(draft_tokens, draft_logits, draft_rows, target_logits, target_rows, weight,
                              temperature, num_draft, step_seeds(sampling.seeds.gpu[states], pos[first]))
         self.counts.add(num_draft, result.num_accepted, weight)
-        return result.tokens, result.num_accepted + 1
+        bonus_rows = first + num_draft
+        bonus = gumbel_sample(target_logits[bonus_rows], states, sampling.temperature.gpu, sampling.seeds.gpu,
+                              pos[bonus_rows], apply_temperature=False, is_drafting=False,
+                              use_fp64=self.sampler.use_fp64_gumbel)
+        return with_bonus(result.tokens, result.num_accepted, num_draft, bonus), result.num_accepted + 1
+
+
+def with_bonus(tokens: torch.Tensor, num_accepted: torch.Tensor, num_draft: torch.Tensor,
+               bonus: torch.Tensor) -> torch.Tensor:
+    """``tokens`` [R, K + 1] with V2's own token in place of the op's where a request kept all its drafts."""
+    kept_all = num_accepted.to(torch.int64) == num_draft
+    position = num_draft[:, None]
+    final = torch.where(kept_all, bonus.to(tokens.dtype), tokens.gather(1, position).squeeze(1))
+    return tokens.scatter(1, position, final[:, None])
 
 
 def draft_rows_of(draft_logits: torch.Tensor, states: torch.Tensor, dtype: torch.dtype):

@@ -129,3 +129,26 @@ def test_draft_logits_in_another_dtype_than_the_target_rows():
                        problem.num_draft, problem.states, problem.num_positions)
     _, ours = samplers(3, *_tables(8, weight=0.7))
     assert emitted(ours, problem) == emitted(ours, as_float)
+
+
+def test_the_token_after_the_kept_drafts_is_v2s_own_sample():
+    """A request without drafts, and one whose drafts are all kept (w = 0), end with the token V2's own sampler draws
+    at that row (its seed and position), so a request's tokens do not depend on whether its batch drafted."""
+    from vllm.v1.worker.gpu.sample.gumbel import gumbel_sample
+
+    generator = torch.Generator().manual_seed(4)
+    problem = make_problem([0, 3, 0, 2], 53, num_positions=3, generator=generator, sharpness=1.0)
+    temperature, seeds, weight = _tables(8, weight=0.0)
+    temperature[2] = 0.0  # a greedy request among them
+    _, ours = samplers(3, temperature, seeds, weight)
+    bonus_rows = torch.tensor([0, 4, 5, 8])
+    states = torch.tensor(problem.states)
+    expected = gumbel_sample(problem.target_logits[bonus_rows], states, temperature, seeds, problem.pos[bonus_rows],
+                             apply_temperature=False, is_drafting=False)
+    tokens = emitted(ours, problem)
+    assert [len(row) for row in tokens] == [1, 4, 1, 3]
+    assert [row[-1] for row in tokens] == expected.tolist()
+    own, _ = samplers(3, temperature, seeds, weight)
+    without_drafts = Problem(problem.target_logits[[0, 5]], None, problem.draft_sampled[[0, 5]], problem.pos[[0, 5]],
+                             [0, 0], [0, 2], 3)
+    assert emitted(own, without_drafts) == [[tokens[0][0]], [tokens[2][0]]]
