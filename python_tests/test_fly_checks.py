@@ -6,7 +6,8 @@ import torch
 
 import diversed_ext as dx
 from fly_helpers import fly_logits_case, fly_probs_case
-from helpers import DTYPES, assert_verify_result_in_range, dispatched, on_device, poisoned_verify_inputs
+from helpers import (DTYPES, assert_verify_result_in_range, dispatched, on_device, poisoned_verify_inputs,
+                     requires_cuda)
 
 
 @pytest.fixture(scope="module")
@@ -122,3 +123,15 @@ def test_the_op_refuses_a_top_k_it_cannot_keep(problem):
     with pytest.raises(RuntimeError, match="fly_top_k must lie in"):
         torch.ops.diversed.verify_probs(tokens, draft, target, None, None, None, None, None, 0, False, 0.5, 1, None,
                                         None, None, None, 1, 0.3, 64)
+
+
+@requires_cuda
+def test_the_split_cuda_kernels_refuse_fly(problem, monkeypatch):
+    """The split kernels decide a request's length before any block has read a whole row, which FLy's entropy
+    needs: they refuse a call that may defer, and run one that may not."""
+    monkeypatch.setenv("DIVERSED_CUDA_KERNELS", "split")
+    tokens, draft, target = (tensor.cuda() for tensor in problem)
+    for fly in (dict(fly_window=1), dict(fly_window=torch.tensor([0, 1, 0, 0], device="cuda"))):
+        with pytest.raises(RuntimeError, match="not supported by the split CUDA kernels"):
+            dx.verify(tokens, draft, target, 0.5, seed=1, **fly)
+    assert dx.verify(tokens, draft, target, 0.5, seed=1, fly_window=0).tokens.shape == (4, 4)
