@@ -71,7 +71,7 @@ from typing import Callable, Optional
 
 import torch
 
-from diversed_ext.decoding import DecodingSummary, SpeculativeDecoder, encode_prompt, eos_ids
+from diversed_ext.decoding import DecodingSummary, Fly, SpeculativeDecoder, encode_prompt, eos_ids
 from diversed_ext.decoding.stats import add_summaries
 from diversed_ext.research.harness import DEMO_PROMPTS, run_interleaved
 from diversed_ext.research.report import cell, markdown_rows, paired_difference, standard_error, with_error
@@ -184,6 +184,11 @@ def build_methods(target, draft, tokenizer, args) -> list[tuple[str, Callable]]:
     methods += [("sd", ours(target, draft, args, eos, method="sd")),
                 ("sd, hf forward", ours(target, draft, args, eos, method="sd", fast_forward=False)),
                 (f"static {label}", ours(target, draft, args, eos, method="static", weight=args.weight))]
+    if args.fly:
+        fly = Fly(args.fly_window, args.fly_threshold, args.fly_top_k)
+        methods += [("fly", ours(target, draft, args, eos, method="fly", fly=fly)),
+                    (f"static+fly {label}", ours(target, draft, args, eos, method="static", weight=args.weight,
+                                                 fly=fly))]
     return methods
 
 
@@ -293,6 +298,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                         help="the most drafts a round of the adaptive policies (default 8)")
     parser.add_argument("--draft-cost", type=float,
                         help="the gain policy's draft pass over target pass (default: the policy's, 0.33)")
+    parser.add_argument("--fly", action="store_true", help="also sd and static with FLy (lossy; --fly-*)")
+    parser.add_argument("--fly-window", type=int, help="FLy's window W < K (default vLLM's, min(6, K - 1))")
+    parser.add_argument("--fly-threshold", type=float, default=0.3, help="FLy's entropy threshold (default 0.3)")
+    parser.add_argument("--fly-top-k", type=int, default=3, help="FLy's entropy top-k (default 3)")
     args = parser.parse_args(argv)
     if (args.prompts < 1 or args.max_new_tokens < 1 or min(args.k) < 1 or args.pass_repeats < 1
             or args.batch_size < 0 or args.draft_cap < 1):

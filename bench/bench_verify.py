@@ -157,6 +157,17 @@ _VERIFY_FLOORS = {
 }
 
 
+# FLy's settings of the fused, checked and reference calls (--fly-*): (window, threshold, top_k); window 0 is off. A
+# window the shape's K cannot fit (W >= K) defers nothing, so it is passed as 0 there.
+FLY_SETTINGS = [0, 0.3, 3]
+
+
+def _fly(pr: Problem) -> dict:
+    window, threshold, top_k = FLY_SETTINGS
+    return dict(fly_window=window if window < pr.draft_tokens.shape[1] else 0, fly_threshold=threshold,
+                fly_top_k=top_k)
+
+
 def _verify_bench(name: str, from_logits: bool, tokens_only: bool) -> OpBench:
     """One of the four verify entries: from probabilities or logits, with the draft's rows or its tokens only."""
     fused_op, reference_op, plain_op = ((dx.verify_logits, dx.verify_logits_reference, plain_verify_logits)
@@ -168,9 +179,9 @@ def _verify_bench(name: str, from_logits: bool, tokens_only: bool) -> OpBench:
 
     return OpBench(
         name,
-        fused=lambda pr: fused_op(*inputs(pr), WEIGHT, seed=0, check_inputs=False),
-        reference=lambda pr: reference_op(*inputs(pr), WEIGHT, seed=0, check_inputs=False),
-        fused_checked=lambda pr: fused_op(*inputs(pr), WEIGHT, seed=0),
+        fused=lambda pr: fused_op(*inputs(pr), WEIGHT, seed=0, check_inputs=False, **_fly(pr)),
+        reference=lambda pr: reference_op(*inputs(pr), WEIGHT, seed=0, check_inputs=False, **_fly(pr)),
+        fused_checked=lambda pr: fused_op(*inputs(pr), WEIGHT, seed=0, **_fly(pr)),
         bytes_read=bytes_read,
         streaming=streaming,
         plain=lambda pr, u: plain_op(*inputs(pr), u, WEIGHT),
@@ -352,6 +363,10 @@ def parse_args(argv=None):
     parser.add_argument("--dtype", nargs="+", default=list(DTYPES), choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--quick", action="store_true", help="three representative shapes instead of the full grid")
+    parser.add_argument("--fly-window", type=int, default=0,
+                        help="FLy's window in the fused, checked and reference verify calls (default 0: off)")
+    parser.add_argument("--fly-threshold", type=float, default=0.3, help="FLy's entropy threshold (default 0.3)")
+    parser.add_argument("--fly-top-k", type=int, default=3, help="FLy's entropy top-k (default 3)")
     parser.add_argument("--stats-sequence", action="store_true",
                         help="also time token_stats on whole sequences (B=8, T=256, V=49152); on by default with --quick")
     parser.add_argument("--csv", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
@@ -361,8 +376,9 @@ def parse_args(argv=None):
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    FLY_SETTINGS[:] = [args.fly_window, args.fly_threshold, args.fly_top_k]
     print(f"torch {torch.__version__}, device {args.device}, threads {torch.get_num_threads()}, "
-          f"load average {os.getloadavg()[0]:.2f}")
+          f"load average {os.getloadavg()[0]:.2f}" + (f", FLy W={args.fly_window}" if args.fly_window else ""))
     rows = run(args)
     print_table(rows)
     overhead = call_overhead(torch.device(args.device))

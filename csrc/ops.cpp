@@ -17,6 +17,8 @@
 // Rows read in place: with target_rows (int64 [B, K+1]) the target is a row tensor [R, V] and position i of request b
 // reads row target_rows[b, i] (B and K then come from draft_tokens); draft_rows (int64 [B, K]) does the same for the
 // draft [Rd, V], and needs a draft tensor. Indices outside [0, R) are clamped into it (problems.h: indexed_row).
+// FLy (csrc/common/fly_math.h): fly_window (int64 [B]) or fly_window_value, 0 switching it off for a request;
+// fly_threshold (float32 [B]) or fly_threshold_value; fly_top_k in [1, 32]. Windows are clamped into [0, K - 1].
 // Logits: target_temperature (float32 [B]) or target_temperature_value divides the target logits in place of the
 // temperature (which still divides the draft logits and marks greedy rows); both absent: the temperature.
 #include <Python.h>
@@ -34,14 +36,17 @@ TORCH_LIBRARY(diversed, m) {
   m.def(
       "verify_probs(Tensor draft_tokens, Tensor? draft_probs, Tensor target_probs, Tensor? weight, Tensor? num_draft, "
       "Tensor? greedy, Tensor? uniforms, Tensor? seeds, int offset=0, bool per_row_seed=False, float weight_value=1., "
-      "int? seed=None, Tensor? target_rows=None, Tensor? draft_rows=None) -> (Tensor, Tensor, Tensor)");
+      "int? seed=None, Tensor? target_rows=None, Tensor? draft_rows=None, "
+      "Tensor? fly_window=None, Tensor? fly_threshold=None, int fly_window_value=0, float fly_threshold_value=0.3, "
+      "int fly_top_k=3) -> (Tensor, Tensor, Tensor)");
   // Logits path: temperature float32 [B] (0 marks a greedy row), target_logits [B, K+1, V].
   m.def(
       "verify_logits(Tensor draft_tokens, Tensor? draft_logits, Tensor target_logits, Tensor? weight, "
       "Tensor? num_draft, Tensor? temperature, Tensor? uniforms, Tensor? seeds, int offset=0, bool per_row_seed=False, "
       "float weight_value=1., float temperature_value=1., int? seed=None, Tensor? target_rows=None, "
-      "Tensor? draft_rows=None, Tensor? target_temperature=None, float? target_temperature_value=None) "
-      "-> (Tensor, Tensor, Tensor)");
+      "Tensor? draft_rows=None, Tensor? target_temperature=None, float? target_temperature_value=None, "
+      "Tensor? fly_window=None, Tensor? fly_threshold=None, int fly_window_value=0, float fly_threshold_value=0.3, "
+      "int fly_top_k=3) -> (Tensor, Tensor, Tensor)");
   // CPU only: verify_logits, and what check_inputs=True needs of both logit tensors from the same passes: int32
   // [B, 2K + 1] flags per row (value_flags' bits; draft positions, then target positions), and 16 on a drafted
   // position whose token id lies outside [0, V).
@@ -50,7 +55,9 @@ TORCH_LIBRARY(diversed, m) {
       "Tensor? num_draft, Tensor? temperature, Tensor? uniforms, Tensor? seeds, int offset=0, "
       "bool per_row_seed=False, float weight_value=1., float temperature_value=1., int? seed=None, "
       "Tensor? target_rows=None, Tensor? draft_rows=None, Tensor? target_temperature=None, "
-      "float? target_temperature_value=None) -> (Tensor, Tensor, Tensor, Tensor)");
+      "float? target_temperature_value=None, "
+      "Tensor? fly_window=None, Tensor? fly_threshold=None, int fly_window_value=0, float fly_threshold_value=0.3, "
+      "int fly_top_k=3) -> (Tensor, Tensor, Tensor, Tensor)");
   // Per position of [B, T, V] pairs: (p(y), q(y), TV(p, q), log p(y), log q(y)), each float32 [B, T].
   m.def(
       "token_stats(Tensor draft, Tensor target, Tensor tokens, Tensor temperature, bool from_logits) "

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 
+#include "fly_math.h"       // kFlyMaxTopK
 #include "tensor_checks.h"  // check_layout, check_float_vector
 
 namespace diversed {
@@ -117,6 +118,23 @@ inline VerifyShape check_verify_args(VerifyInput input, const at::Tensor& draft_
     else check_layout(flags, at::kBool, {B}, op, "greedy");
   }
   return VerifyShape{B, K, V};
+}
+
+// FLy's arguments of the verify ops (fly_math.h): fly_window int64 [B] or fly_window_value, fly_threshold float32
+// [B] or fly_threshold_value, and fly_top_k (>= 1; at most kFlyMaxTopK, which the kernels keep).
+struct FlyArgs {
+  const c10::optional<at::Tensor>& window;
+  const c10::optional<at::Tensor>& threshold;
+  int64_t window_value;
+  double threshold_value;
+  int64_t top_k;
+};
+
+inline void check_fly_args(const FlyArgs& fly, int64_t batch, const char* op) {
+  if (fly.window.has_value()) check_int64_vector(*fly.window, batch, op, "fly_window");
+  if (fly.threshold.has_value()) check_float_vector(*fly.threshold, batch, op, "fly_threshold");
+  TORCH_CHECK(fly.top_k >= 1 && fly.top_k <= kFlyMaxTopK, op, ": fly_top_k must lie in [1, ", kFlyMaxTopK,
+              "], got ", fly.top_k);
 }
 
 // token_stats: draft and target [B, T, V], tokens int64 [B, T], temperature float32 [B].

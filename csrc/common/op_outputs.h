@@ -67,11 +67,11 @@ enum class SeedSource { kRandint, kKernelGenerator };
 // The largest seed torch.randint(0, 2**63 - 1) can give: the Python layer draws seeds the same way (ops/_inputs.py).
 constexpr int64_t kSeedDrawBound = INT64_MAX;
 
-// `shape` is what check_verify_args returned; `draft` and `target` are the distribution tensors (row counts of the
-// row tensors read through target_rows / draft_rows).
+// `shape` is what check_verify_args returned (check_fly_args passed `fly`); `draft` and `target` are the distribution
+// tensors (row counts of the row tensors read through target_rows / draft_rows).
 inline VerifyCall start_verify(VerifyInput input, const VerifyShape& shape, const at::Tensor& draft_tokens,
                                const c10::optional<at::Tensor>& draft, const at::Tensor& target,
-                               const VerifyOptionals& optional, const VerifyScalars& scalars,
+                               const VerifyOptionals& optional, const VerifyScalars& scalars, const FlyArgs& fly,
                                SeedSource seed_source = SeedSource::kRandint) {
   const int64_t B = shape.batch, K = shape.num_positions, V = shape.vocab;
   const auto options = draft_tokens.options();
@@ -118,6 +118,11 @@ inline VerifyCall start_verify(VerifyInput input, const VerifyShape& shape, cons
     call.drawn_seed = at::randint(0, kSeedDrawBound, {1}, options.dtype(at::kLong));
     problem.seeds = call.drawn_seed.data_ptr<int64_t>();
   }
+  problem.fly.window = fly.window.has_value() ? fly.window->data_ptr<int64_t>() : nullptr;
+  problem.fly.window_value = fly.window_value;
+  problem.fly.threshold = fly.threshold.has_value() ? fly.threshold->data_ptr<float>() : nullptr;
+  problem.fly.threshold_value = static_cast<float>(fly.threshold_value);
+  problem.fly.top_k = static_cast<int>(fly.top_k);
   problem.offset = scalars.offset;
   problem.per_row_seed = scalars.per_row_seed;
   problem.out_tokens = call.tokens.data_ptr<int64_t>();

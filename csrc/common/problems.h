@@ -5,6 +5,7 @@
 
 #include <cstdint>
 
+#include "fly_math.h"
 #include "verify_math.h"
 
 namespace diversed {
@@ -54,6 +55,7 @@ struct VerifyProblem {
   const int64_t* generator_seed;    // or nullptr: generator_seed_value
   const int64_t* generator_offset;  // or nullptr: 0; generator_offset_value is added either way
   uint64_t generator_seed_value, generator_offset_value;
+  FlySettings fly;            // deferred verification (fly_math.h); window 0 everywhere: off
   int64_t* out_tokens;        // [B, K+1]
   int32_t* out_num_accepted;  // [B]
   float* out_accept_prob;     // [B, K]

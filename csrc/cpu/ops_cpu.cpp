@@ -31,12 +31,16 @@ VerifyTuple verify_probs_cpu(const at::Tensor& draft_tokens, const OptionalTenso
                              const OptionalTensor& num_draft, const OptionalTensor& greedy,
                              const OptionalTensor& uniforms, const OptionalTensor& seeds, int64_t offset,
                              bool per_row_seed, double weight_value, c10::optional<int64_t> seed,
-                             const OptionalTensor& target_rows, const OptionalTensor& draft_rows) {
+                             const OptionalTensor& target_rows, const OptionalTensor& draft_rows,
+                             const OptionalTensor& fly_window, const OptionalTensor& fly_threshold,
+                             int64_t fly_window_value, double fly_threshold_value, int64_t fly_top_k) {
   const VerifyOptionals optional{weight, num_draft, greedy, uniforms, seeds, target_rows, draft_rows,
                                  kNoTargetTemperature};
+  const FlyArgs fly{fly_window, fly_threshold, fly_window_value, fly_threshold_value, fly_top_k};
   const VerifyShape shape = check_verify_args(VerifyInput::kProbs, draft_tokens, draft_probs, target_probs, optional);
+  check_fly_args(fly, shape.batch, kVerifyProbsOp);
   const VerifyCall call = start_verify(VerifyInput::kProbs, shape, draft_tokens, draft_probs, target_probs, optional,
-                                       VerifyScalars{weight_value, 1.0, seed, offset, per_row_seed});
+                                       VerifyScalars{weight_value, 1.0, seed, offset, per_row_seed}, fly);
   if (call.empty()) return call.result();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, target_probs.scalar_type(), "verify_probs_cpu", [&] {
     using T = CpuElement<scalar_t>;
@@ -46,12 +50,13 @@ VerifyTuple verify_probs_cpu(const at::Tensor& draft_tokens, const OptionalTenso
   return call.result();
 }
 
-// The arguments verify_logits adds to verify_probs' (rows read in place, the target's own temperature).
+// The arguments verify_logits adds to verify_probs' (rows read in place, the target's own temperature), and FLy's.
 struct LogitExtras {
   const OptionalTensor& target_rows;
   const OptionalTensor& draft_rows;
   const OptionalTensor& target_temperature;
   c10::optional<double> target_temperature_value;
+  FlyArgs fly;
 };
 
 // verify_logits, and with row_flags (int32 [B, 2K + 1]) every row's value flags from the same passes.
@@ -65,10 +70,12 @@ VerifyTuple run_verify_logits(const at::Tensor& draft_tokens, const OptionalTens
                                  extras.draft_rows, extras.target_temperature};
   const VerifyShape shape =
       check_verify_args(VerifyInput::kLogits, draft_tokens, draft_logits, target_logits, optional);
+  check_fly_args(extras.fly, shape.batch, kVerifyLogitsOp);
   const VerifyCall call =
       start_verify(VerifyInput::kLogits, shape, draft_tokens, draft_logits, target_logits, optional,
                    VerifyScalars{weight_value, temperature_value, seed, offset, per_row_seed,
-                                 extras.target_temperature_value});
+                                 extras.target_temperature_value},
+                   extras.fly);
   if (row_flags) {
     *row_flags = at::empty({shape.batch, 2 * shape.num_positions + 1}, draft_tokens.options().dtype(at::kInt));
     poison_outputs(*row_flags);
@@ -90,10 +97,14 @@ VerifyTuple verify_logits_cpu(const at::Tensor& draft_tokens, const OptionalTens
                               bool per_row_seed, double weight_value, double temperature_value,
                               c10::optional<int64_t> seed, const OptionalTensor& target_rows,
                               const OptionalTensor& draft_rows, const OptionalTensor& target_temperature,
-                              c10::optional<double> target_temperature_value) {
+                              c10::optional<double> target_temperature_value, const OptionalTensor& fly_window,
+                              const OptionalTensor& fly_threshold, int64_t fly_window_value,
+                              double fly_threshold_value, int64_t fly_top_k) {
   return run_verify_logits(draft_tokens, draft_logits, target_logits, weight, num_draft, temperature, uniforms, seeds,
                            offset, per_row_seed, weight_value, temperature_value, seed,
-                           LogitExtras{target_rows, draft_rows, target_temperature, target_temperature_value},
+                           LogitExtras{target_rows, draft_rows, target_temperature, target_temperature_value,
+                                       FlyArgs{fly_window, fly_threshold, fly_window_value, fly_threshold_value,
+                                               fly_top_k}},
                            nullptr);
 }
 
@@ -103,12 +114,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> verify_logits_with_fl
     const OptionalTensor& uniforms, const OptionalTensor& seeds, int64_t offset, bool per_row_seed,
     double weight_value, double temperature_value, c10::optional<int64_t> seed, const OptionalTensor& target_rows,
     const OptionalTensor& draft_rows, const OptionalTensor& target_temperature,
-    c10::optional<double> target_temperature_value) {
+    c10::optional<double> target_temperature_value, const OptionalTensor& fly_window,
+    const OptionalTensor& fly_threshold, int64_t fly_window_value, double fly_threshold_value, int64_t fly_top_k) {
   at::Tensor row_flags;
   const auto [tokens, num_accepted, accept_prob] =
       run_verify_logits(draft_tokens, draft_logits, target_logits, weight, num_draft, temperature, uniforms, seeds,
                         offset, per_row_seed, weight_value, temperature_value, seed,
-                        LogitExtras{target_rows, draft_rows, target_temperature, target_temperature_value},
+                        LogitExtras{target_rows, draft_rows, target_temperature, target_temperature_value,
+                                       FlyArgs{fly_window, fly_threshold, fly_window_value, fly_threshold_value,
+                                               fly_top_k}},
                         &row_flags);
   return {tokens, num_accepted, accept_prob, row_flags};
 }

@@ -30,14 +30,32 @@ struct RowPlan {
   bool needs_sample;      // sampled row (greedy rows are finished in the accept phase)
 };
 
+// FLy's entropy of one target row (fly_math.h) in one pass: the masses come kLanes at a time and each is offered to
+// the top-k list, where one below the list's floor (nearly every one) costs a compare.
+template <typename Row>
+double fly_row_entropy(const Row& target, int64_t vocab, int top_k) {
+  FlyTopK top(top_k);
+  int64_t v = 0;
+  for (; v + kLanes <= vocab; v += kLanes) {
+    const FloatLanes masses = target.mass_lanes(v);
+    float lane[kLanes];
+    __builtin_memcpy(lane, &masses, sizeof lane);
+    for (int j = 0; j < kLanes; ++j) top.offer(lane[j]);
+  }
+  for (; v < vocab; ++v) top.offer(target.mass(v));
+  return fly_entropy(top);
+}
+
 // Accept tests of one row; greedy rows also get their final token here. `Rows` provides draft(row, i) and
-// target(row, i) returning Row policies.
+// target(row, i) returning Row policies. The tests run at every drafted position (accept_prob reports each), and
+// a FlyWalk turns them into the accepted length: the first failure, or with FLy a later one (a position's entropy is
+// computed only once its window has passed).
 template <typename Rows>
 RowPlan accept_row(const VerifyProblem& problem, const Rows& rows, int64_t row) {
   const int64_t K = problem.num_positions;
   const int64_t drafted = problem.drafted(row);
   const bool is_greedy = problem.greedy_at(row);
-  int64_t num_accepted = drafted;
+  FlyWalk walk(drafted, problem.fly.window_at(row, K));
   int64_t rejected_argmax = 0;
   for (int64_t i = 0; i < drafted; ++i) {
     const int64_t token = problem.draft_tokens[row * K + i];
@@ -47,20 +65,28 @@ RowPlan accept_row(const VerifyProblem& problem, const Rows& rows, int64_t row) 
     const auto draft = rows.draft(row, i);
     bool accepted = false;
     float probability = 0.0f;
+    const float p = valid ? target.mass(token) : 0.0f;
+    const float q = valid ? draft.mass(token) : 0.0f;
+    int64_t best = 0;
     if (is_greedy) {
-      const int64_t best = argmax_mixture(target, &draft, w, problem.vocab);
+      best = argmax_mixture(target, &draft, w, problem.vocab);
       accepted = valid && token == best;
       probability = accepted ? 1.0f : 0.0f;
-      if (!accepted && num_accepted == drafted) rejected_argmax = best;
     } else if (valid) {
-      const float q = draft.mass(token);
-      const float nu = mix_mass(w, target.mass(token), q);
+      const float nu = mix_mass(w, p, q);
       probability = accept_probability(nu, q);
       accepted = accept_draft(problem.uniform(row, i), q, nu);
     }
     problem.out_accept_prob[row * K + i] = probability;
-    if (!accepted && num_accepted == drafted) num_accepted = i;
+    // A failure while no rejection is pending is this position's (pending or final); one inside a window ends the
+    // walk at the pending position, whose argmax is already kept.
+    if (!accepted && !walk.decided() && walk.pending < 0) rejected_argmax = best;
+    const int64_t asked = walk.feed(i, accepted, fly_deferrable(is_greedy, valid, p, q));
+    if (asked >= 0)
+      walk.settle(fly_entropy_passes(fly_row_entropy(rows.target(row, asked), problem.vocab, problem.fly.top_k),
+                                     problem.fly.threshold_at(row)));
   }
+  const int64_t num_accepted = walk.accepted_length();
   for (int64_t i = drafted; i < K; ++i) problem.out_accept_prob[row * K + i] = 0.0f;
 
   int64_t* row_tokens = problem.out_tokens + row * (K + 1);

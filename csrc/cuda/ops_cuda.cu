@@ -88,9 +88,9 @@ void attach_cuda_generator(VerifyProblem& problem) {
 // start_verify for the CUDA kernels: a seedless call's seed is left to the kernel, from the generator state.
 VerifyCall start_cuda_verify(VerifyInput input, const VerifyShape& shape, const at::Tensor& draft_tokens,
                              const c10::optional<at::Tensor>& draft, const at::Tensor& target,
-                             const VerifyOptionals& optional, const VerifyScalars& scalars) {
+                             const VerifyOptionals& optional, const VerifyScalars& scalars, const FlyArgs& fly) {
   VerifyCall call =
-      start_verify(input, shape, draft_tokens, draft, target, optional, scalars, SeedSource::kKernelGenerator);
+      start_verify(input, shape, draft_tokens, draft, target, optional, scalars, fly, SeedSource::kKernelGenerator);
   if (call.problem.from_generator) attach_cuda_generator(call.problem);
   return call;
 }
@@ -131,14 +131,26 @@ using VerifyTuple = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
 using OptionalTensor = c10::optional<at::Tensor>;
 
 // Every tensor argument on one CUDA device (the draft's may be absent); one block per request must fit in the grid.
+// FLy's settings checked too (check_fly_args).
 void check_verify_devices(const char* op, const at::Tensor& draft_tokens, const OptionalTensor& draft,
-                          const at::Tensor& target, const VerifyOptionals& optional, const VerifyShape& shape) {
+                          const at::Tensor& target, const VerifyOptionals& optional, const FlyArgs& fly,
+                          const VerifyShape& shape) {
+  check_fly_args(fly, shape.batch, op);
   check_cuda_device(op, target, draft_tokens);
   for (const auto* tensor : {&draft, &optional.weight, &optional.num_draft, &optional.greedy_or_temperature,
                              &optional.uniforms, &optional.seeds, &optional.target_rows, &optional.draft_rows,
-                             &optional.target_temperature})
+                             &optional.target_temperature, &fly.window, &fly.threshold})
     if (tensor->has_value()) check_same_device(op, target.device(), **tensor);
   check_grid_rows(op, shape.batch);
+}
+
+// The split kernels decide each request's accepted length in every block of the request from gathered values alone,
+// before any block has read a whole row; FLy's entropy needs the whole target row at a rejected position, which
+// only the block kernels (one block per request) read. Refused rather than run with other kernels than the ones
+// DIVERSED_CUDA_KERNELS asks for.
+void check_split_without_fly(const char* op, const VerifyProblem& problem) {
+  TORCH_CHECK(!problem.fly.may_defer(), op, ": FLy (fly_window) is not supported by the split CUDA kernels "
+              "(DIVERSED_CUDA_KERNELS=split); use the block kernels (DIVERSED_CUDA_KERNELS=block, the default)");
 }
 
 VerifyTuple verify_probs_cuda(const at::Tensor& draft_tokens, const OptionalTensor& draft_probs,
@@ -146,18 +158,23 @@ VerifyTuple verify_probs_cuda(const at::Tensor& draft_tokens, const OptionalTens
                               const OptionalTensor& num_draft, const OptionalTensor& greedy,
                               const OptionalTensor& uniforms, const OptionalTensor& seeds, int64_t offset,
                               bool per_row_seed, double weight_value, c10::optional<int64_t> seed,
-                              const OptionalTensor& target_rows, const OptionalTensor& draft_rows) {
+                              const OptionalTensor& target_rows, const OptionalTensor& draft_rows,
+                              const OptionalTensor& fly_window, const OptionalTensor& fly_threshold,
+                              int64_t fly_window_value, double fly_threshold_value, int64_t fly_top_k) {
   const VerifyOptionals optional{weight, num_draft, greedy, uniforms, seeds, target_rows, draft_rows,
                                  kNoTargetTemperature};
+  const FlyArgs fly{fly_window, fly_threshold, fly_window_value, fly_threshold_value, fly_top_k};
   const VerifyShape shape = check_verify_args(VerifyInput::kProbs, draft_tokens, draft_probs, target_probs, optional);
-  check_verify_devices(kVerifyProbsOp, draft_tokens, draft_probs, target_probs, optional, shape);
+  check_verify_devices(kVerifyProbsOp, draft_tokens, draft_probs, target_probs, optional, fly, shape);
   const c10::cuda::CUDAGuard guard(target_probs.device());
-  const VerifyCall call = start_cuda_verify(VerifyInput::kProbs, shape, draft_tokens, draft_probs, target_probs,
-                                            optional, VerifyScalars{weight_value, 1.0, seed, offset, per_row_seed});
+  const VerifyCall call =
+      start_cuda_verify(VerifyInput::kProbs, shape, draft_tokens, draft_probs, target_probs, optional,
+                        VerifyScalars{weight_value, 1.0, seed, offset, per_row_seed}, fly);
   if (call.empty()) return call.result();
   const VerifyProblem& problem = call.problem;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const bool split = use_split_kernels();
+  if (split) check_split_without_fly(kVerifyProbsOp, problem);
   const SplitLaunch launch =
       split ? prepare_split(kVerifyProbsOp, problem, target_probs, false, stream) : SplitLaunch{};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, target_probs.scalar_type(), "verify_probs_cuda", [&] {
@@ -178,20 +195,24 @@ VerifyTuple verify_logits_cuda(const at::Tensor& draft_tokens, const OptionalTen
                                bool per_row_seed, double weight_value, double temperature_value,
                                c10::optional<int64_t> seed, const OptionalTensor& target_rows,
                                const OptionalTensor& draft_rows, const OptionalTensor& target_temperature,
-                               c10::optional<double> target_temperature_value) {
+                               c10::optional<double> target_temperature_value, const OptionalTensor& fly_window,
+                               const OptionalTensor& fly_threshold, int64_t fly_window_value,
+                               double fly_threshold_value, int64_t fly_top_k) {
   const VerifyOptionals optional{weight, num_draft, temperature, uniforms, seeds, target_rows, draft_rows,
                                  target_temperature};
+  const FlyArgs fly{fly_window, fly_threshold, fly_window_value, fly_threshold_value, fly_top_k};
   const VerifyShape shape =
       check_verify_args(VerifyInput::kLogits, draft_tokens, draft_logits, target_logits, optional);
-  check_verify_devices(kVerifyLogitsOp, draft_tokens, draft_logits, target_logits, optional, shape);
+  check_verify_devices(kVerifyLogitsOp, draft_tokens, draft_logits, target_logits, optional, fly, shape);
   const c10::cuda::CUDAGuard guard(target_logits.device());
   const VerifyCall call = start_cuda_verify(
       VerifyInput::kLogits, shape, draft_tokens, draft_logits, target_logits, optional,
-      VerifyScalars{weight_value, temperature_value, seed, offset, per_row_seed, target_temperature_value});
+      VerifyScalars{weight_value, temperature_value, seed, offset, per_row_seed, target_temperature_value}, fly);
   if (call.empty()) return call.result();
   const VerifyProblem& problem = call.problem;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const bool split = use_split_kernels();
+  if (split) check_split_without_fly(kVerifyLogitsOp, problem);
   const SplitLaunch launch =
       split ? prepare_split(kVerifyLogitsOp, problem, target_logits, true, stream) : SplitLaunch{};
   // The block kernels' scratch: the softmax normalisers of the rows each request reads, written and read back by its

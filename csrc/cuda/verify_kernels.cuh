@@ -10,6 +10,7 @@
 
 #include "../common/problems.h"
 #include "block_ops.cuh"
+#include "fly_ops.cuh"
 
 namespace diversed {
 namespace gpu {
@@ -158,23 +159,31 @@ __global__ void __launch_bounds__(kThreads) verify_kernel(const VerifyProblem pa
   const bool greedy = rows.greedy(params, b);
   rows.prepare(params, b, drafted, storage);
 
-  // 1. Accept tests at drafted positions; m = the first rejection (drafted when all pass).
+  // 1. Accept tests at drafted positions; m = the first rejection (drafted when all pass), or with FLy the first
+  // position neither accepted nor deferred (fly_math.h).
   int64_t m = drafted;
   int64_t greedy_choice = 0;  // argmax nu_m of a greedy row rejected at m
+  const int64_t window = params.fly.window_at(b, K);
   if (greedy) {
+    FlyWalk walk(drafted, window);
     for (int64_t i = 0; i < drafted; ++i) {
       const Row target = rows.target_row(params, b, i);
       const DraftRow draft = rows.draft_row(params, b, i);
       const int64_t best = block_argmax_mixture(target, &draft, params.weight_at(b, i), V, storage);
-      const bool accepted = params.draft_tokens[b * K + i] == best;  // best lies in [0, V): ids outside are rejected
+      const int64_t token = params.draft_tokens[b * K + i];
+      const bool accepted = token == best;  // best lies in [0, V): ids outside are rejected
       if (threadIdx.x == 0) params.out_accept_prob[b * K + i] = accepted ? 1.0f : 0.0f;
-      if (!accepted && m == drafted) {
-        m = i;
-        greedy_choice = best;
-      }
+      // A failure while no rejection is pending is this position's; one inside a window ends at the pending one.
+      if (!accepted && !walk.decided() && walk.pending < 0) greedy_choice = best;
+      const bool deferrable = window > 0 && fly_deferrable(true, in_row(token, V),
+                                                           in_row(token, V) ? mass_at(target, token) : 0.0f, 0.0f);
+      const int64_t asked = walk.feed(i, accepted, deferrable);
+      if (asked >= 0) walk.settle(fly_entropy_defers(params, rows, b, asked, storage));
     }
+    m = walk.accepted_length();
   } else {
     m = sampled_first_rejection(params, rows, b, drafted, true, storage);
+    if (window > 0 && m < drafted) m = fly_sampled_length(params, rows, b, drafted, m, window, storage);
   }
 
   // 2. Every output but the final token.

@@ -108,6 +108,26 @@ def _add_draft_length_arguments(parser: argparse.ArgumentParser, several: bool =
                         "default pair's on a 2-core CPU)")
 
 
+def _add_fly_arguments(parser: argparse.ArgumentParser) -> None:
+    """FLy's settings (the methods fly, static+fly and diversed+fly; lossy: see docs/decoding.md)."""
+    parser.add_argument("--fly-window", type=_positive_int,
+                        help="FLy's window W (< --max-draft; default vLLM's, min(6, K - 1))")
+    parser.add_argument("--fly-threshold", type=_non_negative_float, default=0.3,
+                        help="FLy's entropy threshold tau (default %(default)s)")
+    parser.add_argument("--fly-top-k", type=_positive_int, default=3,
+                        help="how many of the target's largest probabilities FLy's entropy sums (default %(default)s)")
+
+
+def _fly_settings(args):
+    """The Fly of the --fly-* flags."""
+    from ..decoding import Fly
+
+    try:
+        return Fly(args.fly_window, args.fly_threshold, args.fly_top_k)
+    except (TypeError, ValueError) as error:
+        raise UsageError(str(error)) from None
+
+
 @contextlib.contextmanager
 def _decoder_error() -> Iterator[None]:
     """A decoder refusing a combination of flags (a draft length that needs the draft's probabilities next to an

@@ -10,7 +10,8 @@ import torch
 
 from ..decoding import METHODS, eos_ids
 from . import common
-from .common import (UsageError, _add_batch_argument, _add_draft_length_arguments, _add_model_arguments,
+from .common import (UsageError, _add_batch_argument, _add_draft_length_arguments, _add_fly_arguments,
+                     _add_model_arguments, _fly_settings,
                      _check_draft_cost, _decoder_error, _draft_length_words, _draft_lengths, _load_head,
                      _non_negative_float, _non_negative_int, _positive_int, _require_writable_folder, _unit_float,
                      _write_text, library_defaults)
@@ -29,7 +30,7 @@ def _add_task_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_experiment_commands(commands) -> None:
     """The eval, pareto, validate and compare-drafts sub-commands (see :mod:`diversed_ext.research`)."""
-    from ..research.harness import DRAFT_SOURCES, PARETO_WEIGHTS, evaluate
+    from ..research.harness import DRAFT_SOURCES, FLY_METHODS, PARETO_WEIGHTS, evaluate
     from ..research.validation import sample_validation_tokens
 
     run = library_defaults(evaluate)
@@ -37,7 +38,9 @@ def add_experiment_commands(commands) -> None:
 
     evaluate = commands.add_parser("eval", help="acceptance, task quality, fidelity and speed per method")
     _add_task_arguments(evaluate)
-    evaluate.add_argument("--method", choices=METHODS, nargs="+", default=["sd"], help="one or more (default sd)")
+    evaluate.add_argument("--method", choices=METHODS + FLY_METHODS, nargs="+", default=["sd"],
+                          help="one or more (default sd); fly is sd with FLy, static+fly and diversed+fly add FLy "
+                          "(--fly-*) to those methods")
     evaluate.add_argument("--weight", type=_unit_float, nargs="+", default=[0.5],
                           help="w of each static ensemble (default 0.5)")
     evaluate.add_argument("--head", help="head folder for diversed, or the name of a head shipped in "
@@ -45,6 +48,7 @@ def add_experiment_commands(commands) -> None:
     _add_batch_argument(evaluate, run)
     _add_model_arguments(evaluate, run)
     _add_draft_length_arguments(evaluate, several=True)
+    _add_fly_arguments(evaluate)
 
     pareto = commands.add_parser("pareto", help="static sweep over w and every head's point: tables and PNGs")
     _add_task_arguments(pareto)
@@ -57,6 +61,9 @@ def add_experiment_commands(commands) -> None:
     _add_batch_argument(pareto, run)
     _add_model_arguments(pareto, run)
     _add_draft_length_arguments(pareto)
+    pareto.add_argument("--fly", action="store_true",
+                        help="also FLy's point (sd with FLy) and each head's with FLy, at the --fly-* settings")
+    _add_fly_arguments(pareto)
 
     validate = commands.add_parser("validate", help="heads and coefficients on held-out contexts, in closed form "
                                    "(no decoding per head): acceptance, fidelity, distance above the static line")
@@ -188,25 +195,30 @@ def _run_eval(args) -> int:
     from ..research.harness import method_specs
     from ..research.report import compare_to_baselines, comparison_lines
 
-    if "diversed" in args.method and not args.head:
+    if any(method.startswith("diversed") for method in args.method) and not args.head:
         raise UsageError("--method diversed needs --head PATH (or --head default for the shipped head)")
+    fly = _fly_settings(args)
     return _evaluate_and_print(args, lambda target, draft: method_specs(args.method, args.weight,
-                                                                        _head_for(args, target, draft)),
+                                                                        _head_for(args, target, draft), fly=fly),
                                lambda results: comparison_lines(compare_to_baselines(results)))
 
 
 def _run_pareto(args) -> int:
     from ..research.harness import pareto_methods
     from ..research.head_usage import lowest_weight_table, plot_weight_histograms
-    from ..research.report import compare_to_baselines, comparison_lines, learned_rows, markdown_table, plot_pareto
+    from ..research.report import (compare_to_baselines, comparison_lines, fly_rows, learned_rows, markdown_table,
+                                   plot_pareto)
 
     _check_draft_cost(args)
     setup = _experiment_setup(args)
     task, _, target, draft, tokenizer, _ = setup
-    results = _evaluate(args, setup, pareto_methods(args.weights, heads=_heads_by_label(args, target, draft)))
+    fly = _fly_settings(args) if args.fly else None
+    results = _evaluate(args, setup, pareto_methods(args.weights, heads=_heads_by_label(args, target, draft),
+                                                    fly=fly))
     table = markdown_table(results, task.metric)
     learned = learned_rows(results)
-    comparisons = [comparison_lines(compare_to_baselines(results, row.label), row.label) for row in learned]
+    comparisons = [comparison_lines(compare_to_baselines(results, row.label), row.label)
+                   for row in learned + fly_rows(results)]
     if any(comparisons):
         table += "\n\n" + "\n".join(line for line in comparisons if line)
     written = [_write_text(args.output_dir, "pareto.md", table),

@@ -11,12 +11,13 @@ from .checks import DRAFT_MODES, METHODS
 from .draft_lengths import (DEFAULT_DRAFT_LENGTH, DRAFT_LENGTHS, ConfidenceDraftLength, DraftLengthPolicy,
                             GainDraftLength, HeuristicDraftLength, RoundOutcome)
 from .drafters import NgramDrafter
+from .fly import Fly
 from .loop import DEFAULT_MAX_DRAFT, SpeculativeDecoder
 from .prompts import encode_prompt, eos_ids
 from .state import DecodingState
 from .stats import DecodingSummary, Generation, GenerationOutput, RoundStats, summarize
 
-__all__ = ["SpeculativeDecoder", "DEFAULT_MAX_DRAFT", "DecodingState", "METHODS", "DRAFT_MODES", "NgramDrafter", "RoundStats", "Generation",
+__all__ = ["SpeculativeDecoder", "Fly", "DEFAULT_MAX_DRAFT", "DecodingState", "METHODS", "DRAFT_MODES", "NgramDrafter", "RoundStats", "Generation",
            "DecodingSummary", "GenerationOutput", "summarize", "encode_prompt", "eos_ids", "DRAFT_LENGTHS",
            "DEFAULT_DRAFT_LENGTH", "DraftLengthPolicy", "HeuristicDraftLength", "ConfidenceDraftLength",
            "GainDraftLength", "RoundOutcome"]

@@ -30,6 +30,7 @@ from ..head import distribution_features, wants_distributions
 from ..ops import is_greedy_temperature, philox_uniforms, verify_logits
 from .checks import DrafterLike, HeadLike, check_drafted
 from .draft_lengths import DraftLengthPolicy, RoundOutcome
+from .fly import Fly
 from .runners import RowRunner, crop_cache
 from .state import DecodingState, commit_tokens
 from .stats import RoundStats
@@ -49,6 +50,7 @@ class RoundConfig:
     drafter: Optional[DrafterLike]  # a callable drafter in place of the draft model
     vocab_size: Optional[int]  # the target's, for checking a drafter's ids
     check_inputs: bool  # the verifier's
+    fly: Optional[Fly]  # the verifier's FLy settings, or None
     device: torch.device  # the target's: drafts, logits and weights meet there
     clock: Callable[[], float]  # seconds, synchronised with the device when the decoder times for real
     target_runner: RowRunner
@@ -325,9 +327,10 @@ def _verify(config: RoundConfig, states: list[DecodingState], drafts: _Drafts, d
     draft_tokens = torch.tensor([tokens + [0] * (width - len(tokens)) for tokens in drafts.tokens],
                                 dtype=torch.int64, device=device).reshape(rows, width)
     num_draft = torch.tensor([len(tokens) for tokens in drafts.tokens], dtype=torch.int64, device=device)
+    fly = {} if config.fly is None else config.fly.verify_arguments(width)
     return verify_logits(draft_tokens, draft_logits, target_logits, weight, temperature=config.temperature,
                          num_draft=num_draft, uniforms=row_uniforms(states, num_draft, width, device),
-                         check_inputs=config.check_inputs)
+                         check_inputs=config.check_inputs, **fly)
 
 
 def row_uniforms(states: list[DecodingState], num_draft: torch.Tensor, width: int, device) -> torch.Tensor:

@@ -9,7 +9,7 @@ import torch
 
 from .. import rules
 
-METHODS = ("ar", "sd", "static", "diversed")
+METHODS = ("ar", "sd", "static", "diversed", "fly")
 # What the verifier gets from a draft: its distributions q (the draft samples from q), or its tokens only (q one-hot at
 # each drafted token: the draft's argmax, or a sample of its distribution for "sampled_tokens").
 DRAFT_MODES = ("distributions", "tokens", "sampled_tokens")
@@ -20,6 +20,7 @@ DrafterLike = Callable[[list, int], Sequence[int]]
 
 
 def check_method(method) -> str:
+    """One of METHODS; ``fly`` (sd with FLy) is resolved by the decoder before it asks."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {', '.join(METHODS)}; got {method!r}")
     return method

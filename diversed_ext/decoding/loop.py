@@ -10,6 +10,8 @@ Methods:
     ``sd``        standard speculative decoding, w = 1: the output follows the target exactly
     ``static``    static ensemble, one fixed w in [0, 1] on the target (w = 0 accepts every draft)
     ``diversed``  dynamic ensemble: w_i = head(draft_hidden_i, target_hidden_i) for every drafted position
+    ``fly``       ``sd`` with FLy (vLLM's entropy-gated deferral, :mod:`.fly`); every method but ``ar`` takes FLy
+                  settings (``fly=Fly(...)``). Lossy: the output no longer follows nu.
 
 Drafts with or without distributions (``draft_mode``): the verifier reads the draft's distributions q, or only its
 tokens (q one-hot at each drafted token, what drafters like EAGLE, MTP or an n-gram lookup give), and a callable
@@ -41,6 +43,7 @@ from .batch import RoundConfig, run_round
 from .checks import (DrafterLike, HeadLike, PromptLike, check_batch_size, check_draft_mode, check_head,
                      check_max_new_tokens, check_method, check_prompt, check_seed, check_weight)
 from .draft_lengths import DEFAULT_DRAFT_LENGTH, PolicyLike, check_draft_length
+from .fly import Fly
 from .prompts import normalise_eos, split_prompts
 from .runners import Clock, make_runner, model_device
 from .state import DecodingState
@@ -60,7 +63,8 @@ class SpeculativeDecoder:
         target: Hugging Face causal LM (``model(input_ids, cache=..., use_cache=True)`` returning logits).
         draft: the draft causal LM; may be None for ``method="ar"`` or with ``drafter``. It may live on another device
             (an int8 CPU draft next to a GPU target): its outputs are moved to the target's device.
-        method: ``"ar"``, ``"sd"``, ``"static"`` or ``"diversed"`` (see the module docstring).
+        method: ``"ar"``, ``"sd"``, ``"static"``, ``"diversed"`` or ``"fly"`` (``sd`` with FLy; see the module
+            docstring).
         weight: w on the target for ``static`` (required, in [0, 1]); must be None or 1 for ``sd``.
         head: for ``diversed``: a callable ``head(draft_hidden [1, k, Hd], target_hidden [1, k, Ht]) -> w`` with w of
             shape [1, k] (or [1, k, 1]) in [0, 1], e.g. :class:`diversed_ext.head.EnsembleHead`. The hidden states are
@@ -99,6 +103,10 @@ class SpeculativeDecoder:
         check_inputs: forwarded to :func:`diversed_ext.verify_logits` (also checks the head's weights). Off by default:
             the loop's own probabilities are valid by construction and checking forces a device sync.
         synchronize_timing: wait for the device before every clock read, so CUDA timings are real (default True).
+        fly: FLy settings (:class:`~diversed_ext.decoding.fly.Fly`) for the verifier of ``sd``, ``static`` or
+            ``diversed``; ``method="fly"`` is ``sd`` with ``fly`` (default ``Fly()``: vLLM's window min(6, K - 1),
+            tau 0.3, top 3). A rejected draft is then kept when the next W drafts pass and the target's top-k
+            entropy there is at least tau: more tokens per round, and the output no longer follows nu.
         fast_forward: run ``LlamaForCausalLM`` models through :mod:`diversed_ext.forward` (their own modules and
             weights, a preallocated KV cache, CPU-friendly skinny products; outputs equal up to float rounding).
             Other models, and every model when False, run through their own forward with a transformers cache.
@@ -112,11 +120,18 @@ class SpeculativeDecoder:
                  temperature: float = 1.0, draft_mode: Optional[str] = None, drafter: Optional[DrafterLike] = None,
                  check_inputs: bool = False, synchronize_timing: bool = True, fast_forward: bool = True,
                  draft_length: PolicyLike = DEFAULT_DRAFT_LENGTH,
-                 draft_cost: Optional[float] = None):
+                 draft_cost: Optional[float] = None, fly: Optional[Fly] = None):
+        if method == "fly":
+            method, fly = "sd", fly if fly is not None else Fly()
         self.method = check_method(method)
         self.weight = check_weight(method, weight)
         self.head = check_head(method, head)
         self.max_draft = rules.draft_length(max_draft)
+        if fly is not None and not isinstance(fly, Fly):
+            raise TypeError(f"fly must be a diversed_ext.decoding.Fly or None, got {type(fly).__name__}")
+        if fly is not None and method == "ar":
+            raise ValueError("fly applies to methods that draft (sd, static, diversed), not to 'ar'")
+        self.fly = None if fly is None else fly.for_max_draft(self.max_draft)
         self.temperature = rules.temperature(temperature)
         self.draft_mode = check_draft_mode(method, draft_mode, drafter)
         self.draft_length = check_draft_length(draft_length, self.max_draft, method=method, weight=self.weight,
@@ -145,7 +160,8 @@ class SpeculativeDecoder:
         the temperature, takes effect at the next round)."""
         return RoundConfig(max_draft=self.max_draft, draft_length=self.draft_length, temperature=self.temperature,
                            draft_mode=self.draft_mode, weight=self.weight, head=self.head, drafter=self.drafter,
-                           vocab_size=self.vocab_size, check_inputs=self.check_inputs, device=self.device,
+                           vocab_size=self.vocab_size, check_inputs=self.check_inputs, fly=self.fly,
+                           device=self.device,
                            clock=self._clock, target_runner=self._target_runner, draft_runner=self._draft_runner)
 
     # ---- public API ------------------------------------------------------------------------------------------------

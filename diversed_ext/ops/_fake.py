@@ -21,7 +21,8 @@ def cuda_kernels_registered() -> bool:
 
 @torch.library.register_fake("diversed::verify_probs")
 def _verify_probs_fake(draft_tokens, draft_probs, target_probs, weight, num_draft, greedy, uniforms, seeds, offset=0,
-                       per_row_seed=False, weight_value=1.0, seed=None, target_rows=None, draft_rows=None):
+                       per_row_seed=False, weight_value=1.0, seed=None, target_rows=None, draft_rows=None,
+                       fly_window=None, fly_threshold=None, fly_window_value=0, fly_threshold_value=0.3, fly_top_k=3):
     # B and K from the ids: the draft may be absent (tokens only), and either tensor may be rows [R, V] read in place.
     batch, num_positions = draft_tokens.shape
     tokens = target_probs.new_empty((batch, num_positions + 1), dtype=torch.int64)
@@ -33,7 +34,8 @@ def _verify_probs_fake(draft_tokens, draft_probs, target_probs, weight, num_draf
 @torch.library.register_fake("diversed::verify_logits")
 def _verify_logits_fake(draft_tokens, draft_logits, target_logits, weight, num_draft, temperature, uniforms, seeds,
                         offset=0, per_row_seed=False, weight_value=1.0, temperature_value=1.0, seed=None,
-                        target_rows=None, draft_rows=None, target_temperature=None, target_temperature_value=None):
+                        target_rows=None, draft_rows=None, target_temperature=None, target_temperature_value=None,
+                        fly_window=None, fly_threshold=None, fly_window_value=0, fly_threshold_value=0.3, fly_top_k=3):
     return _verify_probs_fake(draft_tokens, draft_logits, target_logits, weight, num_draft, None, uniforms, seeds,
                               offset, per_row_seed)
 
@@ -42,7 +44,8 @@ def _verify_logits_fake(draft_tokens, draft_logits, target_logits, weight, num_d
 def _verify_logits_with_flags_fake(draft_tokens, draft_logits, target_logits, weight, num_draft, temperature, uniforms,
                                    seeds, offset=0, per_row_seed=False, weight_value=1.0, temperature_value=1.0,
                                    seed=None, target_rows=None, draft_rows=None, target_temperature=None,
-                                   target_temperature_value=None):
+                                   target_temperature_value=None, fly_window=None, fly_threshold=None,
+                                   fly_window_value=0, fly_threshold_value=0.3, fly_top_k=3):
     batch, num_positions = draft_tokens.shape
     row_flags = target_logits.new_empty((batch, 2 * num_positions + 1), dtype=torch.int32)
     return (*_verify_probs_fake(draft_tokens, draft_logits, target_logits, weight, num_draft, None, uniforms, seeds,

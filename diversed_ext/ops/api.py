@@ -27,6 +27,7 @@ from typing import NamedTuple
 import torch
 
 from . import _fake  # noqa: F401  (registers the native ops and their fake kernels)
+from ._fly import fly_arguments, fly_as_given
 from ._inputs import weight_tensor
 from ._pair_inputs import normalize_stat_tokens, prepare_pair
 from ._prepare import prepare_verify
@@ -59,7 +60,8 @@ class VerifyResult(NamedTuple):
 
 
 def verify(draft_tokens, draft_probs, target_probs, weight, *, num_draft=None, greedy=None, uniforms=None, seed=None,
-           offset=0, check_inputs=True, target_rows=None, draft_rows=None) -> VerifyResult:
+           offset=0, check_inputs=True, target_rows=None, draft_rows=None, fly_window=0, fly_threshold=0.3,
+           fly_top_k=3) -> VerifyResult:
     """Verify a batch of draft blocks against the DIVERSED mixture, in one fused native call.
 
     Args:
@@ -91,6 +93,13 @@ def verify(draft_tokens, draft_probs, target_probs, weight, *, num_draft=None, g
         draft_rows: optional int32/int64 [B, K]: the same for ``draft_probs`` as an [Rd, V] row tensor (positions
             >= num_draft[b] are not read). Only with a draft tensor: a tokens-only call (draft_probs None) that
             passes draft_rows is a ValueError.
+        fly_window: FLy's window W, an int or an int [B] tensor per request (0, the default, switches FLy off for
+            the row): a draft the exact test rejects is accepted anyway when the next W drafts pass their own exact
+            tests, the draft has p > 0 (and q > 0 on a sampled row), and the target's top-k entropy there is at least
+            ``fly_threshold``. W must be < K (with check_inputs; the kernels clamp it into [0, K - 1] otherwise).
+            Lossy: the output no longer follows nu. ``accept_prob`` still reports the exact test.
+        fly_threshold: FLy's entropy threshold tau, a float or a float [B] tensor, >= 0.
+        fly_top_k: how many of the target's largest probabilities FLy's entropy sums, in [1, 32].
 
     Returns:
         :class:`VerifyResult` with ``tokens`` [B, K+1] int64, ``num_accepted`` [B] int32, ``accept_prob`` [B, K] float32.
@@ -99,30 +108,34 @@ def verify(draft_tokens, draft_probs, target_probs, weight, *, num_draft=None, g
         TypeError / ValueError naming the offending argument.
     """
     rows = (target_rows, draft_rows)
-    if not check_inputs and (greedy is None or greedy_as_given(greedy)) and rows_as_given(*rows):
+    fly = (fly_window, fly_threshold, fly_top_k)
+    if not check_inputs and (greedy is None or greedy_as_given(greedy)) and rows_as_given(*rows) \
+            and (fly_given := fly_as_given(*fly)) is not None:
         op_arguments = unchecked_arguments(draft_tokens, draft_probs, target_probs, weight, num_draft, greedy,
                                            uniforms, seed, offset)
         if op_arguments is not None:
             # Trailing arguments left at their defaults are not passed: each costs the dispatcher a fraction of a us.
-            extra = () if target_rows is None and draft_rows is None else rows
+            extra = () if target_rows is None and draft_rows is None and not fly_given else (*rows, *fly_given)
             try:
                 return VerifyResult(*_VERIFY_PROBS(*op_arguments, *extra))
             except RuntimeError as error:
                 refusal = error  # a size or device the op refuses: the rules below name the argument, or it stands
             _prepare_probs(draft_tokens, draft_probs, target_probs, weight, num_draft, greedy, uniforms, seed, offset,
-                           False, rows)
+                           False, rows, fly)
             raise refusal
     return VerifyResult(*_VERIFY_PROBS(*_prepare_probs(draft_tokens, draft_probs, target_probs, weight, num_draft,
-                                                       greedy, uniforms, seed, offset, check_inputs, rows)))
+                                                       greedy, uniforms, seed, offset, check_inputs, rows, fly)))
 
 
 def _prepare_probs(draft_tokens, draft_probs, target_probs, weight, num_draft, greedy, uniforms, seed, offset,
-                   check_inputs, rows) -> tuple:
-    """verify's op arguments through the argument rules (prepare_verify); ``rows``: (target_rows, draft_rows)."""
-    return prepare_verify(draft_tokens, draft_probs, target_probs, weight, num_draft=num_draft, greedy=greedy,
-                          uniforms=uniforms, seed=seed, offset=offset, check_inputs=check_inputs,
-                          draft_name="draft_probs", target_name="target_probs", kind="probabilities",
-                          target_rows=rows[0], draft_rows=rows[1])
+                   check_inputs, rows, fly) -> tuple:
+    """verify's op arguments through the argument rules (prepare_verify, then FLy's); ``rows``: (target_rows,
+    draft_rows); ``fly``: (fly_window, fly_threshold, fly_top_k)."""
+    arguments = prepare_verify(draft_tokens, draft_probs, target_probs, weight, num_draft=num_draft, greedy=greedy,
+                               uniforms=uniforms, seed=seed, offset=offset, check_inputs=check_inputs,
+                               draft_name="draft_probs", target_name="target_probs", kind="probabilities",
+                               target_rows=rows[0], draft_rows=rows[1])
+    return (*arguments, *fly_arguments(*fly, *arguments[0].shape, arguments[2].device, check_inputs))
 
 
 class TokenStats(NamedTuple):
@@ -146,7 +159,7 @@ class TokenStats(NamedTuple):
 
 def verify_logits(draft_tokens, draft_logits, target_logits, weight, *, temperature=1.0, num_draft=None,
                   uniforms=None, seed=None, offset=0, check_inputs=True, target_rows=None, draft_rows=None,
-                  target_temperature=None) -> VerifyResult:
+                  target_temperature=None, fly_window=0, fly_threshold=0.3, fly_top_k=3) -> VerifyResult:
     """:func:`diversed_ext.verify` straight from logits, with a fused online softmax.
 
     Args:
@@ -162,29 +175,32 @@ def verify_logits(draft_tokens, draft_logits, target_logits, weight, *, temperat
             rows' distributions do.
         target_rows, draft_rows: rows read in place, as in :func:`diversed_ext.verify` (``target_logits`` [R, V],
             ``draft_logits`` [Rd, V]); out-of-range indices without checks are clamped into [0, R).
-        Everything else as :func:`diversed_ext.verify` (weights, ragged rows, uniforms, seeds, offset, check_inputs).
+        Everything else as :func:`diversed_ext.verify` (weights, ragged rows, uniforms, seeds, offset, check_inputs,
+        FLy's fly_window, fly_threshold and fly_top_k, whose entropy comes from the target at its temperature).
     """
     extras = (target_rows, draft_rows, target_temperature)
+    fly = (fly_window, fly_threshold, fly_top_k)
     temperature_given = None if check_inputs else temperature_as_given(temperature)
     target_temperature_given = None if temperature_given is None else target_temperature_as_given(target_temperature)
-    if target_temperature_given is not None and rows_as_given(target_rows, draft_rows):
+    fly_given = None if target_temperature_given is None else fly_as_given(*fly)
+    if fly_given is not None and rows_as_given(target_rows, draft_rows):
         op_arguments = unchecked_arguments(draft_tokens, draft_logits, target_logits, weight, num_draft,
                                            temperature_given[0], uniforms, seed, offset, temperature_given[1])
         if op_arguments is not None:
-            extra = (() if target_rows is None and draft_rows is None and target_temperature is None
-                     else (target_rows, draft_rows, *target_temperature_given))  # as in verify
+            extra = (() if target_rows is None and draft_rows is None and target_temperature is None and not fly_given
+                     else (target_rows, draft_rows, *target_temperature_given, *fly_given))  # as in verify
             try:
                 return VerifyResult(*_VERIFY_LOGITS(*op_arguments, *extra))
             except RuntimeError as error:
                 refusal = error  # as in verify
             _prepare_logits(draft_tokens, draft_logits, target_logits, weight, temperature, num_draft, uniforms, seed,
-                            offset, extras, check_inputs=False, flags_from_kernel=False)
+                            offset, extras, fly, check_inputs=False, flags_from_kernel=False)
             raise refusal
     # On the CPU the kernel flags the token ids and the logits' values in its own passes (checked after the call,
     # which then raises); elsewhere they are checked before it.
     flags_from_kernel = check_inputs and isinstance(target_logits, torch.Tensor) and target_logits.device.type == "cpu"
     op_arguments = _prepare_logits(draft_tokens, draft_logits, target_logits, weight, temperature, num_draft,
-                                   uniforms, seed, offset, extras, check_inputs, flags_from_kernel)
+                                   uniforms, seed, offset, extras, fly, check_inputs, flags_from_kernel)
     if not flags_from_kernel:
         return VerifyResult(*_VERIFY_LOGITS(*op_arguments))
     tokens, num_accepted, accept_prob, row_flags = _VERIFY_LOGITS_WITH_FLAGS(*op_arguments)
@@ -193,10 +209,10 @@ def verify_logits(draft_tokens, draft_logits, target_logits, weight, *, temperat
 
 
 def _prepare_logits(draft_tokens, draft_logits, target_logits, weight, temperature, num_draft, uniforms, seed, offset,
-                    extras, check_inputs, flags_from_kernel) -> tuple:
+                    extras, fly, check_inputs, flags_from_kernel) -> tuple:
     """verify_logits' op arguments through the argument rules: prepare_verify's, with the temperature (its own rule)
-    in the place of greedy and its value before the seed, and after the row indices the target temperature
-    (``extras``: target_rows, draft_rows, target_temperature)."""
+    in the place of greedy and its value before the seed, after the row indices the target temperature (``extras``:
+    target_rows, draft_rows, target_temperature), then FLy's (``fly``: fly_window, fly_threshold, fly_top_k)."""
     target_rows, draft_rows, target_temperature = extras
     (draft_ids, draft, target, weight_t, num_draft_t, _, uniforms_t, seeds, offset_i, per_row_seed, weight_value,
      seed_value, target_rows_t, draft_rows_t) = prepare_verify(
@@ -213,7 +229,7 @@ def _prepare_logits(draft_tokens, draft_logits, target_logits, weight, temperatu
             target_temperature_value = None  # the tensor gives the values
     return (draft_ids, draft, target, weight_t, num_draft_t, temperature_t, uniforms_t, seeds, offset_i, per_row_seed,
             weight_value, temperature_value, seed_value, target_rows_t, draft_rows_t, target_temperature_t,
-            target_temperature_value)
+            target_temperature_value, *fly_arguments(*fly, batch, draft_ids.shape[1], target.device, check_inputs))
 
 
 def token_stats(draft, target, tokens, *, from_logits=False, temperature=1.0, check_inputs=True) -> TokenStats:

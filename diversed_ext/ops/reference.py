@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from ._fly import fly_arguments, fly_deferred, fly_entropy, fly_tensors
 from ._inputs import VerifyArgs, weight_tensor
 from ._pair_inputs import normalize_stat_tokens, prepare_pair
 from ._philox import philox_uniforms
@@ -57,8 +58,9 @@ def one_hot_drafts(draft_tokens: torch.Tensor, vocab: int) -> torch.Tensor:
 
 def reference_core(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor,
                    weight: torch.Tensor, num_draft: torch.Tensor, greedy: torch.Tensor,
-                   uniforms: torch.Tensor) -> VerifyResult:
-    """Verification on normalised arguments (see diversed_ext.ops._inputs.VerifyArgs) with explicit float64 uniforms."""
+                   uniforms: torch.Tensor, fly=None) -> VerifyResult:
+    """Verification on normalised arguments (see diversed_ext.ops._inputs.VerifyArgs) with explicit float64 uniforms;
+    ``fly``: FLy's (window int64 [B], threshold float32 [B], top_k), or None."""
     batch, num_positions, vocab = draft_probs.shape
     rows = torch.arange(batch, device=draft_probs.device)
     positions = torch.arange(num_positions, device=draft_probs.device)
@@ -83,6 +85,11 @@ def reference_core(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, target
 
     accepted = torch.where(greedy.unsqueeze(1), accept_greedy, accept_sampled) & valid
     accept_prob = torch.where(greedy.unsqueeze(1), accepted.float(), ratio) * valid
+    if fly is not None:
+        window, threshold, top_k = fly
+        deferrable = valid & (p_token > 0) & (greedy.unsqueeze(1) | (q_token > 0))
+        entropy = fly_entropy(_sanitize_mass(target_probs[:, :num_positions].float()), top_k)
+        accepted = accepted | fly_deferred(accepted, deferrable, entropy, window, threshold, num_draft)
     num_accepted = accepted.long().cumprod(1).sum(1)
 
     # The final token: residual at the first rejection, else the bonus from target row num_draft.
@@ -119,19 +126,28 @@ def _gathered(args: VerifyArgs) -> VerifyArgs:
     return args
 
 
+def _fly_of(args: VerifyArgs, fly: tuple, check_inputs: bool):
+    """FLy's settings through their rules, as reference_core takes them (None when off)."""
+    batch, num_positions = args.draft_tokens.shape
+    return fly_tensors(fly_arguments(*fly, batch, num_positions, args.target.device, check_inputs), batch,
+                       args.target.device)
+
+
 def verify_reference(draft_tokens, draft_probs, target_probs, weight, *, num_draft=None, greedy=None, uniforms=None,
-                     seed=None, offset=0, check_inputs=True, target_rows=None, draft_rows=None) -> VerifyResult:
+                     seed=None, offset=0, check_inputs=True, target_rows=None, draft_rows=None, fly_window=0,
+                     fly_threshold=0.3, fly_top_k=3) -> VerifyResult:
     """Reference implementation of :func:`diversed_ext.verify` in plain PyTorch (same arguments, same result)."""
     args = prepare_verify(draft_tokens, draft_probs, target_probs, weight, num_draft=num_draft, greedy=greedy,
                           uniforms=uniforms, seed=seed, offset=offset, check_inputs=check_inputs,
                           draft_name="draft_probs", target_name="target_probs", kind="probabilities",
                           target_rows=target_rows, draft_rows=draft_rows)
     args = _gathered(VerifyArgs(*args).materialized())
+    fly = _fly_of(args, (fly_window, fly_threshold, fly_top_k), check_inputs)
     if args.uniforms is None:
         args.uniforms = philox_uniforms(args.seeds, args.offset, args.draft_tokens.shape[1] + 1, args.per_row_seed)
     draft_probs = one_hot_drafts(args.draft_tokens, args.target.shape[-1]) if args.draft is None else args.draft
     return reference_core(args.draft_tokens, draft_probs, args.target, args.weight, args.num_draft, args.greedy,
-                          args.uniforms)
+                          args.uniforms, fly)
 
 
 def _tempered_softmax(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
@@ -143,7 +159,7 @@ def _tempered_softmax(logits: torch.Tensor, temperature: torch.Tensor) -> torch.
 
 def verify_logits_reference(draft_tokens, draft_logits, target_logits, weight, *, temperature=1.0, num_draft=None,
                             uniforms=None, seed=None, offset=0, check_inputs=True, target_rows=None, draft_rows=None,
-                            target_temperature=None) -> VerifyResult:
+                            target_temperature=None, fly_window=0, fly_threshold=0.3, fly_top_k=3) -> VerifyResult:
     """Reference of :func:`diversed_ext.verify_logits`: softmax everything, then verify on probabilities (one-hot
     draft rows when ``draft_logits`` is None)."""
     args = prepare_verify(draft_tokens, draft_logits, target_logits, weight, num_draft=num_draft, greedy=None,
@@ -151,6 +167,7 @@ def verify_logits_reference(draft_tokens, draft_logits, target_logits, weight, *
                           draft_name="draft_logits", target_name="target_logits", kind="logits",
                           target_rows=target_rows, draft_rows=draft_rows)
     args = _gathered(VerifyArgs(*args).materialized())
+    fly = _fly_of(args, (fly_window, fly_threshold, fly_top_k), check_inputs)
     temperature_t = temperature_tensor(temperature, args.target.shape[0], args.target.device, check_inputs)
     target_temperature_t = temperature_t if target_temperature is None else temperature_tensor(
         target_temperature, args.target.shape[0], args.target.device, check_inputs, "target_temperature")
@@ -161,7 +178,7 @@ def verify_logits_reference(draft_tokens, draft_logits, target_logits, weight, *
     else:
         draft_probs = _tempered_softmax(args.draft, temperature_t)
     return reference_core(args.draft_tokens, draft_probs, _tempered_softmax(args.target, target_temperature_t),
-                          args.weight, args.num_draft, is_greedy_temperature(temperature_t), args.uniforms)
+                          args.weight, args.num_draft, is_greedy_temperature(temperature_t), args.uniforms, fly)
 
 
 def token_stats_reference(draft, target, tokens, *, from_logits=False, temperature=1.0, check_inputs=True):

@@ -19,7 +19,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 from tqdm.auto import tqdm
 
-from ..decoding import DEFAULT_MAX_DRAFT, DRAFT_MODES, NgramDrafter, SpeculativeDecoder, encode_prompt, summarize
+from ..decoding import DEFAULT_MAX_DRAFT, DRAFT_MODES, Fly, NgramDrafter, SpeculativeDecoder, encode_prompt, summarize
 from .draft_length_report import draft_length_label
 from .head_usage import weight_usage
 from .report import MethodResult, _mean
@@ -37,6 +37,9 @@ PARETO_WEIGHTS = (0.0, 0.125, 0.25, 0.375, 0.5, 0.625, 0.75, 0.875, 1.0)  # w = 
 # Where a comparison of drafts takes them from: the draft model in one of its draft modes, or an n-gram lookup.
 DRAFT_SOURCES = DRAFT_MODES + ("ngram",)
 WARMUP_TOKENS = 4  # new tokens of each method's untimed first run
+# "<method>+fly": static or diversed with FLy (sd with FLy is the method "fly"), one row each on the tables.
+FLY_SUFFIX = "+fly"
+FLY_METHODS = ("static" + FLY_SUFFIX, "diversed" + FLY_SUFFIX)
 
 # (consecutive prompt indices, the first one's seed, max_new_tokens) -> what the experiment records for each prompt
 # (prompt i of the batch runs with seed + i)
@@ -102,10 +105,12 @@ def encode_examples(task: Task, examples: Sequence[dict], tokenizer, chat: bool 
 
 
 def method_specs(methods: Sequence[str], weights: Sequence[float], head=None,
-                 draft_lengths: Sequence[str] = (), fixed_ks: Sequence[int] = ()) -> list[tuple[str, dict]]:
+                 draft_lengths: Sequence[str] = (), fixed_ks: Sequence[int] = (), fly=None) -> list[tuple[str, dict]]:
     """(label, SpeculativeDecoder kwargs) for each method name; ``static`` expands to one entry per weight, and each
-    method that drafts to one entry per draft length (see :func:`with_draft_lengths`)."""
-    specs = _plain_method_specs(methods, weights, head)
+    method that drafts to one entry per draft length (see :func:`with_draft_lengths`). ``fly`` (sd with FLy) and the
+    FLy variants ``static+fly`` and ``diversed+fly`` take ``fly`` (a :class:`~diversed_ext.decoding.Fly`; None:
+    its defaults)."""
+    specs = _plain_method_specs(methods, weights, head, fly)
     return with_draft_lengths(specs, draft_lengths, fixed_ks) if draft_lengths else specs
 
 
@@ -134,17 +139,21 @@ def with_draft_length(specs: Sequence[tuple[str, dict]], draft_length: str) -> l
             for label, kwargs in specs]
 
 
-def _plain_method_specs(methods: Sequence[str], weights: Sequence[float], head=None) -> list[tuple[str, dict]]:
+def _plain_method_specs(methods: Sequence[str], weights: Sequence[float], head=None,
+                        fly=None) -> list[tuple[str, dict]]:
     specs = []
-    for method in methods:
+    for name in methods:
+        method, with_fly = (name[:-len(FLY_SUFFIX)], True) if name.endswith(FLY_SUFFIX) else (name, name == "fly")
+        extra = {"fly": fly if fly is not None else Fly()} if with_fly else {}
         if method == "static":
-            specs += [(f"static w={weight:g}", {"method": "static", "weight": float(weight)}) for weight in weights]
+            specs += [(f"{name} w={weight:g}", {"method": "static", "weight": float(weight), **extra})
+                      for weight in weights]
         elif method == "diversed":
             if head is None:
-                raise ValueError("method diversed needs a head (--head PATH)")
-            specs.append(("diversed", {"method": "diversed", "head": head}))
+                raise ValueError(f"method {name} needs a head (--head PATH)")
+            specs.append((name, {"method": "diversed", "head": head, **extra}))
         else:
-            specs.append((method, {"method": method}))
+            specs.append((name, {"method": method, **extra}))
     return specs
 
 
@@ -161,14 +170,20 @@ def draft_source_specs(sources: Sequence[str], weights: Sequence[float]) -> list
 
 
 def pareto_methods(weights: Sequence[float] = PARETO_WEIGHTS, head=None,
-                   heads: Optional[Mapping[str, Any]] = None) -> list[tuple[str, dict]]:
+                   heads: Optional[Mapping[str, Any]] = None, fly=None) -> list[tuple[str, dict]]:
     """The static sweep (w = 1 is sd) plus one DIVERSED point per head: ``head`` is labelled "diversed", each of
-    ``heads`` (label -> head) by its label."""
+    ``heads`` (label -> head) by its label. With ``fly`` (a :class:`~diversed_ext.decoding.Fly`), also FLy's point
+    ("fly": sd with FLy) and each head's with FLy ("<label>+fly")."""
     heads = dict(heads or {})
     if head is not None:
         heads = {"diversed": head, **heads}
-    return method_specs(["static"], weights) + [(label, {"method": "diversed", "head": learned})
-                                                for label, learned in heads.items()]
+    specs = method_specs(["static"], weights) + [(label, {"method": "diversed", "head": learned})
+                                                 for label, learned in heads.items()]
+    if fly is not None:
+        specs += [("fly", {"method": "fly", "fly": fly})]
+        specs += [(label + FLY_SUFFIX, {"method": "diversed", "head": learned, "fly": fly})
+                  for label, learned in heads.items()]
+    return specs
 
 
 def demo_methods(weights: Sequence[float] = DEMO_WEIGHTS, head=None) -> list[tuple[str, dict]]:
@@ -239,7 +254,7 @@ def _method_result(label: str, kwargs: dict, runs: list, batch_work: tuple, draf
     if usage is not None:
         weight = usage.mean
     else:
-        weight = {"ar": math.nan, "sd": 1.0}.get(kwargs["method"], kwargs.get("weight", math.nan))
+        weight = {"ar": math.nan, "sd": 1.0, "fly": 1.0}.get(kwargs["method"], kwargs.get("weight", math.nan))
     finite_fidelities = [value for value in fidelities if not math.isnan(value)]
     return MethodResult(label, weight, summary.acceptance_rate, summary.tokens_per_pass, _mean(quality),
                         _mean(finite_fidelities), summary.tokens_per_second, summary.new_tokens, summary.seconds,

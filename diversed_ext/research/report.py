@@ -84,7 +84,7 @@ def paired_difference(values: Sequence[float], baseline: Sequence[float]) -> tup
 
 def _static_rows(results: Sequence[MethodResult], key) -> list[MethodResult]:
     """The static ensembles among ``results`` (sd is static w = 1), sorted by ``key``."""
-    return sorted((row for row in results if row.label.startswith("static") or row.label == "sd"), key=key)
+    return sorted((row for row in results if row.label.startswith("static w=") or row.label == "sd"), key=key)
 
 
 def compare_to_baselines(results: Sequence[MethodResult], label: str = "diversed") -> list[PairedDifference]:
@@ -195,6 +195,11 @@ def learned_rows(results: Sequence[MethodResult]) -> list[MethodResult]:
     return [row for row in results if row.label.split(":")[0] == "diversed"]
 
 
+def fly_rows(results: Sequence[MethodResult]) -> list[MethodResult]:
+    """The rows verified with FLy: "fly" (sd with FLy) and "<method>+fly" (a head's, or a static ensemble's)."""
+    return [row for row in results if row.label == "fly" or "+fly" in row.label]
+
+
 _PARETO_PANELS = (  # (x, y, x label): the frontier first
     ("acceptance", "fidelity", "acceptance rate"), ("acceptance", "quality", "acceptance rate"),
     ("weight", "acceptance", "w on the target (a head's mean w)"), ("tokens_per_second", "fidelity", "tokens/s"))
@@ -208,8 +213,8 @@ def _value_and_error(row: MethodResult, name: str) -> tuple[float, float]:
 
 
 def plot_pareto(results: Sequence[MethodResult], path: str, metric: str = "quality") -> str:
-    """The static frontier (a line through the sweep over w) and every head's point, +- one standard error over
-    prompts: fidelity and quality against acceptance, acceptance against w, fidelity against tokens/s."""
+    """The static frontier (a line through the sweep over w) and every head's and FLy row's point, +- one standard
+    error over prompts: fidelity and quality against acceptance, acceptance against w, fidelity against tokens/s."""
     static = _static_rows(results, key=lambda row: row.weight)
     figure, axes = new_figure(len(_PARETO_PANELS), (18, 4.2))
     for axis, (x_name, y_name, x_label) in zip(axes, _PARETO_PANELS):
@@ -219,7 +224,7 @@ def plot_pareto(results: Sequence[MethodResult], path: str, metric: str = "quali
             axis.errorbar(x, y, xerr=x_error, yerr=y_error, fmt="o-", capsize=2, label="static ensembles")
         for row, (x_value, _, y_value, _) in zip(static, points):
             axis.annotate(f"{row.weight:g}", (x_value, y_value), fontsize=7)
-        for marker, row in zip(itertools.cycle(_HEAD_MARKERS), learned_rows(results)):
+        for marker, row in zip(itertools.cycle(_HEAD_MARKERS), learned_rows(results) + fly_rows(results)):
             x_value, x_error = _value_and_error(row, x_name)
             y_value, y_error = _value_and_error(row, y_name)
             axis.errorbar([x_value], [y_value], xerr=[x_error], yerr=[y_error], fmt=marker, markersize=10,
