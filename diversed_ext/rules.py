@@ -1,5 +1,6 @@
 """The rules for the numbers a user gives, each written once: a weight on the target, a temperature, a draft length,
-a seed. The decoding loop, the head, the command line, the ops and the vLLM plugin's settings all check through here.
+a seed, FLy's window, threshold and top-k. The decoding loop, the head, the command line, the ops and the vLLM
+plugin's settings all check through here.
 
 Each rule takes the value and the name it travels under, returns it normalised, and raises TypeError for the wrong
 kind of value (a bool, a string) and ValueError for one out of range (NaN included), both naming the argument and what
@@ -20,6 +21,12 @@ NON_NEGATIVE = "a finite number >= 0"
 TEMPERATURE = NON_NEGATIVE + " (0 = greedy)"
 DRAFT_LENGTH = "an int >= 1"
 SEED = "an int that fits in 64 bits"
+FLY_WINDOW = "an int >= 0 (0 switches FLy off)"
+FLY_THRESHOLD = "a number >= 0"
+FLY_TOP_K = "an int in [1, 32]"
+FLY_DEFAULT_THRESHOLD = 0.3  # vLLM's FLy defaults
+FLY_DEFAULT_TOP_K = 3
+FLY_MAX_TOP_K = 32  # the most probabilities FLy's entropy sums (csrc/common/fly_math.h keeps them per thread)
 
 # Seeds and offsets are int64 counters of the verifier's Philox generator.
 SEED_RANGE = 2**63
@@ -77,6 +84,35 @@ def draft_length(value, name: str = "max_draft") -> int:
     value = _integer(value, name, DRAFT_LENGTH)
     if value < 1:
         raise ValueError(f"{name} (K) must be >= 1, got {value}")
+    return value
+
+
+def fly_window(value, name: str = "fly_window") -> int:
+    """FLy's window W: how many following drafts must pass the exact test for a rejected draft to be kept."""
+    if type(value) is int and value >= 0:
+        return value
+    value = _integer(value, name, FLY_WINDOW)
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0 (0 switches FLy off), got {value}")
+    return value
+
+
+def fly_threshold(value, name: str = "fly_threshold") -> float:
+    """FLy's entropy threshold tau: a rejected draft is kept only where the target's top-k entropy is at least it
+    (infinity: never)."""
+    if type(value) is float and value >= 0.0:  # NaN fails the comparison
+        return value
+    value = _real(value, name, FLY_THRESHOLD)
+    if math.isnan(value) or value < 0.0:
+        raise ValueError(f"{name} must be >= 0 and not NaN, got {value}")
+    return value
+
+
+def fly_top_k(value, name: str = "fly_top_k") -> int:
+    """How many of the target's largest probabilities FLy's entropy sums."""
+    value = _integer(value, name, FLY_TOP_K)
+    if not 1 <= value <= FLY_MAX_TOP_K:
+        raise ValueError(f"{name} must lie in [1, {FLY_MAX_TOP_K}], got {value}")
     return value
 
 

@@ -4,8 +4,8 @@ import math
 
 import pytest
 
-from diversed_ext.vllm_plugin.settings import (DEFAULT_WEIGHT, DiversedConfigError, EngineSettings, RequestChoice,
-                                               parse_engine_entry, parse_request)
+from diversed_ext.vllm_plugin.settings import (DEFAULT_WEIGHT, DiversedConfigError, EngineSettings, FlySettings,
+                                               RequestChoice, parse_engine_entry, parse_request)
 
 
 def test_engine_entry_defaults_to_exact_verification():
@@ -59,6 +59,38 @@ def test_request_fields_need_an_engine_that_verifies_with_diversed():
         parse_request({"diversed_weight": 0.5}, None)
     with pytest.raises(ValueError, match="verifies exactly"):
         parse_request({"diversed_weight": 0.5}, parse_engine_entry({"verifier": "vllm"}))
+
+
+def test_fly_in_the_engine_entry_and_per_request():
+    settings = parse_engine_entry({"weight": 0.5, "fly": {"window": 2}})
+    assert settings.fly == FlySettings(window=2, threshold=0.3, top_k=3)
+    assert parse_engine_entry({}).fly.window == 0  # off unless asked for
+    assert parse_engine_entry({"fly": {"window": 1, "threshold": 0.6, "top_k": 5}}).fly == FlySettings(1, 0.6, 5)
+    assert parse_request({"diversed_fly_window": 1, "diversed_weight": 0.7}, settings) == RequestChoice(
+        weight=0.7, fly_window=1)
+    assert parse_request({"diversed_fly_threshold": 0}, settings) == RequestChoice(fly_threshold=0.0)
+
+
+@pytest.mark.parametrize("entry, message", [
+    ({"fly": 2}, "must be a mapping"), ({"fly": {"windw": 1}}, "unknown keys"),
+    ({"fly": {"window": -1}}, r"\['fly'\]\['window'\] must be >= 0"),
+    ({"fly": {"window": 1.5}}, "window"), ({"fly": {"threshold": math.nan}}, "threshold"),
+    ({"fly": {"top_k": 0}}, r"top_k'\] must lie in \[1, 32\]"),
+    ({"verifier": "vllm", "fly": {"window": 1}}, "nor FLy"),
+])
+def test_bad_fly_entries_name_the_key(entry, message):
+    with pytest.raises(DiversedConfigError, match=message):
+        parse_engine_entry(entry)
+
+
+@pytest.mark.parametrize("extra_args, message", [
+    ({"diversed_fly_window": -1}, "diversed_fly_window must be >= 0"),
+    ({"diversed_fly_window": "2"}, "diversed_fly_window"),
+    ({"diversed_fly_threshold": -0.1}, "diversed_fly_threshold must be >= 0"),
+])
+def test_bad_fly_request_fields_are_value_errors(extra_args, message):
+    with pytest.raises(ValueError, match=message):
+        parse_request(extra_args, parse_engine_entry({}))
 
 
 def test_the_plugin_package_imports_without_vllm():

@@ -34,6 +34,14 @@ def _sampled(llm, extra_args, *, seed0=0, prompts=PROMPTS, max_tokens=LOOP_TOKEN
     return llm.chat([chat(prompt) for prompt in prompts], params, use_tqdm=False)
 
 
+@pytest.fixture(autouse=True)
+def no_head_token_verified_without_its_head(engine):
+    """After every test: no drafted token of a head request was verified at the static weight for want of its
+    hidden states."""
+    yield
+    assert [status["verified_without_head"] for status in worker_status(engine)] == [0] * len(worker_status(engine))
+
+
 def test_the_plugin_verifies_in_every_worker(engine):
     statuses = worker_status(engine)
     assert statuses, "no worker answered"
@@ -58,6 +66,15 @@ def test_acceptance_rises_as_the_weight_falls(engine):
         assert drafted > 50
         rates[weight] = accepted / drafted
     assert rates[1.0] < rates[0.5] < rates[0.0] == 1.0, rates  # w = 0: nu is the one-hot draft, always kept
+
+
+def test_fly_keeps_more_of_the_same_drafts(engine):
+    """At w = 1 with the same seeds, FLy (window 1, threshold 0) only turns rejections into acceptances."""
+    exact = acceptance(_sampled(engine, {"diversed_weight": 1.0}))
+    fly = acceptance(_sampled(engine, {"diversed_weight": 1.0, "diversed_fly_window": 1,
+                                       "diversed_fly_threshold": 0.0}))
+    assert exact[1] > 50 and fly[1] > 50
+    assert fly[0] / fly[1] > exact[0] / exact[1], (exact, fly)
 
 
 def _loop_rates(pair, **decoder_args):

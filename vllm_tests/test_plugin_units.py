@@ -80,7 +80,8 @@ def test_a_changed_or_missing_seam_is_refused_by_name_only_when_diversed_is_aske
 def _speculative(**fields):
     import types
 
-    spec = dict(method="draft_model", rejection_sample_method="standard", enable_adaptive_verification=False)
+    spec = dict(method="draft_model", rejection_sample_method="standard", enable_adaptive_verification=False,
+                num_speculative_tokens=3, fly_window_size=None, fly_entropy_threshold=0.3, fly_entropy_top_k=3)
     spec.update(fields)
     return types.SimpleNamespace(additional_config={"diversed": {"weight": 0.5}}, watermark_config=None,
                                  speculative_config=types.SimpleNamespace(**spec))
@@ -89,7 +90,7 @@ def _speculative(**fields):
 @pytest.mark.parametrize("fields, message", [
     (dict(method="ngram"), "speculative method 'ngram' is not tested"),
     (dict(method="eagle3"), "speculative method 'eagle3' is not tested"),
-    (dict(rejection_sample_method="fly"), "rejection_sample_method 'fly'"),
+    (dict(rejection_sample_method="fly", fly_window_size=3), "FLy's window 3 must be below"),
     (dict(rejection_sample_method="synthetic"), "rejection_sample_method 'synthetic'"),
     (dict(rejection_sample_method="block"), "rejection_sample_method 'block'"),
     (dict(enable_adaptive_verification=True), "enable_adaptive_verification"),
@@ -100,6 +101,18 @@ def test_an_engine_that_would_verify_another_way_is_refused(fields, message):
     assert startup.check_engine(_speculative()).weight == 0.5
     with pytest.raises(startup.DiversedStartupError, match=message):
         startup.check_engine(_speculative(**fields))
+
+
+def test_vllms_fly_becomes_the_ops_fly_on_top_of_the_weight():
+    from diversed_ext.vllm_plugin import startup
+    from diversed_ext.vllm_plugin.settings import FlySettings
+
+    engine = _speculative(rejection_sample_method="fly", fly_window_size=2, fly_entropy_threshold=0.6)
+    settings = startup.check_engine(engine)
+    assert settings.weight == 0.5 and settings.fly == FlySettings(window=2, threshold=0.6, top_k=3)
+    assert startup.check_engine(_speculative()).fly.window == 0
+    engine.additional_config["diversed"]["fly"] = {"window": 1}  # the entry's own FLy wins
+    assert startup.check_engine(engine).fly == FlySettings(window=1)
 
 
 def test_a_runner_the_plugin_did_not_hook_is_refused():

@@ -7,8 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Optional
 
-from ..ops._fly import DEFAULT_FLY_THRESHOLD, DEFAULT_FLY_TOP_K, scalar_fly_threshold, scalar_fly_top_k, \
-    scalar_fly_window
+from .. import rules
 
 # vLLM's default window: min(6, K - 1) for K drafted tokens a round.
 MAX_DEFAULT_FLY_WINDOW = 6
@@ -20,14 +19,14 @@ class Fly:
     tau and how many of the target's largest probabilities the entropy sums."""
 
     window: Optional[int] = None
-    threshold: float = DEFAULT_FLY_THRESHOLD
-    top_k: int = DEFAULT_FLY_TOP_K
+    threshold: float = rules.FLY_DEFAULT_THRESHOLD
+    top_k: int = rules.FLY_DEFAULT_TOP_K
 
     def __post_init__(self):
-        if self.window is not None and scalar_fly_window(self.window) < 1:
+        if self.window is not None and rules.fly_window(self.window) < 1:
             raise ValueError(f"Fly window must be >= 1 (leave fly=None for no FLy), got {self.window}")
-        object.__setattr__(self, "threshold", scalar_fly_threshold(self.threshold))
-        object.__setattr__(self, "top_k", scalar_fly_top_k(self.top_k))
+        object.__setattr__(self, "threshold", rules.fly_threshold(self.threshold))
+        object.__setattr__(self, "top_k", rules.fly_top_k(self.top_k))
 
     def for_max_draft(self, max_draft: int) -> "Fly":
         """These settings with the window resolved for a decoder drafting up to ``max_draft`` tokens a round; a
@@ -47,5 +46,5 @@ class Fly:
 
     @property
     def label(self) -> str:
-        top_k = f" k={self.top_k}" if self.top_k != DEFAULT_FLY_TOP_K else ""
+        top_k = f" k={self.top_k}" if self.top_k != rules.FLY_DEFAULT_TOP_K else ""
         return f"W={self.window} tau={self.threshold:g}{top_k}"

@@ -10,49 +10,13 @@ output no longer follows nu: FLy trades fidelity for acceptance.
 
 from __future__ import annotations
 
-import math
-from numbers import Integral, Real
 from typing import Optional
 
 import torch
 
+from .. import rules
 from ._inputs import require_device
 
-FLY_MAX_TOP_K = 32  # csrc/common/fly_math.h: kFlyMaxTopK, the top-k list each CUDA thread keeps
-DEFAULT_FLY_THRESHOLD = 0.3
-DEFAULT_FLY_TOP_K = 3
-
-
-def scalar_fly_window(window) -> int:
-    """The rule of a window given as a number: an int (not a bool) >= 0; 0 switches FLy off."""
-    if type(window) is int and window >= 0:
-        return window
-    if isinstance(window, bool) or not isinstance(window, Integral):
-        raise TypeError(f"fly_window must be an int or an integer tensor of shape [B], got {type(window).__name__}")
-    if int(window) < 0:
-        raise ValueError(f"fly_window must be >= 0 (0 switches FLy off), got {int(window)}")
-    return int(window)
-
-
-def scalar_fly_threshold(threshold) -> float:
-    """The rule of an entropy threshold given as a number: a real (not a bool) >= 0, not NaN."""
-    if type(threshold) is float and threshold >= 0.0:  # NaN fails the comparison
-        return threshold
-    if isinstance(threshold, bool) or not isinstance(threshold, Real):
-        raise TypeError(f"fly_threshold must be a float or a tensor of shape [B], got {type(threshold).__name__}")
-    value = float(threshold)
-    if math.isnan(value) or value < 0.0:
-        raise ValueError(f"fly_threshold must be >= 0 and not NaN, got {value}")
-    return value
-
-
-def scalar_fly_top_k(top_k) -> int:
-    """The rule of fly_top_k: an int in [1, FLY_MAX_TOP_K]."""
-    if isinstance(top_k, bool) or not isinstance(top_k, Integral):
-        raise TypeError(f"fly_top_k must be an int, got {type(top_k).__name__}")
-    if not 1 <= int(top_k) <= FLY_MAX_TOP_K:
-        raise ValueError(f"fly_top_k must lie in [1, {FLY_MAX_TOP_K}], got {int(top_k)}")
-    return int(top_k)
 
 
 def _per_request_tensor(values: torch.Tensor, batch: int, device: torch.device, name: str,
@@ -77,21 +41,21 @@ def fly_arguments(fly_window, fly_threshold, fly_top_k, batch: int, num_position
     or () when FLy is off for the whole call (a window of 0) with the other two at their defaults. Numbers are always
     checked (no sync); tensor values, and a window's bound W < K, only with ``check_inputs`` (the kernels clamp the
     window into [0, K - 1] otherwise)."""
-    top_k = scalar_fly_top_k(fly_top_k)
+    top_k = rules.fly_top_k(fly_top_k)
     window_t = threshold_t = None
-    window_value, threshold_value = 0, DEFAULT_FLY_THRESHOLD
+    window_value, threshold_value = 0, rules.FLY_DEFAULT_THRESHOLD
     if isinstance(fly_window, torch.Tensor):
         window_t = _per_request_tensor(fly_window, batch, device, "fly_window", integer=True)
     else:
-        window_value = scalar_fly_window(fly_window)
+        window_value = rules.fly_window(fly_window)
     if isinstance(fly_threshold, torch.Tensor):
         threshold_t = _per_request_tensor(fly_threshold, batch, device, "fly_threshold", integer=False)
     else:
-        threshold_value = scalar_fly_threshold(fly_threshold)
+        threshold_value = rules.fly_threshold(fly_threshold)
     if check_inputs:
         _check_fly_values(window_t, window_value, threshold_t, num_positions)
-    if window_t is None and window_value == 0 and threshold_t is None and threshold_value == DEFAULT_FLY_THRESHOLD \
-            and top_k == DEFAULT_FLY_TOP_K:
+    defaults = threshold_value == rules.FLY_DEFAULT_THRESHOLD and top_k == rules.FLY_DEFAULT_TOP_K
+    if window_t is None and window_value == 0 and threshold_t is None and defaults:
         return ()
     return window_t, threshold_t, window_value, threshold_value, top_k
 
@@ -119,21 +83,22 @@ def fly_as_given(fly_window, fly_threshold, fly_top_k) -> Optional[tuple]:
     [B] contiguous tensors), () when FLy is off with default settings, else None (prepare them with fly_arguments).
     Written for speed: it runs on every serving call."""
     if type(fly_window) is int and fly_window == 0 and type(fly_threshold) is float \
-            and fly_threshold == DEFAULT_FLY_THRESHOLD and type(fly_top_k) is int and fly_top_k == DEFAULT_FLY_TOP_K:
+            and fly_threshold == rules.FLY_DEFAULT_THRESHOLD and type(fly_top_k) is int \
+            and fly_top_k == rules.FLY_DEFAULT_TOP_K:
         return ()
     if isinstance(fly_window, torch.Tensor):
         if not (fly_window.dtype == torch.int64 and fly_window.dim() == 1 and fly_window.is_contiguous()):
             return None
         window_t, window_value = fly_window, 0
     else:
-        window_t, window_value = None, scalar_fly_window(fly_window)
+        window_t, window_value = None, rules.fly_window(fly_window)
     if isinstance(fly_threshold, torch.Tensor):
         if not (fly_threshold.dtype == torch.float32 and fly_threshold.dim() == 1 and fly_threshold.is_contiguous()):
             return None
-        threshold_t, threshold_value = fly_threshold, DEFAULT_FLY_THRESHOLD
+        threshold_t, threshold_value = fly_threshold, rules.FLY_DEFAULT_THRESHOLD
     else:
-        threshold_t, threshold_value = None, scalar_fly_threshold(fly_threshold)
-    return window_t, threshold_t, window_value, threshold_value, scalar_fly_top_k(fly_top_k)
+        threshold_t, threshold_value = None, rules.fly_threshold(fly_threshold)
+    return window_t, threshold_t, window_value, threshold_value, rules.fly_top_k(fly_top_k)
 
 
 # ------------------------------------------------------------------------------------------------ the references' rule

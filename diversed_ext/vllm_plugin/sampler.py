@@ -112,7 +112,7 @@ def row_seeds(sampling_metadata, num_draft_tokens: list, device) -> torch.Tensor
 
 def verify_in_place(rows: PaddedRows, draft_token_ids: torch.Tensor, draft_probs: Optional[torch.Tensor],
                     target_logits: torch.Tensor, weight: torch.Tensor, greedy: torch.Tensor,
-                    seeds: torch.Tensor) -> dx_ops.VerifyResult:
+                    seeds: torch.Tensor, fly: dict) -> dx_ops.VerifyResult:
     """One diversed_ext call that reads vLLM's [N, V] rows where they lie. The target's bonus position reads any row:
     the bonus comes from vLLM's sampler. With the draft's probabilities the target is needed as probabilities too: one
     softmax of the N rows, as vLLM's own rejection sampling computes."""
@@ -122,10 +122,10 @@ def verify_in_place(rows: PaddedRows, draft_token_ids: torch.Tensor, draft_probs
         temperature = torch.where(greedy, 0.0, 1.0).to(torch.float32)
         return dx_ops.verify_logits(drafts, None, target_logits, weight, temperature=temperature,
                                     num_draft=rows.num_draft, seed=seeds, target_rows=target_rows,
-                                    check_inputs=False)
+                                    check_inputs=False, **fly)
     return dx_ops.verify(drafts, draft_probs.to(torch.float32), target_logits.softmax(-1), weight,
                          num_draft=rows.num_draft, greedy=greedy, seed=seeds, target_rows=target_rows,
-                         draft_rows=rows.index, check_inputs=False)
+                         draft_rows=rows.index, check_inputs=False, **fly)
 
 
 def vllm_layout(result: dx_ops.VerifyResult, rows: PaddedRows, bonus_token_ids: torch.Tensor) -> torch.Tensor:
@@ -191,7 +191,8 @@ class DiversedRejectionSampler(vllm_rejection.RejectionSampler):
             return output
         weight = self.weight_source(rows, target_logits, sampling_metadata, metadata.target_logits_indices)
         result = verify_in_place(rows, metadata.draft_token_ids, draft_probs, target_logits, weight,
-                               greedy_rows(sampling_metadata, rows.batch, device),
-                               row_seeds(sampling_metadata, metadata.num_draft_tokens, device))
+                                 greedy_rows(sampling_metadata, rows.batch, device),
+                                 row_seeds(sampling_metadata, metadata.num_draft_tokens, device),
+                                 self.weight_source.fly())
         self.counts.add(rows.num_draft, result.num_accepted, weight)
         return vllm_layout(result, rows, bonus_token_ids)

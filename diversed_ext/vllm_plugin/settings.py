@@ -5,13 +5,20 @@ Engine (``LLM(..., additional_config={"diversed": {...}})`` or ``vllm serve --ad
     {"weight": 0.5}                        every request verified against nu = 0.5 p + 0.5 q (the default is 1.0)
     {"head": "smollm2-135m-lambda4"}       a learned head (a shipped name, "default", or a folder) picks w per token
     {"heads": ["a", "path/to/b"], ...}     more heads loaded at start-up, for requests to pick by name
+    {"fly": {"window": 2, "threshold": 0.3, "top_k": 3}}
+                                           FLy's deferral on top of the weight (lossy): a draft the test rejects is
+                                           kept when the next `window` drafts pass and the target's top-k entropy
+                                           is at least `threshold` (vLLM 0.33.0's rejection_sample_method "fly"
+                                           sets the same from its own fields)
     {"verifier": "vllm"}                   vLLM's own exact rejection sampling, with its CPU constraints repaired
-                                           (a control for benchmarks; weights and heads are refused with it)
+                                           (a control for benchmarks; weights, heads and FLy are refused with it)
 
 Request (``SamplingParams(extra_args={...})``, or the OpenAI server's ``vllm_xargs``):
 
     {"diversed_weight": 0.7}               a static weight in [0, 1] for this request
     {"diversed_head": "a"}                 one of the engine's heads, by the name the engine config gave it
+    {"diversed_fly_window": 1,             this request's FLy window (0: off) and threshold, beside a weight or head
+     "diversed_fly_threshold": 0.6}
 
 Nothing here imports vLLM: the rules are plain functions, tested without an engine.
 """
@@ -26,15 +33,27 @@ from .. import rules
 CONFIG_KEY = "diversed"  # the entry of vLLM's additional_config that switches the plugin on
 REQUEST_WEIGHT = "diversed_weight"
 REQUEST_HEAD = "diversed_head"
-REQUEST_KEYS = (REQUEST_WEIGHT, REQUEST_HEAD)
+REQUEST_FLY_WINDOW = "diversed_fly_window"
+REQUEST_FLY_THRESHOLD = "diversed_fly_threshold"
+REQUEST_KEYS = (REQUEST_WEIGHT, REQUEST_HEAD, REQUEST_FLY_WINDOW, REQUEST_FLY_THRESHOLD)
 REQUEST_PREFIX = "diversed_"  # extra_args keys with this prefix must be ours: a typo is an error, not ignored
 VERIFIERS = ("diversed", "vllm")
-ENGINE_KEYS = ("weight", "head", "heads", "verifier")
+ENGINE_KEYS = ("weight", "head", "heads", "verifier", "fly")
+FLY_KEYS = ("window", "threshold", "top_k")
 DEFAULT_WEIGHT = 1.0
 
 
 class DiversedConfigError(ValueError):
     """The engine's ``additional_config["diversed"]`` entry is malformed."""
+
+
+@dataclass(frozen=True)
+class FlySettings:
+    """FLy's deferral: off with a window of 0 (vLLM's defaults otherwise: threshold 0.3 over the top 3)."""
+
+    window: int = 0
+    threshold: float = rules.FLY_DEFAULT_THRESHOLD
+    top_k: int = rules.FLY_DEFAULT_TOP_K
 
 
 @dataclass(frozen=True)
@@ -46,6 +65,7 @@ class EngineSettings:
     # The heads to load, each a shipped name, "default" or a folder, as the entry spelled it: requests name them so.
     head_paths: tuple = ()
     verifier: str = "diversed"
+    fly: FlySettings = FlySettings()
 
 
 @dataclass(frozen=True)
@@ -54,6 +74,8 @@ class RequestChoice:
 
     weight: Optional[float] = None
     head: Optional[str] = None
+    fly_window: Optional[int] = None  # None: the engine's
+    fly_threshold: Optional[float] = None
 
 
 def engine_entry(additional_config: Any) -> Optional[Any]:
@@ -66,10 +88,34 @@ def engine_entry(additional_config: Any) -> Optional[Any]:
 def weight_value(value: Any, name: str) -> float:
     """``value`` as a weight on the target (:func:`diversed_ext.rules.weight`), its errors as the ValueError vLLM
     turns into a request's error."""
+    return _as_value_error(rules.weight, value, name)
+
+
+def _as_value_error(rule, value: Any, name: str):
+    """A rule's verdict with its TypeError as the ValueError vLLM turns into a request's error."""
     try:
-        return rules.weight(value, name)
+        return rule(value, name)
     except TypeError as error:
         raise ValueError(str(error)) from None
+
+
+def parse_fly(entry: Any, prefix: str) -> FlySettings:
+    """The engine's ``"fly"`` entry: a mapping of window (>= 0), threshold (>= 0) and top_k (1..32)."""
+    if not isinstance(entry, Mapping):
+        raise DiversedConfigError(f"{prefix} must be a mapping such as {{'window': 2, 'threshold': 0.3}}, "
+                                  f"got {entry!r}")
+    unknown = sorted(set(entry) - set(FLY_KEYS))
+    if unknown:
+        raise DiversedConfigError(f"{prefix} has unknown keys {unknown}; known: {list(FLY_KEYS)}")
+    defaults = FlySettings()
+    try:
+        return FlySettings(
+            window=_as_value_error(rules.fly_window, entry.get("window", defaults.window), f"{prefix}['window']"),
+            threshold=_as_value_error(rules.fly_threshold, entry.get("threshold", defaults.threshold),
+                                      f"{prefix}['threshold']"),
+            top_k=_as_value_error(rules.fly_top_k, entry.get("top_k", defaults.top_k), f"{prefix}['top_k']"))
+    except ValueError as error:
+        raise DiversedConfigError(str(error)) from None
 
 
 def _head_name(value: Any, name: str) -> str:
@@ -105,17 +151,18 @@ def parse_engine_entry(entry: Any) -> EngineSettings:
     if "head" in entry:
         head = _head_name(entry["head"], f"{prefix}['head']")
         names.insert(0, head)
-    if verifier == "vllm" and ("weight" in entry or names):
+    if verifier == "vllm" and ("weight" in entry or names or "fly" in entry):
         raise DiversedConfigError(f"{prefix}: verifier 'vllm' is exact speculative decoding; it takes no weight "
-                                  "or heads")
+                                  "or heads, nor FLy")
+    fly = parse_fly(entry["fly"], f"{prefix}['fly']") if "fly" in entry else FlySettings()
     return EngineSettings(weight=weight, head=head, head_paths=tuple(dict.fromkeys(names)),
-                          verifier=verifier)
+                          verifier=verifier, fly=fly)
 
 
 def parse_request(extra_args: Optional[Mapping], settings: Optional[EngineSettings]) -> RequestChoice:
     """One request's choice, or a ValueError naming the field: an unknown ``diversed_*`` key, a weight outside
-    [0, 1] (or NaN, or not a number), a head the engine did not load, both at once, or either when the engine has no
-    diversed entry (``settings`` None)."""
+    [0, 1] (or NaN, or not a number), a head the engine did not load, both at once, a FLy window or threshold
+    outside its rule, or any of them when the engine has no diversed entry (``settings`` None)."""
     if not extra_args:
         return RequestChoice()
     ours = [key for key in extra_args if isinstance(key, str) and key.startswith(REQUEST_PREFIX)]
@@ -130,10 +177,18 @@ def parse_request(extra_args: Optional[Mapping], settings: Optional[EngineSettin
         raise ValueError(f"{ours[0]} was given but this engine verifies exactly (verifier {settings.verifier!r})")
     if REQUEST_WEIGHT in extra_args and REQUEST_HEAD in extra_args:
         raise ValueError(f"give {REQUEST_WEIGHT} or {REQUEST_HEAD}, not both")
+    fly = {}
+    if REQUEST_FLY_WINDOW in extra_args:
+        fly["fly_window"] = _as_value_error(rules.fly_window, extra_args[REQUEST_FLY_WINDOW], REQUEST_FLY_WINDOW)
+    if REQUEST_FLY_THRESHOLD in extra_args:
+        fly["fly_threshold"] = _as_value_error(rules.fly_threshold, extra_args[REQUEST_FLY_THRESHOLD],
+                                               REQUEST_FLY_THRESHOLD)
     if REQUEST_WEIGHT in extra_args:
-        return RequestChoice(weight=weight_value(extra_args[REQUEST_WEIGHT], REQUEST_WEIGHT))
+        return RequestChoice(weight=weight_value(extra_args[REQUEST_WEIGHT], REQUEST_WEIGHT), **fly)
+    if REQUEST_HEAD not in extra_args:
+        return RequestChoice(**fly)
     head = extra_args[REQUEST_HEAD]
     if not isinstance(head, str) or head not in settings.head_paths:
         loaded = sorted(settings.head_paths) or "none"
         raise ValueError(f"{REQUEST_HEAD} must name a head this engine loaded ({loaded}), got {head!r}")
-    return RequestChoice(head=head)
+    return RequestChoice(head=head, **fly)

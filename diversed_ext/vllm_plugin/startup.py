@@ -6,9 +6,10 @@ diversed_ext as asked. Refused, each with what to change:
 - a vLLM whose hooked code differs from every release the plugin was tested with (:mod:`.seams`), naming the
   function;
 - no speculative decoding, or a speculative method the plugin was not tested with (:data:`TESTED_METHODS`);
-- an acceptance rule of vLLM's other than the standard one (``rejection_sample_method`` "fly", "synthetic" or
+- an acceptance rule of vLLM's other than the standard one and FLy (``rejection_sample_method`` "synthetic" or
   "block"), adaptive verification (V2 compacts the logits it verifies) or watermarking: each replaces the rule the
-  plugin replaces;
+  plugin replaces (vLLM's FLy becomes the ops' FLy, on top of the weights);
+- a FLy window not below the number of drafted tokens;
 - a head folder that does not exist.
 
 The workers check the rest once their runner is built (:func:`require_hooked`): a runner whose rejection sampler is
@@ -19,11 +20,14 @@ from __future__ import annotations
 
 import os
 
-from .settings import CONFIG_KEY, EngineSettings, engine_entry, parse_engine_entry
+from dataclasses import replace
+
+from .settings import CONFIG_KEY, EngineSettings, engine_entry, parse_engine_entry, parse_fly
 
 # Speculative methods whose drafts the plugin's engine tests verify; others may lay out drafts differently.
 TESTED_METHODS = ("draft_model",)
 STANDARD_ACCEPTANCE = "standard"
+FLY_ACCEPTANCE = "fly"  # vLLM 0.33.0's FLy: the plugin verifies with the ops' FLy, composed with the weights
 NEEDS_SPECULATION = (f"additional_config[{CONFIG_KEY!r}] needs speculative decoding: pass a speculative_config with "
                      "a draft model (method 'draft_model')")
 
@@ -33,11 +37,18 @@ class DiversedStartupError(RuntimeError):
 
 
 def engine_settings(vllm_config) -> EngineSettings | None:
-    """The engine's parsed settings, or None without a ``"diversed"`` entry (the plugin then stays out)."""
+    """The engine's parsed settings, or None without a ``"diversed"`` entry (the plugin then stays out). vLLM's own
+    FLy (``rejection_sample_method="fly"``, vLLM 0.33.0) becomes the plugin's FLy when the entry has none."""
     additional = getattr(vllm_config, "additional_config", None)
     if not isinstance(additional, dict) or CONFIG_KEY not in additional:
         return None
-    return parse_engine_entry(engine_entry(additional))
+    settings = parse_engine_entry(engine_entry(additional))
+    spec = getattr(vllm_config, "speculative_config", None)
+    if getattr(spec, "rejection_sample_method", None) == FLY_ACCEPTANCE and settings.fly.window == 0:
+        entry = {"window": spec.fly_window_size, "threshold": spec.fly_entropy_threshold,
+                 "top_k": spec.fly_entropy_top_k}
+        settings = replace(settings, fly=parse_fly(entry, "speculative_config's FLy"))
+    return settings
 
 
 def require_tested_vllm() -> None:
@@ -63,9 +74,9 @@ def speculation_problems(vllm_config) -> list:
         problems.append(f"speculative method {method!r} is not tested with DIVERSED (tested: "
                         f"{', '.join(TESTED_METHODS)}); use a draft model")
     acceptance = getattr(spec, "rejection_sample_method", STANDARD_ACCEPTANCE)
-    if acceptance != STANDARD_ACCEPTANCE:
+    if acceptance not in (STANDARD_ACCEPTANCE, FLY_ACCEPTANCE):
         problems.append(f"rejection_sample_method {acceptance!r} replaces the acceptance rule DIVERSED replaces; "
-                        f"leave it at {STANDARD_ACCEPTANCE!r}")
+                        f"use {STANDARD_ACCEPTANCE!r} or {FLY_ACCEPTANCE!r}")
     if getattr(spec, "enable_adaptive_verification", False):
         problems.append("enable_adaptive_verification compacts the rows DIVERSED verifies; switch it off")
     if getattr(vllm_config, "watermark_config", None) is not None:
@@ -83,6 +94,10 @@ def check_engine(vllm_config) -> EngineSettings | None:
         return None
     require_tested_vllm()
     problems = speculation_problems(vllm_config)
+    num_positions = getattr(getattr(vllm_config, "speculative_config", None), "num_speculative_tokens", None)
+    if settings.fly.window and num_positions is not None and settings.fly.window >= num_positions:
+        problems.append(f"FLy's window {settings.fly.window} must be below num_speculative_tokens {num_positions} "
+                        "(the drafts after a deferred one must fit in the step)")
     if problems:
         raise DiversedStartupError("DIVERSED was asked for but " + "; ".join(problems))
     for name in settings.head_paths:

@@ -21,7 +21,8 @@ that reads the rows where they lie (row indices, no padded copy), with
 - the token after a request's last kept draft (the bonus, and the only token of a request without drafts) sampled by
   V2's own sampler (``gumbel_sample`` at the request's seed and that row's position), so a request's tokens are the
   same whether or not its batch drafted;
-- each request's weight, or its head's weight per drafted token (:mod:`.v2_state`).
+- each request's weight, or its head's weight per drafted token, and its FLy window and threshold (FLy's deferral
+  on top of the weight; a window of 0 leaves verification exact against nu) (:mod:`.v2_state`).
 """
 
 from __future__ import annotations
@@ -118,7 +119,8 @@ class DiversedV2RejectionSampler(RejectionSampler):
         if draft_logits is not None:
             draft_logits, draft_rows = draft_rows_of(draft_logits, states, target_logits.dtype)
         result = verify_rows(draft_tokens, draft_logits, draft_rows, target_logits, target_rows, weight,
-                             temperature, num_draft, step_seeds(sampling.seeds.gpu[states], pos[first]))
+                             temperature, num_draft, step_seeds(sampling.seeds.gpu[states], pos[first]),
+                             self.weight_source.fly(states))
         self.counts.add(num_draft, result.num_accepted, weight)
         bonus_rows = first + num_draft
         bonus = gumbel_sample(target_logits[bonus_rows], states, sampling.temperature.gpu, sampling.seeds.gpu,
@@ -150,9 +152,9 @@ def draft_rows_of(draft_logits: torch.Tensor, states: torch.Tensor, dtype: torch
 
 
 def verify_rows(draft_tokens, draft_logits, draft_rows, target_logits, target_rows, weight, temperature, num_draft,
-                seeds):
+                seeds, fly: dict):
     """One unchecked verify_logits call on rows where they lie: the target rows already tempered, the draft rows
-    divided by each request's temperature (0 marks a greedy request)."""
+    divided by each request's temperature (0 marks a greedy request); ``fly`` the requests' FLy arguments."""
     return dx_ops.verify_logits(draft_tokens, draft_logits, target_logits, weight, temperature=temperature,
                                 target_temperature=1.0, num_draft=num_draft, seed=seeds, target_rows=target_rows,
-                                draft_rows=draft_rows, check_inputs=False)
+                                draft_rows=draft_rows, check_inputs=False, **fly)

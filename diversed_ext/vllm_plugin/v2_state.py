@@ -3,7 +3,7 @@
 V2 keeps no sampling parameters per step: it reads them once, when it admits a request into a state slot
 (``Sampler.add_request(req_idx, sampling_params)``), into tables that its kernels index with ``idx_mapping``. The
 weights do the same: on admission a request's choice (``diversed_weight``, ``diversed_head`` or the engine default)
-is written into a weight table and a head table, and each step reads them with the step's ``idx_mapping``, so the
+is written into a weight table, a head table and FLy's window and threshold tables, and each step reads them with the step's ``idx_mapping``, so the
 weights path has no host sync and no Python loop over requests.
 
 A head weighs drafted token i of a request from the draft's hidden state that produced q_i, the target's that
@@ -83,6 +83,9 @@ class StateWeights:
         self.heads = [heads[name] for name in self.head_names]
         self.weight_by_state = torch.full((max_num_reqs,), settings.weight, dtype=torch.float32, device=device)
         self.head_by_state = torch.full((max_num_reqs,), NO_HEAD, dtype=torch.int64, device=device)
+        self.fly_window_by_state = torch.full((max_num_reqs,), settings.fly.window, dtype=torch.int64, device=device)
+        self.fly_threshold_by_state = torch.full((max_num_reqs,), settings.fly.threshold, dtype=torch.float32,
+                                                 device=device)
         self.counts_owner = counts_owner  # the sampler, whose counts record tokens verified without their head
         self.target_hidden = None
         self.capture = None
@@ -119,8 +122,16 @@ class StateWeights:
         head = None if choice.weight is not None else (choice.head or self.settings.head)
         self.weight_by_state[state] = self.settings.weight if choice.weight is None else choice.weight
         self.head_by_state[state] = NO_HEAD if head is None else self.head_names.index(head)
+        fly = self.settings.fly
+        self.fly_window_by_state[state] = fly.window if choice.fly_window is None else choice.fly_window
+        self.fly_threshold_by_state[state] = fly.threshold if choice.fly_threshold is None else choice.fly_threshold
         if self.capture is not None:
             self.capture.forget(state)
+
+    def fly(self, states) -> dict:
+        """The FLy arguments of the ops for these requests (a window of 0 leaves a request's verification as it is)."""
+        return dict(fly_window=self.fly_window_by_state[states], fly_threshold=self.fly_threshold_by_state[states],
+                    fly_top_k=self.settings.fly.top_k)
 
     def __call__(self, states, num_draft, target_hidden_rows, target_logits, target_rows, draft_logits,
                  temperature):

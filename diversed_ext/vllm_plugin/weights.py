@@ -30,6 +30,7 @@ class StepPlan:
     request_ids: tuple
     static: torch.Tensor
     head_rows: dict  # head name -> (row indices [M] on the device, their request ids)
+    fly: dict  # the ops' FLy arguments for these rows: fly_window [B], fly_threshold [B], fly_top_k
 
 
 class RequestWeights:
@@ -57,17 +58,28 @@ class RequestWeights:
         if self._plan is not None and self._plan.request_ids == request_ids:
             return self._plan
         self._choices = {key: value for key, value in self._choices.items() if key in set(request_ids)}
-        static, head_rows = [], {}
+        static, head_rows, windows, thresholds = [], {}, [], []
+        fly = self.settings.fly
         for row in range(batch):
             choice = self._choice(request_ids[row]) if row < len(request_ids) else RequestChoice()
             head = None if choice.weight is not None else (choice.head or self.settings.head)
             if head is not None and row < len(request_ids):
                 head_rows.setdefault(head, []).append(row)
             static.append(self.settings.weight if choice.weight is None else choice.weight)
+            windows.append(fly.window if choice.fly_window is None else choice.fly_window)
+            thresholds.append(fly.threshold if choice.fly_threshold is None else choice.fly_threshold)
         rows = {name: (torch.tensor(indices, dtype=torch.int64, device=device),
                        [request_ids[index] for index in indices]) for name, indices in head_rows.items()}
-        self._plan = StepPlan(request_ids, torch.tensor(static, dtype=torch.float32, device=device), rows)
+        fly_arguments = dict(fly_window=torch.tensor(windows, dtype=torch.int64, device=device),
+                             fly_threshold=torch.tensor(thresholds, dtype=torch.float32, device=device),
+                             fly_top_k=fly.top_k)
+        self._plan = StepPlan(request_ids, torch.tensor(static, dtype=torch.float32, device=device), rows,
+                              fly_arguments)
         return self._plan
+
+    def fly(self) -> dict:
+        """The ops' FLy arguments of this step's rows (planned with its weights)."""
+        return self._plan.fly
 
     def __call__(self, rows, target_logits: torch.Tensor, sampling_metadata, target_logits_indices: torch.Tensor):
         device = target_logits.device

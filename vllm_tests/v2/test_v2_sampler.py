@@ -152,3 +152,18 @@ def test_the_token_after_the_kept_drafts_is_v2s_own_sample():
     without_drafts = Problem(problem.target_logits[[0, 5]], None, problem.draft_sampled[[0, 5]], problem.pos[[0, 5]],
                              [0, 0], [0, 2], 3)
     assert emitted(own, without_drafts) == [[tokens[0][0]], [tokens[2][0]]]
+
+
+def test_fly_only_extends_what_the_same_draws_keep():
+    """FLy's deferral flips rejections into acceptances and nothing else: with the same seeds, every request keeps at
+    least the drafts it kept without FLy, and at threshold 0 with a window of 1 some request keeps more."""
+    generator = torch.Generator().manual_seed(8)
+    problem = make_problem([3] * 8, 31, num_positions=3, generator=generator, sharpness=2.0)
+    _, plain = samplers(3, *_tables(8))
+    _, fly = samplers(3, *_tables(8))
+    fly.weight_source.fly_window, fly.weight_source.fly_threshold = 1, 0.0
+    without, with_fly = emitted(plain, problem), emitted(fly, problem)
+    kept = [(len(a) - 1, len(b) - 1) for a, b in zip(without, with_fly)]
+    assert all(after >= before for before, after in kept) and sum(b for _, b in kept) > sum(a for a, _ in kept)
+    for before, after in zip(without, with_fly):
+        assert after[:len(before) - 1] == before[:-1]  # the drafts kept without FLy are kept with it

@@ -40,10 +40,14 @@ class TableWeights:
 
     def __init__(self, weight_by_state: torch.Tensor):
         self.weight_by_state = weight_by_state
+        self.fly_window, self.fly_threshold = 0, 0.3  # FLy off unless a test sets a window
         self.settings = SimpleNamespace(weight=1.0, head=None, head_paths=())
 
     def __call__(self, states, *args):
         return self.weight_by_state[states]
+
+    def fly(self, states) -> dict:
+        return dict(fly_window=self.fly_window, fly_threshold=self.fly_threshold, fly_top_k=3)
 
 
 @dataclass
