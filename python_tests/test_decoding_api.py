@@ -1,5 +1,5 @@
 """The decoding loop's API: stopping, the head, round statistics and argument errors (tiny random Llama pairs from
-decoding_helpers.py)."""
+helpers/models.py)."""
 
 import itertools
 import math
@@ -9,8 +9,8 @@ import torch
 
 pytest.importorskip("transformers")
 
-from decoding_helpers import PROMPT  # noqa: E402
 from diversed_ext.decoding import GenerationOutput, SpeculativeDecoder, summarize  # noqa: E402
+from helpers import PROMPT  # noqa: E402
 
 
 class RecordingHead(torch.nn.Module):

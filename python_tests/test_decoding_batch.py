@@ -1,6 +1,6 @@
 """Batched decoding: prompts decoded together give each prompt the tokens it gets alone, whatever its neighbours and
 the batch size; ragged rows, EOS mid-batch, refill of finished slots and the length edges (tiny random Llama pairs
-from decoding_helpers.py).
+from helpers/models.py).
 
 Exact token equality is asserted on float64 models (whose products go through torch.mm: there a
 batched product differs from a one-row product only in the last bits of a double, which no sampled or greedy decision
@@ -15,9 +15,9 @@ import torch
 
 pytest.importorskip("transformers")
 
-from decoding_helpers import PROMPT, assert_prompts_decode_as_alone, sequences, wide_pair_models  # noqa: E402
 from diversed_ext import philox_uniforms  # noqa: E402
 from diversed_ext.decoding import SpeculativeDecoder  # noqa: E402
+from helpers import PROMPT, assert_prompts_decode_as_alone, sequences, wide_pair_models  # noqa: E402
 
 PROMPTS = [PROMPT, [3], [5, 1, 4, 4, 2, 7, 7, 0, 9], [2, 2], [8, 6, 1], [0, 1, 2, 3, 4, 5]]
 METHODS = [("ar", {}), ("sd", {}), ("static", {"weight": 0.4}), ("diversed", {"head": None})]
@@ -26,12 +26,6 @@ METHODS = [("ar", {}), ("sd", {}), ("static", {"weight": 0.4}), ("diversed", {"h
 def smooth_head(draft_hidden, target_hidden):
     """A per-token head that works in any float dtype: w from both hidden states, in (0, 1)."""
     return torch.sigmoid(draft_hidden.sum(-1) - target_hidden.sum(-1))
-
-
-@pytest.fixture(scope="module")
-def double_pair():
-    target, draft = wide_pair_models()
-    return copy.deepcopy(target).double(), copy.deepcopy(draft).double()
 
 
 def make_decoder(pair, method, kwargs, temperature, fast_forward=True, max_draft=3):

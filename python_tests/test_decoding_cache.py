@@ -1,5 +1,5 @@
 """The decoding loop's KV caches: cropped caches give fresh logits, and the prefix is never recomputed
-(tiny random Llama pairs from decoding_helpers.py)."""
+(tiny random Llama pairs from helpers/models.py)."""
 
 import copy
 
@@ -8,8 +8,8 @@ import torch
 
 pytest.importorskip("transformers")
 
-from decoding_helpers import PROMPT  # noqa: E402
 from diversed_ext.decoding import SpeculativeDecoder  # noqa: E402
+from helpers import PROMPT  # noqa: E402
 
 
 # ---- caches ----------------------------------------------------------------------------------------------------------

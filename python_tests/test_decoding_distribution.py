@@ -1,5 +1,5 @@
 """The decoding loop's output law and acceptance statistics against their exact values, seeds, and prompts
-(tiny random Llama pairs from decoding_helpers.py)."""
+(tiny random Llama pairs from helpers/models.py)."""
 
 import math
 
@@ -7,96 +7,13 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
-scipy_stats = pytest.importorskip("scipy.stats")
+pytest.importorskip("scipy.stats")
 
-from decoding_helpers import PROMPT, noisy_copy, tiny_llama  # noqa: E402
 from diversed_ext.decoding import SpeculativeDecoder  # noqa: E402
-
-SMALL_VOCAB = 4  # joint distributions of 3 tokens stay small enough (64 cells) for a chi-square test
-P_VALUE_FLOOR = 1e-4  # fixed seeds make each test deterministic; this only has to pass for a correct sampler
-
-
-@pytest.fixture(scope="module")
-def small_pair():
-    target = tiny_llama(0, SMALL_VOCAB)
-    return target, noisy_copy(target, 1)
-
+from helpers import (P_VALUE_FLOOR, PROMPT, SMALL_VOCAB, chi_square_cells_p_value, exact_joint,  # noqa: E402
+                     exact_speculative_joint, next_token_probs)
 
 # ---- helpers ---------------------------------------------------------------------------------------------------------
-
-
-@torch.inference_mode()
-def next_token_probs(model, sequences, temperature=1.0):
-    """softmax(logits / T) of the last position of every sequence (all the same length): [N, V]."""
-    logits = model(torch.tensor(sequences)).logits[:, -1].float()
-    return (logits / temperature).softmax(-1)
-
-
-def exact_joint(target, draft, prompt, length, vocab, weight=1.0, temperature=1.0):
-    """Probability of every continuation of ``length`` tokens under nu = w p + (1 - w) q, position by position."""
-    joint = {(): 1.0}
-    for _ in range(length):
-        prefixes = list(joint)
-        contexts = [prompt + list(prefix) for prefix in prefixes]
-        nu = weight * next_token_probs(target, contexts, temperature)
-        if weight < 1:
-            nu = nu + (1 - weight) * next_token_probs(draft, contexts, temperature)
-        joint = {prefix + (token,): joint[prefix] * float(nu[row, token])
-                 for row, prefix in enumerate(prefixes) for token in range(vocab)}
-    return joint
-
-
-def exact_speculative_joint(target, draft, prompt, length, vocab, weight, temperature, max_draft):
-    """Exact law of what the loop emits, round by round.
-
-    Within a round of k = min(max_draft, remaining - 1) drafts, position i emits x and goes on with probability
-    min(q, nu)(x) (accepted draft) or emits x and ends the round with probability max(0, nu - q)(x) (correction); these
-    add up to nu(x). A round that keeps all k drafts ends with the bonus token, drawn from p, not nu. So for w < 1 the
-    output is not a product of nu's: the tokens that happen to be bonus tokens follow the target."""
-    joint = {}
-
-    def walk(prefix, probability, index, drafts):
-        if len(prefix) == length:
-            joint[prefix] = joint.get(prefix, 0.0) + probability
-            return
-        if index == 0:
-            drafts = min(max_draft, length - len(prefix) - 1)
-        context = [prompt + list(prefix)]
-        p = next_token_probs(target, context, temperature)[0].double()
-        if index == drafts:  # the bonus token
-            for token in range(vocab):
-                walk(prefix + (token,), probability * float(p[token]), 0, 0)
-            return
-        q = next_token_probs(draft, context, temperature)[0].double()
-        nu = weight * p + (1 - weight) * q
-        keep, correct = torch.minimum(q, nu), (nu - q).clamp(min=0)
-        for token in range(vocab):
-            walk(prefix + (token,), probability * float(keep[token]), index + 1, drafts)
-            walk(prefix + (token,), probability * float(correct[token]), 0, 0)
-
-    walk((), 1.0, 0, 0)
-    return joint
-
-
-def chi_square_p_value(samples, expected_probs):
-    """Pearson chi-square of sample counts against probabilities; cells expecting < 5 are pooled into one."""
-    counts = {}
-    for sample in samples:
-        counts[sample] = counts.get(sample, 0) + 1
-    total = len(samples)
-    observed, expected, pooled_observed, pooled_expected = [], [], 0, 0.0
-    for cell, prob in expected_probs.items():
-        if prob * total >= 5:
-            observed.append(counts.get(cell, 0))
-            expected.append(prob * total)
-        else:
-            pooled_observed += counts.get(cell, 0)
-            pooled_expected += prob * total
-    if pooled_expected > 0:
-        observed.append(pooled_observed)
-        expected.append(pooled_expected)
-    scale = sum(observed) / sum(expected)  # float rounding of the probabilities
-    return scipy_stats.chisquare(observed, [value * scale for value in expected]).pvalue
 
 
 def sample_continuations(decoder, prompt, length, count):
@@ -130,10 +47,10 @@ def test_sampled_sd_follows_the_target_distribution(small_pair):
     decoder = SpeculativeDecoder(target, draft, method="sd", max_draft=2, temperature=1.0)
     samples = sample_continuations(decoder, PROMPT, 3, 2000)
     target_joint = exact_joint(target, draft, PROMPT, 3, SMALL_VOCAB)
-    assert chi_square_p_value(samples, target_joint) > P_VALUE_FLOOR
+    assert chi_square_cells_p_value(samples, target_joint) > P_VALUE_FLOOR
     # The same samples must clearly reject the draft's own distribution, or the test could not fail.
     draft_joint = exact_joint(target, draft, PROMPT, 3, SMALL_VOCAB, weight=0.0)
-    assert chi_square_p_value(samples, draft_joint) < 1e-6
+    assert chi_square_cells_p_value(samples, draft_joint) < 1e-6
 
 
 def test_static_ensemble_follows_the_mixture(small_pair):
@@ -143,12 +60,12 @@ def test_static_ensemble_follows_the_mixture(small_pair):
     samples = sample_continuations(decoder, PROMPT, 3, 2000)
     law = exact_speculative_joint(target, draft, PROMPT, 3, SMALL_VOCAB, weight, temperature, max_draft=3)
     assert abs(sum(law.values()) - 1) < 1e-6  # float32 softmax rounding
-    assert chi_square_p_value(samples, law) > P_VALUE_FLOOR
+    assert chi_square_cells_p_value(samples, law) > P_VALUE_FLOOR
     # The test can fail: the same samples reject the target alone and the draft alone.
     target_only = exact_joint(target, draft, PROMPT, 3, SMALL_VOCAB, temperature=temperature)
-    assert chi_square_p_value(samples, target_only) < 1e-6
+    assert chi_square_cells_p_value(samples, target_only) < 1e-6
     draft_only = exact_joint(target, draft, PROMPT, 3, SMALL_VOCAB, weight=0.0, temperature=temperature)
-    assert chi_square_p_value(samples, draft_only) < 1e-6
+    assert chi_square_cells_p_value(samples, draft_only) < 1e-6
 
 
 def test_exact_speculative_law_is_the_target_for_sd(small_pair):
@@ -222,7 +139,7 @@ def test_ar_sampling_follows_the_target(small_pair):
     target, _ = small_pair
     decoder = SpeculativeDecoder(target, method="ar", temperature=1.0)
     samples = sample_continuations(decoder, PROMPT, 2, 1500)
-    assert chi_square_p_value(samples, exact_joint(target, None, PROMPT, 2, SMALL_VOCAB)) > P_VALUE_FLOOR
+    assert chi_square_cells_p_value(samples, exact_joint(target, None, PROMPT, 2, SMALL_VOCAB)) > P_VALUE_FLOOR
 
 
 def test_static_weight_zero_accepts_every_draft(wide_pair):

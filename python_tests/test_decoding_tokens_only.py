@@ -1,6 +1,6 @@
 """The decoding loop with drafts verified on their tokens alone (``draft_mode``, a callable ``drafter``): greedy and
-sampled output laws, acceptance, the callable's contract and batch invariance (tiny random Llama pairs from
-decoding_helpers.py; the exact laws and the chi-square test from test_decoding_distribution.py).
+sampled output laws, acceptance, the callable's contract and batch invariance (tiny random Llama pairs, the
+exact laws and the chi-square test from helpers).
 
 With q one-hot at the drafted x, nu = w p + (1 - w) q keeps x with probability w p(x) + 1 - w and a rejection draws
 from p without x, so every position emits a token of nu: for w = 1 the target, whatever the draft proposes.
@@ -12,11 +12,10 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("scipy.stats")
 
-from decoding_helpers import PROMPT, WIDE_VOCAB, assert_prompts_decode_as_alone, sequences  # noqa: E402
 from diversed_ext.decoding import NgramDrafter, SpeculativeDecoder  # noqa: E402
 from diversed_ext.decoding import batch as batch_module  # noqa: E402
-from test_decoding_distribution import (P_VALUE_FLOOR, SMALL_VOCAB, chi_square_p_value,  # noqa: E402, F401
-                                        exact_joint, exact_speculative_joint, small_pair)
+from helpers import (P_VALUE_FLOOR, PROMPT, SMALL_VOCAB, WIDE_VOCAB, assert_prompts_decode_as_alone,  # noqa: E402
+                     chi_square_cells_p_value, exact_joint, exact_speculative_joint, sequences)
 
 PROMPTS = [PROMPT, [5], [7, 7, 8, 30, 2, 11], [4, 9, 4, 9, 4]]
 SAMPLES = 2000
@@ -24,7 +23,7 @@ SAMPLES = 2000
 
 class OneHotModel(torch.nn.Module):
     """A "model" whose next-token law is one-hot at ``pick(input_ids)`` (logits 0 there, -inf elsewhere): the q the
-    verifier sees when a drafter hands over its tokens alone, for the exact laws of test_decoding_distribution.py."""
+    verifier sees when a drafter hands over its tokens alone, for the exact laws of helpers/stats.py."""
 
     def __init__(self, pick, vocab):
         super().__init__()
@@ -136,9 +135,9 @@ def test_sampled_tokens_only_sd_follows_the_target(small_pair, draft_mode):
     target, draft = small_pair
     decoder = SpeculativeDecoder(target, draft, method="sd", max_draft=2, draft_mode=draft_mode)
     samples = samples_of(decoder, 3)
-    assert chi_square_p_value(samples, exact_joint(target, draft, PROMPT, 3, SMALL_VOCAB)) > P_VALUE_FLOOR
+    assert chi_square_cells_p_value(samples, exact_joint(target, draft, PROMPT, 3, SMALL_VOCAB)) > P_VALUE_FLOOR
     # The same samples clearly reject the draft's law, or the test could not fail.
-    assert chi_square_p_value(samples, exact_joint(target, draft, PROMPT, 3, SMALL_VOCAB, weight=0.0)) < 1e-6
+    assert chi_square_cells_p_value(samples, exact_joint(target, draft, PROMPT, 3, SMALL_VOCAB, weight=0.0)) < 1e-6
 
 
 def test_sampled_output_with_a_callable_drafter_follows_the_mixture(small_pair):
@@ -153,8 +152,8 @@ def test_sampled_output_with_a_callable_drafter_follows_the_mixture(small_pair):
         decoder = SpeculativeDecoder(target, method="static", weight=weight, max_draft=2,
                                      drafter=constant_drafter(1))
         samples = samples_of(decoder, 3)
-        assert chi_square_p_value(samples, laws[weight]) > P_VALUE_FLOOR
-        assert chi_square_p_value(samples, laws[other]) < 1e-6
+        assert chi_square_cells_p_value(samples, laws[weight]) > P_VALUE_FLOOR
+        assert chi_square_cells_p_value(samples, laws[other]) < 1e-6
 
 
 def test_static_tokens_only_follows_the_mixture_with_one_hot_drafts(small_pair):
@@ -167,10 +166,10 @@ def test_static_tokens_only_follows_the_mixture_with_one_hot_drafts(small_pair):
     samples = samples_of(decoder, 3)
     law = exact_speculative_joint(target, argmax_of(draft), PROMPT, 3, SMALL_VOCAB, weight, temperature, max_draft)
     assert abs(sum(law.values()) - 1) < 1e-6
-    assert chi_square_p_value(samples, law) > P_VALUE_FLOOR
+    assert chi_square_cells_p_value(samples, law) > P_VALUE_FLOOR
     with_distributions = exact_speculative_joint(target, draft, PROMPT, 3, SMALL_VOCAB, weight, temperature,
                                                  max_draft)
-    assert chi_square_p_value(samples, with_distributions) < 1e-6
+    assert chi_square_cells_p_value(samples, with_distributions) < 1e-6
 
 
 # ---- acceptance ------------------------------------------------------------------------------------------------------

@@ -7,18 +7,17 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
-scipy_stats = pytest.importorskip("scipy.stats")
+pytest.importorskip("scipy.stats")
 
-from decoding_helpers import PROMPT, assert_prompts_decode_as_alone, noisy_copy, sequences, tiny_llama  # noqa: E402
 from diversed_ext.decoding import (DRAFT_LENGTHS, ConfidenceDraftLength, DraftLengthPolicy, GainDraftLength,  # noqa
                                    HeuristicDraftLength, NgramDrafter, RoundOutcome, SpeculativeDecoder)
 from diversed_ext.decoding.draft_lengths import cheapest_threshold, make_policy  # noqa: E402
 from diversed_ext.research.draft_length_report import best_fixed, draft_length_table, paired_speedup  # noqa: E402
 from diversed_ext.research.harness import with_draft_lengths  # noqa: E402
 from diversed_ext.research.report import MethodResult  # noqa: E402
-from test_decoding_distribution import chi_square_p_value, exact_joint  # noqa: E402
+from helpers import (PROMPT, SMALL_VOCAB, assert_prompts_decode_as_alone, chi_square_cells_p_value,  # noqa: E402
+                     exact_joint, sequences)
 
-SMALL_VOCAB = 4
 ADAPTIVE = [name for name in DRAFT_LENGTHS if name != "fixed"]
 
 
@@ -185,12 +184,6 @@ def test_greedy_sd_still_equals_greedy_ar(wide_pair, name, draft_mode):
     assert 0 < summary.accepted < summary.drafted
 
 
-@pytest.fixture(scope="module")
-def small_pair():
-    target = tiny_llama(0, SMALL_VOCAB)
-    return target, noisy_copy(target, 1)
-
-
 @pytest.mark.parametrize("name, draft_mode, draft_cost", [("heuristic", None, None), ("confidence", None, None),
                                                           ("gain", None, 0.1), ("gain", "sampled_tokens", 0.2)])
 def test_sd_under_adaptive_lengths_follows_the_target_distribution(small_pair, name, draft_mode, draft_cost):
@@ -206,9 +199,9 @@ def test_sd_under_adaptive_lengths_follows_the_target_distribution(small_pair, n
         # Within the first round (budget 2), the rule stopped after one draft for some draws, not for others: the
         # stops depend on the drafts, which is what could bias the law.
         assert first_round == {1, 2}
-    assert chi_square_p_value(samples, exact_joint(target, draft, PROMPT, 3, SMALL_VOCAB)) > 1e-4
+    assert chi_square_cells_p_value(samples, exact_joint(target, draft, PROMPT, 3, SMALL_VOCAB)) > 1e-4
     # The test can fail: the same samples reject the draft's own law.
-    assert chi_square_p_value(samples, exact_joint(target, draft, PROMPT, 3, SMALL_VOCAB, weight=0.0)) < 1e-6
+    assert chi_square_cells_p_value(samples, exact_joint(target, draft, PROMPT, 3, SMALL_VOCAB, weight=0.0)) < 1e-6
 
 
 # ---- the comparison table --------------------------------------------------------------------------------------------

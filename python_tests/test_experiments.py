@@ -9,46 +9,13 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from diversed_ext import cli  # noqa: E402
 from diversed_ext.research import harness, recipes, report  # noqa: E402
 from diversed_ext.head import (DEFAULT_HEAD_DIR, DISTRIBUTION_FEATURES, EnsembleHead, load_head,  # noqa: E402
                                wants_distributions)
 from diversed_ext.research.tasks import TASKS  # noqa: E402
-
-VOCAB = 32
-
-
-def tiny_llama(seed):
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=128)
-    return LlamaForCausalLM(config).eval()
-
-
-class CharTokenizer:
-    """Enough of a tokenizer for the experiment functions: one id per character, no chat template."""
-
-    chat_template = None
-    eos_token_id = None
-
-    def __call__(self, text):
-        return {"input_ids": [ord(char) % VOCAB for char in text[-12:]]}
-
-    def decode(self, ids, skip_special_tokens=True):
-        return " ".join(str(token) for token in ids)
-
-
-@pytest.fixture(scope="module")
-def pair():
-    return tiny_llama(0), tiny_llama(1), CharTokenizer()
-
-
-def gsm8k_examples(count=3):
-    return [{"question": f"What is {index} + 1?", "answer": f"{index} + 1 = {index + 1}\n#### {index + 1}"}
-            for index in range(count)]
-
+from helpers import gsm8k_examples  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------------- parsing
 
@@ -122,8 +89,8 @@ def test_paired_comparison_against_sd_and_the_static_frontier():
     assert report.compare_to_baselines(results[:2]) == []  # no diversed row: nothing to compare
 
 
-def test_evaluate_on_a_tiny_pair(pair, tmp_path):
-    target, draft, tokenizer = pair
+def test_evaluate_on_a_tiny_pair(experiment_pair, tmp_path):
+    target, draft, tokenizer = experiment_pair
     head = EnsembleHead(16, 16, init_weight=0.5)
     specs = harness.method_specs(["ar", "sd", "static", "diversed"], [0.0], head)
     results = harness.evaluate(TASKS["gsm8k"], gsm8k_examples(), target, draft, tokenizer, specs,
@@ -145,10 +112,10 @@ def test_evaluate_on_a_tiny_pair(pair, tmp_path):
     assert os.path.getsize(path) > 1000
 
 
-def test_build_trainer_trains_through_the_speculative_loop(pair, tmp_path):
+def test_build_trainer_trains_through_the_speculative_loop(experiment_pair, tmp_path):
     from diversed_ext.research.trainer import TrainerConfig
 
-    target, draft, tokenizer = pair
+    target, draft, tokenizer = experiment_pair
     config = TrainerConfig(output_dir=str(tmp_path), steps=2, batch_size=2, learning_rate=0.05, warmup_steps=1,
                            acceptance_coef=1.0, checkpoint_every=1)
     trainer = recipes.build_trainer(TASKS["gsm8k"], gsm8k_examples(), target, draft, tokenizer, config,
@@ -159,8 +126,8 @@ def test_build_trainer_trains_through_the_speculative_loop(pair, tmp_path):
     assert not head.training
 
 
-def test_cli_train_eval_pareto_end_to_end(pair, tmp_path, monkeypatch, capsys):
-    target, draft, tokenizer = pair
+def test_cli_train_eval_pareto_end_to_end(experiment_pair, tmp_path, monkeypatch, capsys):
+    target, draft, tokenizer = experiment_pair
     monkeypatch.setattr(cli.common, "load_models", lambda target_name, draft_name: (target, draft, tokenizer))
     data = tmp_path / "gsm8k.jsonl"
     data.write_text("".join(json.dumps(example) + "\n" for example in gsm8k_examples()))
@@ -197,10 +164,10 @@ def test_cli_train_eval_pareto_end_to_end(pair, tmp_path, monkeypatch, capsys):
     assert "share a name" in capsys.readouterr().err
 
 
-def test_compare_drafts_end_to_end(pair, tmp_path, monkeypatch, capsys):
+def test_compare_drafts_end_to_end(experiment_pair, tmp_path, monkeypatch, capsys):
     """diversed compare-drafts: sd and static w, each with the draft's distributions and its tokens only (and an
     n-gram drafter), in one table with the paired differences against the first source."""
-    target, draft, tokenizer = pair
+    target, draft, tokenizer = experiment_pair
     monkeypatch.setattr(cli.common, "load_models", lambda target_name, draft_name: (target, draft, tokenizer))
     data = tmp_path / "gsm8k.jsonl"
     data.write_text("".join(json.dumps(example) + "\n" for example in gsm8k_examples()))
@@ -239,8 +206,8 @@ def test_shipped_head_loads_for_the_default_pair():
     assert weights.shape == (1, 2) and bool(((weights > 0) & (weights < 1)).all())
 
 
-def test_evaluate_batched_gives_the_same_results_per_prompt(pair):
-    target, draft, tokenizer = pair
+def test_evaluate_batched_gives_the_same_results_per_prompt(experiment_pair):
+    target, draft, tokenizer = experiment_pair
     specs = harness.method_specs(["ar", "static"], [0.5], None)
     runs = [harness.evaluate(TASKS["gsm8k"], gsm8k_examples(), target, draft, tokenizer, specs, max_draft=3,
                              max_new_tokens=8, temperature=0.0, seed=5, progress=False, batch_size=batch_size)
@@ -252,10 +219,10 @@ def test_evaluate_batched_gives_the_same_results_per_prompt(pair):
         assert alone.fidelity_per_prompt == pytest.approx(batched.fidelity_per_prompt, rel=1e-5)
 
 
-def test_eval_compares_draft_lengths_with_each_methods_best_fixed_k(pair, tmp_path, monkeypatch, capsys):
+def test_eval_compares_draft_lengths_with_each_methods_best_fixed_k(experiment_pair, tmp_path, monkeypatch, capsys):
     """diversed eval --draft-length ... --fixed-k ...: one row per method and policy (fixed once per K), the
     drafts per round of each, then every policy against its method's best fixed K."""
-    target, draft, tokenizer = pair
+    target, draft, tokenizer = experiment_pair
     monkeypatch.setattr(cli.common, "load_models", lambda target_name, draft_name: (target, draft, tokenizer))
     data = tmp_path / "gsm8k.jsonl"
     data.write_text("".join(json.dumps(example) + "\n" for example in gsm8k_examples()))

@@ -11,54 +11,25 @@ from diversed_ext.decoding import SpeculativeDecoder  # noqa: E402
 from diversed_ext.decoding.runners import HFRunner  # noqa: E402
 from diversed_ext.forward.llama_runner import LlamaRunner, StaticKVCache, supports_fast_forward  # noqa: E402
 from diversed_ext.models import quantize_int8  # noqa: E402
-
-VOCAB = 37  # not a multiple of any vector width
-# Feeds appended one after another, with crops (negative numbers: positions dropped) as the decoding loop makes them.
-SCHEDULE = [7, 1, 3, -2, 4, 1, -4, 5, 1, 1, 2]
-
-
-def tiny_llama(seed, **overrides):
-    settings = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                    tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    settings.update(overrides)
-    torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**settings)).eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(5.0)  # peaked logits, so a wrong position or mask shows
-        for module in model.modules():  # transformers initialises biases to zero, which would hide a dropped bias
-            if isinstance(module, torch.nn.Linear) and module.bias is not None:
-                module.bias.normal_(0.0, 0.5)
-    return model
-
-
-CONFIGS = {
-    "gqa": {},
-    "multi-head": {"num_key_value_heads": 4},
-    "tied-head": {"tie_word_embeddings": True},
-    "biases": {"attention_bias": True, "mlp_bias": True},
-    "rope-linear-scaling": {"rope_scaling": {"rope_type": "linear", "factor": 4.0}},
-    "head-dim-16": {"head_dim": 16},
-}
-
+from helpers import FORWARD_CONFIGS, FORWARD_SCHEDULE, FORWARD_VOCAB, forward_llama  # noqa: E402
 
 @torch.inference_mode()
 def run_schedule(model, runner, cache=None, seed=0, incremental=False):
-    """Feed random tokens along SCHEDULE; after every feed compare the runner's logits and hidden states at the fed
-    positions with the model's own forward: over the whole sequence, or (``incremental``) over the same feeds with a
-    transformers cache, which int8 models need (they quantise activations per call, so results depend on the rows
-    of the call)."""
+    """Feed random tokens along FORWARD_SCHEDULE; after every feed compare the runner's logits and hidden states at
+    the fed positions with the model's own forward: over the whole sequence, or (``incremental``) over the same
+    feeds with a transformers cache, which int8 models need (they quantise activations per call, so results depend
+    on the rows of the call)."""
     generator = torch.Generator().manual_seed(seed)
     reference_runner, reference_cache = HFRunner(model, torch.device("cpu")), None
     tokens = []
-    for step in SCHEDULE:
+    for step in FORWARD_SCHEDULE:
         if step < 0:
             cache.crop(step)
             if incremental:
                 reference_cache.crop(step)
             del tokens[step:]
             continue
-        feed = torch.randint(0, VOCAB, (step,), generator=generator).tolist()
+        feed = torch.randint(0, FORWARD_VOCAB, (step,), generator=generator).tolist()
         logits, hidden, cache = runner(feed, cache, step, True)
         tokens += feed
         assert cache.get_seq_length() == len(tokens)
@@ -71,27 +42,27 @@ def run_schedule(model, runner, cache=None, seed=0, incremental=False):
     return cache
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("name", list(FORWARD_CONFIGS))
 def test_runner_matches_the_model_forward(name):
-    model = tiny_llama(1, **CONFIGS[name])
+    model = forward_llama(1, **FORWARD_CONFIGS[name])
     assert supports_fast_forward(model)
     run_schedule(model, LlamaRunner(model))
 
 
 def test_rope_scaling_is_taken_from_the_model():
     """The test above could pass with any RoPE if the scaling did nothing; check that it changes the outputs."""
-    plain, scaled = tiny_llama(1), tiny_llama(1, **CONFIGS["rope-linear-scaling"])
+    plain, scaled = forward_llama(1), forward_llama(1, **FORWARD_CONFIGS["rope-linear-scaling"])
     feed = list(range(12))
     plain_logits, _, _ = LlamaRunner(plain)(feed, None, 12)
     scaled_logits, _, _ = LlamaRunner(scaled)(feed, None, 12)
     assert (plain_logits - scaled_logits).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("name", list(FORWARD_CONFIGS))
 def test_runner_matches_an_int8_copy(name):
     """The lean int8 draft (fused int8_linear products over packed weights) against the copy's own forward through
     its quantised layers: the same int32 sums, so only float rounding apart."""
-    draft = quantize_int8(tiny_llama(2, **CONFIGS[name]))
+    draft = quantize_int8(forward_llama(2, **FORWARD_CONFIGS[name]))
     assert supports_fast_forward(draft)
     runner = LlamaRunner(draft)
     assert all(group.int8 is not None for products in runner.projections for group in products)
@@ -101,7 +72,7 @@ def test_runner_matches_an_int8_copy(name):
 
 def test_int8_weights_are_packed_again_when_they_change():
     """Runners share packed weights per module; new int8 weights (set_weight_bias) must not reuse the old packing."""
-    draft = quantize_int8(tiny_llama(2))
+    draft = quantize_int8(forward_llama(2))
     feed = list(range(6))
     before, _, _ = LlamaRunner(draft)(feed, None, 6)
     head = draft.lm_head
@@ -117,19 +88,19 @@ def test_int8_weights_are_packed_again_when_they_change():
 
 @pytest.mark.parametrize("capacity", [1, 3, 8])
 def test_cache_grows_past_its_capacity_and_keeps_the_prefix(capacity):
-    model = tiny_llama(3)
+    model = forward_llama(3)
     cache = run_schedule(model, LlamaRunner(model), cache=StaticKVCache(capacity), seed=4)
     assert cache.keys.shape[2] >= cache.get_seq_length() > capacity
 
 
 def test_lm_head_reads_only_the_requested_positions():
-    model = tiny_llama(4)
+    model = forward_llama(4)
     logits, hidden, cache = LlamaRunner(model)(list(range(9)), None, 2)
-    assert logits.shape == (2, VOCAB) and hidden.shape == (2, 32) and cache.get_seq_length() == 9
+    assert logits.shape == (2, FORWARD_VOCAB) and hidden.shape == (2, 32) and cache.get_seq_length() == 9
 
 
 def test_bfloat16_model_stays_close():
-    model = tiny_llama(5).to(torch.bfloat16)
+    model = forward_llama(5).to(torch.bfloat16)
     feed = list(range(10))
     logits, _, _ = LlamaRunner(model)(feed, None, 10)
     with torch.inference_mode():
@@ -155,13 +126,13 @@ def test_cache_crop_checks_its_argument():
 
 def test_empty_feed_is_an_error():
     with pytest.raises(ValueError, match="feed"):
-        LlamaRunner(tiny_llama(6))([], None, 1)
+        LlamaRunner(forward_llama(6))([], None, 1)
 
 
 def test_other_models_fall_back_to_their_own_forward():
-    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=VOCAB, n_embd=16, n_layer=1,
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=FORWARD_VOCAB, n_embd=16, n_layer=1,
                                                                 n_head=2)).eval()
-    llama = tiny_llama(7)
+    llama = forward_llama(7)
     training = copy.deepcopy(llama).train()
     hooked = copy.deepcopy(llama)
     hooked.model.layers[0].register_forward_hook(lambda module, args, output: None)
@@ -179,7 +150,7 @@ def test_other_models_fall_back_to_their_own_forward():
 
 @pytest.mark.parametrize("method,weight", [("sd", None), ("static", 0.4)])
 def test_decoder_output_is_the_same_with_either_forward(method, weight):
-    target, draft = tiny_llama(8), tiny_llama(9)
+    target, draft = forward_llama(8), forward_llama(9)
     outputs = []
     for fast_forward in (False, True):
         decoder = SpeculativeDecoder(target, draft, method=method, weight=weight, max_draft=3, temperature=0.0,

@@ -15,7 +15,7 @@ transformers = pytest.importorskip("transformers")
 from diversed_ext.decoding.runners import HFRunner, make_runner  # noqa: E402
 from diversed_ext.forward import _native  # noqa: E402
 from diversed_ext.forward import ForwardOpsMissing, LlamaRunner, pack_float, pack_int8, supports_fast_forward  # noqa
-from test_fast_llama import tiny_llama  # noqa: E402
+from helpers import forward_llama  # noqa: E402
 
 def _run_python(code: str) -> dict:
     """``code`` in a fresh interpreter (imports cannot be undone in this one); it prints one JSON object."""
@@ -64,14 +64,14 @@ def without_forward_ops(monkeypatch):
 
 
 def test_without_the_forward_ops_decoding_runs_the_models_own_forward(without_forward_ops):
-    model = tiny_llama(0)
+    model = forward_llama(0)
     assert not supports_fast_forward(model)
     assert isinstance(make_runner(model, torch.device("cpu"), fast_forward=True), HFRunner)
 
 
 def test_without_the_forward_ops_what_needs_them_says_so(without_forward_ops):
     with pytest.raises(ForwardOpsMissing, match=r"LlamaRunner needs .*diversed::int8_pack"):
-        LlamaRunner(tiny_llama(0))
+        LlamaRunner(forward_llama(0))
     with pytest.raises(ForwardOpsMissing, match="pack_int8 needs"):
         pack_int8([(torch.ones(2, 4, dtype=torch.int8), 0.1, None)])
     with pytest.raises(ForwardOpsMissing, match="pack_float needs"):
@@ -81,4 +81,4 @@ def test_without_the_forward_ops_what_needs_them_says_so(without_forward_ops):
 def test_this_build_carries_the_forward_ops():
     # The suite's other forward tests would skip nothing silently: they need these ops and this build has them.
     assert _native.forward_ops_built()
-    assert supports_fast_forward(tiny_llama(0))
+    assert supports_fast_forward(forward_llama(0))

@@ -2,7 +2,6 @@
 and persistence, the loop handing each drafted position its own features (checked against full forward passes),
 and a trainer step through them."""
 
-import copy
 import json
 import math
 
@@ -11,13 +10,13 @@ import torch
 
 pytest.importorskip("transformers")
 
-from decoding_helpers import PROMPT, wide_pair_models  # noqa: E402
 from diversed_ext.decoding import SpeculativeDecoder  # noqa: E402
 from diversed_ext.head import (DISTRIBUTION_FEATURES, HEAD_INPUTS, EnsembleHead, distribution_features,  # noqa: E402
                                load_head)
 from diversed_ext.research.rollouts import mixture_rollout  # noqa: E402
 from diversed_ext.research.teacher_forcing import teacher_forced_tokens  # noqa: E402
 from diversed_ext.research.trainer import Trainer, TrainerConfig  # noqa: E402
+from helpers import PROMPT, wide_pair_models  # noqa: E402
 
 PROMPTS = [PROMPT, [3], [5, 1, 4, 4, 2, 7, 7, 0, 9], [2, 2]]
 
@@ -133,12 +132,6 @@ def test_head_saved_before_features_loads_as_hidden_states_only(tmp_path):
                                        if key not in ("features", "use_hidden")}))
     head = load_head(str(tmp_path))
     assert head.config.features == [] and head.config.use_hidden and not head.wants_distributions
-
-
-@pytest.fixture(scope="module")
-def double_pair():
-    target, draft = wide_pair_models()
-    return copy.deepcopy(target).double(), copy.deepcopy(draft).double()
 
 
 def last_position(model, tokens):

@@ -10,7 +10,7 @@ import torch
 from diversed_ext.forward.llama_runner import LlamaRunner
 from diversed_ext.models import quantize_int8
 from diversed_ext.forward.float_linear import float_linear, pack_float
-from test_fast_llama import CONFIGS, SCHEDULE, VOCAB, tiny_llama
+from helpers import FORWARD_CONFIGS, FORWARD_SCHEDULE, FORWARD_VOCAB, forward_llama
 
 BUILDS = ["avx512", "avx2", "baseline"]  # DIVERSED_CPU_CAPABILITY caps the build; a CPU without one runs a narrower
 
@@ -101,7 +101,7 @@ KINDS = ["int8", "float"]
 
 
 def native_runner(kind="int8", name="gqa", seed=2):
-    model = tiny_llama(seed, **CONFIGS[name])
+    model = forward_llama(seed, **FORWARD_CONFIGS[name])
     runner = LlamaRunner(quantize_int8(model) if kind == "int8" else model)
     assert runner.native is not None and runner.native.int8 == (kind == "int8")  # the native path is under test
     return runner
@@ -115,7 +115,7 @@ def python_runner(runner):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("name", list(FORWARD_CONFIGS))
 def test_native_layers_match_the_op_by_op_path(kind, name):
     """Along the decoding schedule (feeds and crops), the native layers give the op-by-op path's logits up to float
     rounding (which can move an int8 activation across one quantisation step now and then)."""
@@ -123,12 +123,12 @@ def test_native_layers_match_the_op_by_op_path(kind, name):
     reference = python_runner(native)
     native_cache = reference_cache = None
     generator = torch.Generator().manual_seed(11)
-    for step in SCHEDULE:
+    for step in FORWARD_SCHEDULE:
         if step < 0:
             native_cache.crop(step)
             reference_cache.crop(step)
             continue
-        feed = torch.randint(0, VOCAB, (step,), generator=generator).tolist()
+        feed = torch.randint(0, FORWARD_VOCAB, (step,), generator=generator).tolist()
         logits, hidden, native_cache = native(feed, native_cache, step, True)
         expected_logits, expected_hidden, reference_cache = reference(feed, reference_cache, step, True)
         torch.testing.assert_close(logits, expected_logits, rtol=1e-4, atol=1e-4)
@@ -225,6 +225,6 @@ def test_native_layers_opcheck(kind):
 
 
 def test_models_outside_the_native_path_keep_the_op_by_op_forward():
-    draft = quantize_int8(tiny_llama(2, hidden_act="gelu"))
+    draft = quantize_int8(forward_llama(2, hidden_act="gelu"))
     assert LlamaRunner(draft).native is None  # not a SiLU MLP
-    assert LlamaRunner(tiny_llama(1).double()).native is None  # float64 products are not packed
+    assert LlamaRunner(forward_llama(1).double()).native is None  # float64 products are not packed

@@ -8,14 +8,8 @@ import torch
 from scipy.stats import chisquare
 
 import diversed_ext as dx
-from helpers import (DTYPES, logits_verify_case, on_device, poisoned_logits_inputs, random_logits,
-                     token_stats_edge_inputs)
-
-
-def assert_verify_close(native, reference):
-    assert torch.equal(native.tokens, reference.tokens)
-    assert torch.equal(native.num_accepted, reference.num_accepted)
-    torch.testing.assert_close(native.accept_prob, reference.accept_prob, rtol=2e-5, atol=1e-6)
+from helpers import (DTYPES, assert_verify_close, logits_verify_case, on_device, poisoned_logits_inputs,
+                     random_logits, token_stats_edge_inputs)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

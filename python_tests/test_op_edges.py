@@ -86,7 +86,7 @@ def test_the_loop_treats_an_underflowing_temperature_as_greedy(wide_pair, method
     """temperature=1e-40 once crashed in the draft's sampling (softmax of logits / T is NaN); now it decodes exactly
     what temperature 0 decodes."""
     pytest.importorskip("transformers")
-    from decoding_helpers import PROMPT
+    from helpers import PROMPT
 
     from diversed_ext.decoding import SpeculativeDecoder
 

@@ -9,6 +9,7 @@ import torch
 from diversed_ext.research import tasks
 from diversed_ext.research.tasks import extract_gsm8k_answer, gsm8k_exact_match, humaneval_pass, normalize_number
 from diversed_ext.research.teacher_forcing import fidelity
+from helpers import random_llama
 
 # The shared data folder beside the checkout.
 GSM8K_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data", "gsm8k")
@@ -129,11 +130,9 @@ def test_rouge_l():
 
 
 def test_fidelity_is_the_mean_target_logprob_per_token():
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=20, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                      num_attention_heads=2, num_key_value_heads=2)
-    model = transformers.LlamaForCausalLM(config).eval()
+    pytest.importorskip("transformers")
+    model = random_llama(0, vocab_size=20, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2)
     prompt, completion = [1, 2, 3], [4, 5]
     with torch.no_grad():
         logits = model(torch.tensor([prompt + completion])).logits[0].float()

@@ -6,47 +6,15 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-from diversed_ext.head import EnsembleHead  # noqa: E402
 from diversed_ext.research.teacher_forcing import fidelity_gap, teacher_forced_tokens  # noqa: E402
-from diversed_ext.research.rollouts import mixture_rollout  # noqa: E402
-from diversed_ext.research.trainer import Trainer, TrainerConfig, warmup_cosine  # noqa: E402
-
-VOCAB = 24
-
-
-def tiny_llama(seed: int) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
-    model = LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(8)  # sharper distributions: the pair disagrees clearly
-    return model
+from diversed_ext.research.trainer import TrainerConfig, warmup_cosine  # noqa: E402
+from helpers import TESTS_ROOT, make_trainer, prompts_and_examples, trainer_llama  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def pair():
-    return tiny_llama(0), tiny_llama(1)
-
-
-def prompts_and_examples(count=6):
-    generator = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(0, VOCAB, (3,), generator=generator).tolist() for _ in range(count)]
-    return prompts, list(range(count))
-
-
-def make_trainer(pair, tmp_path, reward, steps=4, **overrides):
-    target, draft = pair
-    head = EnsembleHead(16, 16, init_weight=0.5)
-    prompts, examples = prompts_and_examples()
-    settings = dict(output_dir=str(tmp_path), steps=steps, batch_size=4, learning_rate=0.05, warmup_steps=1,
-                    checkpoint_every=2, seed=7)
-    settings.update(overrides)
-    rollout = mixture_rollout(target, draft, head, max_new_tokens=6)
-    return Trainer(target, draft, head, prompts, examples, reward, decode=lambda ids: " ".join(map(str, ids)),
-                   rollout=rollout, config=TrainerConfig(**settings))
+    return trainer_llama(0), trainer_llama(1)
 
 
 def test_teacher_forced_tokens_match_a_fresh_forward(pair):
@@ -146,9 +114,9 @@ def test_two_process_ddp_on_cpu(tmp_path):
     started for itself, and the test fails with the run's output instead of hanging."""
     import sys
 
-    from process_tree import run_process_tree
+    from helpers.process_tree import run_process_tree
 
-    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ddp_worker.py")
+    worker = str(TESTS_ROOT / "helpers" / "ddp_worker.py")
     result_path = str(tmp_path / "result")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", worker,
                str(tmp_path / "run"), result_path]
@@ -167,7 +135,7 @@ def test_process_tree_kill_reaches_descendants_in_other_sessions(tmp_path):
     """The timeout kill reaches a grandchild that left the session and holds the output open, and returns on time."""
     import sys
 
-    from process_tree import run_process_tree
+    from helpers.process_tree import run_process_tree
 
     flag = tmp_path / "grandchild_alive"
     grandchild = ("import os, time, sys; os.setsid(); time.sleep(3); open(sys.argv[1], 'w').write('alive')")

@@ -14,7 +14,7 @@ from diversed_ext import cli  # noqa: E402
 from diversed_ext.head import DISTRIBUTION_FEATURES, EnsembleHead  # noqa: E402
 from diversed_ext.research import validation  # noqa: E402
 from diversed_ext.research.teacher_forcing import TokenBatch  # noqa: E402
-from test_experiments import gsm8k_examples, pair  # noqa: E402,F401  (the tiny pair fixture)
+from helpers import gsm8k_examples  # noqa: E402
 
 
 def synthetic_tokens(prompts=12, length=20, seed=0) -> TokenBatch:
@@ -79,8 +79,8 @@ def test_tokens_round_trip(tmp_path):
         validation.load_tokens(path)
 
 
-def test_cli_validate_end_to_end(pair, tmp_path, monkeypatch, capsys):  # noqa: F811
-    target, draft, tokenizer = pair
+def test_cli_validate_end_to_end(experiment_pair, tmp_path, monkeypatch, capsys):
+    target, draft, tokenizer = experiment_pair
     monkeypatch.setattr(cli.common, "load_models", lambda target_name, draft_name: (target, draft, tokenizer))
     data = tmp_path / "gsm8k.jsonl"
     data.write_text("".join(json.dumps(example) + "\n" for example in gsm8k_examples(4)))

@@ -7,10 +7,9 @@ import torch
 from scipy.stats import chisquare
 
 import diversed_ext as dx
-from helpers import on_device
+from helpers import P_VALUE_FLOOR, chi_square_tokens_p_value, on_device
 
 NUM_SAMPLES = 40_000
-SIGNIFICANCE = 1e-4  # fixed seeds make each test deterministic; this only guards against a marginal seed
 
 
 def fixed_pair(vocab=8, seed=0):
@@ -32,30 +31,21 @@ def sample_first_token(verifier, draft, target, weight, num_positions=1, seed=12
     return result.tokens[:, 0], result.num_accepted
 
 
-def chi_square_pvalue(samples, expected_probs):
-    counts = torch.bincount(samples, minlength=expected_probs.numel()).double()
-    keep = expected_probs > 0
-    assert counts[~keep].sum() == 0, "a token with zero probability was emitted"
-    kept_probs = expected_probs[keep].double()
-    expected = kept_probs / kept_probs.sum() * counts[keep].sum()
-    return chisquare(counts[keep].numpy(), expected.numpy()).pvalue
-
-
 @pytest.mark.parametrize("verifier", [dx.verify, dx.verify_reference], ids=["native", "reference"])
 @pytest.mark.parametrize("weight", [0.0, 0.3, 0.7, 1.0])
 def test_emitted_token_follows_mixture(verifier, weight):
     draft, target = fixed_pair(seed=int(weight * 10))
     first, _ = sample_first_token(verifier, draft, target, weight)
     mixture = weight * target + (1 - weight) * draft
-    assert chi_square_pvalue(first, mixture) > SIGNIFICANCE
+    assert chi_square_tokens_p_value(first, mixture) > P_VALUE_FLOOR
 
 
 def test_weight_one_is_exactly_the_target_and_detects_a_wrong_law():
     draft, target = fixed_pair(seed=42)
     first, _ = sample_first_token(dx.verify, draft, target, 1.0)
-    assert chi_square_pvalue(first, target) > SIGNIFICANCE
+    assert chi_square_tokens_p_value(first, target) > P_VALUE_FLOOR
     # The same samples must fail against the draft's law: the test has power.
-    assert chi_square_pvalue(first, draft) < 1e-10
+    assert chi_square_tokens_p_value(first, draft) < 1e-10
 
 
 @pytest.mark.parametrize("weight", [0.2, 0.5, 0.9, 1.0])
@@ -81,7 +71,7 @@ def test_bonus_token_follows_target_row():
     tokens = torch.multinomial(draft, NUM_SAMPLES, replacement=True, generator=torch.Generator().manual_seed(1))
     result = dx.verify(tokens.reshape(-1, 1), draft.expand(NUM_SAMPLES, 1, vocab).contiguous(),
                        target.expand(NUM_SAMPLES, 2, vocab).contiguous(), 0.0, seed=9)
-    assert chi_square_pvalue(result.tokens[:, 1], target) > SIGNIFICANCE
+    assert chi_square_tokens_p_value(result.tokens[:, 1], target) > P_VALUE_FLOOR
 
 
 def test_second_position_follows_mixture_given_first_accepted():
@@ -94,7 +84,7 @@ def test_second_position_follows_mixture_given_first_accepted():
                        target.expand(NUM_SAMPLES, 3, vocab).contiguous(), weight, seed=10)
     reached_second = result.num_accepted >= 1
     mixture = weight * target + (1 - weight) * draft
-    assert chi_square_pvalue(result.tokens[reached_second, 1], mixture) > SIGNIFICANCE
+    assert chi_square_tokens_p_value(result.tokens[reached_second, 1], mixture) > P_VALUE_FLOOR
 
 
 def test_samples_follow_the_mixture_at_the_expected_rate(device):

@@ -7,13 +7,7 @@ import pytest
 import torch
 
 import diversed_ext as dx
-from helpers import DTYPES, on_device, random_problem
-
-
-def assert_same(native, reference):
-    assert torch.equal(native.tokens, reference.tokens), (native.tokens, reference.tokens)
-    assert torch.equal(native.num_accepted, reference.num_accepted)
-    assert torch.equal(native.accept_prob, reference.accept_prob)
+from helpers import DTYPES, assert_same, on_device, random_problem
 
 
 def both(*args, device="cpu", **kwargs):

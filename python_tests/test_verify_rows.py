@@ -9,21 +9,8 @@ import torch
 from scipy.stats import chisquare
 
 import diversed_ext as dx
-from helpers import DTYPES, assert_verify_result_in_range, dispatched, on_device, requires_cuda
-
-
-def assert_identical(a, b):
-    assert torch.equal(a.tokens, b.tokens), (a.tokens, b.tokens)
-    assert torch.equal(a.num_accepted, b.num_accepted)
-    assert torch.equal(a.accept_prob, b.accept_prob)
-
-
-def assert_logits_close(native, reference):
-    """Logits against the reference: same tokens; accept_prob to float rounding (the reference divides by the
-    temperature where the kernels multiply by its inverse)."""
-    assert torch.equal(native.tokens, reference.tokens)
-    assert torch.equal(native.num_accepted, reference.num_accepted)
-    torch.testing.assert_close(native.accept_prob, reference.accept_prob, rtol=2e-5, atol=1e-6)
+from helpers import (DTYPES, assert_same, assert_verify_close, assert_verify_result_in_range, dispatched, on_device,
+                     requires_cuda)
 
 
 def row_index(num_draft, width, extra, row_count, generator):
@@ -80,11 +67,11 @@ def test_rows_equal_padded_and_reference(logits, num_positions, vocab, dtype, to
     reference_op = dx.verify_logits_reference if logits else dx.verify_reference
     in_place = on_device(device, native_op, tokens, draft, target, weight, **rows, **common)
     padded_draft, padded_target = gather_padded(draft, target, rows)
-    assert_identical(in_place, on_device(device, native_op, tokens, padded_draft, padded_target, weight, **common))
-    assert_identical(in_place, on_device(device, native_op, tokens, draft, target, weight, **rows, **common,
+    assert_same(in_place, on_device(device, native_op, tokens, padded_draft, padded_target, weight, **common))
+    assert_same(in_place, on_device(device, native_op, tokens, draft, target, weight, **rows, **common,
                                          check_inputs=False))
     reference = reference_op(tokens, draft, target, weight, **rows, **common)
-    (assert_logits_close if logits else assert_identical)(in_place, reference)
+    (assert_verify_close if logits else assert_same)(in_place, reference)
 
 
 @pytest.mark.parametrize("logits", [False, True])
@@ -112,11 +99,11 @@ def test_one_index_alone_and_a_vllm_layout(logits, device):
     op = dx.verify_logits if logits else dx.verify
     padded = on_device(device, op, tokens, padded_draft, padded_target, 0.6, **common)
     by_rows = by_slot.reshape(-1, vocab)
-    assert_identical(padded, on_device(device, op, tokens, by_rows, flat_target, 0.6, target_rows=target_rows,
+    assert_same(padded, on_device(device, op, tokens, by_rows, flat_target, 0.6, target_rows=target_rows,
                                        draft_rows=draft_rows, **common))
-    assert_identical(padded, on_device(device, op, tokens, padded_draft, flat_target, 0.6, target_rows=target_rows,
+    assert_same(padded, on_device(device, op, tokens, padded_draft, flat_target, 0.6, target_rows=target_rows,
                                        **common))
-    assert_identical(padded, on_device(device, op, tokens, by_rows, padded_target, 0.6, draft_rows=draft_rows,
+    assert_same(padded, on_device(device, op, tokens, by_rows, padded_target, 0.6, draft_rows=draft_rows,
                                        **common))
 
 
@@ -129,7 +116,7 @@ def test_rows_on_both_cuda_kernel_families(logits, cuda_kernels):
     op = dx.verify_logits if logits else dx.verify
     in_place = on_device("cuda", op, tokens, draft, target, weight, **rows, **common)
     padded_draft, padded_target = gather_padded(draft, target, rows)
-    assert_identical(in_place, on_device("cuda", op, tokens, padded_draft, padded_target, weight, **common))
+    assert_same(in_place, on_device("cuda", op, tokens, padded_draft, padded_target, weight, **common))
 
 
 def test_shared_rows_sample_the_mixture(device):
@@ -256,7 +243,7 @@ def test_garbage_indices_without_checks_are_clamped(logits, device):
     native = on_device(device, op, tokens, draft, target, weight, **rows, **common, check_inputs=False)
     assert_verify_result_in_range(native, num_positions, vocab)
     reference = reference_op(tokens, draft, target, weight, **rows, **common, check_inputs=False)
-    (assert_logits_close if logits else assert_identical)(native, reference)
+    (assert_verify_close if logits else assert_same)(native, reference)
 
 
 # ------------------------------------------------------------------------------------------- target_temperature
@@ -266,7 +253,7 @@ def test_target_temperature_equal_to_the_temperature_changes_nothing(dtype, devi
     plain = on_device(device, dx.verify_logits, tokens, draft, target, weight, **rows, **common)
     same = on_device(device, dx.verify_logits, tokens, draft, target, weight, **rows, **common,
                      target_temperature=common["temperature"])
-    assert_identical(plain, same)
+    assert_same(plain, same)
 
 
 @pytest.mark.parametrize("exact", [True, False])
@@ -286,12 +273,12 @@ def test_target_logits_divided_beforehand(exact, device):
     divided = target / divisor
     plain = on_device(device, dx.verify_logits, tokens, draft, target, weight, **rows, **common)
     pre = on_device(device, dx.verify_logits, tokens, draft, divided, weight, **rows, **common, target_temperature=1.0)
-    assert_logits_close(pre, dx.verify_logits_reference(tokens, draft, divided, weight, **rows, **common,
+    assert_verify_close(pre, dx.verify_logits_reference(tokens, draft, divided, weight, **rows, **common,
                                                         target_temperature=1.0))
     if exact:
-        assert_identical(plain, pre)
+        assert_same(plain, pre)
     else:
-        assert_logits_close(plain, pre)
+        assert_verify_close(plain, pre)
 
 
 def test_target_temperature_is_checked():

@@ -13,28 +13,11 @@ import torch
 
 import diversed_ext as dx
 from diversed_ext.ops.reference import one_hot_drafts
-from helpers import DTYPES, logits_verify_case, on_device, random_problem
-from test_logits import assert_verify_close
-from test_verify_distribution import SIGNIFICANCE, chi_square_pvalue
-from test_verify_matches_reference import assert_same
+from helpers import (DTYPES, P_VALUE_FLOOR, assert_same, assert_verify_close, chi_square_tokens_p_value,
+                     logits_verify_case, on_device, tokens_only_case)
 
 BUILDS = ["baseline", "avx2", "avx512"]  # DIVERSED_CPU_CAPABILITY caps the build (read on every call)
 CHUNKED_VOCAB = 70_001  # one request with V >= 65536 goes by vocabulary chunks; several go by rows
-
-
-def tokens_only_case(batch, num_positions, vocab, seed, dtype=torch.float32):
-    """(tokens, target_probs, weight, kwargs) of a mixed tokens-only batch: drafted ids half at the target's argmax
-    (kept by greedy rows, often by sampled ones), half elsewhere; per-token weights, ragged rows, every third row
-    greedy, explicit uniforms."""
-    tokens, _, target = random_problem(batch, num_positions, vocab, seed=seed, dtype=dtype)
-    generator = torch.Generator().manual_seed(seed + 1)
-    at_argmax = torch.rand(batch, num_positions, generator=generator) < 0.5
-    tokens = torch.where(at_argmax, target[:, :num_positions].float().argmax(-1), tokens)
-    weight = torch.rand(batch, num_positions, generator=generator)
-    kwargs = dict(num_draft=torch.randint(0, num_positions + 1, (batch,), generator=generator),
-                  greedy=torch.arange(batch) % 3 == 1,
-                  uniforms=torch.rand(batch, num_positions + 1, generator=generator, dtype=torch.float64))
-    return tokens, target, weight, kwargs
 
 
 def one_hot_logits(tokens, vocab, dtype=torch.float32):
@@ -217,9 +200,9 @@ def test_emitted_tokens_follow_nu(num_positions, vocab, weight, op, device):
         if weight == 0.0:  # nu = onehot(x): nothing else may come out
             assert torch.all(emitted == x[position])
         else:
-            assert chi_square_pvalue(emitted, nu[position]) > SIGNIFICANCE, position
+            assert chi_square_tokens_p_value(emitted, nu[position]) > P_VALUE_FLOOR, position
     if weight == 0.5 and vocab > 2:  # power: the same samples fail against the target alone
-        assert chi_square_pvalue(result.tokens[:, 0], p[0]) < 1e-10
+        assert chi_square_tokens_p_value(result.tokens[:, 0], p[0]) < 1e-10
 
 
 # ------------------------------------------------------------------------------------------------------------- edges

@@ -8,10 +8,7 @@ import pytest
 import torch
 
 import diversed_ext as dx
-from helpers import on_device, random_problem
-from test_logits import assert_verify_close
-from test_verify_matches_reference import assert_same
-from test_verify_tokens_only import tokens_only_case
+from helpers import assert_same, assert_verify_close, on_device, random_problem, tokens_only_case
 
 
 def verify_both_ways(device, tokens, target_probs, weight, greedy=False, **kwargs):

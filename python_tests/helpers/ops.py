@@ -1,4 +1,4 @@
-"""Builders the tests share: random draft/target problems, poisoned inputs, result checks, the dispatch log and the
+"""What the op tests share: random draft/target problems, poisoned inputs, result checks, the dispatch log and the
 CUDA skip.
 
 Tests import these with `from helpers import ...`; pytest configuration (the output poisoning default, the `device`
@@ -118,6 +118,36 @@ def token_stats_edge_inputs():
     draft = torch.zeros(1, 2, 4)
     target = torch.tensor([[[0.0, -200.0, -300.0, 0.0], [float("-inf")] * 4]])
     return draft, target, torch.tensor([[2, 1]])
+
+
+def tokens_only_case(batch, num_positions, vocab, seed, dtype=torch.float32):
+    """(tokens, target_probs, weight, kwargs) of a mixed tokens-only batch: drafted ids half at the target's argmax
+    (kept by greedy rows, often by sampled ones), half elsewhere; per-token weights, ragged rows, every third row
+    greedy, explicit uniforms."""
+    tokens, _, target = random_problem(batch, num_positions, vocab, seed=seed, dtype=dtype)
+    generator = torch.Generator().manual_seed(seed + 1)
+    at_argmax = torch.rand(batch, num_positions, generator=generator) < 0.5
+    tokens = torch.where(at_argmax, target[:, :num_positions].float().argmax(-1), tokens)
+    weight = torch.rand(batch, num_positions, generator=generator)
+    kwargs = dict(num_draft=torch.randint(0, num_positions + 1, (batch,), generator=generator),
+                  greedy=torch.arange(batch) % 3 == 1,
+                  uniforms=torch.rand(batch, num_positions + 1, generator=generator, dtype=torch.float64))
+    return tokens, target, weight, kwargs
+
+
+def assert_same(native, reference):
+    """Two verify results bit for bit: tokens, accepted counts and acceptance probabilities."""
+    assert torch.equal(native.tokens, reference.tokens), (native.tokens, reference.tokens)
+    assert torch.equal(native.num_accepted, reference.num_accepted)
+    assert torch.equal(native.accept_prob, reference.accept_prob)
+
+
+def assert_verify_close(native, reference):
+    """A verify result against the reference's: the same tokens and counts, accept_prob to float rounding (on the
+    logits path the reference divides by the temperature where the kernels multiply by its inverse)."""
+    assert torch.equal(native.tokens, reference.tokens)
+    assert torch.equal(native.num_accepted, reference.num_accepted)
+    torch.testing.assert_close(native.accept_prob, reference.accept_prob, rtol=2e-5, atol=1e-6)
 
 
 def assert_verify_result_in_range(result, num_positions, vocab):
