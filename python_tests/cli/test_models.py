@@ -144,7 +144,7 @@ def test_lean_draft_is_the_same_draft_as_its_quantised_layers_on_the_real_pair(d
     Pointwise equality up to rounding cannot be asked of this draft: its per-tensor activation scales are set by a
     few outlier activations, so coarse that one rounding difference can flip a quantisation step, and 30 layers
     amplify it (its own forward, with one token's embedding nudged by one part in a million, moves some positions'
-    logits by several units). The tests on random Llamas (test_fast_llama.py, test_lean_forward_ops.py) check the
+    logits by several units). The tests on random Llamas (test_llama_runner.py, test_lean_forward_ops.py) check the
     arithmetic up to rounding. Here, over every position of prompt prefixes, the lean draft must be as good a draft:
     its mean total variation from the target (one minus the acceptance rate of standard speculative decoding)
     within 0.03 of the quantised layers' (measured: 0.637 against 0.642, standard error 0.014 each, 0.005 paired),

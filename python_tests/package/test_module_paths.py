@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from helpers import REPO_ROOT as ROOT
 PACKAGE = ROOT / "diversed_ext"
 DOTTED = re.compile(r"\bdiversed_ext(?:\.[A-Za-z_]\w*)+")
 # Dotted names that are not module paths: the format name head.json files carry (changing it would orphan them).

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+from helpers import REPO_ROOT as ROOT
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
 STEPS = ["build", "tests-block", "tests-split", "sanitizer-memcheck", "sanitizer-racecheck", "sanitizer-synccheck",
          "sanitizer-initcheck", "bench-block", "bench-split", "profile-block", "profile-split"]

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+from helpers import REPO_ROOT as REPO
 CSRC = REPO / "csrc"
 VERIFY_OPS = ["verify_probs", "verify_logits", "verify_logits_with_flags", "token_stats", "mix", "value_flags",
               "philox_uniforms"]

@@ -9,10 +9,10 @@ import torch
 from diversed_ext.research import tasks
 from diversed_ext.research.tasks import extract_gsm8k_answer, gsm8k_exact_match, humaneval_pass, normalize_number
 from diversed_ext.research.teacher_forcing import fidelity
-from helpers import random_llama
+from helpers import REPO_ROOT, random_llama
 
 # The shared data folder beside the checkout.
-GSM8K_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data", "gsm8k")
+GSM8K_DIR = os.path.join(REPO_ROOT.parent, "shared", "data", "gsm8k")
 
 
 # ---------------------------------------------------------------------------------------------------- GSM8K
