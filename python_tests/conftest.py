@@ -1,6 +1,7 @@
 """pytest configuration: output poisoning for every native call, and the `device` fixture.
 
-The builders the tests share are in helpers.py (`from helpers import ...`), not here.
+The builders the tests share are in the helpers package (`from helpers import ...`), not here; the fixtures below are
+the model pairs several test files share, each built once per test module.
 """
 
 import os
@@ -26,11 +27,35 @@ def device(request):
 
 @pytest.fixture(scope="module")
 def wide_pair():
-    """The tiny random (target, draft) Llama pair with a 32-token vocabulary that the test_decoding_*.py files share;
-    decoding_helpers (and so transformers) is imported only when a test asks for it."""
-    from decoding_helpers import wide_pair_models
+    """The tiny random (target, draft) Llama pair with a 32-token vocabulary that the decoding tests share;
+    transformers is imported only when a test asks for it."""
+    from helpers import wide_pair_models
 
     return wide_pair_models()
+
+
+@pytest.fixture(scope="module")
+def small_pair():
+    """The tiny random pair with a 4-token vocabulary, for the tests against exact output laws."""
+    from helpers import small_pair_models
+
+    return small_pair_models()
+
+
+@pytest.fixture(scope="module")
+def double_pair():
+    """The wide pair in float64, for the tests that compare batched and lone decoding token for token."""
+    from helpers import double_pair_models
+
+    return double_pair_models()
+
+
+@pytest.fixture(scope="module")
+def experiment_pair():
+    """(target, draft, tokenizer): a tiny random Llama pair and a character tokenizer, for the experiment functions."""
+    from helpers import experiment_pair_models
+
+    return experiment_pair_models()
 
 
 @pytest.fixture(params=["block", "split"])

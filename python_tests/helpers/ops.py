@@ -1,0 +1,189 @@
+"""What the op tests share: random draft/target problems, poisoned inputs, result checks, the dispatch log and the
+CUDA skip.
+
+Tests import these with `from helpers import ...`; pytest configuration (the output poisoning default, the `device`
+fixture) lives in conftest.py.
+"""
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+CUDA_SKIP_REASON = "CUDA tests need a GPU, and none is visible on this machine"
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason=CUDA_SKIP_REASON)
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def to_device(value, device):
+    return value.to(device) if isinstance(value, torch.Tensor) else value
+
+
+def on_device(device, fn, *args, **kwargs):
+    """fn with every tensor argument moved to `device`; the result (a tensor or a named tuple of tensors) is brought
+    back to the CPU, so a test compares it with CPU values the same way on every device."""
+    result = fn(*(to_device(a, device) for a in args), **{k: to_device(v, device) for k, v in kwargs.items()})
+    if isinstance(result, torch.Tensor):
+        return result.cpu()
+    return type(result)(*(field.cpu() for field in result))
+
+
+def random_distributions(shape, generator, sharpness=2.0, dtype=torch.float32):
+    """Softmax of scaled Gaussian logits: a mix of peaked and flat rows."""
+    logits = torch.randn(*shape, generator=generator) * sharpness
+    return logits.softmax(-1).to(dtype)
+
+
+def random_problem(batch, num_positions, vocab, *, seed=0, dtype=torch.float32, sharpness=2.0):
+    """(draft_tokens, draft_probs, target_probs) with drafts sampled from the draft distributions."""
+    generator = torch.Generator().manual_seed(seed)
+    draft_probs = random_distributions((batch, num_positions, vocab), generator, sharpness, dtype)
+    target_probs = random_distributions((batch, num_positions + 1, vocab), generator, sharpness, dtype)
+    if num_positions > 0:
+        flat = draft_probs.float().reshape(-1, vocab)
+        draft_tokens = torch.multinomial(flat, 1, generator=generator).reshape(batch, num_positions)
+    else:
+        draft_tokens = torch.zeros(batch, 0, dtype=torch.int64)
+    return draft_tokens, draft_probs, target_probs
+
+
+def random_logits(batch, num_positions, vocab, seed=0, scale=3.0, dtype=torch.float32):
+    """(draft_tokens, draft_logits, target_logits) with drafts sampled from softmax(draft_logits)."""
+    generator = torch.Generator().manual_seed(seed)
+    draft = torch.randn(batch, num_positions, vocab, generator=generator) * scale
+    target = torch.randn(batch, num_positions + 1, vocab, generator=generator) * scale
+    draft_probs = draft.softmax(-1)
+    if num_positions:
+        tokens = torch.multinomial(draft_probs.reshape(-1, vocab), 1, generator=generator).reshape(batch, num_positions)
+    else:
+        tokens = torch.zeros(batch, 0, dtype=torch.int64)
+    return tokens, draft.to(dtype), target.to(dtype)
+
+
+def logits_verify_case(num_positions, vocab, dtype, batch=6):
+    """A mixed verify_logits batch: random logits, uniforms, per-token weights, ragged rows, and temperatures with two
+    greedy rows. Returns (tokens, draft, target, weight, kwargs) with kwargs for verify_logits."""
+    tokens, draft, target = random_logits(batch, num_positions, vocab, seed=vocab + num_positions, dtype=dtype)
+    generator = torch.Generator().manual_seed(3)
+    uniforms = torch.rand(batch, num_positions + 1, generator=generator, dtype=torch.float64)
+    weight = torch.rand(batch, num_positions, generator=generator)
+    num_draft = torch.randint(0, num_positions + 1, (batch,), generator=generator)
+    temperature = torch.tensor([1.0, 0.5, 2.0, 0.0, 1.3, 0.0])[:batch]  # two greedy rows
+    return tokens, draft, target, weight, dict(temperature=temperature, num_draft=num_draft, uniforms=uniforms)
+
+
+def poisoned_logits_inputs():
+    """verify_logits inputs only check_inputs=False lets through (B = 32, K = 4, V = 37): NaN logits, a target row of
+    -inf, ids outside [0, V). Returns (tokens, draft, target, generator); draw the rest of a case from the generator."""
+    tokens, draft, target = random_logits(32, 4, 37, seed=3)
+    generator = torch.Generator().manual_seed(0)
+    for tensor in (draft, target):
+        mask = torch.rand(tensor.shape, generator=generator) < 0.2
+        tensor[mask] = float("nan")
+    target[0] = float("-inf")
+    tokens[:, 1] = torch.randint(-40, 80, (32,), generator=generator)
+    return tokens, draft, target, generator
+
+
+def poisoned_verify_inputs(batch, num_positions, vocab, seed=0, extreme_ids=False):
+    """Verify inputs only check_inputs=False lets through: NaN, infinite and negative mass, a target row without mass,
+    ids outside [0, V), weights and uniforms outside their ranges or NaN, num_draft outside [0, K]. extreme_ids also
+    puts an id of -2**40 in row 5 and a num_draft of 2**40 in row 4 (batch >= 6)."""
+    generator = torch.Generator().manual_seed(seed)
+    draft = torch.rand(batch, num_positions, vocab, generator=generator)
+    target = torch.rand(batch, num_positions + 1, vocab, generator=generator)
+    poison = torch.tensor([float("nan"), float("inf"), -1.0, -float("inf"), 0.0])
+    for tensor in (draft, target):
+        mask = torch.rand(tensor.shape, generator=generator) < 0.3
+        tensor[mask] = poison[torch.randint(0, 5, (int(mask.sum()),), generator=generator)]
+    target[0] = float("nan")  # a row with no valid mass at all
+    draft[1] = 0.0
+    tokens = torch.randint(-50, 80, (batch, num_positions), generator=generator)
+    weight = torch.rand(batch, num_positions, generator=generator) * 3 - 1
+    weight[2] = float("nan")
+    uniforms = torch.rand(batch, num_positions + 1, generator=generator, dtype=torch.float64) * 4 - 2
+    uniforms[3] = float("nan")
+    num_draft = torch.randint(-3, 9, (batch,), generator=generator)
+    greedy = torch.rand(batch, generator=generator) < 0.3
+    if extreme_ids:
+        tokens[5, 0] = -(2**40)
+        num_draft[4] = 2**40
+    return tokens, draft, target, weight, uniforms, num_draft, greedy
+
+
+def token_stats_edge_inputs():
+    """token_stats logits [1, 2, 4] at the edges: position 0's token 2 has a probability that underflows to 0 (its
+    log-probability stays finite), position 1 is all -inf (only check_inputs=False lets it through).
+    Returns (draft, target, tokens)."""
+    draft = torch.zeros(1, 2, 4)
+    target = torch.tensor([[[0.0, -200.0, -300.0, 0.0], [float("-inf")] * 4]])
+    return draft, target, torch.tensor([[2, 1]])
+
+
+def tokens_only_case(batch, num_positions, vocab, seed, dtype=torch.float32):
+    """(tokens, target_probs, weight, kwargs) of a mixed tokens-only batch: drafted ids half at the target's argmax
+    (kept by greedy rows, often by sampled ones), half elsewhere; per-token weights, ragged rows, every third row
+    greedy, explicit uniforms."""
+    tokens, _, target = random_problem(batch, num_positions, vocab, seed=seed, dtype=dtype)
+    generator = torch.Generator().manual_seed(seed + 1)
+    at_argmax = torch.rand(batch, num_positions, generator=generator) < 0.5
+    tokens = torch.where(at_argmax, target[:, :num_positions].float().argmax(-1), tokens)
+    weight = torch.rand(batch, num_positions, generator=generator)
+    kwargs = dict(num_draft=torch.randint(0, num_positions + 1, (batch,), generator=generator),
+                  greedy=torch.arange(batch) % 3 == 1,
+                  uniforms=torch.rand(batch, num_positions + 1, generator=generator, dtype=torch.float64))
+    return tokens, target, weight, kwargs
+
+
+def assert_same(native, reference):
+    """Two verify results bit for bit: tokens, accepted counts and acceptance probabilities."""
+    assert torch.equal(native.tokens, reference.tokens), (native.tokens, reference.tokens)
+    assert torch.equal(native.num_accepted, reference.num_accepted)
+    assert torch.equal(native.accept_prob, reference.accept_prob)
+
+
+def assert_verify_close(native, reference):
+    """A verify result against the reference's: the same tokens and counts, accept_prob to float rounding (on the
+    logits path the reference divides by the temperature where the kernels multiply by its inverse)."""
+    assert torch.equal(native.tokens, reference.tokens)
+    assert torch.equal(native.num_accepted, reference.num_accepted)
+    torch.testing.assert_close(native.accept_prob, reference.accept_prob, rtol=2e-5, atol=1e-6)
+
+
+def assert_verify_result_in_range(result, num_positions, vocab):
+    """Whatever the inputs: emitted ids in [0, V), -1 padding after them, counts and probabilities in range."""
+    emitted = torch.arange(num_positions + 1, device=result.tokens.device) <= result.num_accepted.unsqueeze(1).long()
+    assert torch.all((result.tokens[emitted] >= 0) & (result.tokens[emitted] < vocab))
+    assert torch.all(result.tokens[~emitted] == -1)
+    assert torch.all((result.num_accepted >= 0) & (result.num_accepted <= num_positions))
+    assert torch.all((result.accept_prob >= 0) & (result.accept_prob <= 1))
+
+
+# diversed::int8_linear reproduces the arithmetic of torch's dynamically quantised linear layer as torch 2.13's fbgemm
+# path computes it (the CPU build this project pins), bit for bit. torch 2.14 computes some shapes one input
+# quantisation step differently, so tests that compare against the layer itself run on 2.13 only; the tests against
+# the exact integer arithmetic and between builds run everywhere.
+LAYER_ARITHMETIC_TORCH = "2.13."
+requires_pinned_quantised_layer = pytest.mark.skipif(
+    not torch.__version__.startswith(LAYER_ARITHMETIC_TORCH),
+    reason=f"compares with torch's own quantised layer, whose arithmetic int8_linear reproduces for torch "
+           f"{LAYER_ARITHMETIC_TORCH}x; this is torch {torch.__version__}")
+
+
+class DispatchLog(TorchDispatchMode):
+    """Names of the ops dispatched while active (only the outermost ones: nothing inside a kernel)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+def dispatched(call):
+    """The ops `call` dispatches (DispatchLog's names), in order."""
+    with DispatchLog() as log:
+        call()
+    return log.ops

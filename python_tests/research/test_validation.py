@@ -1,0 +1,102 @@
+"""Closed-form validation of heads and coefficients (research/validation.py and ``diversed validate``): static points
+lie on their own line, the token-by-token loss minimiser lies on or above it, token files round-trip, and the
+command runs end to end on a tiny pair."""
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from diversed_ext import cli  # noqa: E402
+from diversed_ext.head import DISTRIBUTION_FEATURES, EnsembleHead  # noqa: E402
+from diversed_ext.research import validation  # noqa: E402
+from diversed_ext.research.teacher_forcing import TokenBatch  # noqa: E402
+from helpers import gsm8k_examples  # noqa: E402
+
+
+def synthetic_tokens(prompts=12, length=20, seed=0) -> TokenBatch:
+    generator = torch.Generator().manual_seed(seed)
+    total_variation = torch.rand(prompts, length, generator=generator)
+    # G mostly negative and loosely tied to TV, as on real pairs
+    gap = -3 * total_variation * torch.rand(prompts, length, generator=generator) * 2
+    return TokenBatch(draft_hidden=torch.randn(prompts, length, 4, generator=generator),
+                      target_hidden=torch.randn(prompts, length, 6, generator=generator),
+                      target_logprob=torch.zeros(prompts, length), draft_logprob=torch.zeros(prompts, length),
+                      total_variation=total_variation, mask=torch.ones(prompts, length, dtype=torch.bool),
+                      fidelity_gap=gap,
+                      distributions=torch.rand(prompts, length, len(DISTRIBUTION_FEATURES), generator=generator))
+
+
+def test_sd_and_static_points():
+    tokens = synthetic_tokens()
+    sd = validation.static_point(1.0, tokens)
+    torch.testing.assert_close(torch.tensor(sd.acceptance), 1 - tokens.total_variation.mean(-1))
+    assert sd.fidelity_change == [0.0] * 12 and sd.label == "sd"
+    for weight in (0.0, 0.3, 0.8):
+        gap, _ = validation.gap_to_static_line(validation.static_point(weight, tokens), tokens)
+        assert abs(gap) < 1e-6  # a static ensemble lies on the static line
+
+
+@pytest.mark.parametrize("coef", [0.5, 1.0, 2.0, 4.0])
+def test_loss_minimiser_lies_above_the_static_line(coef):
+    tokens = synthetic_tokens(seed=int(coef * 10))
+    row = validation.point_row(validation.rule_point(coef, 1.0, tokens), tokens)
+    assert row["gap"] > 0.05  # per token it trades acceptance for fidelity where that is cheapest
+    weights = torch.tensor(validation.rule_point(coef, 1.0, tokens).weight)
+    assert torch.all((weights >= 0) & (weights <= 1))
+
+
+def test_more_acceptance_weight_means_more_acceptance():
+    tokens = synthetic_tokens()
+    acceptances = [validation.point_row(validation.rule_point(coef, 1.0, tokens), tokens)["acceptance"]
+                   for coef in (0.5, 1, 2, 4, 8)]
+    assert acceptances == sorted(acceptances) and acceptances[-1] > acceptances[0]
+
+
+def test_head_point_reads_features_and_masks_padding():
+    tokens = synthetic_tokens(prompts=3, length=5)
+    tokens.mask[1, 3:] = False
+    tokens.total_variation[1, 3:] = 100.0  # padding: must not count
+    head = EnsembleHead(4, 6, features=["total_variation"], use_hidden=False, init_weight=0.25)
+    point = validation.head_point("head", head, tokens)
+    torch.testing.assert_close(torch.tensor(point.weight), torch.full((3,), 0.25))
+    assert point.acceptance[1] == pytest.approx(1 - 0.25 * float(tokens.total_variation[1, :3].mean()), abs=1e-6)
+
+
+def test_tokens_round_trip(tmp_path):
+    tokens = synthetic_tokens(prompts=2, length=3)
+    path = str(tmp_path / "tokens.safetensors")
+    validation.save_tokens(tokens, path)
+    loaded = validation.load_tokens(path)
+    for field in dataclasses.fields(TokenBatch):
+        assert torch.equal(getattr(loaded, field.name), getattr(tokens, field.name))
+    from safetensors.torch import save_file
+    save_file({"mask": tokens.mask}, path)
+    with pytest.raises(ValueError, match="lacks"):
+        validation.load_tokens(path)
+
+
+def test_cli_validate_end_to_end(experiment_pair, tmp_path, monkeypatch, capsys):
+    target, draft, tokenizer = experiment_pair
+    monkeypatch.setattr(cli.common, "load_models", lambda target_name, draft_name: (target, draft, tokenizer))
+    data = tmp_path / "gsm8k.jsonl"
+    data.write_text("".join(json.dumps(example) + "\n" for example in gsm8k_examples(4)))
+    head = tmp_path / "head"
+    EnsembleHead(16, 16, features=DISTRIBUTION_FEATURES, init_weight=0.7).save(str(head))
+    tokens = tmp_path / "tokens.safetensors"
+    argv = ["validate", "--data", str(data), "--skip", "1", "--max-new-tokens", "6", "--tokens", str(tokens),
+            "--acceptance-coef", "1", "--head", str(head)]
+    assert cli.main(argv) == 0
+    first = capsys.readouterr().out
+    assert "3 held-out prompts" in first and "| sd |" in first and "| rule lambda=1 |" in first
+    assert f"| {head} | 0.700 |" in first and tokens.is_file()
+    assert cli.main(argv) == 0  # the second run reads the token file: the same table
+    assert capsys.readouterr().out == first
+    assert cli.main(["validate", "--data", str(data), "--skip", "9"]) == 2
+    assert "--skip" in capsys.readouterr().err
+    tokens.write_bytes(b"not a safetensors file")  # a damaged token file: one line naming it, exit status 2
+    assert cli.main(argv) == 2
+    assert f"--tokens {tokens}" in capsys.readouterr().err
