@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import diversed_ext as dx
-from fly_helpers import fly_logits_case, fly_probs_case
+from helpers import fly_logits_case, fly_probs_case
 from helpers import DTYPES, on_device
 
 

@@ -4,7 +4,7 @@ accept rules they feed), the oracle our rule is compared with at w = 1."""
 
 import torch
 
-from helpers import random_logits, random_problem
+from .ops import random_logits, random_problem
 
 
 def fly_settings(batch, num_positions, generator, *, threshold_high=1.2):

@@ -1,6 +1,6 @@
 """The decoding loop with FLy: the settings reach the verifier each round (a window the round cannot fit defers
 nothing), a threshold no entropy reaches decodes as without FLy, and FLy keeps more drafts (tiny random Llama pair
-from decoding_helpers.py)."""
+from helpers)."""
 
 import math
 
@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from decoding_helpers import PROMPT, sequences  # noqa: E402
+from helpers import PROMPT, sequences  # noqa: E402
 from diversed_ext.decoding import Fly, SpeculativeDecoder  # noqa: E402
 from diversed_ext.decoding import batch as batch_module  # noqa: E402
 from diversed_ext.research.harness import method_specs  # noqa: E402

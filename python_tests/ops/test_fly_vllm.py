@@ -1,4 +1,4 @@
-"""FLy against a literal Python port of vLLM 0.33's (fly_helpers): at w = 1 our ops keep the same drafts.
+"""FLy against a literal Python port of vLLM 0.33's (helpers/fly.py): at w = 1 our ops keep the same drafts.
 
 vLLM accepts a draft when p / q >= u, ours when u q < nu (nu = p at w = 1): on the same uniforms the two differ only
 where p = u q exactly, which random uniforms never hit; the entropies differ by float rounding (ours in float64 from
@@ -10,7 +10,7 @@ import torch
 
 import diversed_ext as dx
 from diversed_ext.ops._fly import fly_entropy
-from fly_helpers import (vllm_accepted_lengths, vllm_apply_fly_greedy, vllm_apply_fly_random,
+from helpers import (vllm_accepted_lengths, vllm_apply_fly_greedy, vllm_apply_fly_random,
                          vllm_compute_fly_entropy)
 from helpers import random_logits
 

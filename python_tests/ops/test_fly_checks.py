@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import diversed_ext as dx
-from fly_helpers import fly_logits_case, fly_probs_case
+from helpers import fly_logits_case, fly_probs_case
 from helpers import (DTYPES, assert_verify_result_in_range, dispatched, on_device, poisoned_verify_inputs,
                      requires_cuda)
 
