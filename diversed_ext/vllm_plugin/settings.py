@@ -78,6 +78,26 @@ class RequestChoice:
     fly_threshold: Optional[float] = None
 
 
+@dataclass(frozen=True)
+class RequestSettings:
+    """What a request is verified with once its choice meets the engine's defaults."""
+
+    weight: float  # the static weight, used for the whole request unless ``head`` names one
+    head: Optional[str]
+    fly_window: int
+    fly_threshold: float
+
+
+def request_settings(choice: RequestChoice, settings: EngineSettings) -> RequestSettings:
+    """A request's ``diversed_weight`` wins, then its ``diversed_head``, then the engine's default (its head, else its
+    weight); its FLy window and threshold default to the engine's."""
+    return RequestSettings(
+        weight=settings.weight if choice.weight is None else choice.weight,
+        head=None if choice.weight is not None else (choice.head or settings.head),
+        fly_window=settings.fly.window if choice.fly_window is None else choice.fly_window,
+        fly_threshold=settings.fly.threshold if choice.fly_threshold is None else choice.fly_threshold)
+
+
 def engine_entry(additional_config: Any) -> Optional[Any]:
     """The raw ``"diversed"`` entry of vLLM's additional_config, or None when the plugin was not asked for."""
     if isinstance(additional_config, Mapping):

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from ..head import distribution_features
-from .settings import EngineSettings, parse_request
+from .settings import EngineSettings, parse_request, request_settings
 
 NO_HEAD = -1
 
@@ -118,13 +118,11 @@ class StateWeights:
 
     def admit(self, state: int, extra_args) -> None:
         """Write a newly admitted request's choice into the tables (checked when it was admitted by the engine)."""
-        choice = parse_request(extra_args, self.settings)
-        head = None if choice.weight is not None else (choice.head or self.settings.head)
-        self.weight_by_state[state] = self.settings.weight if choice.weight is None else choice.weight
-        self.head_by_state[state] = NO_HEAD if head is None else self.head_names.index(head)
-        fly = self.settings.fly
-        self.fly_window_by_state[state] = fly.window if choice.fly_window is None else choice.fly_window
-        self.fly_threshold_by_state[state] = fly.threshold if choice.fly_threshold is None else choice.fly_threshold
+        request = request_settings(parse_request(extra_args, self.settings), self.settings)
+        self.weight_by_state[state] = request.weight
+        self.head_by_state[state] = NO_HEAD if request.head is None else self.head_names.index(request.head)
+        self.fly_window_by_state[state] = request.fly_window
+        self.fly_threshold_by_state[state] = request.fly_threshold
         if self.capture is not None:
             self.capture.forget(state)
 

@@ -1,7 +1,6 @@
 """Each request's weight on the target for one V1 verification step, in the batch's row order.
 
-A request's ``diversed_weight`` wins, then its ``diversed_head``, then the engine's default (its head, else its
-weight). V1 lays out the sampler's rows in the order of ``input_batch.req_ids`` and keeps each request's
+Each request's settings come from :func:`.settings.request_settings`. V1 lays out the sampler's rows in the order of ``input_batch.req_ids`` and keeps each request's
 ``sampling_params.extra_args`` in ``runner.requests``; rows move between steps as requests come and go, so a step's
 plan (the static weights as one device tensor, and which rows use which head) is built when the batch's requests
 change and reused while they do not. vLLM's start-up dummy batches have rows but no requests: they get the engine
@@ -20,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from .heads import head_weights
-from .settings import EngineSettings, RequestChoice, parse_request
+from .settings import EngineSettings, RequestChoice, parse_request, request_settings
 
 
 @dataclass
@@ -59,20 +58,19 @@ class RequestWeights:
             return self._plan
         self._choices = {key: value for key, value in self._choices.items() if key in set(request_ids)}
         static, head_rows, windows, thresholds = [], {}, [], []
-        fly = self.settings.fly
         for row in range(batch):
             choice = self._choice(request_ids[row]) if row < len(request_ids) else RequestChoice()
-            head = None if choice.weight is not None else (choice.head or self.settings.head)
-            if head is not None and row < len(request_ids):
-                head_rows.setdefault(head, []).append(row)
-            static.append(self.settings.weight if choice.weight is None else choice.weight)
-            windows.append(fly.window if choice.fly_window is None else choice.fly_window)
-            thresholds.append(fly.threshold if choice.fly_threshold is None else choice.fly_threshold)
+            request = request_settings(choice, self.settings)
+            if request.head is not None and row < len(request_ids):
+                head_rows.setdefault(request.head, []).append(row)
+            static.append(request.weight)
+            windows.append(request.fly_window)
+            thresholds.append(request.fly_threshold)
         rows = {name: (torch.tensor(indices, dtype=torch.int64, device=device),
                        [request_ids[index] for index in indices]) for name, indices in head_rows.items()}
         fly_arguments = dict(fly_window=torch.tensor(windows, dtype=torch.int64, device=device),
                              fly_threshold=torch.tensor(thresholds, dtype=torch.float32, device=device),
-                             fly_top_k=fly.top_k)
+                             fly_top_k=self.settings.fly.top_k)
         self._plan = StepPlan(request_ids, torch.tensor(static, dtype=torch.float32, device=device), rows,
                               fly_arguments)
         return self._plan

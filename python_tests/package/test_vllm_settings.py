@@ -5,7 +5,8 @@ import math
 import pytest
 
 from diversed_ext.vllm_plugin.settings import (DEFAULT_WEIGHT, DiversedConfigError, EngineSettings, FlySettings,
-                                               RequestChoice, parse_engine_entry, parse_request)
+                                               RequestChoice, RequestSettings, parse_engine_entry, parse_request,
+                                               request_settings)
 
 
 def test_engine_entry_defaults_to_exact_verification():
@@ -91,6 +92,15 @@ def test_bad_fly_entries_name_the_key(entry, message):
 def test_bad_fly_request_fields_are_value_errors(extra_args, message):
     with pytest.raises(ValueError, match=message):
         parse_request(extra_args, parse_engine_entry({}))
+
+
+def test_a_requests_choice_wins_over_the_engines_defaults():
+    settings = parse_engine_entry({"head": "h", "heads": ["g"], "fly": {"window": 2, "threshold": 0.5}})
+    assert request_settings(RequestChoice(), settings) == RequestSettings(1.0, "h", 2, 0.5)
+    assert request_settings(RequestChoice(weight=0.3), settings) == RequestSettings(0.3, None, 2, 0.5)
+    assert request_settings(RequestChoice(head="g", fly_window=0), settings) == RequestSettings(1.0, "g", 0, 0.5)
+    static = parse_engine_entry({"weight": 0.4})
+    assert request_settings(RequestChoice(fly_threshold=0.1), static) == RequestSettings(0.4, None, 0, 0.1)
 
 
 def test_the_plugin_package_imports_without_vllm():
