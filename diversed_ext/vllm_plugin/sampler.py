@@ -128,14 +128,20 @@ def verify_in_place(rows: PaddedRows, draft_token_ids: torch.Tensor, draft_probs
                          draft_rows=rows.index, check_inputs=False, **fly)
 
 
+def with_bonus(tokens: torch.Tensor, num_accepted: torch.Tensor, num_draft: torch.Tensor,
+               bonus: torch.Tensor) -> torch.Tensor:
+    """``tokens`` [B, K + 1] with vLLM's own ``bonus`` [B] in place of the op's final token where a request kept all
+    its ``num_draft`` [B] drafts (both runners sample that token with vLLM's own sampler)."""
+    kept_all = num_accepted.to(torch.int64) == num_draft
+    position = num_draft[:, None]
+    final = torch.where(kept_all, bonus.to(tokens.dtype), tokens.gather(1, position).squeeze(1))
+    return tokens.scatter(1, position, final[:, None])
+
+
 def vllm_layout(result: dx_ops.VerifyResult, rows: PaddedRows, bonus_token_ids: torch.Tensor) -> torch.Tensor:
     """[B, K + 1] int32 in vLLM's layout, with vLLM's bonus token where a request kept all its drafts."""
-    tokens = result.tokens.to(torch.int64)
-    kept_all = result.num_accepted.to(torch.int64) == rows.num_draft
-    bonus = bonus_token_ids.reshape(-1).to(torch.int64)
-    tokens.scatter_(1, rows.num_draft[:, None], torch.where(kept_all, bonus, tokens.gather(
-        1, rows.num_draft[:, None]).squeeze(1))[:, None])
-    return tokens.to(torch.int32)
+    return with_bonus(result.tokens.to(torch.int64), result.num_accepted, rows.num_draft,
+                      bonus_token_ids.reshape(-1)).to(torch.int32)
 
 
 # What the sampler asks for each step's weights: (rows, the [N, V] target rows after constraints, vLLM's sampling

@@ -33,6 +33,7 @@ from vllm.v1.worker.gpu.spec_decode.rejection_sampler import RejectionSampler
 
 from .. import ops as dx_ops
 from .counts import VerifyCounts
+from .sampler import with_bonus
 
 # Mixes a request's seed with the position of its first row into the seed of this step's draws: an odd multiplier
 # (2^64 / golden ratio) so that distinct (seed, position) pairs give distinct seeds, whatever the batch.
@@ -127,15 +128,6 @@ class DiversedV2RejectionSampler(RejectionSampler):
                               pos[bonus_rows], apply_temperature=False, is_drafting=False,
                               use_fp64=self.sampler.use_fp64_gumbel)
         return with_bonus(result.tokens, result.num_accepted, num_draft, bonus), result.num_accepted + 1
-
-
-def with_bonus(tokens: torch.Tensor, num_accepted: torch.Tensor, num_draft: torch.Tensor,
-               bonus: torch.Tensor) -> torch.Tensor:
-    """``tokens`` [R, K + 1] with V2's own token in place of the op's where a request kept all its drafts."""
-    kept_all = num_accepted.to(torch.int64) == num_draft
-    position = num_draft[:, None]
-    final = torch.where(kept_all, bonus.to(tokens.dtype), tokens.gather(1, position).squeeze(1))
-    return tokens.scatter(1, position, final[:, None])
 
 
 def draft_rows_of(draft_logits: torch.Tensor, states: torch.Tensor, dtype: torch.dtype):
