@@ -140,9 +140,8 @@ def _attach_if_asked(runner, attach) -> None:
 
 
 def _wrap(owner, name: str, wrapper) -> None:
-    wrapper.__wrapped__ = getattr(owner, name)
-    functools.update_wrapper(wrapper, wrapper.__wrapped__, updated=())
-    setattr(owner, name, wrapper)
+    """Replace ``owner.name`` by ``wrapper``, which keeps its name, docstring and ``__wrapped__``."""
+    setattr(owner, name, functools.update_wrapper(wrapper, getattr(owner, name), updated=()))
 
 
 def install() -> None:
