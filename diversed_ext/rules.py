@@ -1,5 +1,5 @@
 """The rules for the numbers a user gives, each written once: a weight on the target, a temperature, a draft length,
-a seed, FLy's window, threshold and top-k. The decoding loop, the head, the command line, the ops and the vLLM
+a seed, FLy's window, threshold and top-k, the gate's margin. The decoding loop, the head, the command line, the ops and the vLLM
 plugin's settings all check through here.
 
 Each rule takes the value and the name it travels under, returns it normalised, and raises TypeError for the wrong
@@ -26,6 +26,8 @@ FLY_THRESHOLD = "a number >= 0"
 FLY_TOP_K = "an int in [1, 32]"
 FLY_DEFAULT_THRESHOLD = 0.3  # vLLM's FLy defaults
 FLY_DEFAULT_TOP_K = 3
+GATE_MARGIN = "a finite number of nats"
+GATE_DEFAULT_MARGIN = 1.0
 FLY_MAX_TOP_K = 32  # the most probabilities FLy's entropy sums (csrc/common/fly_math.h keeps them per thread)
 
 # Seeds and offsets are int64 counters of the verifier's Philox generator.
@@ -113,6 +115,14 @@ def fly_top_k(value, name: str = "fly_top_k") -> int:
     value = _integer(value, name, FLY_TOP_K)
     if not 1 <= value <= FLY_MAX_TOP_K:
         raise ValueError(f"{name} must lie in [1, {FLY_MAX_TOP_K}], got {value}")
+    return value
+
+
+def gate_margin(value, name: str = "margin") -> float:
+    """The log-probability gate's margin: a finite real number of nats (negative keeps fewer drafts than none)."""
+    value = _real(value, name, GATE_MARGIN)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be {GATE_MARGIN}, got {value}")
     return value
 
 

@@ -57,6 +57,7 @@ _non_negative_float = _ruled(float, rules.non_negative, rules.NON_NEGATIVE)
 _temperature = _ruled(float, rules.temperature, rules.TEMPERATURE)
 _draft_length = _ruled(int, rules.draft_length, rules.DRAFT_LENGTH)
 _seed = _ruled(int, rules.seed, rules.SEED)
+_gate_margin = _ruled(float, rules.gate_margin, rules.GATE_MARGIN)
 
 
 def library_defaults(*functions) -> dict:
@@ -116,6 +117,24 @@ def _add_fly_arguments(parser: argparse.ArgumentParser) -> None:
                         help="FLy's entropy threshold tau (default %(default)s)")
     parser.add_argument("--fly-top-k", type=_positive_int, default=3,
                         help="how many of the target's largest probabilities FLy's entropy sums (default %(default)s)")
+
+
+def _add_gate_argument(parser: argparse.ArgumentParser, several: bool = False) -> None:
+    """The log-probability gate's margin (the methods gate, static+gate and diversed+gate; lossy: see
+    docs/decoding.md); ``several``: a sweep, one point per margin."""
+    if several:
+        parser.add_argument("--gate-margin", type=_gate_margin, nargs="+", default=[],
+                            help="also the gate's point (sd with it) and each head's with it, at each margin in nats")
+    else:
+        parser.add_argument("--gate-margin", type=_gate_margin, default=rules.GATE_DEFAULT_MARGIN,
+                            help="the gate's margin in nats: a draft is kept outright when its target log-probability "
+                            "is within it of a rejection's expected one (default %(default)s)")
+
+
+def _gates(margins) -> list:
+    from ..decoding import Gate
+
+    return [Gate(margin) for margin in margins]
 
 
 def _fly_settings(args):

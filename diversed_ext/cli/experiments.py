@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 
 import torch
@@ -11,7 +12,7 @@ import torch
 from ..decoding import METHODS, eos_ids
 from . import common
 from .common import (UsageError, _add_batch_argument, _add_draft_length_arguments, _add_fly_arguments,
-                     _add_model_arguments, _fly_settings,
+                     _add_gate_argument, _add_model_arguments, _fly_settings, _gates,
                      _check_draft_cost, _decoder_error, _draft_length_words, _draft_lengths, _load_head,
                      _non_negative_float, _non_negative_int, _positive_int, _require_writable_folder, _unit_float,
                      _write_text, library_defaults)
@@ -30,7 +31,7 @@ def _add_task_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_experiment_commands(commands) -> None:
     """The eval, pareto, validate and compare-drafts sub-commands (see :mod:`diversed_ext.research`)."""
-    from ..research.harness import DRAFT_SOURCES, FLY_METHODS, PARETO_WEIGHTS, evaluate
+    from ..research.harness import DRAFT_SOURCES, FLY_SWEEP_THRESHOLDS, LOSSY_METHODS, PARETO_WEIGHTS, evaluate
     from ..research.validation import sample_validation_tokens
 
     run = library_defaults(evaluate)
@@ -38,9 +39,10 @@ def add_experiment_commands(commands) -> None:
 
     evaluate = commands.add_parser("eval", help="acceptance, task quality, fidelity and speed per method")
     _add_task_arguments(evaluate)
-    evaluate.add_argument("--method", choices=METHODS + FLY_METHODS, nargs="+", default=["sd"],
+    evaluate.add_argument("--method", choices=METHODS + LOSSY_METHODS, nargs="+", default=["sd"],
                           help="one or more (default sd); fly is sd with FLy, static+fly and diversed+fly add FLy "
-                          "(--fly-*) to those methods")
+                          "(--fly-*) to those methods; gate, static+gate and diversed+gate likewise add the "
+                          "log-probability gate (--gate-margin). FLy and the gate are lossy")
     evaluate.add_argument("--weight", type=_unit_float, nargs="+", default=[0.5],
                           help="w of each static ensemble (default 0.5)")
     evaluate.add_argument("--head", help="head folder for diversed, or the name of a head shipped in "
@@ -49,6 +51,7 @@ def add_experiment_commands(commands) -> None:
     _add_model_arguments(evaluate, run)
     _add_draft_length_arguments(evaluate, several=True)
     _add_fly_arguments(evaluate)
+    _add_gate_argument(evaluate)
 
     pareto = commands.add_parser("pareto", help="static sweep over w and every head's point: tables and PNGs")
     _add_task_arguments(pareto)
@@ -62,8 +65,13 @@ def add_experiment_commands(commands) -> None:
     _add_model_arguments(pareto, run)
     _add_draft_length_arguments(pareto)
     pareto.add_argument("--fly", action="store_true",
-                        help="also FLy's point (sd with FLy) and each head's with FLy, at the --fly-* settings")
+                        help="also FLy's points (sd with FLy at every window W in 1..K-1 and every --fly-thresholds "
+                        "value: their upper envelope is FLy's frontier) and each head's with FLy at the --fly-* "
+                        "settings")
+    pareto.add_argument("--fly-thresholds", type=_non_negative_float, nargs="+", default=list(FLY_SWEEP_THRESHOLDS),
+                        help=f"FLy's thresholds of the sweep (default {' '.join(map(str, FLY_SWEEP_THRESHOLDS))})")
     _add_fly_arguments(pareto)
+    _add_gate_argument(pareto, several=True)
 
     validate = commands.add_parser("validate", help="heads and coefficients on held-out contexts, in closed form "
                                    "(no decoding per head): acceptance, fidelity, distance above the static line")
@@ -198,30 +206,34 @@ def _run_eval(args) -> int:
     if any(method.startswith("diversed") for method in args.method) and not args.head:
         raise UsageError("--method diversed needs --head PATH (or --head default for the shipped head)")
     fly = _fly_settings(args)
+    gate, = _gates([args.gate_margin])
     return _evaluate_and_print(args, lambda target, draft: method_specs(args.method, args.weight,
-                                                                        _head_for(args, target, draft), fly=fly),
+                                                                        _head_for(args, target, draft), fly=fly,
+                                                                        gate=gate),
                                lambda results: comparison_lines(compare_to_baselines(results)))
 
 
 def _run_pareto(args) -> int:
-    from ..research.harness import pareto_methods
+    from ..research.harness import fly_sweep, pareto_methods
     from ..research.head_usage import lowest_weight_table, plot_weight_histograms
-    from ..research.report import (compare_to_baselines, comparison_lines, fly_rows, learned_rows, markdown_table,
-                                   plot_pareto)
+    from ..research.report import (fly_rows, frontier_table, gate_rows, learned_rows, markdown_table, plot_pareto,
+                                   results_records)
 
     _check_draft_cost(args)
     setup = _experiment_setup(args)
     task, _, target, draft, tokenizer, _ = setup
     fly = _fly_settings(args) if args.fly else None
+    sweep = fly_sweep(args.max_draft, args.fly_thresholds, args.fly_top_k) if args.fly else ()
     results = _evaluate(args, setup, pareto_methods(args.weights, heads=_heads_by_label(args, target, draft),
-                                                    fly=fly))
+                                                    fly=fly, fly_sweep=sweep, gates=_gates(args.gate_margin)))
     table = markdown_table(results, task.metric)
     learned = learned_rows(results)
-    comparisons = [comparison_lines(compare_to_baselines(results, row.label), row.label)
-                   for row in learned + fly_rows(results)]
-    if any(comparisons):
-        table += "\n\n" + "\n".join(line for line in comparisons if line)
+    placed = [row.label for row in learned + gate_rows(results) + fly_rows(results)]
+    if placed:
+        table += ("\n\nEach rule against the static line and FLy's frontier at its acceptance (fidelity, paired over "
+                  "prompts, +- 1 s.e.):\n\n" + frontier_table(results, placed))
     written = [_write_text(args.output_dir, "pareto.md", table),
+               _write_text(args.output_dir, "results.json", json.dumps(results_records(results), indent=1)),
                plot_pareto(results, os.path.join(args.output_dir, "pareto.png"), task.metric)]
     usages = {row.label: row.weight_usage for row in learned if row.weight_usage is not None}
     if usages:

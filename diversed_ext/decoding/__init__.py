@@ -12,12 +12,13 @@ from .draft_lengths import (DEFAULT_DRAFT_LENGTH, DRAFT_LENGTHS, ConfidenceDraft
                             GainDraftLength, HeuristicDraftLength, RoundOutcome)
 from .drafters import NgramDrafter
 from .fly import Fly
+from .gate import Gate
 from .loop import DEFAULT_MAX_DRAFT, SpeculativeDecoder
 from .prompts import encode_prompt, eos_ids
 from .state import DecodingState
 from .stats import DecodingSummary, Generation, GenerationOutput, RoundStats, summarize
 
-__all__ = ["SpeculativeDecoder", "Fly", "DEFAULT_MAX_DRAFT", "DecodingState", "METHODS", "DRAFT_MODES", "NgramDrafter", "RoundStats", "Generation",
+__all__ = ["SpeculativeDecoder", "Fly", "Gate", "DEFAULT_MAX_DRAFT", "DecodingState", "METHODS", "DRAFT_MODES", "NgramDrafter", "RoundStats", "Generation",
            "DecodingSummary", "GenerationOutput", "summarize", "encode_prompt", "eos_ids", "DRAFT_LENGTHS",
            "DEFAULT_DRAFT_LENGTH", "DraftLengthPolicy", "HeuristicDraftLength", "ConfidenceDraftLength",
            "GainDraftLength", "RoundOutcome"]

@@ -31,6 +31,7 @@ from ..ops import is_greedy_temperature, philox_uniforms, verify_logits
 from .checks import DrafterLike, HeadLike, check_drafted
 from .draft_lengths import DraftLengthPolicy, RoundOutcome
 from .fly import Fly
+from .gate import Gate, gated_weights
 from .runners import RowRunner, crop_cache
 from .state import DecodingState, commit_tokens
 from .stats import RoundStats
@@ -51,6 +52,7 @@ class RoundConfig:
     vocab_size: Optional[int]  # the target's, for checking a drafter's ids
     check_inputs: bool  # the verifier's
     fly: Optional[Fly]  # the verifier's FLy settings, or None
+    gate: Optional[Gate]  # the log-probability gate (lossy: the weight reads the drafted token), or None
     device: torch.device  # the target's: drafts, logits and weights meet there
     clock: Callable[[], float]  # seconds, synchronised with the device when the decoder times for real
     target_runner: RowRunner
@@ -129,8 +131,9 @@ def run_round(config: RoundConfig, states: list[DecodingState]) -> list[RoundSta
                                                          and wants_distributions(config.head))
     draft_logits, target_logits = _shared_vocab_logits(drafts, target_logits, keep_draft)
     weight = _weights(config, drafts, target_hidden, draft_logits, target_logits)
+    verifier_weight = _gated(config, drafts, draft_logits, target_logits, weight)
     head_end = clock()
-    result = _verify(config, states, drafts, draft_logits, target_logits, weight)
+    result = _verify(config, states, drafts, draft_logits, target_logits, verifier_weight)
     verify_end = clock()
 
     accepted = result.num_accepted.tolist()
@@ -316,6 +319,24 @@ def head_weights(head, draft_hidden: torch.Tensor, target_hidden: torch.Tensor, 
     return weight.reshape(1, num_drafted)
 
 
+def _gated(config: RoundConfig, drafts: _Drafts, draft_logits: Optional[torch.Tensor], target_logits: torch.Tensor,
+           weight):
+    """``weight`` with the gate applied to every drafted token (see :mod:`.gate`), or ``weight`` itself without a
+    gate or without drafts."""
+    width = target_logits.shape[1] - 1
+    if config.gate is None or width == 0:
+        return weight
+    seen_draft = draft_logits if config.draft_mode == "distributions" else None
+    return gated_weights(config.gate, weight, _draft_tensor(drafts, width, target_logits.device), seen_draft,
+                         target_logits, config.temperature)
+
+
+def _draft_tensor(drafts: _Drafts, width: int, device) -> torch.Tensor:
+    """The drafted tokens [B, K], each row padded with id 0 past its own drafts."""
+    return torch.tensor([tokens + [0] * (width - len(tokens)) for tokens in drafts.tokens],
+                        dtype=torch.int64, device=device).reshape(len(drafts.tokens), width)
+
+
 def _verify(config: RoundConfig, states: list[DecodingState], drafts: _Drafts, draft_logits: Optional[torch.Tensor],
             target_logits: torch.Tensor, weight):
     """One verify call for the whole batch, straight from both models' logits (no [B, K, V] probabilities), or from
@@ -324,8 +345,7 @@ def _verify(config: RoundConfig, states: list[DecodingState], drafts: _Drafts, d
     if config.draft_mode != "distributions":
         draft_logits = None
     device = target_logits.device
-    draft_tokens = torch.tensor([tokens + [0] * (width - len(tokens)) for tokens in drafts.tokens],
-                                dtype=torch.int64, device=device).reshape(rows, width)
+    draft_tokens = _draft_tensor(drafts, width, device)
     num_draft = torch.tensor([len(tokens) for tokens in drafts.tokens], dtype=torch.int64, device=device)
     fly = {} if config.fly is None else config.fly.verify_arguments(width)
     return verify_logits(draft_tokens, draft_logits, target_logits, weight, temperature=config.temperature,

@@ -8,6 +8,8 @@ from typing import Callable, Optional, Sequence, Union
 import torch
 
 from .. import rules
+from ..ops import is_greedy_temperature
+from .gate import Gate
 
 METHODS = ("ar", "sd", "static", "diversed", "fly")
 # What the verifier gets from a draft: its distributions q (the draft samples from q), or its tokens only (q one-hot at
@@ -37,6 +39,20 @@ def check_weight(method: str, weight) -> float:
     if method in ("ar", "diversed") and weight is not None:
         raise ValueError(f"weight applies to 'static' (and 'sd' with w = 1), not to method {method!r}")
     return 1.0 if weight is None else weight
+
+
+def check_gate(gate, method: str, temperature: float):
+    """The log-probability gate: a :class:`~.gate.Gate` or None, for a method that drafts, sampled (temperature > 0:
+    greedy decoding has no log-probabilities to compare)."""
+    if gate is None:
+        return None
+    if not isinstance(gate, Gate):
+        raise TypeError(f"gate must be a diversed_ext.decoding.Gate or None, got {type(gate).__name__}")
+    if method == "ar":
+        raise ValueError("gate applies to methods that draft (sd, static, diversed), not to 'ar'")
+    if is_greedy_temperature(temperature):
+        raise ValueError("gate needs temperature > 0: it compares log-probabilities, which greedy decoding has not")
+    return gate
 
 
 def check_head(method: str, head):

@@ -40,10 +40,11 @@ from tqdm.auto import tqdm
 
 from .. import rules
 from .batch import RoundConfig, run_round
-from .checks import (DrafterLike, HeadLike, PromptLike, check_batch_size, check_draft_mode, check_head,
+from .checks import (DrafterLike, HeadLike, PromptLike, check_batch_size, check_draft_mode, check_gate, check_head,
                      check_max_new_tokens, check_method, check_prompt, check_seed, check_weight)
 from .draft_lengths import DEFAULT_DRAFT_LENGTH, PolicyLike, check_draft_length
 from .fly import Fly
+from .gate import Gate
 from .prompts import normalise_eos, split_prompts
 from .runners import Clock, make_runner, model_device
 from .state import DecodingState
@@ -107,6 +108,10 @@ class SpeculativeDecoder:
             ``diversed``; ``method="fly"`` is ``sd`` with ``fly`` (default ``Fly()``: vLLM's window min(6, K - 1),
             tau 0.3, top 3). A rejected draft is then kept when the next W drafts pass and the target's top-k
             entropy there is at least tau: more tokens per round, and the output no longer follows nu.
+        gate: the log-probability gate (:class:`~diversed_ext.decoding.gate.Gate`) for ``sd``, ``static`` or
+            ``diversed``: a drafted token is kept outright when its target log-probability is within ``margin``
+            nats of what a rejection would give in expectation, and verified with the method's weight otherwise.
+            Lossy, as FLy is (the weight reads the drafted token); needs a temperature > 0. Composes with ``fly``.
         fast_forward: run ``LlamaForCausalLM`` models through :mod:`diversed_ext.forward` (their own modules and
             weights, a preallocated KV cache, CPU-friendly skinny products; outputs equal up to float rounding).
             Other models, and every model when False, run through their own forward with a transformers cache.
@@ -120,7 +125,7 @@ class SpeculativeDecoder:
                  temperature: float = 1.0, draft_mode: Optional[str] = None, drafter: Optional[DrafterLike] = None,
                  check_inputs: bool = False, synchronize_timing: bool = True, fast_forward: bool = True,
                  draft_length: PolicyLike = DEFAULT_DRAFT_LENGTH,
-                 draft_cost: Optional[float] = None, fly: Optional[Fly] = None):
+                 draft_cost: Optional[float] = None, fly: Optional[Fly] = None, gate: Optional[Gate] = None):
         if method == "fly":
             method, fly = "sd", fly if fly is not None else Fly()
         self.method = check_method(method)
@@ -133,6 +138,7 @@ class SpeculativeDecoder:
             raise ValueError("fly applies to methods that draft (sd, static, diversed), not to 'ar'")
         self.fly = None if fly is None else fly.for_max_draft(self.max_draft)
         self.temperature = rules.temperature(temperature)
+        self.gate = check_gate(gate, method, self.temperature)
         self.draft_mode = check_draft_mode(method, draft_mode, drafter)
         self.draft_length = check_draft_length(draft_length, self.max_draft, method=method, weight=self.weight,
                                                drafter=drafter, draft_cost=draft_cost)
@@ -161,6 +167,7 @@ class SpeculativeDecoder:
         return RoundConfig(max_draft=self.max_draft, draft_length=self.draft_length, temperature=self.temperature,
                            draft_mode=self.draft_mode, weight=self.weight, head=self.head, drafter=self.drafter,
                            vocab_size=self.vocab_size, check_inputs=self.check_inputs, fly=self.fly,
+                           gate=self.gate,
                            device=self.device,
                            clock=self._clock, target_runner=self._target_runner, draft_runner=self._draft_runner)
 

@@ -19,7 +19,8 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 from tqdm.auto import tqdm
 
-from ..decoding import DEFAULT_MAX_DRAFT, DRAFT_MODES, Fly, NgramDrafter, SpeculativeDecoder, encode_prompt, summarize
+from ..decoding import (DEFAULT_MAX_DRAFT, DRAFT_MODES, Fly, Gate, NgramDrafter, SpeculativeDecoder, encode_prompt,
+                        summarize)
 from .draft_length_report import draft_length_label
 from .head_usage import weight_usage
 from .report import MethodResult, _mean
@@ -37,9 +38,14 @@ PARETO_WEIGHTS = (0.0, 0.125, 0.25, 0.375, 0.5, 0.625, 0.75, 0.875, 1.0)  # w = 
 # Where a comparison of drafts takes them from: the draft model in one of its draft modes, or an n-gram lookup.
 DRAFT_SOURCES = DRAFT_MODES + ("ngram",)
 WARMUP_TOKENS = 4  # new tokens of each method's untimed first run
-# "<method>+fly": static or diversed with FLy (sd with FLy is the method "fly"), one row each on the tables.
+# "<method>+fly": static or diversed with FLy (sd with FLy is the method "fly"), one row each on the tables; likewise
+# "<method>+gate" with the log-probability gate ("gate": sd with it). Both are lossy verification kinds.
 FLY_SUFFIX = "+fly"
-FLY_METHODS = ("static" + FLY_SUFFIX, "diversed" + FLY_SUFFIX)
+GATE_SUFFIX = "+gate"
+LOSSY_METHODS = ("static" + FLY_SUFFIX, "diversed" + FLY_SUFFIX, "gate", "static" + GATE_SUFFIX,
+                 "diversed" + GATE_SUFFIX)
+# FLy's entropy thresholds a pareto sweep tries at every window W in 1..K-1: its frontier is their upper envelope.
+FLY_SWEEP_THRESHOLDS = (0.1, 0.3, 0.6)
 
 # (consecutive prompt indices, the first one's seed, max_new_tokens) -> what the experiment records for each prompt
 # (prompt i of the batch runs with seed + i)
@@ -105,12 +111,14 @@ def encode_examples(task: Task, examples: Sequence[dict], tokenizer, chat: bool 
 
 
 def method_specs(methods: Sequence[str], weights: Sequence[float], head=None,
-                 draft_lengths: Sequence[str] = (), fixed_ks: Sequence[int] = (), fly=None) -> list[tuple[str, dict]]:
+                 draft_lengths: Sequence[str] = (), fixed_ks: Sequence[int] = (), fly=None,
+                 gate=None) -> list[tuple[str, dict]]:
     """(label, SpeculativeDecoder kwargs) for each method name; ``static`` expands to one entry per weight, and each
     method that drafts to one entry per draft length (see :func:`with_draft_lengths`). ``fly`` (sd with FLy) and the
     FLy variants ``static+fly`` and ``diversed+fly`` take ``fly`` (a :class:`~diversed_ext.decoding.Fly`; None:
-    its defaults)."""
-    specs = _plain_method_specs(methods, weights, head, fly)
+    its defaults); ``gate`` (sd with the gate), ``static+gate`` and ``diversed+gate`` take ``gate`` (a
+    :class:`~diversed_ext.decoding.Gate`; None: its default margin)."""
+    specs = _plain_method_specs(methods, weights, head, fly, gate)
     return with_draft_lengths(specs, draft_lengths, fixed_ks) if draft_lengths else specs
 
 
@@ -140,11 +148,15 @@ def with_draft_length(specs: Sequence[tuple[str, dict]], draft_length: str) -> l
 
 
 def _plain_method_specs(methods: Sequence[str], weights: Sequence[float], head=None,
-                        fly=None) -> list[tuple[str, dict]]:
+                        fly=None, gate=None) -> list[tuple[str, dict]]:
     specs = []
     for name in methods:
-        method, with_fly = (name[:-len(FLY_SUFFIX)], True) if name.endswith(FLY_SUFFIX) else (name, name == "fly")
-        extra = {"fly": fly if fly is not None else Fly()} if with_fly else {}
+        method, extra = name, {}
+        if name.endswith(FLY_SUFFIX) or name == "fly":
+            method, extra = name.removesuffix(FLY_SUFFIX), {"fly": fly if fly is not None else Fly()}
+        elif name.endswith(GATE_SUFFIX) or name == "gate":
+            method = "sd" if name == "gate" else name.removesuffix(GATE_SUFFIX)
+            extra = {"gate": gate if gate is not None else Gate()}
         if method == "static":
             specs += [(f"{name} w={weight:g}", {"method": "static", "weight": float(weight), **extra})
                       for weight in weights]
@@ -170,20 +182,34 @@ def draft_source_specs(sources: Sequence[str], weights: Sequence[float]) -> list
 
 
 def pareto_methods(weights: Sequence[float] = PARETO_WEIGHTS, head=None,
-                   heads: Optional[Mapping[str, Any]] = None, fly=None) -> list[tuple[str, dict]]:
+                   heads: Optional[Mapping[str, Any]] = None, fly=None, fly_sweep: Sequence = (),
+                   gates: Sequence = ()) -> list[tuple[str, dict]]:
     """The static sweep (w = 1 is sd) plus one DIVERSED point per head: ``head`` is labelled "diversed", each of
-    ``heads`` (label -> head) by its label. With ``fly`` (a :class:`~diversed_ext.decoding.Fly`), also FLy's point
-    ("fly": sd with FLy) and each head's with FLy ("<label>+fly")."""
+    ``heads`` (label -> head) by its label. ``fly_sweep``: FLy's points (each a :class:`~diversed_ext.decoding.Fly`,
+    sd with FLy, labelled "fly W=.. tau=..": see :func:`fly_sweep`). With ``fly``, each head's point with FLy
+    ("<label>+fly"). ``gates``: for each :class:`~diversed_ext.decoding.Gate`, sd's point with it ("gate margin=..")
+    and each head's ("<label>+gate margin=..")."""
     heads = dict(heads or {})
     if head is not None:
         heads = {"diversed": head, **heads}
     specs = method_specs(["static"], weights) + [(label, {"method": "diversed", "head": learned})
                                                  for label, learned in heads.items()]
+    specs += [(f"fly {setting.label}", {"method": "fly", "fly": setting}) for setting in fly_sweep]
     if fly is not None:
-        specs += [("fly", {"method": "fly", "fly": fly})]
         specs += [(label + FLY_SUFFIX, {"method": "diversed", "head": learned, "fly": fly})
                   for label, learned in heads.items()]
+    for gate in gates:
+        specs += [(f"gate {gate.label}", {"method": "sd", "gate": gate})]
+        specs += [(f"{label}{GATE_SUFFIX} {gate.label}", {"method": "diversed", "head": learned, "gate": gate})
+                  for label, learned in heads.items()]
     return specs
+
+
+def fly_sweep(max_draft: int, thresholds: Sequence[float] = FLY_SWEEP_THRESHOLDS, top_k: Optional[int] = None) -> list:
+    """FLy at every window W in 1..K-1 and every threshold: the settings whose upper envelope is FLy's frontier at
+    K = ``max_draft``."""
+    extra = {} if top_k is None else {"top_k": top_k}
+    return [Fly(window, threshold, **extra) for window in range(1, max_draft) for threshold in thresholds]
 
 
 def demo_methods(weights: Sequence[float] = DEMO_WEIGHTS, head=None) -> list[tuple[str, dict]]:

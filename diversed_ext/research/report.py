@@ -6,6 +6,7 @@ paired over prompts, and standard errors are taken over prompts (drafts within o
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import os
@@ -111,6 +112,51 @@ def compare_to_baselines(results: Sequence[MethodResult], label: str = "diversed
     return comparisons
 
 
+def compare_to_fly_frontier(results: Sequence[MethodResult], label: str) -> list[PairedDifference]:
+    """Fidelity and quality of ``label`` against FLy's frontier at its acceptance: the upper concave envelope of FLy's
+    points (sd with FLy, any window and threshold) and sd's (FLy that never defers), interpolated prompt by prompt
+    between the two envelope points on either side; empty when ``label`` lies outside the envelope's acceptance range.
+    A concave envelope, because running one setting on a share of the prompts and another on the rest reaches every
+    point of the segment between them."""
+    rows = {row.label: row for row in results}
+    if label not in rows or not rows[label].fidelity_per_prompt:
+        return []
+    method = rows[label]
+    envelope = upper_envelope([row for row in results if row.label == "sd" or _is_plain_fly(row.label)])
+    for low, high in zip(envelope, envelope[1:]):
+        if low.acceptance <= method.acceptance <= high.acceptance:
+            t = (method.acceptance - low.acceptance) / (high.acceptance - low.acceptance)
+            name = f"FLy's frontier at acceptance {method.acceptance:.3f} ({low.label} .. {high.label})"
+            return [_difference(method, name, _interpolate(low.fidelity_per_prompt, high.fidelity_per_prompt, t),
+                                _interpolate(low.quality_per_prompt, high.quality_per_prompt, t))]
+    return []
+
+
+def upper_envelope(rows: Sequence[MethodResult]) -> list[MethodResult]:
+    """The rows on the upper concave envelope of (acceptance, fidelity), by rising acceptance: where no mixture of
+    two other rows has both more acceptance and more fidelity."""
+    hull: list[MethodResult] = []
+    for row in sorted(rows, key=lambda row: (row.acceptance, row.fidelity)):
+        if math.isnan(row.acceptance) or math.isnan(row.fidelity):
+            continue
+        while hull and hull[-1].acceptance == row.acceptance:
+            hull.pop()  # the same acceptance: the sort put the higher fidelity last
+        while len(hull) >= 2 and _cross(hull[-2], hull[-1], row) >= 0:
+            hull.pop()  # hull[-1] lies on or under the segment from hull[-2] to row
+        hull.append(row)
+    return hull
+
+
+def _cross(a: MethodResult, b: MethodResult, c: MethodResult) -> float:
+    return ((b.acceptance - a.acceptance) * (c.fidelity - a.fidelity)
+            - (b.fidelity - a.fidelity) * (c.acceptance - a.acceptance))
+
+
+def _is_plain_fly(label: str) -> bool:
+    """sd with FLy: "fly", or "fly <settings>" of a sweep."""
+    return label == "fly" or label.startswith("fly ")
+
+
 def _interpolate(low: Sequence[float], high: Sequence[float], t: float) -> tuple:
     return tuple((1 - t) * a + t * b for a, b in zip(low, high))
 
@@ -119,6 +165,27 @@ def _difference(method: MethodResult, name: str, fidelity_values, quality_values
     fidelity_mean, fidelity_se = paired_difference(method.fidelity_per_prompt, fidelity_values)
     quality_mean, quality_se = paired_difference(method.quality_per_prompt, quality_values)
     return PairedDifference(name, fidelity_mean, fidelity_se, quality_mean, quality_se)
+
+
+def frontier_table(results: Sequence[MethodResult], labels: Sequence[str]) -> str:
+    """For each of ``labels``: acceptance, fidelity, and its paired distance above the static line and above FLy's
+    frontier at its acceptance ("-" where that line does not reach its acceptance), +- 1 s.e. over prompts."""
+    rows = {row.label: row for row in results}
+    lines = []
+    for label in labels:
+        row = rows[label]
+        above_static = [item for item in compare_to_baselines(results, label) if item.baseline.startswith("static f")]
+        above_fly = compare_to_fly_frontier(results, label)
+        lines.append([label, with_error(row.acceptance, row.acceptance_se), with_error(row.fidelity, row.fidelity_se),
+                      *(f"{found[0].fidelity:+.3f} +- {cell(found[0].fidelity_se)}" if found else "-"
+                        for found in (above_static, above_fly))])
+    return markdown_rows(["rule", "acceptance", "fidelity", "above the static line", "above FLy's frontier"], lines)
+
+
+def results_records(results: Sequence[MethodResult]) -> list[dict]:
+    """Each row's figures and its per-prompt values, as JSON-ready dicts (a head's weight usage left out)."""
+    return [{key: value for key, value in dataclasses.asdict(row).items() if key != "weight_usage"}
+            for row in results]
 
 
 def comparison_lines(comparisons: Sequence[PairedDifference], label: str = "diversed") -> str:
@@ -196,8 +263,14 @@ def learned_rows(results: Sequence[MethodResult]) -> list[MethodResult]:
 
 
 def fly_rows(results: Sequence[MethodResult]) -> list[MethodResult]:
-    """The rows verified with FLy: "fly" (sd with FLy) and "<method>+fly" (a head's, or a static ensemble's)."""
-    return [row for row in results if row.label == "fly" or "+fly" in row.label]
+    """The rows verified with FLy: "fly" and "fly <settings>" (sd with FLy) and "<method>+fly" (a head's, or a static
+    ensemble's)."""
+    return [row for row in results if _is_plain_fly(row.label) or "+fly" in row.label]
+
+
+def gate_rows(results: Sequence[MethodResult]) -> list[MethodResult]:
+    """The rows verified with the log-probability gate: "gate ..." (sd with it) and "<method>+gate ..."."""
+    return [row for row in results if row.label.split(" ")[0] == "gate" or "+gate" in row.label]
 
 
 _PARETO_PANELS = (  # (x, y, x label): the frontier first
@@ -224,7 +297,16 @@ def plot_pareto(results: Sequence[MethodResult], path: str, metric: str = "quali
             axis.errorbar(x, y, xerr=x_error, yerr=y_error, fmt="o-", capsize=2, label="static ensembles")
         for row, (x_value, _, y_value, _) in zip(static, points):
             axis.annotate(f"{row.weight:g}", (x_value, y_value), fontsize=7)
-        for marker, row in zip(itertools.cycle(_HEAD_MARKERS), learned_rows(results) + fly_rows(results)):
+        fly = [row for row in results if _is_plain_fly(row.label)]
+        if fly:
+            axis.scatter([getattr(row, x_name) for row in fly], [getattr(row, y_name) for row in fly], marker="x",
+                         color="grey", label="FLy (each W, tau)")
+        if fly and (x_name, y_name) == ("acceptance", "fidelity"):
+            envelope = upper_envelope(fly + [row for row in results if row.label == "sd"])
+            axis.plot([row.acceptance for row in envelope], [row.fidelity for row in envelope], "--", color="grey",
+                      label="FLy's frontier")
+        for marker, row in zip(itertools.cycle(_HEAD_MARKERS), learned_rows(results) + gate_rows(results)
+                               + [row for row in fly_rows(results) if not _is_plain_fly(row.label)]):
             x_value, x_error = _value_and_error(row, x_name)
             y_value, y_error = _value_and_error(row, y_name)
             axis.errorbar([x_value], [y_value], xerr=[x_error], yerr=[y_error], fmt=marker, markersize=10,

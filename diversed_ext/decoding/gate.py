@@ -1,0 +1,67 @@
+"""The log-probability gate: a lossy verification kind whose weight reads the drafted token.
+
+DIVERSED's weight w is fixed before the draft is seen, so tokens follow nu = w p + (1 - w) q exactly. The gate gives
+that up, as FLy does, and chooses w for each drafted token x from x itself:
+
+    w(x) = 0                 if log p(x) >= E_r[log p] - margin      (x is kept: the test min(1, nu(x)/q(x)) = 1)
+    w(x) = the usual weight  otherwise                               (the exact test with sd's, static or a head's w)
+
+where r = norm((p - q)+) is the residual a rejection samples from (the same for every w > 0, since nu - q = w (p - q)).
+This is the per-token maximiser of the objective the heads are trained on, fidelity + lambda x acceptance, once w may
+read x: a rejection at x costs ``log p(x) - E_r[log p]`` nats of fidelity (the kept draft against the resampled
+token) and buys nothing, a keep buys acceptance, so x is kept exactly when its log-probability is within
+``margin`` = lambda / mu nats of what rejecting it would give. The margin is the only setting: margin -> -inf is the
+plain exact test, margin -> +inf keeps every draft.
+
+Lossy: tokens no longer follow nu (nor the target for ``sd``). The gate reads p and q at the decoding temperature, as
+the verifier does; q is one-hot at x when the verifier sees the drafted tokens alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+
+from .. import rules
+
+
+@dataclass(frozen=True)
+class Gate:
+    """The gate's margin in nats: a draft is kept when its target log-probability is at least that of a rejection's
+    resampled token, in expectation, minus ``margin``."""
+
+    margin: float = rules.GATE_DEFAULT_MARGIN
+
+    def __post_init__(self):
+        object.__setattr__(self, "margin", rules.gate_margin(self.margin, "Gate margin"))
+
+    @property
+    def label(self) -> str:
+        return f"margin={self.margin:g}"
+
+
+def gated_weights(gate: Gate, weight: Union[float, torch.Tensor], draft_tokens: torch.Tensor,
+                  draft_logits: Optional[torch.Tensor], target_logits: torch.Tensor,
+                  temperature: float) -> torch.Tensor:
+    """The weights [B, K] the verifier gets: 0 where the gate keeps the drafted token, ``weight`` (a float or [B, K])
+    elsewhere. ``draft_tokens`` [B, K]; ``draft_logits`` [B, K, V] or None (q one-hot at the drafts);
+    ``target_logits`` [B, K + 1, V]; ``temperature`` > 0."""
+    width = draft_tokens.shape[1]
+    log_p = torch.log_softmax(target_logits[:, :width].float() / temperature, dim=-1)
+    p = log_p.exp()
+    if draft_logits is None:
+        q = torch.zeros_like(p).scatter_(-1, draft_tokens.unsqueeze(-1), 1.0)
+    else:
+        q = torch.softmax(draft_logits.float() / temperature, dim=-1)
+    residual = (p - q).clamp_min(0.0)
+    mass = residual.sum(-1)
+    # Ids the target rules out (log p = -inf) carry no residual; 0 x -inf must not turn the sum into NaN.
+    weighted = torch.where(residual > 0, residual * log_p, torch.zeros_like(residual)).sum(-1)
+    rejected_log_p = weighted / mass.clamp_min(torch.finfo(mass.dtype).tiny)
+    drafted_log_p = log_p.gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1)
+    # Without residual mass (p = q) nothing is rejected: the weight does not matter there.
+    keep = (mass > 0) & (drafted_log_p >= rejected_log_p - gate.margin)
+    base = torch.as_tensor(weight, dtype=torch.float32, device=draft_tokens.device).expand(draft_tokens.shape)
+    return torch.where(keep, torch.zeros_like(base), base)
