@@ -71,10 +71,4 @@ TORCH_LIBRARY(diversed, m) {
   // CPU only: the uniforms the kernels draw, float64 [B, num_positions], for seeds and offsets int64 [B] (row b's row
   // key is b, or 0 with per_row_seed), as verify_math.h's philox_uniform computes them.
   m.def("philox_uniforms(Tensor seeds, Tensor offsets, int num_positions, bool per_row_seed) -> Tensor");
-  // CPU only, for the tests (csrc/cpu/split_probes.cpp): rows float32 [N, V] through the split CUDA kernels' steps
-  // (chunk masses float64 [N, chunks], chosen chunk and token int64 [N], softmax normaliser float32 [N, 2]), and the
-  // seeds int64 [N] that seedless CUDA calls draw from generator states (seeds, offsets int64 [N]).
-  m.def("vocab_split_probe(Tensor values, Tensor uniforms, int target_blocks, bool from_logits, float temperature) "
-        "-> (Tensor, Tensor, Tensor, Tensor)");
-  m.def("generator_seeds(Tensor seeds, Tensor offsets) -> Tensor");
 }

@@ -5,6 +5,8 @@ Tests import these with `from helpers import ...`; pytest configuration (the out
 fixture) lives in conftest.py.
 """
 
+import importlib.util
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -13,6 +15,15 @@ CUDA_SKIP_REASON = "CUDA tests need a GPU, and none is visible on this machine"
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason=CUDA_SKIP_REASON)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def probe_ops():
+    """The tests' probes of the split CUDA kernels' steps (``torch.ops.diversed_probes``): a library of their own,
+    diversed_ext/_probes*.so, which the package never loads."""
+    spec = importlib.util.find_spec("diversed_ext._probes")
+    assert spec is not None and spec.origin, "the build has no diversed_ext/_probes library"
+    torch.ops.load_library(spec.origin)
+    return torch.ops.diversed_probes
 
 
 def to_device(value, device):

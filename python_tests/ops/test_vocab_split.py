@@ -2,26 +2,31 @@
 
 The split kernels cut each row into chunks (csrc/common/vocab_split.h): per-chunk masses or softmax partials, the
 total in chunk order, the chunk that holds u * total, and the sample inside that chunk alone. The CPU-only op
-``diversed::vocab_split_probe`` runs those very __host__ __device__ functions, so these tests need no GPU. The GPU
+``diversed_probes::vocab_split_probe`` (a library only the tests load) runs those very __host__ __device__ functions, so these tests need no GPU. The GPU
 kernels evaluate the same rules with block-wide sums and scans (float64 sums in another order), which
 test_cuda_vs_cpu.py compares against the CPU kernels where a GPU is present. The seed a seedless CUDA call draws
-(``diversed::generator_seeds``) is checked against the Python rule here too.
+(``diversed_probes::generator_seeds``) is checked against the Python rule here too.
 """
 
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
 from scipy import stats as scipy_stats
 
 from diversed_ext.ops import _philox
+from helpers import probe_ops
+
+PROBES = probe_ops()
 
 GRANULE = 4096  # kSplitGranule
 MAX_CHUNKS = 128  # kSplitMaxChunks
 
 
 def probe(values, uniforms, target_blocks=512, from_logits=False, temperature=1.0):
-    masses, chunks, tokens, stats = torch.ops.diversed.vocab_split_probe(values, uniforms, target_blocks, from_logits,
+    masses, chunks, tokens, stats = PROBES.vocab_split_probe(values, uniforms, target_blocks, from_logits,
                                                                          temperature)
     return masses, chunks, tokens, stats
 
@@ -167,11 +172,11 @@ def test_generator_seeds_match_the_python_rule():
     states = [(0, 0), (67280421310721, 4), (2**63 - 1, 2**40 + 8), (-5, 12), (123, 2**63 - 4)]
     seeds = torch.tensor([seed for seed, _ in states], dtype=torch.int64)
     offsets = torch.tensor([offset for _, offset in states], dtype=torch.int64)
-    native = torch.ops.diversed.generator_seeds(seeds, offsets).tolist()
+    native = PROBES.generator_seeds(seeds, offsets).tolist()
     assert native == [_philox.seed_from_generator(seed, offset) for seed, offset in states]
     assert len(set(native)) == len(native)
     # successive calls (offsets 4 apart) draw unrelated seeds
-    successive = torch.ops.diversed.generator_seeds(torch.full((3,), 42), torch.tensor([0, 4, 8])).tolist()
+    successive = PROBES.generator_seeds(torch.full((3,), 42), torch.tensor([0, 4, 8])).tolist()
     assert len(set(successive)) == 3
 
 
@@ -185,3 +190,11 @@ def test_python_philox_word_is_the_kernels():
             word = _philox.philox_first_word(position, row, offset & 0xFFFFFFFF, offset >> 32, seed & 0xFFFFFFFF,
                                              seed >> 32)
             assert float(uniforms[row, position]) == (word >> 8) / 2**24
+
+
+def test_the_package_never_loads_the_probes():
+    assert not hasattr(torch.ops.diversed, "vocab_split_probe") and not hasattr(torch.ops.diversed, "generator_seeds")
+    code = ("import torch, diversed_ext; "
+            "assert not hasattr(torch.ops.diversed_probes, 'generator_seeds'), 'loaded'; "
+            "assert not any('_probes' in path for path in torch.ops.loaded_libraries), 'listed'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)

@@ -1,6 +1,7 @@
 // CPU-only probes of what the split CUDA kernels compute, for the tests: the same __host__ __device__ functions
 // (csrc/common/vocab_split.h and the seed draw of verify_math.h) run here on the CPU, so the CPU suite checks the
-// decomposition against the reference without a GPU. Not part of the public API.
+// decomposition against the reference without a GPU. Their own library (diversed_ext/_probes*.so, namespace
+// diversed_probes), which only the tests load (torch.ops.load_library): the package never does.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
@@ -16,7 +17,7 @@ namespace diversed {
 namespace cpu {
 namespace {
 
-constexpr const char* kSplitProbeOp = "diversed::vocab_split_probe";
+constexpr const char* kSplitProbeOp = "diversed_probes::vocab_split_probe";
 
 // A chunk's online-softmax partial, taken in index order: the GPU takes the same max and adds the same exps in a tree.
 SoftmaxPartial chunk_softmax_partial(const float* logits, int64_t begin, int64_t end, float inverse_temperature) {
@@ -94,7 +95,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> vocab_split_probe_cpu
 at::Tensor generator_seeds_cpu(const at::Tensor& seeds, const at::Tensor& offsets) {
   TORCH_CHECK(seeds.scalar_type() == at::kLong && seeds.dim() == 1 && offsets.scalar_type() == at::kLong &&
                   offsets.sizes() == seeds.sizes(),
-              "diversed::generator_seeds: seeds and offsets must be int64 [N] of one shape");
+              "diversed_probes::generator_seeds: seeds and offsets must be int64 [N] of one shape");
   const at::Tensor seed_values = seeds.contiguous(), offset_values = offsets.contiguous();
   at::Tensor out = at::empty_like(seed_values);
   for (int64_t i = 0; i < seeds.size(0); ++i)
@@ -106,7 +107,16 @@ at::Tensor generator_seeds_cpu(const at::Tensor& seeds, const at::Tensor& offset
 }  // namespace
 }  // namespace cpu
 
-TORCH_LIBRARY_IMPL(diversed, CPU, m) {
+// Rows float32 [N, V] through the split CUDA kernels' steps (chunk masses float64 [N, chunks], chosen chunk and token
+// int64 [N], softmax normaliser float32 [N, 2]), and the seeds int64 [N] that seedless CUDA calls draw from generator
+// states (seeds, offsets int64 [N]).
+TORCH_LIBRARY(diversed_probes, m) {
+  m.def("vocab_split_probe(Tensor values, Tensor uniforms, int target_blocks, bool from_logits, float temperature) "
+        "-> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("generator_seeds(Tensor seeds, Tensor offsets) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(diversed_probes, CPU, m) {
   m.impl("vocab_split_probe", &cpu::vocab_split_probe_cpu);
   m.impl("generator_seeds", &cpu::generator_seeds_cpu);
 }
