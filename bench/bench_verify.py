@@ -41,6 +41,7 @@ import torch
 from tqdm import tqdm
 
 import diversed_ext as dx
+from diversed_ext.ops import CUDA_KERNEL_FAMILIES
 from plain_verifiers import plain_verify, plain_verify_logits
 
 BATCHES = (1, 8, 64)
@@ -363,6 +364,8 @@ def parse_args(argv=None):
     parser.add_argument("--dtype", nargs="+", default=list(DTYPES), choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--quick", action="store_true", help="three representative shapes instead of the full grid")
+    parser.add_argument("--cuda-kernels", choices=CUDA_KERNEL_FAMILIES, default="block",
+                        help="the CUDA verify kernels to run (diversed_ext.set_cuda_kernels; default block)")
     parser.add_argument("--fly-window", type=int, default=0,
                         help="FLy's window in the fused, checked and reference verify calls (default 0: off)")
     parser.add_argument("--fly-threshold", type=float, default=0.3, help="FLy's entropy threshold (default 0.3)")
@@ -376,6 +379,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    dx.set_cuda_kernels(args.cuda_kernels)
     FLY_SETTINGS[:] = [args.fly_window, args.fly_threshold, args.fly_top_k]
     print(f"torch {torch.__version__}, device {args.device}, threads {torch.get_num_threads()}, "
           f"load average {os.getloadavg()[0]:.2f}" + (f", FLy W={args.fly_window}" if args.fly_window else ""))

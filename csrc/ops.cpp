@@ -24,10 +24,41 @@
 #include <Python.h>
 #include <torch/library.h>
 
+#include "common/kernel_family.h"
+
+namespace diversed {
+std::atomic<int> cuda_kernel_family{kBlockKernels};
+}  // namespace diversed
+
+namespace {
+
+// _C.set_cuda_kernel_family(family: int): diversed_ext.set_cuda_kernels checks the name and passes its number.
+PyObject* set_cuda_kernel_family(PyObject*, PyObject* family) {
+  const long value = PyLong_AsLong(family);
+  if (value == -1 && PyErr_Occurred()) return nullptr;
+  if (value != diversed::kBlockKernels && value != diversed::kSplitKernels) {
+    PyErr_Format(PyExc_ValueError, "unknown CUDA kernel family %ld", value);
+    return nullptr;
+  }
+  diversed::cuda_kernel_family.store(static_cast<int>(value), std::memory_order_relaxed);
+  Py_RETURN_NONE;
+}
+
+PyObject* get_cuda_kernel_family(PyObject*, PyObject*) {
+  return PyLong_FromLong(diversed::cuda_kernel_family.load(std::memory_order_relaxed));
+}
+
+PyMethodDef module_methods[] = {
+    {"set_cuda_kernel_family", set_cuda_kernel_family, METH_O, "Sets the CUDA verify kernels (0 block, 1 split)."},
+    {"cuda_kernel_family", get_cuda_kernel_family, METH_NOARGS, "The CUDA verify kernels (0 block, 1 split)."},
+    {nullptr, nullptr, 0, nullptr}};
+
+}  // namespace
+
 extern "C" {
 // Importing diversed_ext._C loads this library and so runs the registrations below.
 PyObject* PyInit__C(void) {
-  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, module_methods};
   return PyModule_Create(&module_def);
 }
 }

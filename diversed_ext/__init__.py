@@ -10,6 +10,8 @@ Public names:
     VerifyResult, TokenStats result types
     philox_uniforms          the counter-based uniforms the kernels draw for a seed and offset
     cuda_kernels_registered  whether this build carries the CUDA kernels
+    set_cuda_kernels, cuda_kernels
+                             which CUDA verify kernels run ("block", the default, or "split"), process-wide
 
 Layout, one floor per folder, imports pointing down only:
     ops/        the custom-op library (the names above)
@@ -21,12 +23,13 @@ Layout, one floor per folder, imports pointing down only:
     cli/        the ``diversed`` command; nothing imports it
 """
 
-from .ops import (TokenStats, VerifyResult, cuda_kernels_registered, mix, mix_reference, philox_uniforms,
-                  token_stats, token_stats_reference, verify, verify_logits, verify_logits_reference, verify_reference)
+from .ops import (TokenStats, VerifyResult, cuda_kernels, cuda_kernels_registered, mix, mix_reference,
+                  philox_uniforms, set_cuda_kernels, token_stats, token_stats_reference, verify, verify_logits,
+                  verify_logits_reference, verify_reference)
 
 __all__ = [
     "verify", "verify_logits", "token_stats", "mix",
     "verify_reference", "verify_logits_reference", "token_stats_reference", "mix_reference",
-    "VerifyResult", "TokenStats", "philox_uniforms", "cuda_kernels_registered",
+    "VerifyResult", "TokenStats", "philox_uniforms", "cuda_kernels_registered", "set_cuda_kernels", "cuda_kernels",
 ]
 __version__ = "0.1.0"

@@ -2,7 +2,7 @@
 # Everything the CUDA kernels need checked on a GPU machine, in one go, from the checkout:
 #   1. environment  nvidia-smi, torch, nvcc, compute-sanitizer, ncu
 #   2. build        the extension with this machine's python3 and torch (DIVERSED_CUDA=1, no build isolation)
-#   3. tests        the CUDA tests of the suite (pytest -k cuda), once per kernel family (DIVERSED_CUDA_KERNELS)
+#   3. tests        the CUDA tests of the suite (pytest -k cuda; the verify kernels' tests run for both kernel families)
 #   4. sanitizers   compute-sanitizer memcheck, racecheck, synccheck and initcheck over scripts/gpu_hostile_inputs.py
 #   5. bench        the benchmark kit's bench_vs_flashinfer.py (side by side with FlashInfer), once per kernel family
 #   6. profile      ncu's speed-of-light and occupancy of both families at B = 64, K = 8, V = 128256
@@ -103,12 +103,10 @@ if wants build; then
   }
 fi
 
-# 3. The CUDA tests, once per kernel family.
+# 3. The CUDA tests (those of the verify kernels run once per kernel family: the suite's cuda_kernels fixture).
 if wants tests; then
-  for family in block split; do
-    run "tests-$family" 240 env DIVERSED_CUDA_KERNELS=$family DIVERSED_EXPECT_CUDA_BUILD=1 \
-      "$python" -m pytest -q -p no:cacheprovider -k cuda "$checkout/python_tests"
-  done
+  run tests 480 env DIVERSED_EXPECT_CUDA_BUILD=1 \
+    "$python" -m pytest -q -p no:cacheprovider -k cuda "$checkout/python_tests"
 fi
 
 # 4. The four sanitizer tools over hostile unchecked inputs (both families inside the script); --quick keeps the
@@ -125,18 +123,19 @@ fi
 if wants bench; then
   for family in block split; do
     mkdir -p "$report/bench-$family"
-    run "bench-$family" 280 env DIVERSED_CUDA_KERNELS=$family OUT="$report/bench-$family" \
-      "$python" "$kit/bench_vs_flashinfer.py"
+    run "bench-$family" 280 env OUT="$report/bench-$family" "$python" -c \
+      "import runpy, sys, diversed_ext; diversed_ext.set_cuda_kernels(sys.argv[1]); sys.argv = sys.argv[2:]; \
+runpy.run_path(sys.argv[0], run_name='__main__')" "$family" "$kit/bench_vs_flashinfer.py"
   done
 fi
 
 # 6. Where the time goes: ncu on the verify kernels of both families at the kit's B = 64, K = 8, V = 128256 shape.
 if wants profile; then
   for family in block split; do
-    run "profile-$family" 280 env DIVERSED_CUDA_KERNELS=$family ncu --kernel-name "regex:verify|softmax_partials" \
+    run "profile-$family" 280 ncu --kernel-name "regex:verify|softmax_partials" \
       --launch-skip 8 --launch-count 6 --section SpeedOfLight --section Occupancy --section LaunchStats \
       "$python" "$checkout/bench/bench_verify.py" --ops verify verify_logits --batch 64 --draft 8 --vocab 128256 \
-      --dtype float32 --device cuda --csv "$report/profile-$family.csv"
+      --dtype float32 --device cuda --cuda-kernels "$family" --csv "$report/profile-$family.csv"
   done
 fi
 

@@ -4,7 +4,7 @@ Each call runs with check_inputs=False on inputs the checks would refuse: NaN, n
 without mass, token ids outside [0, V), num_draft outside [0, K], uniforms outside [0, 1), greedy and sampled rows,
 tokens-only drafts, seedless calls, rows read in place through indices outside [0, R), vocabularies that leave rows
 misaligned and rows cut into many chunks; for both
-kernel families (DIVERSED_CUDA_KERNELS=block and split) and the three element types. Every emitted token must stay
+kernel families (diversed_ext.set_cuda_kernels: block and split) and the three element types. Every emitted token must stay
 in [-1, V). Run it under `compute-sanitizer --tool memcheck|racecheck|synccheck|initcheck` (scripts/gpu_check.sh
 does); with --device cpu it runs the same calls on the CPU kernels, which checks the script itself anywhere.
 
@@ -96,7 +96,7 @@ def main(argv=None) -> int:
     vocabs = (1, 7, 31, 1000) if args.quick else (1, 7, 31, 1000, 32001, 49152, 262147)
     generator = torch.Generator().manual_seed(0)
     for family in FAMILIES:
-        os.environ["DIVERSED_CUDA_KERNELS"] = family
+        dx.set_cuda_kernels(family)
         for vocab in vocabs:
             for num_positions in (0, 1, 5):
                 exercise(args.device, 5 if vocab < 100000 else 2, num_positions, vocab, generator)

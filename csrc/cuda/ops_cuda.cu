@@ -1,12 +1,13 @@
 // CUDA bindings of the four `diversed` ops: argument and device checks, output allocation, the kernel launches.
 // Nothing here reads device memory, so a call never syncs with the host (CUDA graphs can capture it). The kernels are
 // torch-free headers: verify_kernels.cuh and split_kernels.cuh (verify_probs, verify_logits: two families, picked by
-// DIVERSED_CUDA_KERNELS) and stats_kernels.cuh (token_stats, mix).
+// diversed_ext.set_cuda_kernels, common/kernel_family.h) and stats_kernels.cuh (token_stats, mix).
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/cuda/CUDAGeneratorImpl.h>
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_bf16.h>
@@ -15,12 +16,11 @@
 
 #include <atomic>
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
 #include <limits>
 #include <mutex>
 #include <tuple>
 
+#include "../common/kernel_family.h"
 #include "../common/op_checks.h"
 #include "../common/op_outputs.h"
 #include "split_kernels.cuh"
@@ -53,16 +53,9 @@ void check_grid_rows(const char* op, int64_t rows) {
 }
 
 // ------------------------------------------------------------------------------------------------ verify helpers
-// The verify kernels a call runs: DIVERSED_CUDA_KERNELS=block (one block per request, the default) or split (each
-// request's vocabulary over many blocks). Read at every call, so one process can compare the two.
-constexpr const char* kKernelFamilyVariable = "DIVERSED_CUDA_KERNELS";
-bool use_split_kernels() {
-  const char* value = std::getenv(kKernelFamilyVariable);
-  if (value == nullptr || *value == '\0' || std::strcmp(value, "block") == 0) return false;
-  TORCH_CHECK(std::strcmp(value, "split") == 0, kKernelFamilyVariable, " must be 'block' or 'split', got '", value,
-              "'");
-  return true;
-}
+// The verify kernels a call runs: the process-wide family of common/kernel_family.h (diversed_ext.set_cuda_kernels:
+// "block", one block per request, the default; or "split", each request's vocabulary over many blocks).
+bool use_split_kernels() { return cuda_kernel_family.load(std::memory_order_relaxed) == kSplitKernels; }
 
 // A seedless call draws its seed inside the kernel from torch's CUDA generator (seed_from_generator), which hands each
 // call its own offset: no launch of its own, and under graph capture the state is read from device memory, so every
@@ -97,14 +90,20 @@ VerifyCall start_cuda_verify(VerifyInput input, const VerifyShape& shape, const 
 
 // The split kernels aim for this many blocks per multiprocessor of the device (queried once per device).
 constexpr int64_t kSplitBlocksPerMultiprocessor = 4;
-constexpr int kMaxDevices = 64;
+constexpr int kMaxCachedDevices = 64;
+int multiprocessor_count(int device) {
+  int count = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
+  return count;
+}
 int64_t split_target_blocks(c10::DeviceIndex device) {
-  static std::atomic<int> multiprocessors[kMaxDevices];
-  if (device < 0 || device >= kMaxDevices) return 132 * kSplitBlocksPerMultiprocessor;  // an H100's count
-  int count = multiprocessors[device].load(std::memory_order_relaxed);
+  static std::atomic<int> multiprocessors[kMaxCachedDevices];
+  const int index = device < 0 ? static_cast<int>(c10::cuda::current_device()) : static_cast<int>(device);
+  if (index >= kMaxCachedDevices) return multiprocessor_count(index) * kSplitBlocksPerMultiprocessor;
+  int count = multiprocessors[index].load(std::memory_order_relaxed);
   if (count == 0) {
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
-    multiprocessors[device].store(count, std::memory_order_relaxed);
+    count = multiprocessor_count(index);
+    multiprocessors[index].store(count, std::memory_order_relaxed);
   }
   return count * kSplitBlocksPerMultiprocessor;
 }
@@ -147,10 +146,10 @@ void check_verify_devices(const char* op, const at::Tensor& draft_tokens, const 
 // The split kernels decide each request's accepted length in every block of the request from gathered values alone,
 // before any block has read a whole row; FLy's entropy needs the whole target row at a rejected position, which
 // only the block kernels (one block per request) read. Refused rather than run with other kernels than the ones
-// DIVERSED_CUDA_KERNELS asks for.
+// diversed_ext.set_cuda_kernels asked for.
 void check_split_without_fly(const char* op, const VerifyProblem& problem) {
-  TORCH_CHECK(!problem.fly.may_defer(), op, ": FLy (fly_window) is not supported by the split CUDA kernels "
-              "(DIVERSED_CUDA_KERNELS=split); use the block kernels (DIVERSED_CUDA_KERNELS=block, the default)");
+  TORCH_CHECK(!problem.fly.may_defer(), op, ": FLy (fly_window) is not supported by the split CUDA kernels; use "
+              "the block kernels (diversed_ext.set_cuda_kernels('block'), the default)");
 }
 
 VerifyTuple verify_probs_cuda(const at::Tensor& draft_tokens, const OptionalTensor& draft_probs,

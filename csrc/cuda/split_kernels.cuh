@@ -1,6 +1,7 @@
 // The "split" verify kernels: each request's vocabulary spread over many blocks, so that a small batch still fills
 // the GPU (the "block" kernels of verify_kernels.cuh give each request one block). Chosen at run time by
-// DIVERSED_CUDA_KERNELS=split (ops_cuda.cu); same results as the block kernels up to the order of float64 sums.
+// diversed_ext.set_cuda_kernels("split") (common/kernel_family.h); same results as the block kernels up to the order
+// of float64 sums.
 //
 // verify_probs is one launch over (request, chunk) blocks (vocab_split.h cuts the rows):
 //   1. every block of a request runs its accept tests (a few gathered values, the same in every block) and reduces its

@@ -1,4 +1,4 @@
-"""CUDA-only behaviour of the verify kernels: choosing the family (DIVERSED_CUDA_KERNELS), seedless calls that draw
+"""CUDA-only behaviour of the verify kernels: choosing the family (diversed_ext.set_cuda_kernels), seedless calls that draw
 their seed inside the kernel from torch's CUDA generator, and CUDA graphs. Skipped where no GPU is visible; how the
 split family cuts rows is checked on the CPU by test_vocab_split.py, and its results against the CPU kernels by
 test_cuda_vs_cpu.py."""
@@ -17,12 +17,16 @@ def cuda_problem(batch, num_positions, vocab, seed=0):
     return tuple(t.to(CUDA) for t in random_problem(batch, num_positions, vocab, seed=seed))
 
 
-@requires_cuda
-def test_unknown_kernel_family_is_a_clear_error(monkeypatch):
-    monkeypatch.setenv("DIVERSED_CUDA_KERNELS", "warp")
-    tokens, draft, target = cuda_problem(2, 2, 10)
-    with pytest.raises(RuntimeError, match="DIVERSED_CUDA_KERNELS must be 'block' or 'split', got 'warp'"):
-        dx.verify(tokens, draft, target, 0.5, seed=1)
+def test_the_kernel_family_is_block_by_default_and_set_by_name():
+    assert dx.cuda_kernels() == "block"
+    try:
+        dx.set_cuda_kernels("split")
+        assert dx.cuda_kernels() == "split"
+    finally:
+        dx.set_cuda_kernels("block")
+    with pytest.raises(ValueError, match="CUDA kernel family must be one of block, split, got 'warp'"):
+        dx.set_cuda_kernels("warp")
+    assert dx.cuda_kernels() == "block"
 
 
 @requires_cuda

@@ -126,10 +126,10 @@ def test_the_op_refuses_a_top_k_it_cannot_keep(problem):
 
 
 @requires_cuda
-def test_the_split_cuda_kernels_refuse_fly(problem, monkeypatch):
+@pytest.mark.parametrize("cuda_kernels", ["split"], indirect=True)
+def test_the_split_cuda_kernels_refuse_fly(problem, cuda_kernels):
     """The split kernels decide a request's length before any block has read a whole row, which FLy's entropy
     needs: they refuse a call that may defer, and run one that may not."""
-    monkeypatch.setenv("DIVERSED_CUDA_KERNELS", "split")
     tokens, draft, target = (tensor.cuda() for tensor in problem)
     for fly in (dict(fly_window=1), dict(fly_window=torch.tensor([0, 1, 0, 0], device="cuda"))):
         with pytest.raises(RuntimeError, match="not supported by the split CUDA kernels"):

@@ -12,7 +12,7 @@ import torch
 
 from helpers import REPO_ROOT as ROOT
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
-STEPS = ["build", "tests-block", "tests-split", "sanitizer-memcheck", "sanitizer-racecheck", "sanitizer-synccheck",
+STEPS = ["build", "tests", "sanitizer-memcheck", "sanitizer-racecheck", "sanitizer-synccheck",
          "sanitizer-initcheck", "bench-block", "bench-split", "profile-block", "profile-split"]
 
 
@@ -37,7 +37,7 @@ def test_dry_run_lists_every_step(tmp_path):
         assert f"[dry-run] {step} " in result.stdout
     summary = (tmp_path / "report" / "summary.md").read_text()
     assert all(f"| {step} | dry run |" in summary for step in STEPS)
-    assert "compute-sanitizer --tool racecheck" in result.stdout and "DIVERSED_CUDA_KERNELS=split" in result.stdout
+    assert "compute-sanitizer --tool racecheck" in result.stdout and "--cuda-kernels split" in result.stdout
 
 
 def test_the_kit_is_an_argument_the_bench_step_needs(tmp_path):
@@ -45,7 +45,7 @@ def test_the_kit_is_an_argument_the_bench_step_needs(tmp_path):
     assert result.returncode == 2 and "--kit DIR" in result.stderr
     result = gpu_check(tmp_path, "--dry-run", "--only", "build,tests,sanitizers,profile", kit=False)
     assert result.returncode == 0, result.stderr
-    assert "[dry-run] tests-block " in result.stdout and "bench-block" not in result.stdout
+    assert "[dry-run] tests " in result.stdout and "bench-block" not in result.stdout
 
 
 def test_it_writes_nothing_outside_its_report_folder(tmp_path):
@@ -71,7 +71,7 @@ def test_without_a_gpu_it_stops_at_once_with_the_reason(tmp_path):
     assert result.returncode == 2
     assert "no GPU visible" in result.stderr
     assert "no GPU visible" in (tmp_path / "report" / "summary.md").read_text()
-    assert not (tmp_path / "report" / "tests-block.log").exists()
+    assert not (tmp_path / "report" / "tests.log").exists()
 
 
 @pytest.mark.parametrize("args,message", [((), "usage"), (("--only", "tests,lint"), "unknown step 'lint'"),
