@@ -78,17 +78,6 @@ TORCH_LIBRARY(diversed, m) {
       "Tensor? draft_rows=None, Tensor? target_temperature=None, float? target_temperature_value=None, "
       "Tensor? fly_window=None, Tensor? fly_threshold=None, int fly_window_value=0, float fly_threshold_value=0.3, "
       "int fly_top_k=3) -> (Tensor, Tensor, Tensor)");
-  // CPU only: verify_logits, and what check_inputs=True needs of both logit tensors from the same passes: int32
-  // [B, 2K + 1] flags per row (value_flags' bits; draft positions, then target positions), and 16 on a drafted
-  // position whose token id lies outside [0, V).
-  m.def(
-      "verify_logits_with_flags(Tensor draft_tokens, Tensor? draft_logits, Tensor target_logits, Tensor? weight, "
-      "Tensor? num_draft, Tensor? temperature, Tensor? uniforms, Tensor? seeds, int offset=0, "
-      "bool per_row_seed=False, float weight_value=1., float temperature_value=1., int? seed=None, "
-      "Tensor? target_rows=None, Tensor? draft_rows=None, Tensor? target_temperature=None, "
-      "float? target_temperature_value=None, "
-      "Tensor? fly_window=None, Tensor? fly_threshold=None, int fly_window_value=0, float fly_threshold_value=0.3, "
-      "int fly_top_k=3) -> (Tensor, Tensor, Tensor, Tensor)");
   // Per position of [B, T, V] pairs: (p(y), q(y), TV(p, q), log p(y), log q(y)), each float32 [B, T].
   m.def(
       "token_stats(Tensor draft, Tensor target, Tensor tokens, Tensor temperature, bool from_logits) "

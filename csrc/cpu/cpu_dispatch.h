@@ -18,7 +18,7 @@ namespace cpu {
                     const ParallelFor& parallel_for);                                                                 \
   template <typename T>                                                                                               \
   void verify_logits(const VerifyProblem& problem, const T* draft_logits, const T* target_logits,                     \
-                     const ParallelFor& parallel_for, int32_t* row_flags);                                            \
+                     const ParallelFor& parallel_for);                                                                \
   template <typename T>                                                                                               \
   void token_stats(const PairProblem<T>& pair, const TokenStatsOut& out, const ParallelFor& parallel_for);            \
   template <typename T>                                                                                               \

@@ -18,7 +18,7 @@ namespace DIVERSED_CPU_CAPABILITY {
 
 #define DIVERSED_INSTANTIATE_CPU_KERNELS(T)                                                                           \
   template void verify_probs<T>(const VerifyProblem&, const T*, const T*, const ParallelFor&);                        \
-  template void verify_logits<T>(const VerifyProblem&, const T*, const T*, const ParallelFor&, int32_t*);              \
+  template void verify_logits<T>(const VerifyProblem&, const T*, const T*, const ParallelFor&);              \
   template void token_stats<T>(const PairProblem<T>&, const TokenStatsOut&, const ParallelFor&);                      \
   template void mix<T>(const PairProblem<T>&, const float*, float*, const ParallelFor&);                             \
   template void value_flags<T>(const T*, int64_t, int64_t, bool, int32_t*, const ParallelFor&);

@@ -29,8 +29,6 @@ constexpr int32_t kValueFlagNan = 1;
 constexpr int32_t kValueFlagNegative = 2;
 constexpr int32_t kValueFlagPositiveInfinity = 4;
 constexpr int32_t kValueFlagNoMass = 8;
-// Set by verify_logits with flags (verify_kernels.h) on a drafted position whose token id lies outside [0, V).
-constexpr int32_t kValueFlagBadToken = 16;
 
 }  // namespace cpu
 }  // namespace diversed

@@ -50,46 +50,6 @@ VerifyTuple verify_probs_cpu(const at::Tensor& draft_tokens, const OptionalTenso
   return call.result();
 }
 
-// The arguments verify_logits adds to verify_probs' (rows read in place, the target's own temperature), and FLy's.
-struct LogitExtras {
-  const OptionalTensor& target_rows;
-  const OptionalTensor& draft_rows;
-  const OptionalTensor& target_temperature;
-  c10::optional<double> target_temperature_value;
-  FlyArgs fly;
-};
-
-// verify_logits, and with row_flags (int32 [B, 2K + 1]) every row's value flags from the same passes.
-VerifyTuple run_verify_logits(const at::Tensor& draft_tokens, const OptionalTensor& draft_logits,
-                              const at::Tensor& target_logits, const OptionalTensor& weight,
-                              const OptionalTensor& num_draft, const OptionalTensor& temperature,
-                              const OptionalTensor& uniforms, const OptionalTensor& seeds, int64_t offset,
-                              bool per_row_seed, double weight_value, double temperature_value,
-                              c10::optional<int64_t> seed, const LogitExtras& extras, at::Tensor* row_flags) {
-  const VerifyOptionals optional{weight,  num_draft, temperature, uniforms, seeds, extras.target_rows,
-                                 extras.draft_rows, extras.target_temperature};
-  const VerifyShape shape =
-      check_verify_args(VerifyInput::kLogits, draft_tokens, draft_logits, target_logits, optional);
-  check_fly_args(extras.fly, shape.batch, kVerifyLogitsOp);
-  const VerifyCall call =
-      start_verify(VerifyInput::kLogits, shape, draft_tokens, draft_logits, target_logits, optional,
-                   VerifyScalars{weight_value, temperature_value, seed, offset, per_row_seed,
-                                 extras.target_temperature_value},
-                   extras.fly);
-  if (row_flags) {
-    *row_flags = at::empty({shape.batch, 2 * shape.num_positions + 1}, draft_tokens.options().dtype(at::kInt));
-    poison_outputs(*row_flags);
-  }
-  if (call.empty()) return call.result();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, target_logits.scalar_type(), "verify_logits_cpu", [&] {
-    using T = CpuElement<scalar_t>;
-    DIVERSED_CPU_CALL(verify_logits<T>, call.problem, kernel_data<T, scalar_t>(draft_logits),
-                      kernel_data<T, scalar_t>(target_logits), kClaimingParallelFor,
-                      row_flags ? row_flags->data_ptr<int32_t>() : nullptr);
-  });
-  return call.result();
-}
-
 VerifyTuple verify_logits_cpu(const at::Tensor& draft_tokens, const OptionalTensor& draft_logits,
                               const at::Tensor& target_logits, const OptionalTensor& weight,
                               const OptionalTensor& num_draft, const OptionalTensor& temperature,
@@ -100,31 +60,22 @@ VerifyTuple verify_logits_cpu(const at::Tensor& draft_tokens, const OptionalTens
                               c10::optional<double> target_temperature_value, const OptionalTensor& fly_window,
                               const OptionalTensor& fly_threshold, int64_t fly_window_value,
                               double fly_threshold_value, int64_t fly_top_k) {
-  return run_verify_logits(draft_tokens, draft_logits, target_logits, weight, num_draft, temperature, uniforms, seeds,
-                           offset, per_row_seed, weight_value, temperature_value, seed,
-                           LogitExtras{target_rows, draft_rows, target_temperature, target_temperature_value,
-                                       FlyArgs{fly_window, fly_threshold, fly_window_value, fly_threshold_value,
-                                               fly_top_k}},
-                           nullptr);
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> verify_logits_with_flags_cpu(
-    const at::Tensor& draft_tokens, const OptionalTensor& draft_logits, const at::Tensor& target_logits,
-    const OptionalTensor& weight, const OptionalTensor& num_draft, const OptionalTensor& temperature,
-    const OptionalTensor& uniforms, const OptionalTensor& seeds, int64_t offset, bool per_row_seed,
-    double weight_value, double temperature_value, c10::optional<int64_t> seed, const OptionalTensor& target_rows,
-    const OptionalTensor& draft_rows, const OptionalTensor& target_temperature,
-    c10::optional<double> target_temperature_value, const OptionalTensor& fly_window,
-    const OptionalTensor& fly_threshold, int64_t fly_window_value, double fly_threshold_value, int64_t fly_top_k) {
-  at::Tensor row_flags;
-  const auto [tokens, num_accepted, accept_prob] =
-      run_verify_logits(draft_tokens, draft_logits, target_logits, weight, num_draft, temperature, uniforms, seeds,
-                        offset, per_row_seed, weight_value, temperature_value, seed,
-                        LogitExtras{target_rows, draft_rows, target_temperature, target_temperature_value,
-                                       FlyArgs{fly_window, fly_threshold, fly_window_value, fly_threshold_value,
-                                               fly_top_k}},
-                        &row_flags);
-  return {tokens, num_accepted, accept_prob, row_flags};
+  const VerifyOptionals optional{weight, num_draft, temperature, uniforms, seeds, target_rows, draft_rows,
+                                 target_temperature};
+  const FlyArgs fly{fly_window, fly_threshold, fly_window_value, fly_threshold_value, fly_top_k};
+  const VerifyShape shape =
+      check_verify_args(VerifyInput::kLogits, draft_tokens, draft_logits, target_logits, optional);
+  check_fly_args(fly, shape.batch, kVerifyLogitsOp);
+  const VerifyCall call = start_verify(
+      VerifyInput::kLogits, shape, draft_tokens, draft_logits, target_logits, optional,
+      VerifyScalars{weight_value, temperature_value, seed, offset, per_row_seed, target_temperature_value}, fly);
+  if (call.empty()) return call.result();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, target_logits.scalar_type(), "verify_logits_cpu", [&] {
+    using T = CpuElement<scalar_t>;
+    DIVERSED_CPU_CALL(verify_logits<T>, call.problem, kernel_data<T, scalar_t>(draft_logits),
+                      kernel_data<T, scalar_t>(target_logits), kClaimingParallelFor);
+  });
+  return call.result();
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> token_stats_cpu(
@@ -205,7 +156,6 @@ at::Tensor philox_uniforms_cpu(const at::Tensor& seeds, const at::Tensor& offset
 TORCH_LIBRARY_IMPL(diversed, CPU, m) {
   m.impl("verify_probs", &cpu::verify_probs_cpu);
   m.impl("verify_logits", &cpu::verify_logits_cpu);
-  m.impl("verify_logits_with_flags", &cpu::verify_logits_with_flags_cpu);
   m.impl("token_stats", &cpu::token_stats_cpu);
   m.impl("mix", &cpu::mix_cpu);
   m.impl("philox_uniforms", &cpu::philox_uniforms_cpu);

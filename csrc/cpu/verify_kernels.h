@@ -237,15 +237,12 @@ void verify_probs(const VerifyProblem& problem, const T* draft_probs, const T* t
 // tensor, as in verify_probs), temperatures from the problem. Each row the request reads gets its softmax normaliser
 // first (inside the request's own task when the layout is by rows, where a sampled row's bonus normaliser waits until
 // the bonus is drawn); the greedy flags come from the temperatures.
-// With `row_flags` ([B, 2K + 1]: draft positions, then target positions) every row of both tensors also gets its
-// value flags, as value_flags would give them, for check_inputs=True to read after the call (a row tensor's rows that
-// no position reads excepted, see SoftmaxStatsPlan).
 template <typename T>
 void verify_logits(const VerifyProblem& problem, const T* draft_logits, const T* target_logits,
-                   const ParallelFor& parallel_for, int32_t* row_flags) {
+                   const ParallelFor& parallel_for) {
   const TemperaturePlan temperatures = plan_temperatures(problem);
   SoftmaxStatsPlan<T> stats(problem, draft_logits, target_logits, temperatures.inverse.data(),
-                            temperatures.target_inverse.data(), row_flags);
+                            temperatures.target_inverse.data());
   const VerifyLayout layout = verify_layout(problem.batch, problem.vocab, parallel_for);
   if (layout == VerifyLayout::kChunks) stats.compute_all(parallel_for);
   const LogitRows<T> logit_rows{draft_logits, target_logits, &problem, temperatures.inverse.data(),

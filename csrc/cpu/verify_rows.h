@@ -68,12 +68,8 @@ struct LogitRows {
 };
 
 // Softmax normalisers of the rows a request reads: draft positions < num_draft and target positions <= num_draft.
-// Slots [0, K) of a request are its draft positions, slots [K, 2K + 1) its target positions. With `row_flags`
-// ([B, 2K + 1], check_inputs=True), every slot also gets its value flags (those of value_flags), which cost nothing
-// extra where a normaliser vouches for its row; the rows the request does not read, and those it cannot vouch for,
-// get a pass of their own, except the unread slots of a row tensor (read through an index), which get no flags: their
-// index may be padding. A drafted position also flags a token id outside [0, V) (kValueFlagBadToken). Without draft
-// logits (tokens only), a draft slot holds that flag alone.
+// Slots [0, K) of a request are its draft positions, slots [K, 2K + 1) its target positions. Without draft logits
+// (tokens only) a request has no draft normalisers to compute.
 template <typename T>
 struct SoftmaxStatsPlan {
   const VerifyProblem& problem;
@@ -81,28 +77,24 @@ struct SoftmaxStatsPlan {
   const T* target_logits;
   const float* inverse_temperature;         // [B], the draft rows'
   const float* target_inverse_temperature;  // [B]
-  int32_t* row_flags;                       // [B, 2K + 1] or nullptr
   std::vector<SoftmaxStats> draft_stats, target_stats;
   std::vector<uint8_t> draft_vouched, target_vouched;  // whether each normaliser vouches for its row
 
   SoftmaxStatsPlan(const VerifyProblem& p, const T* draft, const T* target, const float* inverse,
-                   const float* target_inverse, int32_t* flags)
+                   const float* target_inverse)
       : problem(p), draft_logits(draft), target_logits(target), inverse_temperature(inverse),
-        target_inverse_temperature(target_inverse), row_flags(flags),
+        target_inverse_temperature(target_inverse),
         draft_stats(p.batch * p.num_positions, SoftmaxStats{0.0f, 0.0f}),
         target_stats(p.batch * (p.num_positions + 1), SoftmaxStats{0.0f, 0.0f}),
         draft_vouched(draft_stats.size(), 0), target_vouched(target_stats.size(), 0) {}
 
   int64_t slots() const { return 2 * problem.num_positions + 1; }
   bool is_draft(int64_t slot) const { return slot < problem.num_positions; }
-  // The index of a slot among its tensor's [B, K] (draft) or [B, K+1] (target) positions, whether the request reads
-  // its row, and whether that row is read through an index (target_rows / draft_rows).
+  // The index of a slot among its tensor's [B, K] (draft) or [B, K+1] (target) positions, and whether the request
+  // reads its row.
   int64_t position_index(int64_t row, int64_t slot) const {
     const int64_t K = problem.num_positions;
     return is_draft(slot) ? row * K + slot : row * (K + 1) + slot - K;
-  }
-  bool indexed(int64_t slot) const {
-    return (is_draft(slot) ? problem.draft_rows : problem.target_rows) != nullptr;
   }
   bool reads(int64_t row, int64_t slot) const {
     const int64_t K = problem.num_positions, drafted = problem.drafted(row);
@@ -116,44 +108,17 @@ struct SoftmaxStatsPlan {
   float inverse_temperature_of_slot(int64_t row, int64_t slot) const {
     return (is_draft(slot) ? inverse_temperature : target_inverse_temperature)[row];
   }
-  int32_t& flags_of(int64_t row, int64_t slot) { return row_flags[row * slots() + slot]; }
-  void flag_by_values(int64_t row, int64_t slot) {
-    flags_of(row, slot) = row_value_flags(values(row, slot), problem.vocab, true);
-  }
-
-  int32_t token_flag(int64_t row, int64_t slot) const {
-    const int64_t token = problem.draft_tokens[position_index(row, slot)];
-    return token < 0 || token >= problem.vocab ? kValueFlagBadToken : 0;
-  }
-
   void compute(int64_t row, int64_t slot) {
-    if (is_draft(slot) && draft_logits == nullptr) {
-      if (row_flags) flags_of(row, slot) = reads(row, slot) ? token_flag(row, slot) : 0;
-      return;
-    }
-    if (!reads(row, slot)) {
-      // A row tensor's index at a position the request does not read may be anything (padding): no row to flag.
-      if (row_flags) {
-        if (indexed(slot)) flags_of(row, slot) = 0;
-        else flag_by_values(row, slot);
-      }
-      return;
-    }
-    const bool vouched = normalise(row, slot);
-    if (!row_flags) return;
-    if (vouched) flags_of(row, slot) = 0;
-    else flag_by_values(row, slot);
-    if (is_draft(slot)) flags_of(row, slot) |= token_flag(row, slot);
+    if ((is_draft(slot) && draft_logits == nullptr) || !reads(row, slot)) return;
+    normalise(row, slot);
   }
   // The normalisers of the rows the accept tests read; the bonus row's too when `with_bonus` (a greedy row's argmax
   // of it is taken in the accept phase). A sampled row's bonus normaliser is computed only when the bonus is drawn:
-  // after a rejection, which is the common case, its row is never read (its flags come from a pass of their own).
+  // after a rejection, which is the common case, its row is never read.
   void compute_row(int64_t row, bool with_bonus) {
     const int64_t bonus_slot = problem.num_positions + problem.drafted(row);
-    for (int64_t slot = 0; slot < slots(); ++slot) {
+    for (int64_t slot = 0; slot < slots(); ++slot)
       if (slot != bonus_slot || with_bonus) compute(row, slot);
-      else if (row_flags) flag_by_values(row, slot);
-    }
   }
   void compute_bonus(int64_t row) { normalise(row, problem.num_positions + problem.drafted(row)); }
   // The normaliser of a slot's row, stored with whether it vouches for the row (returned).

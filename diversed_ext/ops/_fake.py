@@ -40,18 +40,6 @@ def _verify_logits_fake(draft_tokens, draft_logits, target_logits, weight, num_d
                               offset, per_row_seed)
 
 
-@torch.library.register_fake("diversed::verify_logits_with_flags")
-def _verify_logits_with_flags_fake(draft_tokens, draft_logits, target_logits, weight, num_draft, temperature, uniforms,
-                                   seeds, offset=0, per_row_seed=False, weight_value=1.0, temperature_value=1.0,
-                                   seed=None, target_rows=None, draft_rows=None, target_temperature=None,
-                                   target_temperature_value=None, fly_window=None, fly_threshold=None,
-                                   fly_window_value=0, fly_threshold_value=0.3, fly_top_k=3):
-    batch, num_positions = draft_tokens.shape
-    row_flags = target_logits.new_empty((batch, 2 * num_positions + 1), dtype=torch.int32)
-    return (*_verify_probs_fake(draft_tokens, draft_logits, target_logits, weight, num_draft, None, uniforms, seeds,
-                                offset, per_row_seed), row_flags)
-
-
 @torch.library.register_fake("diversed::token_stats")
 def _token_stats_fake(draft, target, tokens, temperature, from_logits):
     batch, length, _ = draft.shape

@@ -11,13 +11,12 @@ from ._values import check_token_ids, check_values, check_verify_probabilities, 
 
 def prepare_verify(draft_tokens, draft, target, weight, *, num_draft, greedy, uniforms, seed, offset,
                    check_inputs: bool, draft_name: str, target_name: str, kind: str,
-                   checks_in_kernel: bool = False, target_rows=None, draft_rows=None) -> tuple:
+                   target_rows=None, draft_rows=None) -> tuple:
     """Validate and normalise every verify argument (probabilities or logits alike), checked call or not; returns
     ``diversed::verify_probs``' positional arguments as a plain tuple (no object built on the serving path; the
     fields are :class:`~diversed_ext.ops._inputs.VerifyArgs`'). Each argument has one rule, whose first test passes a
     value already in the op's layout untouched, so an unchecked call pays a few attribute reads per argument and no
-    conversion. Defaults stay scalars or None (VerifyArgs.materialized). ``checks_in_kernel``: the CPU logits kernel
-    flags token ids and values itself (not the row indices, checked here). A draft of None verifies drafted tokens
+    conversion. Defaults stay scalars or None (VerifyArgs.materialized). A draft of None verifies drafted tokens
     without their distributions (q one-hot at each drafted token). ``target_rows`` / ``draft_rows``: rows read in
     place (``_rows``)."""
     batch, num_positions, vocab = check_verify_layout(draft_tokens, draft, target, target_rows, draft_rows,
@@ -43,7 +42,7 @@ def prepare_verify(draft_tokens, draft, target, weight, *, num_draft, greedy, un
             if rows is not None:
                 read = read_positions(num_draft_t, batch, num_positions, last_offset, device)
                 check_row_indices(rows, name, values.shape[0], values_name, read)
-    if check_inputs and not checks_in_kernel:
+    if check_inputs:
         check_token_ids(tokens, num_draft_t, vocab)
         if indexed:
             check_row_values(draft, target, draft_rows_t, target_rows_t, num_draft_t, batch, num_positions,

@@ -1,10 +1,8 @@
 """Value checks of the ops' inputs (``check_inputs=True``): they read every value, so they synchronise with the device.
 
 On the CPU one native pass (``diversed::value_flags``) reads every value once and flags what is wrong with each row;
-one host read of the flags then decides, and only a failing check reads more to say where. A checked
-``verify_logits`` on the CPU gets the same flags, and its token ids', from its own kernel
-(``diversed::verify_logits_with_flags``) and checks them with :func:`check_verify_logits_flags` after the call. On
-other devices the checks are torch reductions. Without them the kernels stay memory-safe by construction and treat bad
+one host read of the flags then decides, and only a failing check reads more to say where. On other devices the
+checks are torch reductions. Without them the kernels stay memory-safe by construction and treat bad
 values by fixed rules (csrc/common/verify_math.h).
 """
 
@@ -21,7 +19,6 @@ FLAG_NAN = 1
 FLAG_NEGATIVE = 2
 FLAG_POSITIVE_INFINITY = 4
 FLAG_NO_MASS = 8  # no positive probability; for logits, no entry above -inf
-FLAG_BAD_TOKEN = 16  # verify_logits_with_flags only: a drafted token id outside [0, V)
 PROBABILITY_ERRORS = FLAG_NAN | FLAG_NEGATIVE | FLAG_POSITIVE_INFINITY
 LOGIT_ERRORS = FLAG_NAN | FLAG_POSITIVE_INFINITY | FLAG_NO_MASS
 
@@ -163,19 +160,6 @@ def check_logit_flags(flags: torch.Tensor, name: str) -> None:
     errors = flags & LOGIT_ERRORS
     if bool(errors.any()):
         _raise_logit_error(name, _or_reduce(errors))
-
-
-def check_verify_logits_flags(row_flags: torch.Tensor, draft_tokens: torch.Tensor, vocab: int) -> None:
-    """The checks of a verify_logits call from its kernel's flags ([B, 2K + 1]: draft positions, then target
-    positions): token ids first, then the draft's and the target's values, as the checks before a call order them.
-    One host read when nothing is wrong."""
-    errors = row_flags & (LOGIT_ERRORS | FLAG_BAD_TOKEN)
-    if not bool(errors.any()):
-        return
-    num_positions = draft_tokens.shape[1]
-    _raise_first_bad_token(draft_tokens, (errors[:, :num_positions] & FLAG_BAD_TOKEN) != 0, vocab)
-    check_logit_flags(errors[:, :num_positions], "draft_logits")
-    check_logit_flags(errors[:, num_positions:], "target_logits")
 
 
 def _check_logit_values(tensor: torch.Tensor, name: str) -> None:

@@ -34,13 +34,11 @@ from ._prepare import prepare_verify
 from ._temperature import temperature_argument
 from ._unchecked import (greedy_as_given, rows_as_given, target_temperature_as_given, temperature_as_given,
                          unchecked_arguments)
-from ._values import check_verify_logits_flags
 
 # The verify overloads, looked up once: torch.ops.<namespace>.<op> is two attribute lookups and an overload resolution
 # on every call, which the serving path (one call per decoding step) should not pay.
 _VERIFY_PROBS = torch.ops.diversed.verify_probs.default
 _VERIFY_LOGITS = torch.ops.diversed.verify_logits.default
-_VERIFY_LOGITS_WITH_FLAGS = torch.ops.diversed.verify_logits_with_flags.default
 
 
 class VerifyResult(NamedTuple):
@@ -194,22 +192,15 @@ def verify_logits(draft_tokens, draft_logits, target_logits, weight, *, temperat
             except RuntimeError as error:
                 refusal = error  # as in verify
             _prepare_logits(draft_tokens, draft_logits, target_logits, weight, temperature, num_draft, uniforms, seed,
-                            offset, extras, fly, check_inputs=False, flags_from_kernel=False)
+                            offset, extras, fly, check_inputs=False)
             raise refusal
-    # On the CPU the kernel flags the token ids and the logits' values in its own passes (checked after the call,
-    # which then raises); elsewhere they are checked before it.
-    flags_from_kernel = check_inputs and isinstance(target_logits, torch.Tensor) and target_logits.device.type == "cpu"
     op_arguments = _prepare_logits(draft_tokens, draft_logits, target_logits, weight, temperature, num_draft,
-                                   uniforms, seed, offset, extras, fly, check_inputs, flags_from_kernel)
-    if not flags_from_kernel:
-        return VerifyResult(*_VERIFY_LOGITS(*op_arguments))
-    tokens, num_accepted, accept_prob, row_flags = _VERIFY_LOGITS_WITH_FLAGS(*op_arguments)
-    check_verify_logits_flags(row_flags, op_arguments[0], op_arguments[2].shape[-1])
-    return VerifyResult(tokens, num_accepted, accept_prob)
+                                   uniforms, seed, offset, extras, fly, check_inputs)
+    return VerifyResult(*_VERIFY_LOGITS(*op_arguments))
 
 
 def _prepare_logits(draft_tokens, draft_logits, target_logits, weight, temperature, num_draft, uniforms, seed, offset,
-                    extras, fly, check_inputs, flags_from_kernel) -> tuple:
+                    extras, fly, check_inputs) -> tuple:
     """verify_logits' op arguments through the argument rules: prepare_verify's, with the temperature (its own rule)
     in the place of greedy and its value before the seed, after the row indices the target temperature (``extras``:
     target_rows, draft_rows, target_temperature), then FLy's (``fly``: fly_window, fly_threshold, fly_top_k)."""
@@ -218,7 +209,7 @@ def _prepare_logits(draft_tokens, draft_logits, target_logits, weight, temperatu
      seed_value, target_rows_t, draft_rows_t) = prepare_verify(
         draft_tokens, draft_logits, target_logits, weight, num_draft=num_draft, greedy=None, uniforms=uniforms,
         seed=seed, offset=offset, check_inputs=check_inputs, draft_name="draft_logits", target_name="target_logits",
-        kind="logits", checks_in_kernel=flags_from_kernel, target_rows=target_rows, draft_rows=draft_rows)
+        kind="logits", target_rows=target_rows, draft_rows=draft_rows)
     batch = draft_ids.shape[0]
     temperature_t, temperature_value = temperature_argument(temperature, batch, target.device, check_inputs)
     target_temperature_t, target_temperature_value = None, None

@@ -114,8 +114,6 @@ def test_opcheck_with_fly(dtype, device):
                    None, None, None, None)
     for fly_args in (fly, fly_values):
         torch.library.opcheck(torch.ops.diversed.verify_logits.default, logits_args + fly_args)
-        if device == "cpu":
-            torch.library.opcheck(torch.ops.diversed.verify_logits_with_flags.default, logits_args + fly_args)
 
 
 def test_the_op_refuses_a_top_k_it_cannot_keep(problem):

@@ -153,8 +153,6 @@ def test_opcheck_of_the_row_forms(dtype, device):
     target_temperature = torch.full((4,), 0.75, device=device)
     torch.library.opcheck(torch.ops.diversed.verify_logits.default, logits_args + (target_temperature, None))
     torch.library.opcheck(torch.ops.diversed.verify_logits.default, logits_args + (None, 1.0))
-    if device == "cpu":
-        torch.library.opcheck(torch.ops.diversed.verify_logits_with_flags.default, logits_args + (None, 1.0))
 
 
 def test_unchecked_row_forms_dispatch_only_the_op():

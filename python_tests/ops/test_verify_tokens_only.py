@@ -250,31 +250,6 @@ def test_opcheck_without_draft(dtype, device):
                                explicit is None))
     torch.library.opcheck(torch.ops.diversed.verify_probs.default,
                           (tokens, None, target, None, None, None, None, None, 3, False, 0.25, 11))
-    if device == "cpu":
-        torch.library.opcheck(torch.ops.diversed.verify_logits_with_flags.default,
-                              (tokens, None, logits, None, None, None, uniforms, None, 0, False, 0.5, 1.0, None))
-
-
-def test_verify_logits_with_flags_without_draft():
-    """The checked CPU op flags a bad id at a drafted position and each target row's values, and verifies as
-    verify_logits does; the draft's K flag columns stay clear of value flags (there is no draft row)."""
-    from diversed_ext.ops import _values
-
-    tokens, target, _, kwargs = tokens_only_case(4, 3, 37, seed=15)
-    logits = target.log()
-    logits[2, 3, 5] = float("nan")
-    tokens[:, 0] = torch.tensor([-1, 37, 0, 5])
-    num_draft = torch.tensor([3, 0, 2, 1])  # row 1's bad id lies past its num_draft
-    arguments = (tokens, None, logits, None, num_draft, None, kwargs["uniforms"], None, 0, False, 0.5, 1.0, None)
-    *verified, row_flags = torch.ops.diversed.verify_logits_with_flags(*arguments)
-    assert row_flags.shape == (4, 7)
-    expected_draft = torch.zeros(4, 3, dtype=torch.int32)
-    expected_draft[0, 0] = _values.FLAG_BAD_TOKEN
-    meaningful = ~_values.FLAG_NEGATIVE
-    assert torch.equal(row_flags[:, :3] & meaningful, expected_draft)
-    assert torch.equal(row_flags[:, 3:] & meaningful, torch.ops.diversed.value_flags(logits, True) & meaningful)
-    for field, plain in zip(verified, torch.ops.diversed.verify_logits(*arguments)):
-        assert torch.equal(field, plain)
 
 
 def test_torch_compile_fullgraph_traces_tokens_only_calls():

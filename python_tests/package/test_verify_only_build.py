@@ -19,8 +19,7 @@ import torch
 
 from helpers import REPO_ROOT as REPO
 CSRC = REPO / "csrc"
-VERIFY_OPS = ["verify_probs", "verify_logits", "verify_logits_with_flags", "token_stats", "mix", "value_flags",
-              "philox_uniforms"]
+VERIFY_OPS = ["verify_probs", "verify_logits", "token_stats", "mix", "value_flags", "philox_uniforms"]
 FORWARD_OPS = ["float_pack", "float_linear", "int8_pack", "int8_linear", "int8_llama_layers", "float_llama_layers"]
 BUILD_SECONDS = 1200  # a loaded two-core machine compiles the AVX-512 kernels slowly
 
