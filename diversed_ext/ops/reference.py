@@ -133,18 +133,28 @@ def _fly_of(args: VerifyArgs, fly: tuple, check_inputs: bool):
                        args.target.device)
 
 
+def _reference_arguments(tensors: tuple, options: dict, names: tuple, fly: tuple):
+    """A reference call's arguments through the ops' rules, rows gathered and every default materialised (uniforms
+    drawn from the seeds when none are given), and FLy's settings: ``tensors`` (draft_tokens, draft, target, weight),
+    ``options`` prepare_verify's keywords, ``names`` (draft name, target name, kind)."""
+    draft_name, target_name, kind = names
+    args = prepare_verify(*tensors, draft_name=draft_name, target_name=target_name, kind=kind, **options)
+    args = _gathered(VerifyArgs(*args).materialized())
+    fly_t = _fly_of(args, fly, options["check_inputs"])
+    if args.uniforms is None:
+        args.uniforms = philox_uniforms(args.seeds, args.offset, args.draft_tokens.shape[1] + 1, args.per_row_seed)
+    return args, fly_t
+
+
 def verify_reference(draft_tokens, draft_probs, target_probs, weight, *, num_draft=None, greedy=None, uniforms=None,
                      seed=None, offset=0, check_inputs=True, target_rows=None, draft_rows=None, fly_window=0,
                      fly_threshold=0.3, fly_top_k=3) -> VerifyResult:
     """Reference implementation of :func:`diversed_ext.verify` in plain PyTorch (same arguments, same result)."""
-    args = prepare_verify(draft_tokens, draft_probs, target_probs, weight, num_draft=num_draft, greedy=greedy,
-                          uniforms=uniforms, seed=seed, offset=offset, check_inputs=check_inputs,
-                          draft_name="draft_probs", target_name="target_probs", kind="probabilities",
-                          target_rows=target_rows, draft_rows=draft_rows)
-    args = _gathered(VerifyArgs(*args).materialized())
-    fly = _fly_of(args, (fly_window, fly_threshold, fly_top_k), check_inputs)
-    if args.uniforms is None:
-        args.uniforms = philox_uniforms(args.seeds, args.offset, args.draft_tokens.shape[1] + 1, args.per_row_seed)
+    args, fly = _reference_arguments(
+        (draft_tokens, draft_probs, target_probs, weight), dict(num_draft=num_draft, greedy=greedy, uniforms=uniforms,
+                                                               seed=seed, offset=offset, check_inputs=check_inputs,
+                                                               target_rows=target_rows, draft_rows=draft_rows),
+        ("draft_probs", "target_probs", "probabilities"), (fly_window, fly_threshold, fly_top_k))
     draft_probs = one_hot_drafts(args.draft_tokens, args.target.shape[-1]) if args.draft is None else args.draft
     return reference_core(args.draft_tokens, draft_probs, args.target, args.weight, args.num_draft, args.greedy,
                           args.uniforms, fly)
@@ -162,17 +172,14 @@ def verify_logits_reference(draft_tokens, draft_logits, target_logits, weight, *
                             target_temperature=None, fly_window=0, fly_threshold=0.3, fly_top_k=3) -> VerifyResult:
     """Reference of :func:`diversed_ext.verify_logits`: softmax everything, then verify on probabilities (one-hot
     draft rows when ``draft_logits`` is None)."""
-    args = prepare_verify(draft_tokens, draft_logits, target_logits, weight, num_draft=num_draft, greedy=None,
-                          uniforms=uniforms, seed=seed, offset=offset, check_inputs=check_inputs,
-                          draft_name="draft_logits", target_name="target_logits", kind="logits",
-                          target_rows=target_rows, draft_rows=draft_rows)
-    args = _gathered(VerifyArgs(*args).materialized())
-    fly = _fly_of(args, (fly_window, fly_threshold, fly_top_k), check_inputs)
+    args, fly = _reference_arguments(
+        (draft_tokens, draft_logits, target_logits, weight), dict(num_draft=num_draft, greedy=None, uniforms=uniforms,
+                                                                 seed=seed, offset=offset, check_inputs=check_inputs,
+                                                                 target_rows=target_rows, draft_rows=draft_rows),
+        ("draft_logits", "target_logits", "logits"), (fly_window, fly_threshold, fly_top_k))
     temperature_t = temperature_tensor(temperature, args.target.shape[0], args.target.device, check_inputs)
     target_temperature_t = temperature_t if target_temperature is None else temperature_tensor(
         target_temperature, args.target.shape[0], args.target.device, check_inputs, "target_temperature")
-    if args.uniforms is None:
-        args.uniforms = philox_uniforms(args.seeds, args.offset, args.draft_tokens.shape[1] + 1, args.per_row_seed)
     if args.draft is None:
         draft_probs = one_hot_drafts(args.draft_tokens, args.target.shape[-1])
     else:
