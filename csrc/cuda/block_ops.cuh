@@ -128,24 +128,33 @@ __device__ SoftmaxStats block_softmax_stats(const T* row, int64_t vocab, float i
   return finish_softmax(partial.max, partial.sum);
 }
 
-// argmax over a span of nu = w p + (1 - w) q (or of p without a draft row), ties to the lowest id; an index of
-// INT64_MAX (which loses to every element) for an empty span.
-template <typename Row, typename Draft>
-__device__ ArgMax block_argmax_span(const Row& target, const Draft* draft, float weight, Span span, BlockStorage& s) {
+// Each thread's items of every tile of a span, as masses: p, and q with a draft row (left unset without), handed to
+// visit(first id, p, q).
+template <typename Row, typename Draft, typename Visit>
+__device__ __forceinline__ void for_each_mass_tile(const Row& target, const Draft* draft, Span span, Visit&& visit) {
   const TileLayout layout = tile_layout(target.values, row_memory(draft));
-  ArgMax best{-1.0f, INT64_MAX};  // loses to every element: masses are >= 0
   for (int64_t tile = first_tile(span, layout); tile < span.end; tile += kTileElements) {
     const int64_t first = thread_first(tile);
     float p[kItemsPerThread], q[kItemsPerThread];
     load_masses(target, first, span, layout.vectorised, p);
     if (draft != nullptr) load_masses(*draft, first, span, layout.vectorised, q);
+    visit(first, p, q);
+  }
+}
+
+// argmax over a span of nu = w p + (1 - w) q (or of p without a draft row), ties to the lowest id; an index of
+// INT64_MAX (which loses to every element) for an empty span.
+template <typename Row, typename Draft>
+__device__ ArgMax block_argmax_span(const Row& target, const Draft* draft, float weight, Span span, BlockStorage& s) {
+  ArgMax best{-1.0f, INT64_MAX};  // loses to every element: masses are >= 0
+  for_each_mass_tile(target, draft, span, [&](int64_t first, const float* p, const float* q) {
 #pragma unroll
     for (int k = 0; k < kItemsPerThread; ++k) {
       const int64_t v = first + k;
       const float nu = draft != nullptr ? mix_mass(weight, p[k], q[k]) : p[k];
       if (span.contains(v) && better_candidate(nu, v, best.value, best.index)) best = ArgMax{nu, v};
     }
-  }
+  });
   return block_all_reduce(best, ArgMaxOp{}, s.temp.argmax, s.result.argmax);
 }
 
@@ -165,19 +174,14 @@ struct SampleTotals {
 
 template <typename Row, typename Draft>
 __device__ SampleTotals block_sample_totals(const Row& target, const Draft* draft, Span span, BlockStorage& s) {
-  const TileLayout layout = tile_layout(target.values, row_memory(draft));
   double thread_sampled = 0.0, thread_target = 0.0;
-  for (int64_t tile = first_tile(span, layout); tile < span.end; tile += kTileElements) {
-    const int64_t first = thread_first(tile);
-    float p[kItemsPerThread], q[kItemsPerThread];
-    load_masses(target, first, span, layout.vectorised, p);
-    if (draft != nullptr) load_masses(*draft, first, span, layout.vectorised, q);
+  for_each_mass_tile(target, draft, span, [&](int64_t, const float* p, const float* q) {
 #pragma unroll
     for (int k = 0; k < kItemsPerThread; ++k) {
       thread_target += static_cast<double>(p[k]);
       if (draft != nullptr) thread_sampled += static_cast<double>(residual_mass(p[k], q[k]));
     }
-  }
+  });
   const double target_total = block_sum(thread_target, s);
   return SampleTotals{draft != nullptr ? block_sum(thread_sampled, s) : target_total, target_total};
 }
