@@ -1,5 +1,5 @@
 // Argument checks of the `diversed` ops, shared by every backend's bindings (csrc/cpu, csrc/cuda). They are the last
-// line of defence: the Python layer (diversed_ext/_inputs.py) has already produced these exact layouts. Structural
+// line of defence: the Python layer (diversed_ext/ops/_inputs.py) has already produced these exact layouts. Structural
 // checks only, so they never read tensor values (no device sync). Device placement is the CUDA binding's own check.
 #pragma once
 

@@ -22,9 +22,6 @@ FILE_PATH = re.compile(r"\b(?:diversed_ext|csrc|bench|docs|scripts|python_tests)
 
 NATIVE = ROOT / "csrc"
 NATIVE_SUFFIXES = (".h", ".cpp", ".cu", ".cuh")
-# Stale paths in native comments that the native sources still have to correct, as (file, path named): listed so the
-# rest is checked now. An entry that is no longer stale fails the test until it leaves this list.
-KNOWN_STALE_NATIVE = {("csrc/common/op_checks.h", "diversed_ext/_inputs.py")}
 
 
 def _sources() -> list:
@@ -122,9 +119,8 @@ def test_native_comments_name_existing_files_and_modules():
     stale = {(str(path), name) for path, _, name in mentions if not (ROOT / name).is_file()}
     stale |= {(str(path), name) for path, _, name in _native_mentions(DOTTED)
               if name not in NOT_MODULE_PATHS and not _resolves(name)}
-    assert not stale - KNOWN_STALE_NATIVE, "paths in native comments that name nothing:\n" + "\n".join(
-        f"{path}: {name}" for path, name in sorted(stale - KNOWN_STALE_NATIVE))
-    assert not KNOWN_STALE_NATIVE - stale, f"fixed, so take them out of KNOWN_STALE_NATIVE: {KNOWN_STALE_NATIVE - stale}"
+    assert not stale, "paths in native comments that name nothing:\n" + "\n".join(
+        f"{path}: {name}" for path, name in sorted(stale))
 
 
 def test_comment_scan_of_native_sources(tmp_path):
