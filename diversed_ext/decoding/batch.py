@@ -31,7 +31,7 @@ from ..ops import is_greedy_temperature, philox_uniforms, verify_logits
 from .checks import DrafterLike, HeadLike, check_drafted
 from .draft_lengths import DraftLengthPolicy, RoundOutcome
 from .fly import Fly
-from .gate import Gate, gated_weights
+from .gate import Gate, gated_weights, require_sampling
 from .runners import RowRunner, crop_cache
 from .state import DecodingState, commit_tokens
 from .stats import RoundStats
@@ -326,6 +326,7 @@ def _gated(config: RoundConfig, drafts: _Drafts, draft_logits: Optional[torch.Te
     width = target_logits.shape[1] - 1
     if config.gate is None or width == 0:
         return weight
+    require_sampling(config.temperature)  # the decoder's temperature may have been set to 0 after construction
     seen_draft = draft_logits if config.draft_mode == "distributions" else None
     return gated_weights(config.gate, weight, _draft_tensor(drafts, width, target_logits.device), seen_draft,
                          target_logits, config.temperature)

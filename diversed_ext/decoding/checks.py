@@ -8,8 +8,7 @@ from typing import Callable, Optional, Sequence, Union
 import torch
 
 from .. import rules
-from ..ops import is_greedy_temperature
-from .gate import Gate
+from .gate import Gate, require_sampling
 
 METHODS = ("ar", "sd", "static", "diversed", "fly")
 # What the verifier gets from a draft: its distributions q (the draft samples from q), or its tokens only (q one-hot at
@@ -50,8 +49,7 @@ def check_gate(gate, method: str, temperature: float):
         raise TypeError(f"gate must be a diversed_ext.decoding.Gate or None, got {type(gate).__name__}")
     if method == "ar":
         raise ValueError("gate applies to methods that draft (sd, static, diversed), not to 'ar'")
-    if is_greedy_temperature(temperature):
-        raise ValueError("gate needs temperature > 0: it compares log-probabilities, which greedy decoding has not")
+    require_sampling(temperature)
     return gate
 
 

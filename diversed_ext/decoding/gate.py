@@ -25,6 +25,7 @@ from typing import Optional, Union
 import torch
 
 from .. import rules
+from ..ops import is_greedy_temperature
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,12 @@ class Gate:
     @property
     def label(self) -> str:
         return f"margin={self.margin:g}"
+
+
+def require_sampling(temperature: float) -> None:
+    """The gate compares log-probabilities, which greedy decoding (temperature 0) has not: ValueError there."""
+    if is_greedy_temperature(temperature):
+        raise ValueError("gate needs temperature > 0: it compares log-probabilities, which greedy decoding has not")
 
 
 def gated_weights(gate: Gate, weight: Union[float, torch.Tensor], draft_tokens: torch.Tensor,

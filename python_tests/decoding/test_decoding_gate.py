@@ -151,3 +151,11 @@ def test_method_specs_put_the_gate_beside_the_other_methods():
     assert specs[1][1] == {"method": "sd", "gate": Gate(2.0)}
     assert specs[2][1] == {"method": "static", "weight": 0.5, "gate": Gate(2.0)}
     assert method_specs(["gate"], [])[0][1]["gate"] == Gate()  # the default margin
+
+
+def test_a_temperature_set_to_zero_after_construction_is_refused_at_the_next_round(wide_pair):
+    target, draft = wide_pair
+    decoder = SpeculativeDecoder(target, draft, method="sd", gate=Gate(), max_draft=3, fast_forward=False)
+    decoder.temperature = 0.0
+    with pytest.raises(ValueError, match="gate needs temperature > 0"):
+        decoder.generate(PROMPT, max_new_tokens=4, seed=0)
