@@ -122,7 +122,7 @@ def compare_to_fly_frontier(results: Sequence[MethodResult], label: str) -> list
     if label not in rows or not rows[label].fidelity_per_prompt:
         return []
     method = rows[label]
-    envelope = upper_envelope([row for row in results if row.label == "sd" or _is_plain_fly(row.label)])
+    envelope = upper_envelope([row for row in results if _is_sd(row.label) or _is_plain_fly(row.label)])
     for low, high in zip(envelope, envelope[1:]):
         if low.acceptance <= method.acceptance <= high.acceptance:
             t = (method.acceptance - low.acceptance) / (high.acceptance - low.acceptance)
@@ -150,6 +150,11 @@ def upper_envelope(rows: Sequence[MethodResult]) -> list[MethodResult]:
 def _cross(a: MethodResult, b: MethodResult, c: MethodResult) -> float:
     return ((b.acceptance - a.acceptance) * (c.fidelity - a.fidelity)
             - (b.fidelity - a.fidelity) * (c.acceptance - a.acceptance))
+
+
+def _is_sd(label: str) -> bool:
+    """Standard speculative decoding: "sd", or the static sweep's w = 1."""
+    return label in ("sd", "static w=1")
 
 
 def _is_plain_fly(label: str) -> bool:
@@ -302,7 +307,7 @@ def plot_pareto(results: Sequence[MethodResult], path: str, metric: str = "quali
             axis.scatter([getattr(row, x_name) for row in fly], [getattr(row, y_name) for row in fly], marker="x",
                          color="grey", label="FLy (each W, tau)")
         if fly and (x_name, y_name) == ("acceptance", "fidelity"):
-            envelope = upper_envelope(fly + [row for row in results if row.label == "sd"])
+            envelope = upper_envelope(fly + [row for row in results if _is_sd(row.label)])
             axis.plot([row.acceptance for row in envelope], [row.fidelity for row in envelope], "--", color="grey",
                       label="FLy's frontier")
         for marker, row in zip(itertools.cycle(_HEAD_MARKERS), learned_rows(results) + gate_rows(results)

@@ -44,6 +44,9 @@ def test_distance_above_flys_frontier_is_paired_and_interpolated():
     assert (f"| gate margin=1 | 0.600 | -1.000 +- 0.000 | {above_static.fidelity:+.3f} +- "
             f"{above_static.fidelity_se:.3f} | {above.fidelity:+.3f} +- {above.fidelity_se:.3f} |") in table
     assert "| - |" in report.frontier_table(outside, ["gate margin=9"])
+    # The static sweep's w = 1 is sd: the same anchor.
+    swept = [result("static w=1", 0.5, [-2.0, -1.0, -3.0])] + results[1:]
+    assert report.compare_to_fly_frontier(swept, "gate margin=1")[0].fidelity == above.fidelity
 
 
 def test_the_sweep_covers_every_window_below_k_and_every_threshold():
