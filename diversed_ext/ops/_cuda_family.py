@@ -10,6 +10,8 @@ Both give the same results up to the order of float64 sums. The CPU kernels igno
 
 from __future__ import annotations
 
+import torch  # noqa: F401  (torch's libraries first: the native library links against them)
+
 from .. import _C
 
 CUDA_KERNEL_FAMILIES = ("block", "split")
