@@ -115,9 +115,9 @@ def compare_to_baselines(results: Sequence[MethodResult], label: str = "diversed
 def compare_to_fly_frontier(results: Sequence[MethodResult], label: str) -> list[PairedDifference]:
     """Fidelity and quality of ``label`` against FLy's frontier at its acceptance: the upper concave envelope of FLy's
     points (sd with FLy, any window and threshold) and sd's (FLy that never defers), interpolated prompt by prompt
-    between the two envelope points on either side; empty when ``label`` lies outside the envelope's acceptance range.
-    A concave envelope, because running one setting on a share of the prompts and another on the rest reaches every
-    point of the segment between them."""
+    between the two envelope points on either side. A concave envelope, because running one setting on a share of the
+    prompts and another on the rest reaches every point of the segment between them. Above the acceptance FLy reaches
+    at all, the distance is to its highest-acceptance point (FLy has nothing closer to offer); below sd's, none."""
     rows = {row.label: row for row in results}
     if label not in rows or not rows[label].fidelity_per_prompt:
         return []
@@ -129,6 +129,10 @@ def compare_to_fly_frontier(results: Sequence[MethodResult], label: str) -> list
             name = f"FLy's frontier at acceptance {method.acceptance:.3f} ({low.label} .. {high.label})"
             return [_difference(method, name, _interpolate(low.fidelity_per_prompt, high.fidelity_per_prompt, t),
                                 _interpolate(low.quality_per_prompt, high.quality_per_prompt, t))]
+    if len(envelope) > 1 and method.acceptance > envelope[-1].acceptance:
+        top = envelope[-1]
+        name = f"FLy's highest acceptance, {top.acceptance:.3f} ({top.label}), below this rule's {method.acceptance:.3f}"
+        return [_difference(method, name, top.fidelity_per_prompt, top.quality_per_prompt)]
     return []
 
 

@@ -36,14 +36,17 @@ def test_distance_above_flys_frontier_is_paired_and_interpolated():
     mean = sum(expected) / 3
     assert math.isclose(above.fidelity_se, math.sqrt(sum((x - mean) ** 2 for x in expected) / 2 / 3))
     assert "sd .. fly W=1 tau=0.3" in above.baseline
-    outside = results + [result("gate margin=9", 0.95, [-1.0, -1.0, -1.0])]
-    assert report.compare_to_fly_frontier(outside, "gate margin=9") == []  # beyond FLy's reach: no distance
+    beyond = results + [result("gate margin=9", 0.95, [-1.0, -2.0, -1.0])]
+    (top,) = report.compare_to_fly_frontier(beyond, "gate margin=9")  # beyond FLy's reach: its highest point
+    assert math.isclose(top.fidelity, (2.0 + 0.0 + 3.0) / 3) and "FLy's highest acceptance, 0.700" in top.baseline
+    outside = results + [result("gate margin=0", 0.4, [-1.0, -1.0, -1.0])]
+    assert report.compare_to_fly_frontier(outside, "gate margin=0") == []  # below sd's acceptance: no FLy point
     (above_static,) = [item for item in report.compare_to_baselines(results, "gate margin=1")
                        if item.baseline.startswith("static frontier")]
     table = report.frontier_table(results, ["gate margin=1"])
     assert (f"| gate margin=1 | 0.600 | -1.000 +- 0.000 | {above_static.fidelity:+.3f} +- "
             f"{above_static.fidelity_se:.3f} | {above.fidelity:+.3f} +- {above.fidelity_se:.3f} |") in table
-    assert "| - |" in report.frontier_table(outside, ["gate margin=9"])
+    assert "| - |" in report.frontier_table(outside, ["gate margin=0"])
     # The static sweep's w = 1 is sd: the same anchor.
     swept = [result("static w=1", 0.5, [-2.0, -1.0, -3.0])] + results[1:]
     assert report.compare_to_fly_frontier(swept, "gate margin=1")[0].fidelity == above.fidelity
