@@ -228,7 +228,7 @@ def _run_pareto(args) -> int:
                                                     fly=fly, fly_sweep=sweep, gates=_gates(args.gate_margin)))
     table = markdown_table(results, task.metric)
     learned = learned_rows(results)
-    placed = [row.label for row in learned + gate_rows(results) + fly_rows(results)]
+    placed = list(dict.fromkeys(row.label for row in learned + gate_rows(results) + fly_rows(results)))
     if placed:
         table += ("\n\nEach rule against the static line and FLy's frontier at its acceptance (fidelity, paired over "
                   "prompts, +- 1 s.e.):\n\n" + frontier_table(results, placed))
