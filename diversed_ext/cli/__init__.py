@@ -33,6 +33,7 @@ from typing import Optional, Sequence
 import torch
 
 from ..decoding import METHODS, SpeculativeDecoder, encode_prompt, eos_ids
+from ..ops import is_greedy_temperature
 from ..models.export import export_default_pair
 from ..research.harness import (DEMO_PROMPTS, DEMO_WEIGHTS, demo_methods, run_demo,
                                 throughput_summary, with_draft_length)
@@ -61,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_arguments(generate, library_defaults(SpeculativeDecoder.generate, SpeculativeDecoder))
     _add_draft_length_arguments(generate)
 
-    demo = commands.add_parser("demo", help="compare ar, sd and static ensembles on built-in prompts")
+    demo = commands.add_parser("demo", help="compare ar, sd, static ensembles, the default head and the "
+                                  "gate on built-in prompts")
     demo.add_argument("--weights", type=_unit_float, nargs="+", default=list(DEMO_WEIGHTS),
                       help=f"static ensemble weights (default {' '.join(map(str, DEMO_WEIGHTS))})")
     demo.add_argument("--prompts", type=_positive_int, default=len(DEMO_PROMPTS),
@@ -115,7 +117,8 @@ def _run_demo(args) -> int:
     prompts = [encode_prompt(tokenizer, text, chat=not args.no_chat_template) for text in texts]
     # The shipped head was trained for the default pair only; other pairs get the static rows.
     default_pair = args.target is None and args.draft is None
-    specs = demo_methods(args.weights, head=_load_head("default", target, draft) if default_pair else None)
+    specs = demo_methods(args.weights, head=_load_head("default", target, draft) if default_pair else None,
+                         gate=not is_greedy_temperature(args.temperature))
     specs = with_draft_length(specs, args.draft_length)
     wall = {}
     with _decoder_error():

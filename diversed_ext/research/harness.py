@@ -212,9 +212,11 @@ def fly_sweep(max_draft: int, thresholds: Sequence[float] = FLY_SWEEP_THRESHOLDS
     return [Fly(window, threshold, **extra) for window in range(1, max_draft) for threshold in thresholds]
 
 
-def demo_methods(weights: Sequence[float] = DEMO_WEIGHTS, head=None) -> list[tuple[str, dict]]:
-    """The demo's methods: ar, sd, static at each weight, and diversed when a head is given."""
-    return method_specs(["ar", "sd", "static"] + (["diversed"] if head is not None else []), weights, head)
+def demo_methods(weights: Sequence[float] = DEMO_WEIGHTS, head=None, gate: bool = True) -> list[tuple[str, dict]]:
+    """The demo's methods: ar, sd, static at each weight, diversed when a head is given, and with ``gate`` sd with
+    the log-probability gate at its default margin (it needs a sampling temperature)."""
+    methods = ["ar", "sd", "static"] + (["diversed"] if head is not None else []) + (["gate"] if gate else [])
+    return method_specs(methods, weights, head)
 
 
 def run_demo(target, draft, prompts: Sequence[Sequence[int]], specs: Sequence[tuple[str, dict]], *,

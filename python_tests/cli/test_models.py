@@ -195,8 +195,15 @@ def test_cli_demo_with_tiny_settings(default_pair, capsys):
     assert status == 0
     out = capsys.readouterr().out
     assert "1 prompts, up to 3 new tokens" in out
-    for label in ("ar", "sd", "static w=0.5"):
+    for label in ("ar", "sd", "static w=0.5", "diversed", "gate"):
         assert any(line.startswith(label) for line in out.splitlines()), label
+
+
+def test_demo_leaves_the_gate_out_of_greedy_decoding():
+    from diversed_ext.research.harness import demo_methods
+
+    assert [label for label, _ in demo_methods((0.5,), gate=False)] == ["ar", "sd", "static w=0.5"]
+    assert [label for label, _ in demo_methods((0.5,))][-1] == "gate"
 
 
 def test_cli_bench_names_the_checkout_when_scripts_are_missing(monkeypatch, tmp_path):
