@@ -9,7 +9,9 @@ verify / verify_logits: DIVERSED verification of a batch of draft blocks. For ro
     all n accepted:       emit the bonus y ~ p_{n+1}
     greedy rows:          accept while x_i == argmax nu_i, emit argmax nu_m or argmax p_{n+1}; ties go to the lowest id
 
-Every emitted token at a drafted position follows nu; with w = 1 the output follows the target exactly.
+Every emitted token at a drafted position follows nu; with w = 1 the output follows the target exactly. This is
+speculative sampling (Leviathan, Kalman and Matias, ICML 2023, arXiv:2211.17192; Chen et al., arXiv:2302.01318)
+verified against DIVERSED's ensemble (Wang et al., AISTATS 2026, arXiv:2604.07622).
 
 token_stats / mix: what the trainer and the analyses need: p(y), q(y), TV(p, q) per position, and nu materialised.
 Logits path, per-token statistics and the materialised mixture, as fused native ops.
