@@ -314,8 +314,9 @@ def plot_pareto(results: Sequence[MethodResult], path: str, metric: str = "quali
             envelope = upper_envelope(fly + [row for row in results if _is_sd(row.label)])
             axis.plot([row.acceptance for row in envelope], [row.fidelity for row in envelope], "--", color="grey",
                       label="FLy's frontier")
-        for marker, row in zip(itertools.cycle(_HEAD_MARKERS), learned_rows(results) + gate_rows(results)
-                               + [row for row in fly_rows(results) if not _is_plain_fly(row.label)]):
+        marked = {row.label: row for row in learned_rows(results) + gate_rows(results) + fly_rows(results)
+                  if not _is_plain_fly(row.label)}  # a head's row with the gate is one point
+        for marker, row in zip(itertools.cycle(_HEAD_MARKERS), marked.values()):
             x_value, x_error = _value_and_error(row, x_name)
             y_value, y_error = _value_and_error(row, y_name)
             axis.errorbar([x_value], [y_value], xerr=[x_error], yerr=[y_error], fmt=marker, markersize=10,
@@ -323,7 +324,7 @@ def plot_pareto(results: Sequence[MethodResult], path: str, metric: str = "quali
         axis.set_xlabel(x_label)
         axis.set_ylabel(metric if y_name == "quality" else y_name)
         axis.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
+    axes[0].legend(fontsize=7, loc="lower left")
     axes[0].set_title("fidelity: mean target log-prob per token", fontsize=9)
     return save_figure(figure, path)
 
