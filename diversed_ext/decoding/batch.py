@@ -131,9 +131,10 @@ def run_round(config: RoundConfig, states: list[DecodingState]) -> list[RoundSta
                                                          and wants_distributions(config.head))
     draft_logits, target_logits = _shared_vocab_logits(drafts, target_logits, keep_draft)
     weight = _weights(config, drafts, target_hidden, draft_logits, target_logits)
-    verifier_weight = _gated(config, drafts, draft_logits, target_logits, weight)
+    draft_tokens = _draft_tensor(drafts, target_logits.shape[1] - 1, target_logits.device)
+    verifier_weight = _gated(config, draft_tokens, draft_logits, target_logits, weight)
     head_end = clock()
-    result = _verify(config, states, drafts, draft_logits, target_logits, verifier_weight)
+    result = _verify(config, states, drafts, draft_tokens, draft_logits, target_logits, verifier_weight)
     verify_end = clock()
 
     accepted = result.num_accepted.tolist()
@@ -319,17 +320,15 @@ def head_weights(head, draft_hidden: torch.Tensor, target_hidden: torch.Tensor, 
     return weight.reshape(1, num_drafted)
 
 
-def _gated(config: RoundConfig, drafts: _Drafts, draft_logits: Optional[torch.Tensor], target_logits: torch.Tensor,
-           weight):
-    """``weight`` with the gate applied to every drafted token (see :mod:`.gate`), or ``weight`` itself without a
-    gate or without drafts."""
-    width = target_logits.shape[1] - 1
-    if config.gate is None or width == 0:
+def _gated(config: RoundConfig, draft_tokens: torch.Tensor, draft_logits: Optional[torch.Tensor],
+           target_logits: torch.Tensor, weight):
+    """``weight`` with the gate applied to every drafted token of ``draft_tokens`` [B, K] (see :mod:`.gate`), or
+    ``weight`` itself without a gate or without drafts."""
+    if config.gate is None or draft_tokens.shape[1] == 0:
         return weight
     require_sampling(config.temperature)  # the decoder's temperature may have been set to 0 after construction
     seen_draft = draft_logits if config.draft_mode == "distributions" else None
-    return gated_weights(config.gate, weight, _draft_tensor(drafts, width, target_logits.device), seen_draft,
-                         target_logits, config.temperature)
+    return gated_weights(config.gate, weight, draft_tokens, seen_draft, target_logits, config.temperature)
 
 
 def _draft_tensor(drafts: _Drafts, width: int, device) -> torch.Tensor:
@@ -338,15 +337,14 @@ def _draft_tensor(drafts: _Drafts, width: int, device) -> torch.Tensor:
                         dtype=torch.int64, device=device).reshape(len(drafts.tokens), width)
 
 
-def _verify(config: RoundConfig, states: list[DecodingState], drafts: _Drafts, draft_logits: Optional[torch.Tensor],
-            target_logits: torch.Tensor, weight):
+def _verify(config: RoundConfig, states: list[DecodingState], drafts: _Drafts, draft_tokens: torch.Tensor,
+            draft_logits: Optional[torch.Tensor], target_logits: torch.Tensor, weight):
     """One verify call for the whole batch, straight from both models' logits (no [B, K, V] probabilities), or from
-    the drafted tokens and the target's logits when the verifier goes without the draft's distributions."""
-    rows, width = len(states), target_logits.shape[1] - 1
+    the drafted tokens [B, K] and the target's logits when the verifier goes without the draft's distributions."""
+    width = draft_tokens.shape[1]
     if config.draft_mode != "distributions":
         draft_logits = None
     device = target_logits.device
-    draft_tokens = _draft_tensor(drafts, width, device)
     num_draft = torch.tensor([len(tokens) for tokens in drafts.tokens], dtype=torch.int64, device=device)
     fly = {} if config.fly is None else config.fly.verify_arguments(width)
     return verify_logits(draft_tokens, draft_logits, target_logits, weight, temperature=config.temperature,
