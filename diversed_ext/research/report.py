@@ -100,16 +100,29 @@ def compare_to_baselines(results: Sequence[MethodResult], label: str = "diversed
     sd = next((row for row in static if row.weight == 1.0), None)
     if sd is not None:
         comparisons.append(_difference(method, f"{sd.label} (w = 1)", sd.fidelity_per_prompt, sd.quality_per_prompt))
-    for low, high in zip(static, static[1:]):
-        if low.acceptance <= method.acceptance <= high.acceptance and high.acceptance > low.acceptance:
-            t = (method.acceptance - low.acceptance) / (high.acceptance - low.acceptance)
-            weight = (1 - t) * low.weight + t * high.weight
-            name = f"static frontier at acceptance {method.acceptance:.3f} (w = {weight:.2f})"
-            comparisons.append(_difference(method, name,
-                                           _interpolate(low.fidelity_per_prompt, high.fidelity_per_prompt, t),
-                                           _interpolate(low.quality_per_prompt, high.quality_per_prompt, t)))
-            break
+    bracket = _bracket(static, method.acceptance)
+    if bracket is not None:
+        low, high, t = bracket
+        weight = (1 - t) * low.weight + t * high.weight
+        name = f"static frontier at acceptance {method.acceptance:.3f} (w = {weight:.2f})"
+        comparisons.append(_interpolated_difference(method, name, low, high, t))
     return comparisons
+
+
+def _bracket(rows: Sequence[MethodResult], acceptance: float):
+    """(low, high, t): the first two consecutive ``rows`` (by rising acceptance) whose acceptances bracket
+    ``acceptance``, at t of the way from low to high; None where no pair does."""
+    for low, high in zip(rows, rows[1:]):
+        if low.acceptance <= acceptance <= high.acceptance and high.acceptance > low.acceptance:
+            return low, high, (acceptance - low.acceptance) / (high.acceptance - low.acceptance)
+    return None
+
+
+def _interpolated_difference(method: MethodResult, name: str, low: MethodResult, high: MethodResult,
+                             t: float) -> PairedDifference:
+    """``method`` against the line from ``low`` to ``high`` at t, interpolated prompt by prompt."""
+    return _difference(method, name, _interpolate(low.fidelity_per_prompt, high.fidelity_per_prompt, t),
+                       _interpolate(low.quality_per_prompt, high.quality_per_prompt, t))
 
 
 def compare_to_fly_frontier(results: Sequence[MethodResult], label: str) -> list[PairedDifference]:
@@ -123,12 +136,11 @@ def compare_to_fly_frontier(results: Sequence[MethodResult], label: str) -> list
         return []
     method = rows[label]
     envelope = upper_envelope([row for row in results if _is_sd(row.label) or _is_plain_fly(row.label)])
-    for low, high in zip(envelope, envelope[1:]):
-        if low.acceptance <= method.acceptance <= high.acceptance:
-            t = (method.acceptance - low.acceptance) / (high.acceptance - low.acceptance)
-            name = f"FLy's frontier at acceptance {method.acceptance:.3f} ({low.label} .. {high.label})"
-            return [_difference(method, name, _interpolate(low.fidelity_per_prompt, high.fidelity_per_prompt, t),
-                                _interpolate(low.quality_per_prompt, high.quality_per_prompt, t))]
+    bracket = _bracket(envelope, method.acceptance)
+    if bracket is not None:
+        low, high, t = bracket
+        name = f"FLy's frontier at acceptance {method.acceptance:.3f} ({low.label} .. {high.label})"
+        return [_interpolated_difference(method, name, low, high, t)]
     if len(envelope) > 1 and method.acceptance > envelope[-1].acceptance:
         top = envelope[-1]
         name = f"FLy's highest acceptance, {top.acceptance:.3f} ({top.label}), below this rule's {method.acceptance:.3f}"
