@@ -1,10 +1,9 @@
-"""The research sub-commands ``diversed eval``, ``pareto``, ``validate`` and ``compare-drafts`` (see
+"""The research sub-commands ``diversed eval``, ``pareto``, ``report``, ``validate`` and ``compare-drafts`` (see
 :mod:`diversed_ext.research`), and what they share with ``diversed train`` (:mod:`.train`)."""
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 
 import torch
@@ -60,7 +59,8 @@ def add_experiment_commands(commands) -> None:
     pareto.add_argument("--head", nargs="+", help="one or more head folders or shipped head names, one DIVERSED "
                         "point each ('default' for the default head)")
     pareto.add_argument("--output-dir", default="runs/pareto",
-                        help="where pareto.png, pareto.md and, with heads, head_weights.png and lowest_w_tokens.md go")
+                        help="where pareto.png, pareto.md, results.json (per-prompt values, for `diversed report`) and, "
+                        "with heads, head_weights.png and lowest_w_tokens.md go")
     _add_batch_argument(pareto, run)
     _add_model_arguments(pareto, run)
     _add_draft_length_arguments(pareto)
@@ -72,6 +72,13 @@ def add_experiment_commands(commands) -> None:
                         help=f"FLy's thresholds of the sweep (default {' '.join(map(str, FLY_SWEEP_THRESHOLDS))})")
     _add_fly_arguments(pareto)
     _add_gate_argument(pareto, several=True)
+
+    report = commands.add_parser("report", help="pareto's table, frontier and plot from saved results.json files: "
+                                 "parts of one evaluation (other rules on the same prompts, or the same rules on "
+                                 "further prompts) joined as one run over all their prompts")
+    report.add_argument("results", nargs="+", help="results.json files written by `diversed pareto` or `report`")
+    report.add_argument("--output-dir", default="runs/report",
+                        help="where pareto.md, pareto.png and the joined results.json go (default %(default)s)")
 
     validate = commands.add_parser("validate", help="heads and coefficients on held-out contexts, in closed form "
                                    "(no decoding per head): acceptance, fidelity, distance above the static line")
@@ -216,30 +223,70 @@ def _run_eval(args) -> int:
 def _run_pareto(args) -> int:
     from ..research.harness import fly_sweep, pareto_methods
     from ..research.head_usage import lowest_weight_table, plot_weight_histograms
-    from ..research.report import (fly_rows, frontier_table, gate_rows, learned_rows, markdown_table, plot_pareto,
-                                   results_records)
+    from ..research.report import learned_rows
+    from ..research.result_sets import save_results
 
     _check_draft_cost(args)
     setup = _experiment_setup(args)
-    task, _, target, draft, tokenizer, _ = setup
+    task, examples, target, draft, tokenizer, _ = setup
     fly = _fly_settings(args) if args.fly else None
     sweep = fly_sweep(args.max_draft, args.fly_thresholds, args.fly_top_k) if args.fly else ()
     results = _evaluate(args, setup, pareto_methods(args.weights, heads=_heads_by_label(args, target, draft),
                                                     fly=fly, fly_sweep=sweep, gates=_gates(args.gate_margin)))
-    table = markdown_table(results, task.metric)
-    learned = learned_rows(results)
-    placed = list(dict.fromkeys(row.label for row in learned + gate_rows(results) + fly_rows(results)))
-    if placed:
-        table += ("\n\nEach rule against the static line and FLy's frontier at its acceptance (fidelity, paired over "
-                  "prompts, +- 1 s.e.):\n\n" + frontier_table(results, placed))
-    written = [_write_text(args.output_dir, "pareto.md", table),
-               _write_text(args.output_dir, "results.json", json.dumps(results_records(results), indent=1)),
-               plot_pareto(results, os.path.join(args.output_dir, "pareto.png"), task.metric)]
-    usages = {row.label: row.weight_usage for row in learned if row.weight_usage is not None}
+    table, written = _pareto_report(results, task.metric, args.output_dir)
+    written.append(save_results(os.path.join(args.output_dir, "results.json"), _prompts_record(args, task, examples),
+                                results))
+    usages = {row.label: row.weight_usage for row in learned_rows(results) if row.weight_usage is not None}
     if usages:
         written.append(plot_weight_histograms(usages, os.path.join(args.output_dir, "head_weights.png")))
         written.append(_write_text(args.output_dir, "lowest_w_tokens.md", lowest_weight_table(usages, tokenizer)))
     print(table)
+    print(f"\nwrote {', '.join(written)}")
+    return 0
+
+
+def _prompts_record(args, task, examples) -> dict:
+    """Which prompts a run decoded and how: what `diversed report` checks before it joins runs."""
+    return {"task": task.name, "data": os.path.basename(args.data) if args.data else None, "skip": args.skip,
+            "count": len(examples), "seed": args.seed, "target": args.target, "draft": args.draft,
+            "max_draft": args.max_draft, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+            "chat": not args.no_chat_template, "draft_length": args.draft_length, "draft_cost": args.draft_cost,
+            "fly_top_k": args.fly_top_k}
+
+
+def _pareto_report(results, metric: str, output_dir: str) -> tuple[str, list]:
+    """(the table with, where heads, the gate or FLy ran, each against the static line and FLy's frontier; the files
+    written: pareto.md and pareto.png in ``output_dir``)."""
+    from ..research.report import fly_rows, frontier_table, gate_rows, learned_rows, markdown_table, plot_pareto
+
+    table = markdown_table(results, metric)
+    placed = list(dict.fromkeys(row.label for row in learned_rows(results) + gate_rows(results) + fly_rows(results)))
+    if placed:
+        table += ("\n\nEach rule against the static line and FLy's frontier at its acceptance (fidelity, paired over "
+                  "prompts, +- 1 s.e.):\n\n" + frontier_table(results, placed))
+    return table, [_write_text(output_dir, "pareto.md", table),
+                   plot_pareto(results, os.path.join(output_dir, "pareto.png"), metric)]
+
+
+def _run_report(args) -> int:
+    from ..research.result_sets import load_results, merge_result_sets, save_results
+    from ..research.tasks import TASKS
+
+    parts = []
+    for path in args.results:
+        try:
+            parts.append(load_results(path))
+        except (OSError, ValueError) as error:
+            raise UsageError(f"{path}: {getattr(error, 'strerror', None) or error}") from None
+    try:
+        prompts, results = merge_result_sets(parts)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    _require_writable_folder("--output-dir", args.output_dir)
+    task = TASKS.get(prompts.get("task"))
+    table, written = _pareto_report(results, task.metric if task else "quality", args.output_dir)
+    written.append(save_results(os.path.join(args.output_dir, "results.json"), prompts, results))
+    print(f"{prompts.get('count')} prompts, from {len(parts)} results files\n\n{table}")
     print(f"\nwrote {', '.join(written)}")
     return 0
 
@@ -291,6 +338,6 @@ def _run_compare_drafts(args) -> int:
                                source_comparison_lines)
 
 
-EXPERIMENT_HANDLERS = {"eval": _run_eval, "pareto": _run_pareto, "validate": _run_validate,
+EXPERIMENT_HANDLERS = {"eval": _run_eval, "pareto": _run_pareto, "report": _run_report, "validate": _run_validate,
                        "compare-drafts": _run_compare_drafts}
 

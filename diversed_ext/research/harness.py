@@ -289,4 +289,5 @@ def _method_result(label: str, kwargs: dict, runs: list, batch_work: tuple, draf
                         tuple(fidelities), tuple(quality),
                         tuple(generation.summary().acceptance_rate for generation in generations), usage,
                         drafts_per_round=summary.drafts_per_round, batch_work=batch_work,
-                        draft_length=draft_length if kwargs["method"] != "ar" else "")
+                        draft_length=draft_length if kwargs["method"] != "ar" else "",
+                        target_passes=summary.target_passes, drafted=summary.drafted, accepted=summary.accepted)

@@ -6,7 +6,6 @@ paired over prompts, and standard errors are taken over prompts (drafts within o
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import math
 import os
@@ -36,6 +35,9 @@ class MethodResult:
     drafts_per_round: float = math.nan  # mean tokens drafted per target pass
     batch_work: tuple = ()  # (new tokens, decoding seconds) of each batch of prompts, batches in order
     draft_length: str = ""  # the draft-length policy's name ("" for ar)
+    target_passes: int = 0  # the exact counts behind the rates above, for joining runs (research.result_sets)
+    drafted: int = 0
+    accepted: int = 0
 
     @property
     def fidelity_se(self) -> float:
@@ -201,12 +203,6 @@ def frontier_table(results: Sequence[MethodResult], labels: Sequence[str]) -> st
                       *(f"{found[0].fidelity:+.3f} +- {cell(found[0].fidelity_se)}" if found else "-"
                         for found in (above_static, above_fly))])
     return markdown_rows(["rule", "acceptance", "fidelity", "above the static line", "above FLy's frontier"], lines)
-
-
-def results_records(results: Sequence[MethodResult]) -> list[dict]:
-    """Each row's figures and its per-prompt values, as JSON-ready dicts (a head's weight usage left out)."""
-    return [{key: value for key, value in dataclasses.asdict(row).items() if key != "weight_usage"}
-            for row in results]
 
 
 def comparison_lines(comparisons: Sequence[PairedDifference], label: str = "diversed") -> str:

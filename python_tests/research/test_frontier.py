@@ -94,7 +94,7 @@ def test_pareto_places_fly_and_the_gate_end_to_end(experiment_pair, tmp_path, mo
     table = capsys.readouterr().out
     for label in ("fly W=1 tau=0.3", "fly W=2 tau=0.3", "gate margin=1"):
         assert f"| {label} |" in table.split("above FLy's frontier |")[1]
-    saved = json.loads((tmp_path / "out" / "results.json").read_text())
+    saved = json.loads((tmp_path / "out" / "results.json").read_text())["rows"]
     assert [row["label"] for row in saved] == ["static w=0", "static w=1", "fly W=1 tau=0.3", "fly W=2 tau=0.3",
                                                "gate margin=1"]
     assert all(len(row["fidelity_per_prompt"]) == 2 for row in saved)

@@ -1,0 +1,130 @@
+"""Saved results of an evaluation (``results.json``), and several of them read back as one.
+
+A long evaluation is often run in parts: some rules in one process and the rest in another (the same prompts), or
+the same rules on more prompts later (the next lines of the data set). Each part is saved with the prompts and
+decoding settings it ran under; :func:`merge_result_sets` joins parts on the same prompts rule by rule, then joins
+prompt sets prompt by prompt, so the joined rows are what one run over all prompts would report, paired comparisons
+included. Rows are joined from their exact counts (tokens, target passes, drafted and accepted tokens), never from
+rounded rates.
+
+Two parts on the same prompts must agree on a rule both ran (prompt i's tokens depend only on its seed); parts on
+different prompts must share every decoding setting and must not overlap.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+from .report import MethodResult, _mean
+
+# The settings that say which prompts a part ran; everything else in a part's "prompts" record is a decoding setting.
+_PROMPT_CHOICE = ("skip", "count", "seed")
+
+
+@dataclass(frozen=True)
+class ResultSet:
+    """One saved part: ``prompts`` (task, data file, skip, count, seed and the decoding settings), its rows."""
+
+    prompts: dict
+    rows: tuple
+
+
+def results_records(results: Sequence[MethodResult]) -> list[dict]:
+    """Each row's figures and its per-prompt values, as JSON-ready dicts (a head's weight usage left out)."""
+    return [{key: value for key, value in dataclasses.asdict(row).items() if key != "weight_usage"}
+            for row in results]
+
+
+def save_results(path: str, prompts: dict, results: Sequence[MethodResult]) -> str:
+    """Write ``results`` and the ``prompts`` record they ran on to ``path`` (JSON); returns the path."""
+    with open(path, "w", encoding="utf-8") as handle:
+        json.dump({"prompts": prompts, "rows": results_records(results)}, handle, indent=1)
+    return path
+
+
+def load_results(path: str) -> ResultSet:
+    """A part written by :func:`save_results`. ValueError for a file that is not one."""
+    with open(path, encoding="utf-8") as handle:
+        try:
+            saved = json.load(handle)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"not JSON ({error})") from None
+    if not isinstance(saved, dict) or not isinstance(saved.get("prompts"), dict) or not isinstance(saved.get("rows"),
+                                                                                                    list):
+        raise ValueError("not a results file written by `diversed pareto` (no \"prompts\" and \"rows\")")
+    fields = {field.name for field in dataclasses.fields(MethodResult)}
+    try:
+        rows = tuple(MethodResult(**{key: tuple(value) if isinstance(value, list) else value
+                                     for key, value in row.items() if key in fields}) for row in saved["rows"])
+    except TypeError as error:
+        raise ValueError(f"a row is not a result ({error})") from None
+    return ResultSet(saved["prompts"], rows)
+
+
+def merge_result_sets(parts: Sequence[ResultSet]) -> tuple[dict, list[MethodResult]]:
+    """(prompts, rows): ``parts`` joined, rules of parts on the same prompts side by side, then prompt sets one after
+    the other in the order of their first prompt. A rule that some prompt set lacks is left out. ValueError where
+    parts cannot be joined: other decoding settings, overlapping prompts, or one rule with two outcomes."""
+    if not parts:
+        raise ValueError("no results to merge")
+    by_prompts: dict = {}
+    for part in parts:
+        rules = by_prompts.setdefault(json.dumps(part.prompts, sort_keys=True), {})
+        for row in part.rows:
+            if row.label in rules and rules[row.label].fidelity_per_prompt != row.fidelity_per_prompt:
+                raise ValueError(f"{row.label!r} ran twice on the same prompts with different outcomes")
+            rules.setdefault(row.label, row)
+    prompt_sets = sorted(((json.loads(key), rules) for key, rules in by_prompts.items()),
+                         key=lambda item: item[0].get("skip", 0))
+    _check_joinable([prompts for prompts, _ in prompt_sets])
+    labels = [label for label in prompt_sets[0][1] if all(label in rules for _, rules in prompt_sets)]
+    joined = [_join_prompts([rules[label] for _, rules in prompt_sets]) for label in labels]
+    first = prompt_sets[0][0]
+    prompts = {**first, "count": sum(prompts.get("count", 0) for prompts, _ in prompt_sets),
+               "parts": [{key: prompts.get(key) for key in _PROMPT_CHOICE} for prompts, _ in prompt_sets]}
+    return prompts, joined
+
+
+def _check_joinable(prompt_sets: Sequence[dict]) -> None:
+    def settings(prompts):
+        return {key: value for key, value in prompts.items() if key not in _PROMPT_CHOICE + ("parts",)}
+
+    for prompts in prompt_sets[1:]:
+        if settings(prompts) != settings(prompt_sets[0]):
+            differing = sorted(key for key in set(settings(prompts)) | set(settings(prompt_sets[0]))
+                               if settings(prompts).get(key) != settings(prompt_sets[0]).get(key))
+            raise ValueError(f"parts ran under different settings ({', '.join(differing)}): they cannot be joined")
+    for before, after in zip(prompt_sets, prompt_sets[1:]):
+        if before.get("skip", 0) + before.get("count", 0) > after.get("skip", 0):
+            raise ValueError(f"parts overlap: prompts from {before.get('skip', 0)} ({before.get('count', 0)} of them) "
+                             f"and from {after.get('skip', 0)}")
+
+
+def _join_prompts(rows: Sequence[MethodResult]) -> MethodResult:
+    """One rule's rows over consecutive prompt sets as one row."""
+    if len(rows) == 1:
+        return rows[0]
+    drafted = sum(row.drafted for row in rows)
+    accepted = sum(row.accepted for row in rows)
+    passes = sum(row.target_passes for row in rows)
+    new_tokens = sum(row.new_tokens for row in rows)
+    seconds = sum(row.seconds for row in rows)
+    fidelities = sum((tuple(row.fidelity_per_prompt) for row in rows), ())
+    quality = sum((tuple(row.quality_per_prompt) for row in rows), ())
+    # A head's mean weight is a mean over its drafted tokens.
+    weight = (sum(row.weight * row.drafted for row in rows) / drafted
+              if drafted and len({row.weight for row in rows}) > 1 else rows[0].weight)
+    return dataclasses.replace(
+        rows[0], weight=weight, acceptance=accepted / drafted if drafted else math.nan,
+        tokens_per_pass=new_tokens / passes if passes else math.nan, quality=_mean(quality),
+        fidelity=_mean([value for value in fidelities if not math.isnan(value)]),
+        tokens_per_second=new_tokens / seconds if seconds > 0 else math.nan, new_tokens=new_tokens, seconds=seconds,
+        fidelity_per_prompt=fidelities, quality_per_prompt=quality,
+        acceptance_per_prompt=sum((tuple(row.acceptance_per_prompt) for row in rows), ()), weight_usage=None,
+        drafts_per_round=drafted / passes if passes else math.nan,
+        batch_work=sum((tuple(row.batch_work) for row in rows), ()), target_passes=passes, drafted=drafted,
+        accepted=accepted)
