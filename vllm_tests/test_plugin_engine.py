@@ -14,6 +14,7 @@ from engines import NUM_DRAFT, PROMPTS, acceptance, chat, per_request_acceptance
 from laws import greedy_tokens, law_samples, position_p_values
 
 ENGINE_WEIGHT = 0.5
+GATE_MARGIN = 1.0
 HEAD = "default"
 LOOP_TOKENS = 48
 LAW_ALPHA = 1e-3  # per position; with fixed seeds each test is deterministic, and it fails vLLM as shipped by ~1e-100
@@ -75,6 +76,23 @@ def test_fly_keeps_more_of_the_same_drafts(engine):
                                        "diversed_fly_threshold": 0.0}))
     assert exact[1] > 50 and fly[1] > 50
     assert fly[0] / fly[1] > exact[0] / exact[1], (exact, fly)
+
+
+def test_the_gate_keeps_more_of_the_same_drafts_and_every_draft_at_a_wide_margin(engine):
+    exact = acceptance(_sampled(engine, {"diversed_weight": 1.0}))
+    gated = acceptance(_sampled(engine, {"diversed_weight": 1.0, "diversed_gate_margin": GATE_MARGIN}))
+    wide = acceptance(_sampled(engine, {"diversed_weight": 1.0, "diversed_gate_margin": 1e6}))
+    assert exact[1] > 50 and gated[1] > 50 and wide[1] > 50
+    assert gated[0] / gated[1] > exact[0] / exact[1], (exact, gated)
+    assert wide[0] == wide[1], wide  # every draft within 1e6 nats of a rejection's expected log-probability
+
+
+def test_gated_acceptance_matches_our_loop(engine, pair):
+    from diversed_ext.decoding import Gate
+
+    ours = per_request_acceptance(_sampled(engine, {"diversed_weight": 1.0, "diversed_gate_margin": GATE_MARGIN}))
+    loops, _ = _loop_rates(pair, method="sd", gate=Gate(GATE_MARGIN))
+    _assert_same_mean(ours, loops, f"acceptance with the gate at margin {GATE_MARGIN}")
 
 
 def _loop_rates(pair, **decoder_args):
@@ -153,6 +171,7 @@ def test_a_mixed_batch_gives_each_request_what_it_gets_alone(engine):
     ({"diversed_weight": "0.5"}, "diversed_weight"), ({"diversed_weight": True}, "diversed_weight"),
     ({"diversed_head": "no-such-head"}, "diversed_head"), ({"diversed_wieght": 0.5}, "diversed_wieght"),
     ({"diversed_weight": 0.5, "diversed_head": HEAD}, "diversed_weight"),
+    ({"diversed_gate_margin": float("inf")}, "diversed_gate_margin"),
 ])
 def test_a_bad_request_value_is_that_requests_error(engine, extra_args, field):
     from vllm import SamplingParams

@@ -25,7 +25,7 @@ from typing import Optional, Union
 import torch
 
 from .. import rules
-from ..ops import is_greedy_temperature
+from ..ops import gate_keeps, is_greedy_temperature
 
 
 @dataclass(frozen=True)
@@ -54,21 +54,11 @@ def gated_weights(gate: Gate, weight: Union[float, torch.Tensor], draft_tokens: 
                   temperature: float) -> torch.Tensor:
     """The weights [B, K] the verifier gets: 0 where the gate keeps the drafted token, ``weight`` (a float or [B, K])
     elsewhere. ``draft_tokens`` [B, K]; ``draft_logits`` [B, K, V] or None (q one-hot at the drafts);
-    ``target_logits`` [B, K + 1, V]; ``temperature`` > 0."""
-    width = draft_tokens.shape[1]
-    log_p = torch.log_softmax(target_logits[:, :width].float() / temperature, dim=-1)
-    p = log_p.exp()
-    if draft_logits is None:
-        q = torch.zeros_like(p).scatter_(-1, draft_tokens.unsqueeze(-1), 1.0)
-    else:
-        q = torch.softmax(draft_logits.float() / temperature, dim=-1)
-    residual = (p - q).clamp_min(0.0)
-    mass = residual.sum(-1)
-    # Ids the target rules out (log p = -inf) carry no residual; 0 x -inf must not turn the sum into NaN.
-    weighted = torch.where(residual > 0, residual * log_p, torch.zeros_like(residual)).sum(-1)
-    rejected_log_p = weighted / mass.clamp_min(torch.finfo(mass.dtype).tiny)
-    drafted_log_p = log_p.gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1)
-    # Without residual mass (p = q) nothing is rejected: the weight does not matter there.
-    keep = (mass > 0) & (drafted_log_p >= rejected_log_p - gate.margin)
+    ``target_logits`` [B, K + 1, V]; ``temperature`` > 0. The rule row by row is :func:`diversed_ext.ops.gate_keeps`,
+    which servers call on their own rows."""
+    batch, width = draft_tokens.shape
+    log_p = torch.log_softmax(target_logits[:, :width].float() / temperature, dim=-1).flatten(0, 1)
+    q = None if draft_logits is None else torch.softmax(draft_logits.float() / temperature, dim=-1).flatten(0, 1)
+    keep = gate_keeps(gate.margin, draft_tokens.reshape(-1), q, log_p).view(batch, width)
     base = torch.as_tensor(weight, dtype=torch.float32, device=draft_tokens.device).expand(draft_tokens.shape)
     return torch.where(keep, torch.zeros_like(base), base)

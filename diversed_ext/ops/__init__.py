@@ -4,13 +4,15 @@
 function per argument (the temperature's is in ``_temperature``, with the greedy threshold; the row indices' in
 ``_rows``), and ``_prepare`` applies them to a verify call; ``_unchecked`` decides whether an unchecked call's arguments
 go to the op as given; ``_fake`` loads the native library and registers the shape-only kernels that
-``torch.compile`` and ``opcheck`` need; ``_cuda_family`` which CUDA verify kernels run; ``_philox`` reproduces the kernels' random numbers; ``reference`` states the
+``torch.compile`` and ``opcheck`` need; ``_cuda_family`` which CUDA verify kernels run; ``_philox`` reproduces the kernels' random numbers; ``gate`` the log-probability gate's test
+row by row; ``reference`` states the
 same contracts in plain PyTorch (the test oracle and a benchmark baseline). Nothing here imports the rest of the
 package.
 """
 
 from ._cuda_family import CUDA_KERNEL_FAMILIES, cuda_kernels, set_cuda_kernels
 from ._fake import cuda_kernels_registered
+from .gate import gate_keeps
 from ._temperature import MIN_TEMPERATURE, distribution_temperature, is_greedy_temperature
 from ._philox import philox_uniforms
 from .api import TokenStats, VerifyResult, mix, token_stats, verify, verify_logits
@@ -20,5 +22,5 @@ __all__ = [
     "verify", "verify_logits", "token_stats", "mix",
     "verify_reference", "verify_logits_reference", "token_stats_reference", "mix_reference",
     "VerifyResult", "TokenStats", "philox_uniforms", "cuda_kernels_registered", "set_cuda_kernels", "cuda_kernels",
-    "CUDA_KERNEL_FAMILIES",
+    "CUDA_KERNEL_FAMILIES", "gate_keeps",
 ]

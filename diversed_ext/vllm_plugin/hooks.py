@@ -127,7 +127,7 @@ def worker_status(worker) -> dict:
     source = sampler.weight_source
     if source is not None:
         status.update(weight=source.settings.weight, head=source.settings.head,
-                      heads=sorted(source.settings.head_paths))
+                      heads=sorted(source.settings.head_paths), gate_margin=source.settings.gate_margin)
     return status
 
 

@@ -12,8 +12,8 @@ step of vLLM's own that is not the acceptance rule:
    so that expansion is done here with ``torch.repeat_interleave``;
 3. verification: one ``verify_logits`` call (drafts as tokens: q one-hot at each draft) or ``verify`` call (the
    draft's probabilities) that reads the N rows where they lie through [B, K] row indices (K = the longest request's
-   draft count), with each request's weight (a static weight, or a learned head's w per token), its seed and its
-   greedy flag;
+   draft count), with each request's weight (a static weight, or a learned head's w per token; 0 where the
+   request's log-probability gate keeps a draft outright), its seed and its greedy flag;
 4. vLLM's log-probabilities of the emitted tokens, and its output layout: [B, K + 1] int32, the kept drafts, then the
    correction or bonus token, then -1.
 
@@ -24,6 +24,7 @@ nu, which is the target's argmax only at w = 1.
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from typing import Callable, Optional
 
@@ -128,6 +129,26 @@ def verify_in_place(rows: PaddedRows, draft_token_ids: torch.Tensor, draft_probs
                          draft_rows=rows.index, check_inputs=False, **fly)
 
 
+def gate_keeps_rows(margin: torch.Tensor, draft_tokens: torch.Tensor, draft_probs: Optional[torch.Tensor],
+                    target_logits: torch.Tensor) -> torch.Tensor:
+    """[M] bool: the drafted tokens the log-probability gate keeps outright (:func:`diversed_ext.ops.gate_keeps`),
+    from M rows of tempered target logits [M, V] and the draft's probabilities [M, V] (None: tokens only). ``margin``
+    [M] is NaN on rows not gated; an id outside the vocabulary (vLLM's -1 for a draft that must be rejected) is never
+    kept."""
+    vocab = target_logits.shape[-1]
+    tokens = draft_tokens.to(torch.int64)
+    in_vocab = (tokens >= 0) & (tokens < vocab)
+    keeps = dx_ops.gate_keeps(margin, tokens.clamp(0, max(vocab - 1, 0)), draft_probs,
+                       torch.log_softmax(target_logits.float(), dim=-1))
+    return keeps & in_vocab
+
+
+def gated(weight: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """[B] or [B, K] weights as [B, K], 0 where the gate keeps the draft (nu is then the draft there)."""
+    weight = weight[:, None].expand(keep.shape) if weight.dim() == 1 else weight
+    return torch.where(keep, torch.zeros_like(weight), weight)
+
+
 def with_bonus(tokens: torch.Tensor, num_accepted: torch.Tensor, num_draft: torch.Tensor,
                bonus: torch.Tensor) -> torch.Tensor:
     """``tokens`` [B, K + 1] with vLLM's own ``bonus`` [B] in place of the op's final token where a request kept all
@@ -196,8 +217,14 @@ class DiversedRejectionSampler(vllm_rejection.RejectionSampler):
             output[:, 0] = bonus_token_ids.reshape(-1).to(torch.int32)
             return output
         weight = self.weight_source(rows, target_logits, sampling_metadata, metadata.target_logits_indices)
-        result = verify_in_place(rows, metadata.draft_token_ids, draft_probs, target_logits, weight,
-                                 greedy_rows(sampling_metadata, rows.batch, device),
+        greedy = greedy_rows(sampling_metadata, rows.batch, device)
+        margin = self.weight_source.gate_margin()
+        if margin is not None:  # greedy requests are not gated: they have no log-probabilities to compare
+            margin = expand_per_request(torch.where(greedy, math.nan, margin), metadata.cu_num_draft_tokens,
+                                        target_logits.shape[0])
+            keep = gate_keeps_rows(margin, metadata.draft_token_ids, draft_probs, target_logits)
+            weight = gated(weight, rows.gather(keep, fill=False))
+        result = verify_in_place(rows, metadata.draft_token_ids, draft_probs, target_logits, weight, greedy,
                                  row_seeds(sampling_metadata, metadata.num_draft_tokens, device),
                                  self.weight_source.fly())
         self.counts.add(rows.num_draft, result.num_accepted, weight)

@@ -10,8 +10,11 @@ Engine (``LLM(..., additional_config={"diversed": {...}})`` or ``vllm serve --ad
                                            kept when the next `window` drafts pass and the target's top-k entropy
                                            is at least `threshold` (vLLM 0.33.0's rejection_sample_method "fly"
                                            sets the same from its own fields)
+    {"gate_margin": 4.0}                   the log-probability gate on top of the weight (lossy): a draft is kept
+                                           outright when its target log-probability is within the margin of a
+                                           rejection's expected one; sampled requests only (greedy ones are not gated)
     {"verifier": "vllm"}                   vLLM's own exact rejection sampling, with its CPU constraints repaired
-                                           (a control for benchmarks; weights, heads and FLy are refused with it)
+                                           (a control for benchmarks; weights, heads, FLy and the gate are refused)
 
 Request (``SamplingParams(extra_args={...})``, or the OpenAI server's ``vllm_xargs``):
 
@@ -19,6 +22,7 @@ Request (``SamplingParams(extra_args={...})``, or the OpenAI server's ``vllm_xar
     {"diversed_head": "a"}                 one of the engine's heads, by the name the engine config gave it
     {"diversed_fly_window": 1,             this request's FLy window (0: off) and threshold, beside a weight or head
      "diversed_fly_threshold": 0.6}
+    {"diversed_gate_margin": 1.0}          this request's gate margin (the gate on for it), beside a weight or head
 
 Nothing here imports vLLM: the rules are plain functions, tested without an engine.
 """
@@ -35,10 +39,11 @@ REQUEST_WEIGHT = "diversed_weight"
 REQUEST_HEAD = "diversed_head"
 REQUEST_FLY_WINDOW = "diversed_fly_window"
 REQUEST_FLY_THRESHOLD = "diversed_fly_threshold"
-REQUEST_KEYS = (REQUEST_WEIGHT, REQUEST_HEAD, REQUEST_FLY_WINDOW, REQUEST_FLY_THRESHOLD)
+REQUEST_GATE_MARGIN = "diversed_gate_margin"
+REQUEST_KEYS = (REQUEST_WEIGHT, REQUEST_HEAD, REQUEST_FLY_WINDOW, REQUEST_FLY_THRESHOLD, REQUEST_GATE_MARGIN)
 REQUEST_PREFIX = "diversed_"  # extra_args keys with this prefix must be ours: a typo is an error, not ignored
 VERIFIERS = ("diversed", "vllm")
-ENGINE_KEYS = ("weight", "head", "heads", "verifier", "fly")
+ENGINE_KEYS = ("weight", "head", "heads", "verifier", "fly", "gate_margin")
 FLY_KEYS = ("window", "threshold", "top_k")
 DEFAULT_WEIGHT = 1.0
 
@@ -66,6 +71,7 @@ class EngineSettings:
     head_paths: tuple = ()
     verifier: str = "diversed"
     fly: FlySettings = FlySettings()
+    gate_margin: Optional[float] = None  # the gate's margin for every request that gives none; None: no gate
 
 
 @dataclass(frozen=True)
@@ -76,6 +82,7 @@ class RequestChoice:
     head: Optional[str] = None
     fly_window: Optional[int] = None  # None: the engine's
     fly_threshold: Optional[float] = None
+    gate_margin: Optional[float] = None
 
 
 @dataclass(frozen=True)
@@ -86,16 +93,18 @@ class RequestSettings:
     head: Optional[str]
     fly_window: int
     fly_threshold: float
+    gate_margin: Optional[float] = None  # None: not gated
 
 
 def request_settings(choice: RequestChoice, settings: EngineSettings) -> RequestSettings:
     """A request's ``diversed_weight`` wins, then its ``diversed_head``, then the engine's default (its head, else its
-    weight); its FLy window and threshold default to the engine's."""
+    weight); its FLy window and threshold and its gate margin default to the engine's."""
     return RequestSettings(
         weight=settings.weight if choice.weight is None else choice.weight,
         head=None if choice.weight is not None else (choice.head or settings.head),
         fly_window=settings.fly.window if choice.fly_window is None else choice.fly_window,
-        fly_threshold=settings.fly.threshold if choice.fly_threshold is None else choice.fly_threshold)
+        fly_threshold=settings.fly.threshold if choice.fly_threshold is None else choice.fly_threshold,
+        gate_margin=settings.gate_margin if choice.gate_margin is None else choice.gate_margin)
 
 
 def engine_entry(additional_config: Any) -> Optional[Any]:
@@ -171,18 +180,24 @@ def parse_engine_entry(entry: Any) -> EngineSettings:
     if "head" in entry:
         head = _head_name(entry["head"], f"{prefix}['head']")
         names.insert(0, head)
-    if verifier == "vllm" and ("weight" in entry or names or "fly" in entry):
+    if verifier == "vllm" and ("weight" in entry or names or "fly" in entry or "gate_margin" in entry):
         raise DiversedConfigError(f"{prefix}: verifier 'vllm' is exact speculative decoding; it takes no weight "
-                                  "or heads, nor FLy")
+                                  "or heads, nor FLy or the gate")
     fly = parse_fly(entry["fly"], f"{prefix}['fly']") if "fly" in entry else FlySettings()
+    gate_margin = None
+    if "gate_margin" in entry:
+        try:
+            gate_margin = _as_value_error(rules.gate_margin, entry["gate_margin"], f"{prefix}['gate_margin']")
+        except ValueError as error:
+            raise DiversedConfigError(str(error)) from None
     return EngineSettings(weight=weight, head=head, head_paths=tuple(dict.fromkeys(names)),
-                          verifier=verifier, fly=fly)
+                          verifier=verifier, fly=fly, gate_margin=gate_margin)
 
 
 def parse_request(extra_args: Optional[Mapping], settings: Optional[EngineSettings]) -> RequestChoice:
     """One request's choice, or a ValueError naming the field: an unknown ``diversed_*`` key, a weight outside
-    [0, 1] (or NaN, or not a number), a head the engine did not load, both at once, a FLy window or threshold
-    outside its rule, or any of them when the engine has no diversed entry (``settings`` None)."""
+    [0, 1] (or NaN, or not a number), a head the engine did not load, both at once, a FLy window or threshold or a
+    gate margin outside its rule, or any of them when the engine has no diversed entry (``settings`` None)."""
     if not extra_args:
         return RequestChoice()
     ours = [key for key in extra_args if isinstance(key, str) and key.startswith(REQUEST_PREFIX)]
@@ -197,18 +212,21 @@ def parse_request(extra_args: Optional[Mapping], settings: Optional[EngineSettin
         raise ValueError(f"{ours[0]} was given but this engine verifies exactly (verifier {settings.verifier!r})")
     if REQUEST_WEIGHT in extra_args and REQUEST_HEAD in extra_args:
         raise ValueError(f"give {REQUEST_WEIGHT} or {REQUEST_HEAD}, not both")
-    fly = {}
+    beside = {}  # FLy and the gate go with a weight, a head or the default
     if REQUEST_FLY_WINDOW in extra_args:
-        fly["fly_window"] = _as_value_error(rules.fly_window, extra_args[REQUEST_FLY_WINDOW], REQUEST_FLY_WINDOW)
+        beside["fly_window"] = _as_value_error(rules.fly_window, extra_args[REQUEST_FLY_WINDOW], REQUEST_FLY_WINDOW)
     if REQUEST_FLY_THRESHOLD in extra_args:
-        fly["fly_threshold"] = _as_value_error(rules.fly_threshold, extra_args[REQUEST_FLY_THRESHOLD],
-                                               REQUEST_FLY_THRESHOLD)
+        beside["fly_threshold"] = _as_value_error(rules.fly_threshold, extra_args[REQUEST_FLY_THRESHOLD],
+                                                  REQUEST_FLY_THRESHOLD)
+    if REQUEST_GATE_MARGIN in extra_args:
+        beside["gate_margin"] = _as_value_error(rules.gate_margin, extra_args[REQUEST_GATE_MARGIN],
+                                                REQUEST_GATE_MARGIN)
     if REQUEST_WEIGHT in extra_args:
-        return RequestChoice(weight=weight_value(extra_args[REQUEST_WEIGHT], REQUEST_WEIGHT), **fly)
+        return RequestChoice(weight=weight_value(extra_args[REQUEST_WEIGHT], REQUEST_WEIGHT), **beside)
     if REQUEST_HEAD not in extra_args:
-        return RequestChoice(**fly)
+        return RequestChoice(**beside)
     head = extra_args[REQUEST_HEAD]
     if not isinstance(head, str) or head not in settings.head_paths:
         loaded = sorted(settings.head_paths) or "none"
         raise ValueError(f"{REQUEST_HEAD} must name a head this engine loaded ({loaded}), got {head!r}")
-    return RequestChoice(head=head, **fly)
+    return RequestChoice(head=head, **beside)

@@ -22,10 +22,14 @@ that reads the rows where they lie (row indices, no padded copy), with
   V2's own sampler (``gumbel_sample`` at the request's seed and that row's position), so a request's tokens are the
   same whether or not its batch drafted;
 - each request's weight, or its head's weight per drafted token, and its FLy window and threshold (FLy's deferral
-  on top of the weight; a window of 0 leaves verification exact against nu) (:mod:`.v2_state`).
+  on top of the weight; a window of 0 leaves verification exact against nu) (:mod:`.v2_state`);
+- each gated request's margin: the weight is set to 0 where the log-probability gate keeps a draft outright
+  (:func:`diversed_ext.ops.gate_keeps`, lossy), before the verify call.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from vllm.v1.worker.gpu.sample.gumbel import gumbel_sample
@@ -33,7 +37,7 @@ from vllm.v1.worker.gpu.spec_decode.rejection_sampler import RejectionSampler
 
 from .. import ops as dx_ops
 from .counts import VerifyCounts
-from .sampler import with_bonus
+from .sampler import gate_keeps_rows, gated, with_bonus
 
 # Mixes a request's seed with the position of its first row into the seed of this step's draws: an odd multiplier
 # (2^64 / golden ratio) so that distinct (seed, position) pairs give distinct seeds, whatever the batch.
@@ -116,6 +120,10 @@ class DiversedV2RejectionSampler(RejectionSampler):
         draft_tokens = draft_sampled[draft_token_rows]
         weight = self.weight_source(states, num_draft, chunk_start + target_rows[:, :num_positions], target_logits,
                                     target_rows, draft_logits, temperature)
+        margin = self.weight_source.gate_margin(states)
+        if margin is not None:
+            weight = gated(weight, gate_keeps_of(margin, draft_tokens, draft_logits, target_logits,
+                                                 target_rows[:, :num_positions], states, temperature, num_draft))
         draft_rows = None
         if draft_logits is not None:
             draft_logits, draft_rows = draft_rows_of(draft_logits, states, target_logits.dtype)
@@ -128,6 +136,22 @@ class DiversedV2RejectionSampler(RejectionSampler):
                               pos[bonus_rows], apply_temperature=False, is_drafting=False,
                               use_fp64=self.sampler.use_fp64_gumbel)
         return with_bonus(result.tokens, result.num_accepted, num_draft, bonus), result.num_accepted + 1
+
+
+def gate_keeps_of(margin, draft_tokens, draft_logits, target_logits, target_rows, states, temperature, num_draft):
+    """[R, K] bool: the drafts the log-probability gate keeps outright. The target rows are V2's processed (tempered)
+    ones; the draft's distributions are its logits at the request's state divided by the request's temperature (None:
+    tokens only). Greedy requests and positions past a request's drafts are not gated."""
+    requests, num_positions = target_rows.shape
+    positions = torch.arange(num_positions, device=num_draft.device)
+    gated_rows = (temperature > 0)[:, None] & (positions[None, :] < num_draft[:, None])
+    margin = torch.where(gated_rows, margin[:, None], math.nan).reshape(-1)
+    draft_probs = None
+    if draft_logits is not None:
+        scale = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
+        draft_probs = torch.softmax(draft_logits[states].float() / scale[:, None, None], dim=-1).flatten(0, 1)
+    keep = gate_keeps_rows(margin, draft_tokens.reshape(-1), draft_probs, target_logits[target_rows.reshape(-1)])
+    return keep.view(requests, num_positions)
 
 
 def draft_rows_of(draft_logits: torch.Tensor, states: torch.Tensor, dtype: torch.dtype):

@@ -3,7 +3,8 @@
 V2 keeps no sampling parameters per step: it reads them once, when it admits a request into a state slot
 (``Sampler.add_request(req_idx, sampling_params)``), into tables that its kernels index with ``idx_mapping``. The
 weights do the same: on admission a request's choice (``diversed_weight``, ``diversed_head`` or the engine default)
-is written into a weight table, a head table and FLy's window and threshold tables, and each step reads them with the step's ``idx_mapping``, so the
+is written into a weight table, a head table, FLy's window and threshold tables and a gate margin table, and each step
+reads them with the step's ``idx_mapping``, so the
 weights path has no host sync and no Python loop over requests.
 
 A head weighs drafted token i of a request from the draft's hidden state that produced q_i, the target's that
@@ -22,6 +23,8 @@ and counted (``verified_without_head`` in ``diversed_status``).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -86,6 +89,8 @@ class StateWeights:
         self.fly_window_by_state = torch.full((max_num_reqs,), settings.fly.window, dtype=torch.int64, device=device)
         self.fly_threshold_by_state = torch.full((max_num_reqs,), settings.fly.threshold, dtype=torch.float32,
                                                  device=device)
+        self.gate_margin_by_state = torch.full((max_num_reqs,), math.nan, dtype=torch.float32, device=device)
+        self.gating = False  # whether any request was admitted with a gate: steps before it skip the gate's pass
         self.counts_owner = counts_owner  # the sampler, whose counts record tokens verified without their head
         self.target_hidden = None
         self.capture = None
@@ -123,6 +128,8 @@ class StateWeights:
         self.head_by_state[state] = NO_HEAD if request.head is None else self.head_names.index(request.head)
         self.fly_window_by_state[state] = request.fly_window
         self.fly_threshold_by_state[state] = request.fly_threshold
+        self.gate_margin_by_state[state] = math.nan if request.gate_margin is None else request.gate_margin
+        self.gating |= request.gate_margin is not None
         if self.capture is not None:
             self.capture.forget(state)
 
@@ -130,6 +137,10 @@ class StateWeights:
         """The FLy arguments of the ops for these requests (a window of 0 leaves a request's verification as it is)."""
         return dict(fly_window=self.fly_window_by_state[states], fly_threshold=self.fly_threshold_by_state[states],
                     fly_top_k=self.settings.fly.top_k)
+
+    def gate_margin(self, states):
+        """[R] these requests' gate margins (NaN: not gated), or None while no request was ever admitted with one."""
+        return self.gate_margin_by_state[states] if self.gating else None
 
     def __call__(self, states, num_draft, target_hidden_rows, target_logits, target_rows, draft_logits,
                  temperature):

@@ -14,6 +14,7 @@ counted.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +31,7 @@ class StepPlan:
     static: torch.Tensor
     head_rows: dict  # head name -> (row indices [M] on the device, their request ids)
     fly: dict  # the ops' FLy arguments for these rows: fly_window [B], fly_threshold [B], fly_top_k
+    gate_margin: torch.Tensor | None  # [B], NaN where a request is not gated; None where none is
 
 
 class RequestWeights:
@@ -57,7 +59,7 @@ class RequestWeights:
         if self._plan is not None and self._plan.request_ids == request_ids:
             return self._plan
         self._choices = {key: value for key, value in self._choices.items() if key in set(request_ids)}
-        static, head_rows, windows, thresholds = [], {}, [], []
+        static, head_rows, windows, thresholds, margins = [], {}, [], [], []
         for row in range(batch):
             choice = self._choice(request_ids[row]) if row < len(request_ids) else RequestChoice()
             request = request_settings(choice, self.settings)
@@ -66,18 +68,26 @@ class RequestWeights:
             static.append(request.weight)
             windows.append(request.fly_window)
             thresholds.append(request.fly_threshold)
+            margins.append(math.nan if request.gate_margin is None or row >= len(request_ids) else request.gate_margin)
         rows = {name: (torch.tensor(indices, dtype=torch.int64, device=device),
                        [request_ids[index] for index in indices]) for name, indices in head_rows.items()}
         fly_arguments = dict(fly_window=torch.tensor(windows, dtype=torch.int64, device=device),
                              fly_threshold=torch.tensor(thresholds, dtype=torch.float32, device=device),
                              fly_top_k=self.settings.fly.top_k)
+        gated = any(not math.isnan(margin) for margin in margins)
         self._plan = StepPlan(request_ids, torch.tensor(static, dtype=torch.float32, device=device), rows,
-                              fly_arguments)
+                              fly_arguments,
+                              torch.tensor(margins, dtype=torch.float32, device=device) if gated else None)
         return self._plan
 
     def fly(self) -> dict:
         """The ops' FLy arguments of this step's rows (planned with its weights)."""
         return self._plan.fly
+
+    def gate_margin(self):
+        """[B] this step's gate margins (NaN: not gated), or None when no request is gated (planned with its
+        weights)."""
+        return self._plan.gate_margin
 
     def __call__(self, rows, target_logits: torch.Tensor, sampling_metadata, target_logits_indices: torch.Tensor):
         device = target_logits.device

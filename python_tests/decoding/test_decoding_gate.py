@@ -13,6 +13,7 @@ pytest.importorskip("scipy.stats")
 from helpers import PROMPT, chi_square_tokens_p_value, sequences  # noqa: E402
 from helpers.stats import P_VALUE_FLOOR  # noqa: E402
 from diversed_ext import verify_logits  # noqa: E402
+from diversed_ext.ops import gate_keeps  # noqa: E402
 from diversed_ext.decoding import Gate, SpeculativeDecoder  # noqa: E402
 from diversed_ext.decoding.gate import gated_weights  # noqa: E402
 from diversed_ext.research.harness import method_specs  # noqa: E402
@@ -55,6 +56,24 @@ def test_gated_weights_match_the_definition(tokens_only, margin):
             kept += keep
             assert float(weights[row, position]) == (0.0 if keep else float(base[row, position]))
     assert 0 < kept < rows * width  # both branches ran
+
+
+def test_row_margins_gate_each_row_as_its_own_margin_and_nan_rows_not_at_all():
+    # The rows form servers call: a margin per row, NaN for a request that is not gated.
+    generator = torch.Generator().manual_seed(8)
+    rows, vocab = 64, 9
+    log_p = torch.log_softmax(torch.randn(rows, vocab, generator=generator) * 2, -1)
+    q = torch.softmax(torch.randn(rows, vocab, generator=generator) * 2, -1)
+    tokens = torch.multinomial(q, 1, generator=generator).squeeze(1)
+    margins = torch.tensor([-0.5, 1.0, 3.0, math.nan]).repeat(rows // 4)
+    keep = gate_keeps(margins, tokens, q, log_p)
+    for row in range(rows):
+        margin = float(margins[row])
+        alone = bool(gate_keeps(margin, tokens[row:row + 1], q[row:row + 1], log_p[row:row + 1])[0])
+        assert bool(keep[row]) == (False if math.isnan(margin) else alone)
+        if not math.isnan(margin):
+            assert alone == expected_keep(int(tokens[row]), q[row].log(), log_p[row], 1.0, margin)
+    assert 0 < int(keep.sum()) < rows - rows // 4
 
 
 def test_the_gate_leaves_positions_without_residual_and_extreme_margins_as_they_say():

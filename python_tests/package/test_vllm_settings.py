@@ -103,6 +103,33 @@ def test_a_requests_choice_wins_over_the_engines_defaults():
     assert request_settings(RequestChoice(fly_threshold=0.1), static) == RequestSettings(0.4, None, 0, 0.1)
 
 
+def test_the_gate_in_the_engine_entry_and_per_request():
+    assert parse_engine_entry({}).gate_margin is None  # off unless asked for
+    settings = parse_engine_entry({"weight": 0.5, "gate_margin": 4})
+    assert settings.gate_margin == 4.0 and request_settings(RequestChoice(), settings).gate_margin == 4.0
+    choice = parse_request({"diversed_gate_margin": -1.5, "diversed_head": "h"},
+                           parse_engine_entry({"heads": ["h"]}))
+    assert choice == RequestChoice(head="h", gate_margin=-1.5)
+    assert request_settings(choice, settings) == RequestSettings(0.5, "h", 0, 0.3, -1.5)
+    assert request_settings(RequestChoice(weight=0.2), parse_engine_entry({})).gate_margin is None
+
+
+@pytest.mark.parametrize("entry, message", [
+    ({"gate_margin": math.inf}, r"\['gate_margin'\] must be a finite number of nats"),
+    ({"gate_margin": "4"}, "gate_margin"),
+    ({"verifier": "vllm", "gate_margin": 1.0}, "nor FLy or the gate"),
+])
+def test_bad_gate_entries_name_the_key(entry, message):
+    with pytest.raises(DiversedConfigError, match=message):
+        parse_engine_entry(entry)
+
+
+@pytest.mark.parametrize("value", [math.nan, -math.inf, "1", None, True])
+def test_a_bad_request_gate_margin_is_a_value_error(value):
+    with pytest.raises(ValueError, match="diversed_gate_margin"):
+        parse_request({"diversed_gate_margin": value}, parse_engine_entry({}))
+
+
 def test_the_plugin_package_imports_without_vllm():
     import diversed_ext.vllm_plugin as plugin
 

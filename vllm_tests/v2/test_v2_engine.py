@@ -100,9 +100,18 @@ def test_fly_per_request_keeps_more_of_the_same_drafts(engine):
     assert fly["accepted"] / fly["drafted"] > exact["accepted"] / exact["drafted"], (exact, fly)
 
 
+def test_the_gate_per_request_keeps_more_and_every_draft_at_a_wide_margin(engine):
+    exact = _status_delta(engine, lambda: _generate(engine, {"diversed_weight": 1.0}))
+    gated = _status_delta(engine, lambda: _generate(engine, {"diversed_weight": 1.0, "diversed_gate_margin": 1.0}))
+    wide = _status_delta(engine, lambda: _generate(engine, {"diversed_weight": 1.0, "diversed_gate_margin": 1e6}))
+    assert exact["drafted"] > 10 and gated["drafted"] > 10 and wide["drafted"] > 10
+    assert gated["accepted"] / gated["drafted"] > exact["accepted"] / exact["drafted"], (exact, gated)
+    assert wide["accepted"] == wide["drafted"], wide
+
+
 @pytest.mark.parametrize("extra_args", [{"diversed_weight": 1.5}, {"diversed_head": "not-loaded"},
                                         {"diversed_wieght": 0.5},
-                                        {"diversed_fly_window": -1}])
+                                        {"diversed_fly_window": -1}, {"diversed_gate_margin": "wide"}])
 def test_a_bad_request_is_refused_and_the_engine_serves_on(engine, extra_args):
     with pytest.raises(ValueError, match="diversed"):
         _generate(engine, extra_args)

@@ -167,3 +167,56 @@ def test_fly_only_extends_what_the_same_draws_keep():
     assert all(after >= before for before, after in kept) and sum(b for _, b in kept) > sum(a for a, _ in kept)
     for before, after in zip(without, with_fly):
         assert after[:len(before) - 1] == before[:-1]  # the drafts kept without FLy are kept with it
+
+
+def _gate_keeps(problem: Problem, margin: float) -> list:
+    """Each request's drafts the gate keeps outright, from the problem's rows at temperature 1 (the oracle)."""
+    from diversed_ext.ops import gate_keeps
+
+    keeps, row = [], 0
+    for request, count in enumerate(problem.num_draft):
+        tokens = problem.draft_sampled[row + 1:row + 1 + count]
+        log_p = torch.log_softmax(problem.target_logits[row:row + count].float(), -1)
+        q = None
+        if problem.draft_logits is not None:
+            q = torch.softmax(problem.draft_logits[problem.states[request], :count].float(), -1)
+        keeps.append(gate_keeps(margin, tokens, q, log_p).tolist())
+        row += count + 1
+    return keeps
+
+
+@pytest.mark.parametrize("draft_logits", [True, False], ids=["probabilistic", "tokens-only"])
+def test_the_gate_keeps_what_it_says_and_only_turns_rejections_into_keeps(draft_logits):
+    generator = torch.Generator().manual_seed(9)
+    problem = make_problem([3, 2, 3, 1, 3, 3, 0, 2], 31, num_positions=3, draft_logits=draft_logits,
+                           generator=generator, sharpness=2.0)
+    margin = 1.0
+    _, plain = samplers(3, *_tables(8))
+    _, gate = samplers(3, *_tables(8))
+    gate.weight_source.gate_margin_by_state = torch.full((8,), margin)
+    without, with_gate = emitted(plain, problem), emitted(gate, problem)
+    keeps = _gate_keeps(problem, margin)
+    assert any(any(row) for row in keeps) and not all(all(row) for row in keeps)  # both branches reached
+    more = 0
+    for before, after, keep, count in zip(without, with_gate, keeps, problem.num_draft):
+        kept_before, kept_after = len(before) - 1, len(after) - 1
+        assert kept_after >= kept_before and after[:kept_before] == before[:kept_before]
+        if kept_after < count:
+            assert not keep[kept_after]  # a rejection happens only where the gate did not keep the draft
+        more += kept_after > kept_before
+    assert more > 0
+
+
+def test_the_gates_extremes_keep_every_draft_or_none_more_and_greedy_rows_are_not_gated():
+    generator = torch.Generator().manual_seed(10)
+    problem = make_problem([3] * 8, 31, num_positions=3, generator=generator, sharpness=2.0)
+    _, plain = samplers(3, *_tables(8))
+    wide, narrow = samplers(3, *_tables(8))[1], samplers(3, *_tables(8))[1]
+    wide.weight_source.gate_margin_by_state = torch.full((8,), 1e6)
+    narrow.weight_source.gate_margin_by_state = torch.full((8,), -1e6)
+    assert [len(tokens) - 1 for tokens in emitted(wide, problem)] == problem.num_draft
+    assert emitted(narrow, problem) == emitted(plain, problem)
+    _, greedy_plain = samplers(3, *_tables(8, temperature=0.0))
+    _, greedy_gate = samplers(3, *_tables(8, temperature=0.0))
+    greedy_gate.weight_source.gate_margin_by_state = torch.full((8,), 1e6)
+    assert emitted(greedy_gate, problem) == emitted(greedy_plain, problem)

@@ -41,6 +41,7 @@ class TableWeights:
     def __init__(self, weight_by_state: torch.Tensor):
         self.weight_by_state = weight_by_state
         self.fly_window, self.fly_threshold = 0, 0.3  # FLy off unless a test sets a window
+        self.gate_margin_by_state = None  # no gate unless a test sets margins
         self.settings = SimpleNamespace(weight=1.0, head=None, head_paths=())
 
     def __call__(self, states, *args):
@@ -48,6 +49,9 @@ class TableWeights:
 
     def fly(self, states) -> dict:
         return dict(fly_window=self.fly_window, fly_threshold=self.fly_threshold, fly_top_k=3)
+
+    def gate_margin(self, states):
+        return None if self.gate_margin_by_state is None else self.gate_margin_by_state[states]
 
 
 @dataclass
