@@ -11,6 +11,8 @@ sampling_metadata)``), the way vLLM's runner calls it:
                     token from a fake runner and capture exposing exactly what weights.py / heads.py read
                     (``input_batch.req_ids``, ``requests[id].sampling_params.extra_args``, the captured draft hidden
                     states and logits of the last proposal, and ``target_hidden`` [N + B, H]).
+    plugin gate     {"weight": 0.5, "gate_margin": 4}: the static weight with the log-probability gate (one
+                    log-softmax over the N drafted rows before the verify call).
 
 Every step includes what vLLM's step includes: the bonus token from vLLM's own ``Sampler()``, the gathers of the
 target rows, the constraints, acceptance and the [B, K + 1] output. Inputs per shape (B requests, K drafts each,
@@ -62,6 +64,7 @@ DRAFT_MODES = ("tokens", "probs")
 QUICK = dict(batch=[1, 8], draft=[3], vocab=[49152], drafts=["tokens"])
 WEIGHT = 0.5
 HEAD = "default"
+GATE_MARGIN = 4.0
 HIDDEN = 576  # the shipped default head's draft and target hidden size
 SPREAD = 2.0  # scale of the Gaussian logits
 FAVOURITE_MASS = 0.7  # of the draft's law on each position's favoured token
@@ -166,7 +169,7 @@ def fake_runner(batch: int):
 
 
 def samplers(step: Step, head) -> dict:
-    """{label: sampler} for one shape: vLLM exact, the plugin with a static weight, the plugin with the head."""
+    """{label: sampler} for one shape: vLLM exact, the plugin with a static weight, with the head, with the gate."""
     from vllm.v1.sample.sampler import Sampler
 
     from diversed_ext.vllm_plugin.sampler import DiversedRejectionSampler
@@ -180,7 +183,8 @@ def samplers(step: Step, head) -> dict:
     capture = FakeCapture(runner.input_batch.req_ids, torch.randn(batch, width, HIDDEN, generator=generator),
                           step.draft_logits, torch.randn(step.logits.shape[0], HIDDEN, generator=generator))
     chosen = {"vLLM exact": None, "plugin static": (EngineSettings(weight=WEIGHT), {}),
-              "plugin head": (EngineSettings(head=HEAD, head_paths=(HEAD,)), {HEAD: head})}
+              "plugin head": (EngineSettings(head=HEAD, head_paths=(HEAD,)), {HEAD: head}),
+              "plugin gate": (EngineSettings(weight=WEIGHT, gate_margin=GATE_MARGIN), {})}
     built = {}
     for label, entry in chosen.items():
         sampler = DiversedRejectionSampler(Sampler(), None, cpu)
@@ -260,12 +264,12 @@ def measure_shape(batch: int, width: int, vocab: int, mode: str, head, bandwidth
     floor_s = step.logits.numel() * step.logits.element_size() / bandwidth
     exact_s = medians["vLLM exact"]
     rows = []
-    for weights in ("static", "head"):
+    for weights in ("static", "head", "gate"):
         plugin = f"plugin {weights}"
         rows.append({
             "B": batch, "K": width, "V": vocab, "drafts": mode, "weights": weights,
             "vllm_ms": exact_s * 1e3, "plugin_ms": medians[plugin] * 1e3, "ratio": medians[plugin] / exact_s,
-            "head_over_static": medians["plugin head"] / medians["plugin static"] if weights == "head" else "",
+            "over_static": medians[plugin] / medians["plugin static"] if weights != "static" else "",
             "vllm_alloc_bytes": memory["vLLM exact"][0], "plugin_alloc_bytes": memory[plugin][0],
             "vllm_peak_bytes": memory["vLLM exact"][1], "plugin_peak_bytes": memory[plugin][1],
             "floor_ms": floor_s * 1e3,
@@ -278,14 +282,14 @@ def megabytes(nbytes: int) -> str:
 
 
 def table(rows: list) -> str:
-    lines = ["| B | K | V | drafts | weights | vLLM exact ms | plugin ms | plugin / vLLM | head adds | vLLM alloc "
+    lines = ["| B | K | V | drafts | weights | vLLM exact ms | plugin ms | plugin / vLLM | adds to static | vLLM alloc "
              "(peak) | plugin alloc (peak) | floor ms |",
              "|---:|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for row in rows:
-        head_adds = f"{row['head_over_static'] - 1:+.0%}" if row["weights"] == "head" else ""
+        adds = f"{row['over_static'] - 1:+.0%}" if row["weights"] != "static" else ""
         lines.append(
             f"| {row['B']} | {row['K']} | {row['V']} | {row['drafts']} | {row['weights']} | {row['vllm_ms']:.2f} | "
-            f"{row['plugin_ms']:.2f} | {row['ratio']:.2f}x | {head_adds} | {megabytes(row['vllm_alloc_bytes'])} "
+            f"{row['plugin_ms']:.2f} | {row['ratio']:.2f}x | {adds} | {megabytes(row['vllm_alloc_bytes'])} "
             f"({megabytes(row['vllm_peak_bytes'])}) | {megabytes(row['plugin_alloc_bytes'])} "
             f"({megabytes(row['plugin_peak_bytes'])}) | {row['floor_ms']:.2f} |")
     return "\n".join(lines)
@@ -301,8 +305,8 @@ def targets(rows: list) -> str:
              f"({len(static) - len(missed)}/{len(static)} shapes)"]
     heads = [row for row in rows if row["weights"] == "head" and row["B"] == 64]
     if heads:
-        over = [f"K={row['K']} V={row['V']} {row['drafts']} ({row['head_over_static'] - 1:+.0%})"
-                for row in heads if row["head_over_static"] - 1 > TARGET_HEAD_COST]
+        over = [f"K={row['K']} V={row['V']} {row['drafts']} ({row['over_static'] - 1:+.0%})"
+                for row in heads if row["over_static"] - 1 > TARGET_HEAD_COST]
         lines.append(f"target: the head adds <= {TARGET_HEAD_COST:.0%} over the static plugin step at B = 64: "
                      f"{'met' if not over else 'missed at ' + ', '.join(over)} "
                      f"({len(heads) - len(over)}/{len(heads)} shapes)")
@@ -373,7 +377,7 @@ def main(argv: Optional[list] = None) -> None:
         rows.extend(measure_shape(batch, width, vocab, mode, head, bandwidth))
     print(f"{before}; streaming {bandwidth / 1e9:.1f} GB/s (torch.sum, 512 MiB); load average at the end "
           f"{os.getloadavg()[0]:.2f}")
-    print(f"V1 rejection-sampling step, temperature 1, float32 logits, static weight {WEIGHT}, head {HEAD!r}; "
+    print(f"V1 rejection-sampling step, temperature 1, float32 logits, static weight {WEIGHT}, head {HEAD!r}, gate margin {GATE_MARGIN:g}; "
           "medians of interleaved rounds\n")
     print(table(rows))
     print()
