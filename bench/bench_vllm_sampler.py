@@ -377,8 +377,8 @@ def main(argv: Optional[list] = None) -> None:
         rows.extend(measure_shape(batch, width, vocab, mode, head, bandwidth))
     print(f"{before}; streaming {bandwidth / 1e9:.1f} GB/s (torch.sum, 512 MiB); load average at the end "
           f"{os.getloadavg()[0]:.2f}")
-    print(f"V1 rejection-sampling step, temperature 1, float32 logits, static weight {WEIGHT}, head {HEAD!r}, gate margin {GATE_MARGIN:g}; "
-          "medians of interleaved rounds\n")
+    print(f"V1 rejection-sampling step, temperature 1, float32 logits, static weight {WEIGHT}, head {HEAD!r}, "
+          f"gate margin {GATE_MARGIN:g}; medians of interleaved rounds\n")
     print(table(rows))
     print()
     print(targets(rows))
