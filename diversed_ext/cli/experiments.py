@@ -59,8 +59,8 @@ def add_experiment_commands(commands) -> None:
     pareto.add_argument("--head", nargs="+", help="one or more head folders or shipped head names, one DIVERSED "
                         "point each ('default' for the default head)")
     pareto.add_argument("--output-dir", default="runs/pareto",
-                        help="where pareto.png, pareto.md, results.json (per-prompt values, for `diversed report`) and, "
-                        "with heads, head_weights.png and lowest_w_tokens.md go")
+                        help="where pareto.png, pareto.md, results.json (per-prompt values, for `diversed "
+                        "report`) and, with heads, head_weights.png and lowest_w_tokens.md go")
     _add_batch_argument(pareto, run)
     _add_model_arguments(pareto, run)
     _add_draft_length_arguments(pareto)
