@@ -125,8 +125,7 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t position = is_draft ? slot : slot - K;
   const int64_t drafted = params.drafted(b);
   if (is_draft ? (rows.draft == nullptr || position >= drafted) : position > drafted) return;
-  const T* values = is_draft ? rows.draft + params.draft_row(b, position) * params.vocab
-                             : rows.target + params.target_row(b, position) * params.vocab;
+  const T* values = is_draft ? rows.draft_values(params, b, position) : rows.target_values(params, b, position);
   const float inverse_t = is_draft ? rows.inverse_temperature(params, b) : rows.target_inverse_temperature(params, b);
   const SoftmaxPartial partial =
       block_softmax_partial(values, Span{split.begin(chunk), split.end(chunk)}, inverse_t, storage);
@@ -284,14 +283,14 @@ template <typename T>
 void launch_split_verify_probs(const VerifyProblem& params, const T* draft, const T* target, const SplitPlan& plan,
                                const SplitScratch& scratch, cudaStream_t stream) {
   if (params.batch == 0) return;
-  launch_split_verify(params, ProbRows<T>{draft, target}, draft != nullptr, plan, scratch, stream);
+  launch_split_verify(params, ProbRows<T>{{draft, target}}, draft != nullptr, plan, scratch, stream);
 }
 
 template <typename T>
 void launch_split_verify_logits(const VerifyProblem& params, const T* draft, const T* target, const SplitPlan& plan,
                                 const SplitScratch& scratch, cudaStream_t stream) {
   if (params.batch == 0) return;
-  const LogitRows<T> rows{draft, target, scratch.draft_stats, scratch.target_stats};
+  const LogitRows<T> rows{{draft, target}, scratch.draft_stats, scratch.target_stats};
   const unsigned row_blocks =
       static_cast<unsigned>(params.batch * (2 * params.num_positions + 1) * plan.rows.num_chunks);
   softmax_partials_kernel<<<row_blocks, kThreads, 0, stream>>>(params, rows, plan.rows, scratch);

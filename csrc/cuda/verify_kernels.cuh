@@ -18,22 +18,34 @@ namespace gpu {
 // The request-level inputs and outputs are a VerifyProblem, shared with the CPU kernels; its greedy flags are read by
 // ProbRows, while LogitRows derives them from the temperatures.
 
-// Rows of draft probabilities and target probabilities, at the tensor rows the problem maps positions to ([B, K, V] /
-// [B, K+1, V], or row tensors read through target_rows / draft_rows); greedy rows flagged per request.
+// The draft's and the target's values ([rows, V] each) and where a request position's row starts in them: the tensor
+// rows the problem maps positions to ([B, K, V] / [B, K+1, V], or row tensors read through target_rows / draft_rows).
 template <typename T>
-struct ProbRows {
+struct RowValues {
+  const T* draft;  // null: the drafter gave tokens only
+  const T* target;
+
+  __device__ const T* draft_values(const VerifyProblem& p, int64_t row, int64_t position) const {
+    return draft + p.draft_row(row, position) * p.vocab;
+  }
+  __device__ const T* target_values(const VerifyProblem& p, int64_t row, int64_t position) const {
+    return target + p.target_row(row, position) * p.vocab;
+  }
+};
+
+// Rows of draft probabilities and target probabilities; greedy rows flagged per request.
+template <typename T>
+struct ProbRows : RowValues<T> {
   using Row = ProbRow<T>;
   using DraftRow = Row;
-  const T* draft;
-  const T* target;
 
   __device__ bool greedy(const VerifyProblem& p, int64_t row) const { return p.greedy_at(row); }
   __device__ void prepare(const VerifyProblem&, int64_t, int64_t, BlockStorage&) const {}
   __device__ Row draft_row(const VerifyProblem& p, int64_t row, int64_t position) const {
-    return Row{draft + p.draft_row(row, position) * p.vocab};
+    return Row{this->draft_values(p, row, position)};
   }
   __device__ Row target_row(const VerifyProblem& p, int64_t row, int64_t position) const {
-    return Row{target + p.target_row(row, position) * p.vocab};
+    return Row{this->target_values(p, row, position)};
   }
 };
 
@@ -41,11 +53,9 @@ struct ProbRows {
 // logits_scratch_size) for every row the request reads: draft positions < num_draft, target positions <= num_draft.
 // Temperature <= 0 or NaN marks a greedy row, decided on the untempered softmax.
 template <typename T>
-struct LogitRows {
+struct LogitRows : RowValues<T> {
   using Row = LogitRow<T>;
   using DraftRow = Row;
-  const T* draft;
-  const T* target;
   SoftmaxStats* draft_stats;   // [B, K] scratch, one normaliser per request position (a row read twice gets two)
   SoftmaxStats* target_stats;  // [B, K+1] scratch
 
@@ -63,23 +73,22 @@ struct LogitRows {
   __device__ void prepare(const VerifyProblem& p, int64_t row, int64_t drafted, BlockStorage& s) const {
     const float target_inverse_t = target_inverse_temperature(p, row);
     for (int64_t i = 0; i <= drafted; ++i) {
-      const T* values = target + p.target_row(row, i) * p.vocab;
-      const SoftmaxStats stats = block_softmax_stats(values, p.vocab, target_inverse_t, s);
+      const SoftmaxStats stats = block_softmax_stats(this->target_values(p, row, i), p.vocab, target_inverse_t, s);
       if (threadIdx.x == 0) target_stats[row * (p.num_positions + 1) + i] = stats;
     }
     const float inverse_t = inverse_temperature(p, row);
-    for (int64_t i = 0; draft != nullptr && i < drafted; ++i) {  // no draft logits: the drafter gave tokens only
-      const SoftmaxStats stats = block_softmax_stats(draft + p.draft_row(row, i) * p.vocab, p.vocab, inverse_t, s);
+    for (int64_t i = 0; this->draft != nullptr && i < drafted; ++i) {  // no draft logits: tokens only
+      const SoftmaxStats stats = block_softmax_stats(this->draft_values(p, row, i), p.vocab, inverse_t, s);
       if (threadIdx.x == 0) draft_stats[row * p.num_positions + i] = stats;
     }
     __syncthreads();  // the block reads the normalisers back from global memory
   }
   __device__ Row draft_row(const VerifyProblem& p, int64_t row, int64_t position) const {
-    return Row{draft + p.draft_row(row, position) * p.vocab, inverse_temperature(p, row),
+    return Row{this->draft_values(p, row, position), inverse_temperature(p, row),
                draft_stats[row * p.num_positions + position]};
   }
   __device__ Row target_row(const VerifyProblem& p, int64_t row, int64_t position) const {
-    return Row{target + p.target_row(row, position) * p.vocab, target_inverse_temperature(p, row),
+    return Row{this->target_values(p, row, position), target_inverse_temperature(p, row),
                target_stats[row * (p.num_positions + 1) + position]};
   }
 };
@@ -233,14 +242,14 @@ void launch_verify(const VerifyProblem& params, const Rows& rows, bool has_draft
 template <typename T>
 void launch_verify_probs(const VerifyProblem& params, const T* draft, const T* target, cudaStream_t stream) {
   if (params.batch == 0) return;
-  launch_verify(params, ProbRows<T>{draft, target}, draft != nullptr, stream);
+  launch_verify(params, ProbRows<T>{{draft, target}}, draft != nullptr, stream);
 }
 
 template <typename T>
 void launch_verify_logits(const VerifyProblem& params, const T* draft, const T* target, SoftmaxStats* scratch,
                           cudaStream_t stream) {
   if (params.batch == 0) return;
-  const LogitRows<T> rows{draft, target, scratch, scratch + params.batch * params.num_positions};
+  const LogitRows<T> rows{{draft, target}, scratch, scratch + params.batch * params.num_positions};
   launch_verify(params, rows, draft != nullptr, stream);
 }
 
