@@ -31,17 +31,17 @@ markdown table to stdout and a CSV under bench/results/ (or --csv).
 from __future__ import annotations
 
 import argparse
-import csv
 import gc
 import json
 import math
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Optional
+
+from vllm_common import require_vllm, write_csv
 
 ENGINE_ARGS = dict(enforce_eager=True, dtype="float32", max_model_len=1024, seed=0, gpu_memory_utilization=0.2,
                    enable_chunked_prefill=False, max_num_batched_tokens=8192, disable_log_stats=True)
@@ -185,10 +185,7 @@ def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
 
 def main(argv: Optional[list] = None) -> None:
     args = parse_args(argv)
-    try:
-        import vllm
-    except ImportError:
-        sys.exit("bench_vllm needs vLLM: run it with .venv-vllm/bin/python (bash scripts/setup.sh vllm)")
+    vllm = require_vllm("bench_vllm")
     from diversed_ext.models.export import PairExport, export_default_pair
 
     with tempfile.TemporaryDirectory() as scratch:
@@ -200,13 +197,7 @@ def main(argv: Optional[list] = None) -> None:
           f"({args.data or 'built-in'}), up to {args.max_tokens} new tokens, K = {args.max_draft}, temperature 1, "
           "greedy drafts\n")
     print(table(results))
-    out = args.csv or Path(__file__).parent / "results" / f"vllm-{time.strftime('%Y%m%d-%H%M%S')}.csv"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out, "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(results[0]))
-        writer.writeheader()
-        writer.writerows(results)
-    print(f"\nCSV: {out}")
+    write_csv(results, args.csv or Path(__file__).parent / "results" / f"vllm-{time.strftime('%Y%m%d-%H%M%S')}.csv")
 
 
 if __name__ == "__main__":

@@ -41,7 +41,6 @@ Writes a markdown table to stdout and a CSV under bench/results/ (or --csv).
 from __future__ import annotations
 
 import argparse
-import csv
 import itertools
 import math
 import os
@@ -56,6 +55,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import torch
+from vllm_common import require_vllm, write_csv
 
 BATCHES = (1, 8, 64)
 DRAFT_LENGTHS = (3, 5)
@@ -328,15 +328,6 @@ def conditions() -> str:
             f"{os.cpu_count()} cores, {torch.get_num_threads()} torch threads, load average {os.getloadavg()[0]:.2f}")
 
 
-def write_csv(rows: list, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    print(f"\nCSV: {path}")
-
-
 def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true",
@@ -359,10 +350,7 @@ def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
 
 def main(argv: Optional[list] = None) -> None:
     args = parse_args(argv)
-    try:
-        import vllm  # noqa: F401
-    except ImportError:
-        sys.exit("bench_vllm_sampler needs vLLM: run it with .venv-vllm/bin/python (bash scripts/setup.sh vllm)")
+    require_vllm("bench_vllm_sampler")
     from tqdm import tqdm
 
     from diversed_ext.head import load_head
