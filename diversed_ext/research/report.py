@@ -269,7 +269,7 @@ def save_figure(figure, path: str) -> str:
 
     figure.tight_layout()
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    figure.savefig(path, dpi=110)
+    figure.savefig(path, dpi=110, bbox_inches="tight")  # "tight": a legend beside the axes is kept
     plt.close(figure)
     return path
 
@@ -332,7 +332,9 @@ def plot_pareto(results: Sequence[MethodResult], path: str, metric: str = "quali
         axis.set_xlabel(x_label)
         axis.set_ylabel(metric if y_name == "quality" else y_name)
         axis.grid(alpha=0.3)
-    axes[0].legend(fontsize=7, loc="lower left")
+    # Beside the panels, not on one: with a dozen rules a legend inside covers the frontier's points.
+    handles, labels = axes[0].get_legend_handles_labels()
+    axes[-1].legend(handles, labels, fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
     axes[0].set_title("fidelity: mean target log-prob per token", fontsize=9)
     return save_figure(figure, path)
 
