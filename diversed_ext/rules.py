@@ -27,7 +27,7 @@ FLY_TOP_K = "an int in [1, 32]"
 FLY_DEFAULT_THRESHOLD = 0.3  # vLLM's FLy defaults
 FLY_DEFAULT_TOP_K = 3
 GATE_MARGIN = "a finite number of nats"
-GATE_DEFAULT_MARGIN = 4.0  # the margin farthest above FLy's frontier on held-out GSM8K at K = 3 and 6
+GATE_DEFAULT_MARGIN = 4.0  # far above FLy's frontier on held-out GSM8K at K = 3 and 6 (docs/RESULTS.md)
 FLY_MAX_TOP_K = 32  # the most probabilities FLy's entropy sums (csrc/common/fly_math.h keeps them per thread)
 
 # Seeds and offsets are int64 counters of the verifier's Philox generator.

@@ -304,10 +304,14 @@ def _value_and_error(row: MethodResult, name: str) -> tuple[float, float]:
 
 def plot_pareto(results: Sequence[MethodResult], path: str, metric: str = "quality") -> str:
     """The static frontier (a line through the sweep over w) and every head's and FLy row's point, +- one standard
-    error over prompts: fidelity and quality against acceptance, acceptance against w, fidelity against tokens/s."""
+    error over prompts: fidelity and quality against acceptance, acceptance against w, fidelity against tokens/s (where
+    the rows have speeds)."""
     static = _static_rows(results, key=lambda row: row.weight)
-    figure, axes = new_figure(len(_PARETO_PANELS), (18, 4.2))
-    for axis, (x_name, y_name, x_label) in zip(axes, _PARETO_PANELS):
+    # Rows joined from several runs have no tokens/s (speeds of different runs do not compare): no speed panel then.
+    panels = [panel for panel in _PARETO_PANELS
+              if any(not math.isnan(getattr(row, panel[0])) for row in results)]
+    figure, axes = new_figure(len(panels), (4.5 * len(panels), 4.2))
+    for axis, (x_name, y_name, x_label) in zip(axes, panels):
         points = [(*_value_and_error(row, x_name), *_value_and_error(row, y_name)) for row in static]
         if points:
             x, x_error, y, y_error = zip(*points)

@@ -8,7 +8,8 @@ included. Rows are joined from their exact counts (tokens, target passes, drafte
 rounded rates.
 
 Two parts on the same prompts must agree on a rule both ran (prompt i's tokens depend only on its seed); parts on
-different prompts must share every decoding setting and must not overlap.
+different prompts must share every decoding setting and must not overlap. Speeds measured in different runs do not
+compare (other load, other machines): rows joined from several parts have no tokens/s.
 """
 
 from __future__ import annotations
@@ -83,6 +84,8 @@ def merge_result_sets(parts: Sequence[ResultSet]) -> tuple[dict, list[MethodResu
     _check_joinable([prompts for prompts, _ in prompt_sets])
     labels = [label for label in prompt_sets[0][1] if all(label in rules for _, rules in prompt_sets)]
     joined = [_join_prompts([rules[label] for _, rules in prompt_sets]) for label in labels]
+    if len(parts) > 1:
+        joined = [dataclasses.replace(row, tokens_per_second=math.nan) for row in joined]
     first = prompt_sets[0][0]
     prompts = {**first, "count": sum(prompts.get("count", 0) for prompts, _ in prompt_sets),
                "parts": [{key: prompts.get(key) for key in _PROMPT_CHOICE} for prompts, _ in prompt_sets]}
