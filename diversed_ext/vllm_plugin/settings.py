@@ -137,12 +137,17 @@ def parse_fly(entry: Any, prefix: str) -> FlySettings:
     if unknown:
         raise DiversedConfigError(f"{prefix} has unknown keys {unknown}; known: {list(FLY_KEYS)}")
     defaults = FlySettings()
+    return FlySettings(
+        window=_engine_value(rules.fly_window, entry.get("window", defaults.window), f"{prefix}['window']"),
+        threshold=_engine_value(rules.fly_threshold, entry.get("threshold", defaults.threshold),
+                                f"{prefix}['threshold']"),
+        top_k=_engine_value(rules.fly_top_k, entry.get("top_k", defaults.top_k), f"{prefix}['top_k']"))
+
+
+def _engine_value(rule, value: Any, name: str):
+    """A rule's verdict on a value of the engine entry, its errors as the DiversedConfigError start-up reports."""
     try:
-        return FlySettings(
-            window=_as_value_error(rules.fly_window, entry.get("window", defaults.window), f"{prefix}['window']"),
-            threshold=_as_value_error(rules.fly_threshold, entry.get("threshold", defaults.threshold),
-                                      f"{prefix}['threshold']"),
-            top_k=_as_value_error(rules.fly_top_k, entry.get("top_k", defaults.top_k), f"{prefix}['top_k']"))
+        return _as_value_error(rule, value, name)
     except ValueError as error:
         raise DiversedConfigError(str(error)) from None
 
@@ -168,10 +173,7 @@ def parse_engine_entry(entry: Any) -> EngineSettings:
         raise DiversedConfigError(f"{prefix}['verifier'] must be one of {list(VERIFIERS)}, got {verifier!r}")
     if "weight" in entry and "head" in entry:
         raise DiversedConfigError(f"{prefix}: give 'weight' or 'head' as the default, not both")
-    try:
-        weight = weight_value(entry.get("weight", DEFAULT_WEIGHT), f"{prefix}['weight']")
-    except ValueError as error:
-        raise DiversedConfigError(str(error)) from None
+    weight = _engine_value(rules.weight, entry.get("weight", DEFAULT_WEIGHT), f"{prefix}['weight']")
     heads = entry.get("heads", [])
     if isinstance(heads, str) or not isinstance(heads, (list, tuple)):
         raise DiversedConfigError(f"{prefix}['heads'] must be a list of head names or folders, got {heads!r}")
@@ -184,12 +186,8 @@ def parse_engine_entry(entry: Any) -> EngineSettings:
         raise DiversedConfigError(f"{prefix}: verifier 'vllm' is exact speculative decoding; it takes no weight "
                                   "or heads, nor FLy or the gate")
     fly = parse_fly(entry["fly"], f"{prefix}['fly']") if "fly" in entry else FlySettings()
-    gate_margin = None
-    if "gate_margin" in entry:
-        try:
-            gate_margin = _as_value_error(rules.gate_margin, entry["gate_margin"], f"{prefix}['gate_margin']")
-        except ValueError as error:
-            raise DiversedConfigError(str(error)) from None
+    gate_margin = (_engine_value(rules.gate_margin, entry["gate_margin"], f"{prefix}['gate_margin']")
+                   if "gate_margin" in entry else None)
     return EngineSettings(weight=weight, head=head, head_paths=tuple(dict.fromkeys(names)),
                           verifier=verifier, fly=fly, gate_margin=gate_margin)
 
