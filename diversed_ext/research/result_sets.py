@@ -96,10 +96,10 @@ def _check_joinable(prompt_sets: Sequence[dict]) -> None:
     def settings(prompts):
         return {key: value for key, value in prompts.items() if key not in _PROMPT_CHOICE + ("parts",)}
 
-    for prompts in prompt_sets[1:]:
-        if settings(prompts) != settings(prompt_sets[0]):
-            differing = sorted(key for key in set(settings(prompts)) | set(settings(prompt_sets[0]))
-                               if settings(prompts).get(key) != settings(prompt_sets[0]).get(key))
+    first = settings(prompt_sets[0])
+    for other in map(settings, prompt_sets[1:]):
+        if other != first:
+            differing = sorted(key for key in set(other) | set(first) if other.get(key) != first.get(key))
             raise ValueError(f"parts ran under different settings ({', '.join(differing)}): they cannot be joined")
     for before, after in zip(prompt_sets, prompt_sets[1:]):
         if before.get("skip", 0) + before.get("count", 0) > after.get("skip", 0):
@@ -108,14 +108,13 @@ def _check_joinable(prompt_sets: Sequence[dict]) -> None:
 
 
 def _join_prompts(rows: Sequence[MethodResult]) -> MethodResult:
-    """One rule's rows over consecutive prompt sets as one row."""
+    """One rule's rows over consecutive prompt sets as one row (its tokens/s left to :func:`merge_result_sets`)."""
     if len(rows) == 1:
         return rows[0]
     drafted = sum(row.drafted for row in rows)
     accepted = sum(row.accepted for row in rows)
     passes = sum(row.target_passes for row in rows)
     new_tokens = sum(row.new_tokens for row in rows)
-    seconds = sum(row.seconds for row in rows)
     fidelities = sum((tuple(row.fidelity_per_prompt) for row in rows), ())
     quality = sum((tuple(row.quality_per_prompt) for row in rows), ())
     # A head's mean weight is a mean over its drafted tokens.
@@ -125,7 +124,7 @@ def _join_prompts(rows: Sequence[MethodResult]) -> MethodResult:
         rows[0], weight=weight, acceptance=accepted / drafted if drafted else math.nan,
         tokens_per_pass=new_tokens / passes if passes else math.nan, quality=_mean(quality),
         fidelity=_mean([value for value in fidelities if not math.isnan(value)]),
-        tokens_per_second=new_tokens / seconds if seconds > 0 else math.nan, new_tokens=new_tokens, seconds=seconds,
+        new_tokens=new_tokens, seconds=sum(row.seconds for row in rows),
         fidelity_per_prompt=fidelities, quality_per_prompt=quality,
         acceptance_per_prompt=sum((tuple(row.acceptance_per_prompt) for row in rows), ()), weight_usage=None,
         drafts_per_round=drafted / passes if passes else math.nan,
