@@ -4,10 +4,9 @@
 function per argument (the temperature's is in ``_temperature``, with the greedy threshold; the row indices' in
 ``_rows``), and ``_prepare`` applies them to a verify call; ``_unchecked`` decides whether an unchecked call's arguments
 go to the op as given; ``_fake`` loads the native library and registers the shape-only kernels that
-``torch.compile`` and ``opcheck`` need; ``_cuda_family`` which CUDA verify kernels run; ``_philox`` reproduces the kernels' random numbers; ``gate`` the log-probability gate's test
-row by row; ``reference`` states the
-same contracts in plain PyTorch (the test oracle and a benchmark baseline). Nothing here imports the rest of the
-package.
+``torch.compile`` and ``opcheck`` need; ``_cuda_family`` which CUDA verify kernels run; ``_philox`` reproduces the
+kernels' random numbers; ``gate`` is the log-probability gate's test row by row; ``reference`` states the same
+contracts in plain PyTorch (the test oracle and a benchmark baseline). Nothing here imports the rest of the package.
 """
 
 from ._cuda_family import CUDA_KERNEL_FAMILIES, cuda_kernels, set_cuda_kernels

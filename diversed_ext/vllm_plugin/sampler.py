@@ -139,7 +139,7 @@ def gate_keeps_rows(margin: torch.Tensor, draft_tokens: torch.Tensor, draft_prob
     tokens = draft_tokens.to(torch.int64)
     in_vocab = (tokens >= 0) & (tokens < vocab)
     keeps = dx_ops.gate_keeps(margin, tokens.clamp(0, max(vocab - 1, 0)), draft_probs,
-                       torch.log_softmax(target_logits.float(), dim=-1))
+                              torch.log_softmax(target_logits.float(), dim=-1))
     return keeps & in_vocab
 
 
