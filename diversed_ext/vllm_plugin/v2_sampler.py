@@ -144,12 +144,12 @@ def gate_keeps_of(margin, draft_tokens, draft_logits, target_logits, target_rows
     tokens only). Greedy requests and positions past a request's drafts are not gated."""
     requests, num_positions = target_rows.shape
     positions = torch.arange(num_positions, device=num_draft.device)
-    gated_rows = (temperature > 0)[:, None] & (positions[None, :] < num_draft[:, None])
+    gated_rows = ~dx_ops.is_greedy_temperature(temperature)[:, None] & (positions[None, :] < num_draft[:, None])
     margin = torch.where(gated_rows, margin[:, None], math.nan).reshape(-1)
     draft_probs = None
     if draft_logits is not None:
-        scale = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
-        draft_probs = torch.softmax(draft_logits[states].float() / scale[:, None, None], dim=-1).flatten(0, 1)
+        scale = dx_ops.distribution_temperature(temperature)[:, None, None]
+        draft_probs = torch.softmax(draft_logits[states].float() / scale, dim=-1).flatten(0, 1)
     keep = gate_keeps_rows(margin, draft_tokens.reshape(-1), draft_probs, target_logits[target_rows.reshape(-1)])
     return keep.view(requests, num_positions)
 

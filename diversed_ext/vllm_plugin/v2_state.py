@@ -29,6 +29,7 @@ import math
 import torch
 
 from ..head import distribution_features
+from ..ops import distribution_temperature
 from .settings import EngineSettings, parse_request, request_settings
 
 NO_HEAD = -1
@@ -166,8 +167,8 @@ class StateWeights:
         features = None
         if any(head.wants_distributions for head in self.heads):
             drafts = self.capture.logits if self.capture.logits is not None else draft_logits
-            scale = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
-            features = distribution_features(drafts[states].float() / scale[:, None, None],
+            scale = distribution_temperature(temperature)[:, None, None]
+            features = distribution_features(drafts[states].float() / scale,
                                              target_logits[target_rows].float())
         weight = torch.zeros(states.shape[0], target_rows.shape[1], dtype=torch.float32, device=states.device)
         with torch.no_grad():
