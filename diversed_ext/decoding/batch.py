@@ -14,6 +14,10 @@ row's draft distribution by one quantisation step.
 Padding exists only between the models and the verifier: drafts, logits and weights of short rows are padded to the
 longest row, and ``num_draft`` tells the verifier where each row ends.
 
+On CUDA a round waits on the device only where the host reads a result: once per draft pass (the drafted tokens
+feed the next pass and the caches) and once for the verifier's results; the rows' counts, seeds and slots reach the
+device without a wait (:mod:`.transfers`). The head, the gate and the verify call never wait on it.
+
 Drafts without distributions (``draft_mode`` "tokens" or "sampled_tokens", or a callable ``drafter``): the verifier
 gets ``None`` for the draft logits, so q is one-hot at each drafted token. A draft model still runs as above (its
 hidden states and logits still feed a head); a callable drafter is called once per row with the row's tokens so far.
@@ -35,6 +39,7 @@ from .gate import Gate, gated_weights, require_sampling
 from .runners import RowRunner, crop_cache
 from .state import DecodingState, commit_tokens
 from .stats import RoundStats
+from .transfers import device_tensor, read_back
 
 
 @dataclass(frozen=True)
@@ -107,8 +112,13 @@ def _padded(rows: torch.Tensor, slots: list[int], shape: tuple[int, ...], fill: 
     """``rows`` [n, ...] scattered to the flat slots of a new tensor of ``shape``; the rest is ``fill``."""
     out = rows.new_full((shape[0] * shape[1], *shape[2:]), fill)
     if slots:
-        out[torch.tensor(slots, device=rows.device)] = rows
+        out[device_tensor(slots, torch.int64, rows.device)] = rows
     return out.view(shape)
+
+
+def _rows(tensor: torch.Tensor, indices: list[int]) -> torch.Tensor:
+    """``tensor[indices]`` for a list of row indices, without the wait of indexing a CUDA tensor by a host list."""
+    return tensor.index_select(0, device_tensor(indices, torch.int64, tensor.device))
 
 
 def run_round(config: RoundConfig, states: list[DecodingState]) -> list[RoundStats]:
@@ -137,10 +147,12 @@ def run_round(config: RoundConfig, states: list[DecodingState]) -> list[RoundSta
     result = _verify(config, states, drafts, draft_tokens, draft_logits, target_logits, verifier_weight)
     verify_end = clock()
 
-    accepted = result.num_accepted.tolist()
-    tokens = result.tokens.tolist()
-    head_chose = weight.tolist() if torch.is_tensor(weight) else None  # [B, K]: what the head handed the verifier
-    accept_probs = result.accept_prob.tolist()
+    # The round's one wait for the device: the verifier's results and the head's weights [B, K] (what it handed the
+    # verifier), read back together.
+    head_weight = [weight] if torch.is_tensor(weight) else []
+    accepted, tokens, accept_probs, *head_chose = read_back(result.num_accepted, result.tokens, result.accept_prob,
+                                                            *head_weight)
+    head_chose = head_chose[0] if head_chose else None
     all_stats = []
     for row, state in enumerate(states):
         row_weights = head_chose[row][:drafted[row]] if head_chose else [config.weight] * drafted[row]
@@ -220,7 +232,7 @@ def token_probs(logits: torch.Tensor, tokens: list[int], temperature: float) -> 
     """q(x) of each row's drafted token: softmax(logits / T) at the token (T = 1 for greedy decoding, whose drafts
     are argmaxes)."""
     scale = 1.0 if is_greedy_temperature(temperature) else 1.0 / temperature
-    index = torch.tensor(tokens, device=logits.device).unsqueeze(1)
+    index = device_tensor(tokens, torch.int64, logits.device).unsqueeze(1)
     return torch.log_softmax(logits.float() * scale, dim=-1).gather(1, index).exp().squeeze(1).tolist()
 
 
@@ -259,7 +271,7 @@ def _run_target(config: RoundConfig, states: list[DecodingState], draft_tokens: 
         drafted_rows += range(first, first + count - 1)  # every position but the last predicted a draft
         first += count
     padded = _padded(logits, slots, (len(states), width, logits.shape[-1]))
-    return padded, hidden[drafted_rows] if want_hidden else None
+    return padded, _rows(hidden, drafted_rows) if want_hidden else None
 
 
 def _shared_vocab_logits(drafts: _Drafts, target_logits: torch.Tensor,
@@ -300,9 +312,10 @@ def _weights(config: RoundConfig, drafts: _Drafts, target_hidden, draft_logits: 
     if wants_distributions(config.head):
         # The target's logits are K + 1 wide per row, so (row, position) has another flat index there.
         target_rows = [row * target_logits.shape[1] + position for row, position in sorted(drafts.slots)]
-        distributions = distribution_features(draft_logits.flatten(0, 1)[head_slots],
-                                              target_logits.flatten(0, 1)[target_rows], config.temperature)
-    weight = head_weights(config.head, torch.cat(drafts.hidden)[order], target_hidden, config.device, distributions)
+        distributions = distribution_features(_rows(draft_logits.flatten(0, 1), head_slots),
+                                              _rows(target_logits.flatten(0, 1), target_rows), config.temperature)
+    weight = head_weights(config.head, _rows(torch.cat(drafts.hidden), order), target_hidden, config.device,
+                          distributions)
     return _padded(weight.reshape(-1), head_slots, (len(drafts.tokens), drafts.width), fill=1.0)
 
 
@@ -333,8 +346,8 @@ def _gated(config: RoundConfig, draft_tokens: torch.Tensor, draft_logits: Option
 
 def _draft_tensor(drafts: _Drafts, width: int, device) -> torch.Tensor:
     """The drafted tokens [B, K], each row padded with id 0 past its own drafts."""
-    return torch.tensor([tokens + [0] * (width - len(tokens)) for tokens in drafts.tokens],
-                        dtype=torch.int64, device=device).reshape(len(drafts.tokens), width)
+    return device_tensor([tokens + [0] * (width - len(tokens)) for tokens in drafts.tokens],
+                         torch.int64, device).reshape(len(drafts.tokens), width)
 
 
 def _verify(config: RoundConfig, states: list[DecodingState], drafts: _Drafts, draft_tokens: torch.Tensor,
@@ -345,7 +358,7 @@ def _verify(config: RoundConfig, states: list[DecodingState], drafts: _Drafts, d
     if config.draft_mode != "distributions":
         draft_logits = None
     device = target_logits.device
-    num_draft = torch.tensor([len(tokens) for tokens in drafts.tokens], dtype=torch.int64, device=device)
+    num_draft = device_tensor([len(tokens) for tokens in drafts.tokens], torch.int64, device)
     fly = {} if config.fly is None else config.fly.verify_arguments(width)
     return verify_logits(draft_tokens, draft_logits, target_logits, weight, temperature=config.temperature,
                          num_draft=num_draft, uniforms=row_uniforms(states, num_draft, width, device),
@@ -355,8 +368,8 @@ def _verify(config: RoundConfig, states: list[DecodingState], drafts: _Drafts, d
 def row_uniforms(states: list[DecodingState], num_draft: torch.Tensor, width: int, device) -> torch.Tensor:
     """The verifier's uniforms [B, K + 1]: row r's Philox draws for its own seed at offset = its round index, its final
     sample's uniform (that of position k_r, as a call with the row alone would use) moved to column K."""
-    seeds = torch.tensor([state.seed for state in states], dtype=torch.int64, device=device)
-    offsets = torch.tensor([state.round_index for state in states], dtype=torch.int64, device=device)
+    seeds = device_tensor([state.seed for state in states], torch.int64, device)
+    offsets = device_tensor([state.round_index for state in states], torch.int64, device)
     uniforms = philox_uniforms(seeds, offsets, width + 1, per_row_seed=True)
     uniforms[:, width] = uniforms.gather(1, num_draft.unsqueeze(1)).squeeze(1)
     return uniforms

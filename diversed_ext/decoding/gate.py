@@ -60,5 +60,8 @@ def gated_weights(gate: Gate, weight: Union[float, torch.Tensor], draft_tokens: 
     log_p = torch.log_softmax(target_logits[:, :width].float() / temperature, dim=-1).flatten(0, 1)
     q = None if draft_logits is None else torch.softmax(draft_logits.float() / temperature, dim=-1).flatten(0, 1)
     keep = gate_keeps(gate.margin, draft_tokens.reshape(-1), q, log_p).view(batch, width)
-    base = torch.as_tensor(weight, dtype=torch.float32, device=draft_tokens.device).expand(draft_tokens.shape)
+    if torch.is_tensor(weight):
+        base = weight.to(device=draft_tokens.device, dtype=torch.float32).expand(draft_tokens.shape)
+    else:  # filled on the device: a tensor made from a Python float would be a waiting host copy on CUDA
+        base = torch.full(draft_tokens.shape, float(weight), dtype=torch.float32, device=draft_tokens.device)
     return torch.where(keep, torch.zeros_like(base), base)

@@ -15,6 +15,7 @@ from typing import Protocol
 import torch
 
 from ..forward import LlamaRunner, supports_fast_forward
+from .transfers import device_tensor
 
 
 class RowRunner(Protocol):
@@ -78,7 +79,7 @@ class HFRunner:
             kwargs["logits_to_keep"] = num_logits  # skip the LM head on positions nobody reads
         if want_hidden:
             kwargs["output_hidden_states"] = True
-        output = self.model(torch.tensor([feed], dtype=torch.int64, device=self.device), **kwargs)
+        output = self.model(device_tensor([feed], torch.int64, self.device), **kwargs)
         hidden = output.hidden_states[-1][0, -num_logits:] if want_hidden else None
         return output.logits[0, -num_logits:], hidden, getattr(output, self.cache_keyword)
 

@@ -6,9 +6,13 @@ Exact token equality is asserted on float64 models (whose products go through to
 batched product differs from a one-row product only in the last bits of a double, which no sampled or greedy decision
 of these tests comes near), and on float32 models, whose products the lean runner computes over packed weights in
 an order that does not depend on the row count, so their batched passes equal one-row passes bit for bit.
+
+Where a GPU is visible the ragged rows also run on CUDA, and a CUDA round's waits for the device are counted: one per
+draft pass, one for the verifier's results, none in the head, the gate or the verify call.
 """
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -16,8 +20,11 @@ import torch
 pytest.importorskip("transformers")
 
 from diversed_ext import philox_uniforms  # noqa: E402
-from diversed_ext.decoding import SpeculativeDecoder  # noqa: E402
-from helpers import PROMPT, assert_prompts_decode_as_alone, sequences, wide_pair_models  # noqa: E402
+from diversed_ext.decoding import Fly, Gate, SpeculativeDecoder, batch  # noqa: E402
+from diversed_ext.decoding.transfers import device_tensor, read_back  # noqa: E402
+from diversed_ext.head import DISTRIBUTION_FEATURES, EnsembleHead  # noqa: E402
+from helpers import (PROMPT, assert_prompts_decode_as_alone, models_on_device, requires_cuda,  # noqa: E402
+                     sequences, wide_pair_models)
 
 PROMPTS = [PROMPT, [3], [5, 1, 4, 4, 2, 7, 7, 0, 9], [2, 2], [8, 6, 1], [0, 1, 2, 3, 4, 5]]
 METHODS = [("ar", {}), ("sd", {}), ("static", {"weight": 0.4}), ("diversed", {"head": None})]
@@ -30,7 +37,7 @@ def smooth_head(draft_hidden, target_hidden):
 
 def make_decoder(pair, method, kwargs, temperature, fast_forward=True, max_draft=3):
     target, draft = pair
-    kwargs = dict(kwargs, head=smooth_head) if method == "diversed" else kwargs
+    kwargs = dict(kwargs, head=smooth_head) if method == "diversed" and kwargs.get("head") is None else kwargs
     return SpeculativeDecoder(target, draft if method != "ar" else None, method=method, max_draft=max_draft,
                               temperature=temperature, fast_forward=fast_forward, **kwargs)
 
@@ -214,9 +221,86 @@ def test_step_batch_refuses_finished_and_repeated_states(wide_pair):
         decoder.step_batch([state, other])
 
 
-def test_batched_generation_on_the_device_matches_one_by_one(device):
-    target, draft = (model.to(device) for model in copy.deepcopy(wide_pair_models()))
-    decoder = SpeculativeDecoder(target, draft, method="static", weight=0.5, max_draft=3, temperature=0.0)
-    alone = [sequences(decoder.generate(prompt, max_new_tokens=12, seed=index))[0]
-             for index, prompt in enumerate(PROMPTS)]
-    assert sequences(decoder.generate(PROMPTS, max_new_tokens=12, seed=0, batch_size=3)) == alone
+@pytest.mark.parametrize("method,kwargs", [("static", {"weight": 0.5}), ("diversed", {"head": None})],
+                         ids=["static", "diversed"])
+def test_ragged_rows_on_the_device_decode_as_alone(double_pair, device, method, kwargs):
+    decoder = make_decoder(models_on_device(double_pair, device), method, kwargs, temperature=1.0)
+    alone = assert_prompts_decode_as_alone(decoder, PROMPTS, max_new_tokens=14)
+    assert any(len(tokens) < 14 for tokens in alone)  # an EOS ended a row mid-batch
+
+
+# ---- host syncs of a CUDA round ----------------------------------------------------------------------------------
+
+
+def test_transfers_carry_values_exactly(device):
+    values = [[0, 5, -1], [2**40 + 1, 7, 3]]
+    assert device_tensor(values, torch.int64, device).tolist() == values
+    tokens = torch.tensor(values, device=device)
+    probs = torch.rand(2, 3, device=device)
+    flags = torch.tensor([True, False], device=device)
+    empty = torch.zeros(0, 4, device=device)
+    assert read_back(tokens, probs, flags, empty) == [values, probs.tolist(), [True, False], []]
+
+# The round's steps between the target pass and the read-back of its results: none may wait on the device.
+DEVICE_SIDE_STEPS = ["_shared_vocab_logits", "_weights", "_draft_tensor", "_gated", "_verify"]
+SYNC_CASES = [("sd", {}, 0.0), ("sd", {}, 1.0), ("diversed", {"head": None}, 1.0),
+              ("diversed", {"head": "features"}, 1.0), ("static", {"weight": 0.5, "gate": Gate(1.0)}, 1.0),
+              ("fly", {"fly": Fly(window=1)}, 1.0), ("sd", {"draft_mode": "tokens"}, 1.0)]
+
+
+class UncountedRunner:
+    """A model runner whose passes run with the sync check off: their waits are the model code's, not the round's."""
+
+    def __init__(self, runner):
+        self.runner = runner
+
+    def run_rows(self, *args):
+        torch.cuda.set_sync_debug_mode("default")
+        try:
+            return self.runner.run_rows(*args)
+        finally:
+            torch.cuda.set_sync_debug_mode("warn")
+
+
+def round_syncs(decoder, states, monkeypatch) -> tuple[int, dict]:
+    """(host syncs of one round, outside the model passes; those inside each device-side step), counted by torch's
+    sync debug mode, which warns at every synchronising CUDA call."""
+    decoder._target_runner = UncountedRunner(decoder._target_runner)
+    decoder._draft_runner = UncountedRunner(decoder._draft_runner)
+    spans = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for name in DEVICE_SIDE_STEPS:
+            def counted(*args, _step=getattr(batch, name), _name=name, **kwargs):
+                start = len(caught)
+                try:
+                    return _step(*args, **kwargs)
+                finally:
+                    spans.append((_name, start, len(caught)))
+            monkeypatch.setattr(batch, name, counted)
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            decoder.step_batch(states)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = ["synchroniz" in str(warning.message) for warning in caught]
+    return sum(syncs), {name: sum(syncs[start:end]) for name, start, end in spans}
+
+
+@requires_cuda
+@pytest.mark.parametrize("method,kwargs,temperature", SYNC_CASES,
+                         ids=["sd-greedy", "sd", "diversed", "diversed-features", "static-gate", "fly",
+                              "sd-tokens-only"])
+def test_a_cuda_round_waits_once_per_draft_pass_and_once_for_its_results(wide_pair, method, kwargs, temperature,
+                                                                        monkeypatch):
+    if kwargs.get("head") == "features":  # a head that also reads both models' distributions
+        kwargs = dict(kwargs, head=EnsembleHead(16, 16, features=DISTRIBUTION_FEATURES).to("cuda"))
+    # Timing for real waits for the device on purpose: what is counted here is the decoding itself.
+    decoder = make_decoder(models_on_device(wide_pair, "cuda"), method, dict(kwargs, synchronize_timing=False),
+                           temperature, max_draft=4)
+    states = [decoder.start(prompt, max_new_tokens=40, seed=index) for index, prompt in enumerate(PROMPTS[:3])]
+    decoder.step_batch(states)  # the first round reads the prompts and allocates
+    total, inside = round_syncs(decoder, states, monkeypatch)
+    assert inside == {name: 0 for name in DEVICE_SIDE_STEPS}
+    assert [stats.drafted for stats in states[0].rounds] == [4, 4]
+    assert total == 4 + 1  # the drafted tokens of each of the 4 draft passes, then the verifier's results

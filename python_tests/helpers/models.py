@@ -72,6 +72,14 @@ def double_pair_models():
     return copy.deepcopy(target).double(), copy.deepcopy(draft).double()
 
 
+def models_on_device(models, device):
+    """The models themselves on the CPU, else copies of them on ``device`` (the suite's fixtures are shared by many
+    tests and stay where they are)."""
+    if torch.device(device).type == "cpu":
+        return tuple(models)
+    return tuple(copy.deepcopy(model).to(device) for model in models)
+
+
 def sequences(output):
     """A GenerationOutput's new tokens as lists of ints."""
     return [tokens.tolist() for tokens in output.sequences]
