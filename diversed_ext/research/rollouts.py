@@ -12,6 +12,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from ..decoding import DEFAULT_MAX_DRAFT, SpeculativeDecoder
+from ..decoding.runners import model_device
 from ..head import EnsembleHead, distribution_features, wants_distributions
 from ..ops import distribution_temperature, is_greedy_temperature
 
@@ -43,6 +44,8 @@ def mixture_rollout(target, draft, head: EnsembleHead, *, max_new_tokens: int, t
     the tests and a fallback for models the speculative decoder does not support.
     """
 
+    target_device = model_device(target)  # where the head meets both models' outputs
+
     def rollout(prompts: Sequence[Sequence[int]], seeds: Sequence[int]) -> list[list[int]]:
         return [rollout_one(prompt, seed) for prompt, seed in zip(prompts, seeds)]
 
@@ -51,16 +54,18 @@ def mixture_rollout(target, draft, head: EnsembleHead, *, max_new_tokens: int, t
         generator = torch.Generator().manual_seed(int(seed))
         sequence = list(prompt)
         for _ in range(max_new_tokens):
-            input_ids = torch.tensor([sequence])
-            target_hidden, target_logits = _last_position(target, input_ids)
-            draft_hidden, draft_logits = _last_position(draft, input_ids)
+            target_hidden, target_logits = _last_position(target, sequence, target_device)
+            draft_hidden, draft_logits = _last_position(draft, sequence, target_device)
             extra = ()
             if wants_distributions(head):
                 extra = (distribution_features(draft_logits, target_logits, temperature),)
             weight = head(draft_hidden, target_hidden, *extra)
             scale = distribution_temperature(temperature)
             mixture = weight * (target_logits / scale).softmax(-1) + (1 - weight) * (draft_logits / scale).softmax(-1)
-            token = int(mixture.argmax()) if is_greedy_temperature(temperature) else int(torch.multinomial(mixture, 1, generator=generator))
+            # Sampled on the CPU with the CPU generator: the same seed gives the same draws wherever the models run.
+            mixture = mixture.cpu()
+            token = (int(mixture.argmax()) if is_greedy_temperature(temperature)
+                     else int(torch.multinomial(mixture, 1, generator=generator)))
             sequence.append(token)
             if eos_token_id is not None and token == eos_token_id:
                 break
@@ -69,6 +74,8 @@ def mixture_rollout(target, draft, head: EnsembleHead, *, max_new_tokens: int, t
     return rollout
 
 
-def _last_position(model, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _last_position(model, sequence: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(last hidden state, logits) of ``model`` at the sequence's last position, in float32 on ``device``."""
+    input_ids = torch.tensor([sequence], device=model_device(model))
     output = model(input_ids=input_ids, output_hidden_states=True, use_cache=False)
-    return output.hidden_states[-1][0, -1].float(), output.logits[0, -1].float()
+    return output.hidden_states[-1][0, -1].float().to(device), output.logits[0, -1].float().to(device)

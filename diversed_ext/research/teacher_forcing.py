@@ -23,7 +23,7 @@ from ..ops import distribution_temperature, token_stats
 
 @dataclass
 class TokenBatch:
-    """Per-token quantities of N sequences, right-padded to the longest completion T."""
+    """Per-token quantities of N sequences, right-padded to the longest completion T, on the target's device."""
 
     draft_hidden: torch.Tensor  # [N, T, Hd]
     target_hidden: torch.Tensor  # [N, T, Ht]
@@ -97,11 +97,12 @@ def teacher_forced_tokens(target, draft, prompts: Sequence[Sequence[int]], compl
     pairs = [[list(prompts[index]) for index in filled], [list(completions[index]) for index in filled]]
     target_outputs = _completion_outputs(target, *pairs)
     draft_outputs = _completion_outputs(draft, *pairs)
-    rows = [_empty_row(target, draft) for _ in completions]
+    device = model_device(target)  # the batch's: a draft on another device hands its outputs over
+    rows = [_empty_row(target, draft, device) for _ in completions]
     for index, (target_hidden, target_logits), (draft_hidden, draft_logits) in zip(filled, target_outputs,
                                                                                   draft_outputs):
         rows[index] = _sequence_tokens(completions[index], target_hidden, target_logits,
-                                       draft_hidden, draft_logits.to(target_logits.device), temperature)
+                                       draft_hidden.to(device), draft_logits.to(device), temperature)
     return TokenBatch(*(_pad_stack([row[field] for row in rows], longest) for field in range(8)))
 
 
@@ -111,23 +112,24 @@ def _sequence_tokens(completion: Sequence[int], target_hidden, target_logits, dr
     stats = token_stats(draft_logits.unsqueeze(0).contiguous(), target_logits.unsqueeze(0).contiguous(), tokens,
                         from_logits=True, temperature=distribution_temperature(temperature), check_inputs=False)
     return (draft_hidden, target_hidden, stats.target_logprob[0], stats.draft_logprob[0], stats.total_variation[0],
-            torch.ones(len(completion), dtype=torch.bool), fidelity_gap(draft_logits, target_logits, temperature),
-            distribution_features(draft_logits, target_logits, temperature))
+            torch.ones(len(completion), dtype=torch.bool, device=target_logits.device),
+            fidelity_gap(draft_logits, target_logits, temperature), distribution_features(draft_logits, target_logits,
+                                                                                          temperature))
 
 
-def _empty_row(target, draft) -> tuple:
+def _empty_row(target, draft, device: torch.device) -> tuple:
     draft_size, target_size = draft.config.hidden_size, target.config.hidden_size
-    empty = torch.zeros(0)
-    return (torch.zeros(0, draft_size), torch.zeros(0, target_size), empty, empty, empty,
-            torch.zeros(0, dtype=torch.bool), empty, torch.zeros(0, len(DISTRIBUTION_FEATURES)))
+    empty = torch.zeros(0, device=device)
+    return (torch.zeros(0, draft_size, device=device), torch.zeros(0, target_size, device=device), empty, empty, empty,
+            torch.zeros(0, dtype=torch.bool, device=device), empty,
+            torch.zeros(0, len(DISTRIBUTION_FEATURES), device=device))
 
 
 def _pad_stack(tensors: list[torch.Tensor], length: int) -> torch.Tensor:
     padded = []
     for tensor in tensors:
-        tensor = tensor.cpu()
         pad_shape = (length - tensor.shape[0],) + tuple(tensor.shape[1:])
-        padded.append(torch.cat([tensor, torch.zeros(pad_shape, dtype=tensor.dtype)], dim=0))
+        padded.append(torch.cat([tensor, tensor.new_zeros(pad_shape)], dim=0))
     return torch.stack(padded)
 
 

@@ -232,7 +232,8 @@ class Trainer:
         tokens = teacher_forced_tokens(self.target, self.draft, [self.prompts[i] for i in indices], completions,
                                        self.config.temperature)
         task_rewards = torch.tensor([float(self.reward(self.examples[index], self.decode(completion)))
-                                     for index, completion in zip(indices, completions)], dtype=torch.float64)
+                                     for index, completion in zip(indices, completions)], dtype=torch.float64,
+                                    device=tokens.mask.device)
         fidelity = _masked_mean(tokens.target_logprob, tokens.mask)
         rewards = task_rewards + self.config.fidelity_coef * fidelity
 

@@ -1,5 +1,7 @@
-"""Trainer: the head moves the right way on synthetic pairs, resume is exact, and 2-process DDP runs on CPU."""
+"""Trainer: the head moves the right way on synthetic pairs, resume is exact, a step runs on each device (CUDA where a
+GPU is visible), and 2-process DDP runs on CPU."""
 
+import math
 import os
 
 import pytest
@@ -7,9 +9,11 @@ import torch
 
 pytest.importorskip("transformers")
 
+from diversed_ext.head import EnsembleHead  # noqa: E402
 from diversed_ext.research.teacher_forcing import fidelity_gap, teacher_forced_tokens  # noqa: E402
 from diversed_ext.research.trainer import TrainerConfig, warmup_cosine  # noqa: E402
-from helpers import TESTS_ROOT, make_trainer, prompts_and_examples, trainer_llama  # noqa: E402
+from helpers import (TESTS_ROOT, make_trainer, models_on_device, prompts_and_examples,  # noqa: E402
+                     trainer_llama)
 
 
 @pytest.fixture(scope="module")
@@ -92,6 +96,27 @@ def test_resume_equals_uninterrupted_training(pair, tmp_path):
     for name, value in straight.head.state_dict().items():
         torch.testing.assert_close(resumed.head.state_dict()[name], value, rtol=0, atol=0)
     assert [r["loss"] for r in resumed.history] == [r["loss"] for r in straight.history]
+
+
+@pytest.mark.parametrize("rollout", ["speculative", "mixture"])
+def test_a_training_step_on_the_device_and_its_checkpoint(pair, device, rollout, tmp_path):
+    """One step of a head on the device, rolled out through the loop or token by token: the loss is finite, the head
+    moved and stayed on the device, and its checkpoint and the saved head reload to the same weights."""
+    pair = models_on_device(pair, device)
+    reward = lambda example, text: float(len(text) % 3)  # noqa: E731
+    trainer = make_trainer(pair, tmp_path, reward, steps=1, rollout=rollout, checkpoint_every=1)
+    initial = {name: value.clone() for name, value in trainer.head.state_dict().items()}
+    record = trainer.train(progress=False)[0]
+    assert math.isfinite(record["loss"]) and math.isfinite(record["grad_norm"]) and record["tokens"] == 4 * 6
+    trained = trainer.head.state_dict()
+    assert {value.device.type for value in trained.values()} == {torch.device(device).type}
+    assert any(not torch.equal(trained[name], initial[name]) for name in trained)
+    resumed = make_trainer(pair, tmp_path, reward, steps=1, rollout=rollout, checkpoint_every=1)
+    assert resumed.load_checkpoint() and resumed.step == 1
+    saved = EnsembleHead.load(str(tmp_path / "head"), map_location=str(device))
+    for name, value in trained.items():
+        torch.testing.assert_close(resumed.head.state_dict()[name], value, rtol=0, atol=0)
+        torch.testing.assert_close(saved.state_dict()[name], value, rtol=0, atol=0)
 
 
 def test_schedule_and_config_checks(tmp_path):

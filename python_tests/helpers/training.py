@@ -23,17 +23,20 @@ def prompts_and_examples(count=6):
     return prompts, list(range(count))
 
 
-def make_trainer(pair, tmp_path, reward, steps=4, **overrides):
+def make_trainer(pair, tmp_path, reward, steps=4, rollout="mixture", **overrides):
+    """A trainer of a fresh head on ``pair`` (the head on the target's device), rolling out token by token
+    (``rollout="mixture"``) or through the speculative loop (``"speculative"``)."""
     from diversed_ext.head import EnsembleHead
-    from diversed_ext.research.rollouts import mixture_rollout
+    from diversed_ext.research.rollouts import mixture_rollout, speculative_rollout
     from diversed_ext.research.trainer import Trainer, TrainerConfig
 
     target, draft = pair
-    head = EnsembleHead(16, 16, init_weight=0.5)
+    head = EnsembleHead(16, 16, init_weight=0.5).to(target.device)
     prompts, examples = prompts_and_examples()
     settings = dict(output_dir=str(tmp_path), steps=steps, batch_size=4, learning_rate=0.05, warmup_steps=1,
                     checkpoint_every=2, seed=7)
     settings.update(overrides)
-    rollout = mixture_rollout(target, draft, head, max_new_tokens=6)
+    rollouts = {"mixture": mixture_rollout, "speculative": speculative_rollout}
+    rollout = rollouts[rollout](target, draft, head, max_new_tokens=6)
     return Trainer(target, draft, head, prompts, examples, reward, decode=lambda ids: " ".join(map(str, ids)),
                    rollout=rollout, config=TrainerConfig(**settings))
