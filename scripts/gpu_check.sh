@@ -2,7 +2,8 @@
 # Everything the CUDA kernels need checked on a GPU machine, in one go, from the checkout:
 #   1. environment  nvidia-smi, torch, nvcc, compute-sanitizer, ncu
 #   2. build        the extension with this machine's python3 and torch (DIVERSED_CUDA=1, no build isolation)
-#   3. tests        the CUDA tests of the suite (pytest -k cuda; the verify kernels' tests run for both kernel families)
+#   3. tests        the CUDA tests of the suite (pytest -k cuda): the ops (the verify kernels' tests for both kernel
+#                   families), and the decoding loop and the trainer on CUDA (a round's host syncs counted)
 #   4. sanitizers   compute-sanitizer memcheck, racecheck, synccheck and initcheck over scripts/gpu_hostile_inputs.py
 #   5. bench        the benchmark kit's bench_vs_flashinfer.py (side by side with FlashInfer), once per kernel family
 #   6. profile      ncu's speed-of-light and occupancy of both families at B = 64, K = 8, V = 128256
@@ -81,6 +82,8 @@ run() {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1
   "$python" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda,
       'gpus', torch.cuda.device_count())" 2>&1
+  "$python" -c "import transformers, scipy; print('transformers', transformers.__version__,
+      'scipy', scipy.__version__)" 2>&1 || echo "without transformers and scipy the loop's and trainer's CUDA tests skip"
   for tool in nvcc compute-sanitizer ncu; do printf '%s: %s\n' "$tool" "$(command -v "$tool" || echo missing)"; done
 } > "$report/environment.log"
 gpus=$("$python" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
@@ -103,9 +106,11 @@ if wants build; then
   }
 fi
 
-# 3. The CUDA tests (those of the verify kernels run once per kernel family: the suite's cuda_kernels fixture).
+# 3. The CUDA tests: every test id with "cuda" in it (the `device` fixture's cuda parameters, the verify kernels' tests
+# once per kernel family through the cuda_kernels fixture, the CUDA-only tests). The loop's and the trainer's need
+# transformers and scipy, which environment.log lists.
 if wants tests; then
-  run tests 480 env DIVERSED_EXPECT_CUDA_BUILD=1 \
+  run tests 600 env DIVERSED_EXPECT_CUDA_BUILD=1 \
     "$python" -m pytest -q -p no:cacheprovider -k cuda "$checkout/python_tests"
 fi
 

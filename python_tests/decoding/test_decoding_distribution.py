@@ -1,5 +1,6 @@
 """The decoding loop's output law and acceptance statistics against their exact values, seeds, and prompts
-(tiny random Llama pairs from helpers/models.py)."""
+(tiny random Llama pairs from helpers/models.py). The tests that take ``device`` also run the loop on CUDA where a GPU
+is visible."""
 
 import math
 
@@ -11,7 +12,7 @@ pytest.importorskip("scipy.stats")
 
 from diversed_ext.decoding import SpeculativeDecoder  # noqa: E402
 from helpers import (P_VALUE_FLOOR, PROMPT, SMALL_VOCAB, chi_square_cells_p_value, exact_joint,  # noqa: E402
-                     exact_speculative_joint, next_token_probs)
+                     exact_speculative_joint, models_on_device, next_token_probs)
 
 # ---- helpers ---------------------------------------------------------------------------------------------------------
 
@@ -25,8 +26,8 @@ def sample_continuations(decoder, prompt, length, count):
 
 
 @pytest.mark.parametrize("max_draft", [1, 3, 6])
-def test_greedy_sd_equals_greedy_ar_token_for_token(wide_pair, max_draft):
-    target, draft = wide_pair
+def test_greedy_sd_equals_greedy_ar_token_for_token(wide_pair, max_draft, device):
+    target, draft = models_on_device(wide_pair, device)
     ar = SpeculativeDecoder(target, method="ar", temperature=0)
     sd = SpeculativeDecoder(target, draft, method="sd", max_draft=max_draft, temperature=0)
     prompts = [PROMPT, [5], [7, 7, 8, 30, 2, 11]]
@@ -37,14 +38,14 @@ def test_greedy_sd_equals_greedy_ar_token_for_token(wide_pair, max_draft):
     summary = sd_output.summary()
     assert 0 < summary.accepted < summary.drafted  # both paths ran: some drafts kept, some corrected
     with torch.inference_mode():
-        reference = target.generate(torch.tensor([PROMPT]), max_new_tokens=24, do_sample=False,
+        reference = target.generate(torch.tensor([PROMPT], device=device), max_new_tokens=24, do_sample=False,
                                     pad_token_id=0)[0, len(PROMPT):]
     assert ar_tokens[0].tolist() == reference.tolist()
 
 
-def test_sampled_sd_follows_the_target_distribution(small_pair):
-    target, draft = small_pair
-    decoder = SpeculativeDecoder(target, draft, method="sd", max_draft=2, temperature=1.0)
+def test_sampled_sd_follows_the_target_distribution(small_pair, device):
+    target, draft = small_pair  # the exact laws are computed on the CPU, wherever the decoder runs
+    decoder = SpeculativeDecoder(*models_on_device(small_pair, device), method="sd", max_draft=2, temperature=1.0)
     samples = sample_continuations(decoder, PROMPT, 3, 2000)
     target_joint = exact_joint(target, draft, PROMPT, 3, SMALL_VOCAB)
     assert chi_square_cells_p_value(samples, target_joint) > P_VALUE_FLOOR

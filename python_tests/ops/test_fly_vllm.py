@@ -1,4 +1,5 @@
-"""FLy against a literal Python port of vLLM 0.33's (helpers/fly.py): at w = 1 our ops keep the same drafts.
+"""FLy against a literal Python port of vLLM 0.33's (helpers/fly.py): at w = 1 our ops keep the same drafts, on every
+device.
 
 vLLM accepts a draft when p / q >= u, ours when u q < nu (nu = p at w = 1): on the same uniforms the two differ only
 where p = u q exactly, which random uniforms never hit; the entropies differ by float rounding (ours in float64 from
@@ -12,7 +13,7 @@ import diversed_ext as dx
 from diversed_ext.ops._fly import fly_entropy
 from helpers import (vllm_accepted_lengths, vllm_apply_fly_greedy, vllm_apply_fly_random,
                          vllm_compute_fly_entropy)
-from helpers import random_logits
+from helpers import on_device, random_logits
 
 
 def vllm_fly_lengths(tokens, draft_logits, target_logits, num_draft, greedy, uniforms, window, threshold, top_k):
@@ -40,7 +41,7 @@ def vllm_fly_lengths(tokens, draft_logits, target_logits, num_draft, greedy, uni
 
 @pytest.mark.parametrize("tokens_only", [False, True])
 @pytest.mark.parametrize("window,threshold,top_k", [(1, 0.5, 3), (2, 0.3, 3), (3, 0.3, 5), (1, 0.0, 1)])
-def test_fly_keeps_the_drafts_vllm_keeps_at_w1(tokens_only, window, threshold, top_k):
+def test_fly_keeps_the_drafts_vllm_keeps_at_w1(tokens_only, window, threshold, top_k, device):
     batch, num_positions, vocab = 64, 6, 32
     tokens, draft_logits, target_logits = random_logits(batch, num_positions, vocab, seed=window * 10 + top_k,
                                                         scale=1.5)
@@ -55,8 +56,9 @@ def test_fly_keeps_the_drafts_vllm_keeps_at_w1(tokens_only, window, threshold, t
     temperature = torch.where(greedy, 0.0, 1.0)
     draft = None if tokens_only else draft_logits
     kwargs = dict(temperature=temperature, num_draft=num_draft, uniforms=uniforms)
-    ours = dx.verify_logits(tokens, draft, target_logits, 1.0, fly_window=window, fly_threshold=threshold,
-                            fly_top_k=top_k, **kwargs)
+    ours = on_device(device, dx.verify_logits, tokens, draft, target_logits, 1.0, fly_window=window,
+                     fly_threshold=threshold, fly_top_k=top_k, **kwargs)
+    plain = on_device(device, dx.verify_logits, tokens, draft, target_logits, 1.0, **kwargs)
     expected = vllm_fly_lengths(tokens, draft, target_logits, num_draft, greedy, uniforms, window, threshold, top_k)
     assert torch.equal(ours.num_accepted, expected)
     # Kept drafts, then on greedy rows the target's argmax at the first position kept by neither rule (or the bonus).
@@ -65,7 +67,6 @@ def test_fly_keeps_the_drafts_vllm_keeps_at_w1(tokens_only, window, threshold, t
         assert torch.equal(ours.tokens[b, :m], tokens[b, :m])
         if greedy[b]:
             assert int(ours.tokens[b, m]) == int(target_logits[b, m].argmax())
-    plain = dx.verify_logits(tokens, draft, target_logits, 1.0, **kwargs)
     assert bool((ours.num_accepted > plain.num_accepted).any()), "the case must exercise deferral"
     assert bool((ours.num_accepted >= plain.num_accepted).all())
 
