@@ -92,7 +92,7 @@ def _run_generate(args) -> int:
     if args.weight is not None and args.method != "static":
         raise UsageError("--weight applies to --method static")
     _check_draft_cost(args)
-    target, draft, tokenizer = common.load_models(args.target, args.draft)
+    target, draft, tokenizer = common.load_models(args.target, args.draft, args.device)
     head = _load_head(args.head, target, draft) if args.head else None
     with _decoder_error():
         decoder = SpeculativeDecoder(target, draft, method=args.method, weight=args.weight, head=head,
@@ -112,7 +112,7 @@ def _run_generate(args) -> int:
 
 def _run_demo(args) -> int:
     _check_draft_cost(args)
-    target, draft, tokenizer = common.load_models(args.target, args.draft)
+    target, draft, tokenizer = common.load_models(args.target, args.draft, args.device)
     texts = [DEMO_PROMPTS[index % len(DEMO_PROMPTS)] for index in range(args.prompts)]
     prompts = [encode_prompt(tokenizer, text, chat=not args.no_chat_template) for text in texts]
     # The shipped head was trained for the default pair only; other pairs get the static rows.

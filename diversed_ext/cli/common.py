@@ -12,6 +12,7 @@ import tempfile
 from typing import Iterator, Optional
 
 from .. import rules
+from ..decoding.runners import model_device
 from ..head import load_head
 
 
@@ -60,6 +61,22 @@ _seed = _ruled(int, rules.seed, rules.SEED)
 _gate_margin = _ruled(float, rules.gate_margin, rules.GATE_MARGIN)
 
 
+def _device(text: str) -> str:
+    """An argparse type: ``cpu``, or a CUDA device torch can see (``cuda``, ``cuda:N``)."""
+    import torch
+
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"must be cpu, cuda or cuda:N, got {text!r}")
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device.type == "cuda" and (device.index or 0) >= visible:
+        raise argparse.ArgumentTypeError(f"{text}: torch sees {visible} GPU(s) on this machine")
+    return text
+
+
 def library_defaults(*functions) -> dict:
     """name -> default of every keyword argument of ``functions`` (the first one naming it wins). The commands take
     their defaults from the functions they call, so the command line and the Python API cannot disagree."""
@@ -75,6 +92,9 @@ def _add_model_arguments(parser: argparse.ArgumentParser, defaults: dict) -> Non
     """The pair, K, temperature, length and seed flags, with ``defaults`` (from :func:`library_defaults`)."""
     parser.add_argument("--target", help="target model name or folder (default: the embedded SmolLM2-135M pair)")
     parser.add_argument("--draft", help="draft model name or folder (default: an int8 copy of the target)")
+    parser.add_argument("--device", type=_device, default="cpu",
+                        help="where the target (and a float draft) run: cpu or cuda[:N] (default %(default)s; the "
+                        "default pair's int8 draft stays on the CPU)")
     parser.add_argument("--max-draft", type=_draft_length, default=defaults["max_draft"],
                         help="K, the most tokens drafted per round (default %(default)s)")
     parser.add_argument("--temperature", type=_temperature, default=defaults["temperature"],
@@ -190,28 +210,29 @@ def _add_batch_argument(parser: argparse.ArgumentParser, defaults: dict) -> None
                              "tokens/s is then every token over the wall time of the batches")
 
 
-def load_models(target: Optional[str], draft: Optional[str]):
-    """(target, draft, tokenizer): the default pair, or the pair named on the command line."""
+def load_models(target: Optional[str], draft: Optional[str], device: str = "cpu"):
+    """(target, draft, tokenizer): the default pair, or the pair named on the command line, on ``device``."""
     from ..models import load_default_pair, load_pair
 
     if target is None:
         if draft is not None:
             raise UsageError("--draft needs --target")
-        return load_default_pair()
+        return load_default_pair(device=device)
     for flag, name in (("--target", target), ("--draft", draft)):
         # Nothing is downloaded here, so a name that is not a folder cannot load: say so before transformers does.
         if name is not None and not os.path.isdir(name):
             raise UsageError(f"{flag} {name}: no such model folder")
     try:
-        return load_pair(target, draft)
+        return load_pair(target, draft, device=device)
     except (OSError, ValueError) as error:
         raise UsageError(f"cannot load --target {target}: {error}") from None
 
 
 def _load_head(path: str, target, draft):
-    """The head at ``path`` for this pair, or a one-line error (exit 2) naming the folder and what is wrong."""
+    """The head at ``path`` for this pair, on the target's device, or a one-line error (exit 2) naming the folder and
+    what is wrong."""
     try:
-        return load_head(path, target=target, draft=draft)
+        return load_head(path, target=target, draft=draft).to(model_device(target))
     except (OSError, ValueError) as error:
         raise UsageError(f"cannot load --head {path}: {error}") from None
 

@@ -130,7 +130,7 @@ def _experiment_setup(args):
                              f"({', '.join(shipped_heads())})")
     if getattr(args, "output_dir", None) is not None:
         _require_writable_folder("--output-dir", args.output_dir)
-    target, draft, tokenizer = common.load_models(args.target, args.draft)
+    target, draft, tokenizer = common.load_models(args.target, args.draft, args.device)
     return task, examples, target, draft, tokenizer, eos_ids(tokenizer, target)
 
 

@@ -16,7 +16,7 @@ from .common import (UsageError, _add_model_arguments, _non_negative_float, _non
 from .experiments import _add_task_arguments, _experiment_setup
 
 # Options of a run that do not change the head it trains, so a recipe leaves them out.
-NOT_IN_RECIPE = ("command", "recipe", "resume", "output_dir", "checkpoint_every", "data_from_recipe")
+NOT_IN_RECIPE = ("command", "recipe", "resume", "output_dir", "checkpoint_every", "data_from_recipe", "device")
 
 
 def add_train_command(commands) -> None:

@@ -64,6 +64,15 @@ def check_head(method: str, head):
     return head
 
 
+def check_head_device(head, device: torch.device) -> None:
+    """A head module must sit where its inputs meet, on the target's device: one elsewhere is refused here, with the
+    fix, rather than inside its first forward pass."""
+    parameters = list(head.parameters()) if isinstance(head, torch.nn.Module) else []
+    if parameters and parameters[0].device != torch.device(device):
+        raise ValueError(f"head is on {parameters[0].device} and the target on {device}: the head reads both models' "
+                         f"outputs on the target's device, so move it there (head.to({str(device)!r}))")
+
+
 def check_draft_mode(method: str, draft_mode, drafter) -> str:
     """What the verifier sees of the drafts: ``draft_mode`` (None: "tokens" with a callable ``drafter``, else
     "distributions"). A callable drafter gives tokens only, and only sd and static run without a head's inputs."""

@@ -41,7 +41,7 @@ from tqdm.auto import tqdm
 from .. import rules
 from .batch import RoundConfig, run_round
 from .checks import (DrafterLike, HeadLike, PromptLike, check_batch_size, check_draft_mode, check_gate, check_head,
-                     check_max_new_tokens, check_method, check_prompt, check_seed, check_weight)
+                     check_head_device, check_max_new_tokens, check_method, check_prompt, check_seed, check_weight)
 from .draft_lengths import DEFAULT_DRAFT_LENGTH, PolicyLike, check_draft_length
 from .fly import Fly
 from .gate import Gate
@@ -68,7 +68,8 @@ class SpeculativeDecoder:
             docstring).
         weight: w on the target for ``static`` (required, in [0, 1]); must be None or 1 for ``sd``.
         head: for ``diversed``: a callable ``head(draft_hidden [1, k, Hd], target_hidden [1, k, Ht]) -> w`` with w of
-            shape [1, k] (or [1, k, 1]) in [0, 1], e.g. :class:`diversed_ext.head.EnsembleHead`. The hidden states are
+            shape [1, k] (or [1, k, 1]) in [0, 1], e.g. :class:`diversed_ext.head.EnsembleHead` (a module sits on
+            the target's device, where its inputs meet). The hidden states are
             the models' last hidden states (the input of the LM head) at the positions that predicted each draft,
             taken from the forward passes the loop already runs. A head whose ``wants_distributions`` is true also
             gets, third, the :func:`~diversed_ext.head.distribution_features` [1, k, 5] of those positions.
@@ -155,6 +156,8 @@ class SpeculativeDecoder:
         self.drafter = drafter
         self.check_inputs = bool(check_inputs)
         self.device = model_device(target)
+        if self.head is not None:
+            check_head_device(self.head, self.device)
         self.draft_device = model_device(draft) if self.draft is not None else self.device
         self._clock = Clock(self.device, synchronize_timing)
         self._target_runner = make_runner(target, self.device, fast_forward)

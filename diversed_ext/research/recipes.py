@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 from ..decoding import DEFAULT_MAX_DRAFT
+from ..decoding.runners import model_device
 from ..head import HEAD_INPUTS, EnsembleHead, hidden_size
 from .harness import encode_examples
 from .rollouts import mixture_rollout, speculative_rollout
@@ -22,8 +23,9 @@ def build_trainer(task: Task, examples: Sequence[dict], target, draft, tokenizer
 
     Args:
         rollout: ``"speculative"`` (the decoding loop with the current head) or ``"mixture"`` (token by token).
-        head: a head to keep training; otherwise a new one with ``head_hidden``, ``init_weight`` and ``head_inputs``
-            (a key of :data:`~diversed_ext.head.HEAD_INPUTS`: hidden states, distribution features, or both).
+        head: a head to keep training (on the target's device); otherwise a new one there with ``head_hidden``,
+            ``init_weight`` and ``head_inputs`` (a key of :data:`~diversed_ext.head.HEAD_INPUTS`: hidden states,
+            distribution features, or both).
         recipe: the ``diversed train`` options of this run, recorded in the new head's head.json.
     """
     if head is None:
@@ -31,7 +33,8 @@ def build_trainer(task: Task, examples: Sequence[dict], target, draft, tokenizer
             raise ValueError(f"head_inputs must be one of {', '.join(HEAD_INPUTS)}, got {head_inputs!r}")
         features, use_hidden = HEAD_INPUTS[head_inputs]
         head = EnsembleHead(hidden_size(draft), hidden_size(target), hidden=head_hidden, init_weight=init_weight,
-                            pair=pair, features=features, use_hidden=use_hidden, recipe=recipe)
+                            pair=pair, features=features, use_hidden=use_hidden,
+                            recipe=recipe).to(model_device(target))
     prompts = encode_examples(task, examples, tokenizer, chat)
     if rollout == "speculative":
         sampler = speculative_rollout(target, draft, head, max_draft=max_draft, max_new_tokens=max_new_tokens,

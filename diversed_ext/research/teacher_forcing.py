@@ -11,7 +11,7 @@ at each position.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Sequence
 
 import torch
@@ -33,6 +33,10 @@ class TokenBatch:
     mask: torch.Tensor  # [N, T] bool, True at real completion tokens
     fidelity_gap: torch.Tensor  # [N, T] E_q[log p] - E_p[log p] (see fidelity_gap)
     distributions: torch.Tensor  # [N, T, F] distribution_features of both models' logits at each position
+
+    def to(self, device) -> "TokenBatch":
+        """This batch with every tensor on ``device``."""
+        return TokenBatch(*(getattr(self, field.name).to(device) for field in fields(self)))
 
     def head_inputs(self, head) -> tuple:
         """What ``head`` reads at every position: both hidden states, and the distribution features when it takes

@@ -31,6 +31,8 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from tqdm import tqdm
 
+from ..decoding.checks import check_head_device
+from ..decoding.runners import model_device
 from ..head import EnsembleHead
 from .checkpoints import (CHECKPOINT_NAME, LOG_NAME, CheckpointError, TrainingLog, load_checkpoint,
                           save_checkpoint)
@@ -140,7 +142,7 @@ class Trainer:
 
     Args:
         target, draft: the Hugging Face causal LMs (frozen).
-        head: the head to train (its parameters are the only ones updated).
+        head: the head to train, on the target's device (its parameters are the only ones updated).
         prompts: token ids of every training prompt (all ranks pass the same list; each takes its shard).
         examples: the task examples the prompts came from, passed to ``reward``.
         reward: (example, completion text) -> task reward.
@@ -161,6 +163,7 @@ class Trainer:
         config.validate()
         if len(prompts) != len(examples) or not prompts:
             raise ValueError(f"prompts ({len(prompts)}) and examples ({len(examples)}) must be equal and non-empty")
+        check_head_device(head, model_device(target))
         self.target, self.draft, self.head = target, draft, head
         self.examples, self.reward, self.decode, self.rollout, self.config = examples, reward, decode, rollout, config
         self.prompts = [list(prompt) for prompt in prompts]

@@ -42,13 +42,14 @@ def sample_validation_tokens(target, draft, prompts: Sequence[Sequence[int]], *,
                              max_draft: int = DEFAULT_MAX_DRAFT, max_new_tokens: int = 128, temperature: float = 1.0, seed: int = 0,
                              eos_token_id=None, batch_size: Optional[int] = 16) -> TokenBatch:
     """Completions of ``prompts`` sampled from the static ensemble ``weight`` (prompt i with seed + i), then one
-    teacher-forced pass of both models over them."""
+    teacher-forced pass of both models over them; the batch is returned on the CPU."""
     decoder = SpeculativeDecoder(target, draft, method="static", weight=weight, max_draft=max_draft,
                                  temperature=temperature)
     output = decoder.generate([list(prompt) for prompt in prompts], max_new_tokens=max_new_tokens,
                               eos_token_id=eos_token_id, seed=seed, batch_size=batch_size, progress=True)
+    # On the CPU: the closed forms are sums over a few thousand tokens, and a token file loads there.
     return teacher_forced_tokens(target, draft, prompts, [tokens.tolist() for tokens in output.sequences],
-                                 temperature)
+                                 temperature).to("cpu")
 
 
 def save_tokens(tokens: TokenBatch, path: str) -> None:
@@ -91,8 +92,11 @@ def weighted_point(label: str, weights: torch.Tensor, tokens: TokenBatch) -> Clo
 
 @torch.no_grad()
 def head_point(label: str, head, tokens: TokenBatch) -> ClosedFormPoint:
-    """A head's closed-form point (its weights from the contexts' hidden states and distribution features)."""
-    return weighted_point(label, head(*tokens.head_inputs(head)).float(), tokens)
+    """A head's closed-form point (its weights from the contexts' hidden states and distribution features), the head
+    run on its own device."""
+    device = next(head.parameters()).device
+    weights = head(*(inputs.to(device) for inputs in tokens.head_inputs(head)))
+    return weighted_point(label, weights.float().to(tokens.mask.device), tokens)
 
 
 def static_point(weight: float, tokens: TokenBatch) -> ClosedFormPoint:

@@ -97,6 +97,29 @@ def test_bad_numbers_are_refused_by_the_parser(argv, capsys):
     assert "error: argument" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("device, expected", [("tpu", "must be cpu, cuda or cuda:N"),
+                                              ("cuda:x", "must be cpu, cuda or cuda:N"),
+                                              ("meta", "must be cpu, cuda or cuda:N"),
+                                              ("cuda:64", "GPU(s) on this machine")])
+def test_a_device_torch_cannot_run_on_is_refused_by_the_parser(device, expected, capsys):
+    for argv in (["generate", "--prompt", "hi"], ["eval", "--data", "d.jsonl"], ["train", "--data", "d.jsonl"]):
+        with pytest.raises(SystemExit) as exit_info:
+            cli.build_parser().parse_args([*argv, "--device", device])
+        assert exit_info.value.code == 2
+        assert "argument --device" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["demo", "--device", device])
+    assert expected in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible, so --device cuda is valid here")
+def test_device_cuda_without_a_gpu_says_so(capsys):
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["demo", "--device", "cuda"])
+    assert "cuda: torch sees 0 GPU(s) on this machine" in capsys.readouterr().err
+    assert cli.build_parser().parse_args(["demo", "--device", "cpu"]).device == "cpu"
+
+
 def test_unwritable_output_folder_is_refused_before_the_work(tmp_path, capsys, no_models):
     data = write(tmp_path / "data.jsonl", GOOD_RECORD)
     blocker = tmp_path / "a_file"

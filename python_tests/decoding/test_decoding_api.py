@@ -161,6 +161,15 @@ def test_head_returning_the_wrong_shape_is_rejected(wide_pair):
         decoder.generate(PROMPT, max_new_tokens=10, seed=0)
 
 
+def test_a_head_on_another_device_than_the_target_is_refused_with_the_fix(wide_pair):
+    from diversed_ext.head import EnsembleHead
+
+    head = EnsembleHead(16, 16).to("meta")  # any device but the target's: a machine without a GPU has meta
+    with pytest.raises(ValueError, match=r"head is on meta and the target on cpu.*head\.to\('cpu'\)"):
+        SpeculativeDecoder(*wide_pair, method="diversed", head=head)
+    SpeculativeDecoder(*wide_pair, method="diversed", head=head.to_empty(device="cpu"))
+
+
 # ---- statistics ------------------------------------------------------------------------------------------------------
 
 

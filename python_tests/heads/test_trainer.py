@@ -119,6 +119,16 @@ def test_a_training_step_on_the_device_and_its_checkpoint(pair, device, rollout,
         torch.testing.assert_close(saved.state_dict()[name], value, rtol=0, atol=0)
 
 
+def test_a_head_off_the_target_device_is_refused(pair, tmp_path):
+    from diversed_ext.research.trainer import Trainer
+
+    trainer = make_trainer(pair, tmp_path, reward=lambda example, text: 0.0, steps=1)
+    head = trainer.head.to("meta")
+    with pytest.raises(ValueError, match="head is on meta and the target on cpu"):
+        Trainer(*pair, head, trainer.prompts, trainer.examples, trainer.reward, trainer.decode, trainer.rollout,
+                trainer.config)
+
+
 def test_schedule_and_config_checks(tmp_path):
     assert warmup_cosine(0, 4, 10) == 0.25 and warmup_cosine(3, 4, 10) == 1.0
     assert abs(warmup_cosine(10, 4, 10)) < 1e-12
