@@ -67,9 +67,9 @@ def check_head(method: str, head):
 def check_head_device(head, device: torch.device) -> None:
     """A head module must sit where its inputs meet, on the target's device: one elsewhere is refused here, with the
     fix, rather than inside its first forward pass."""
-    parameters = list(head.parameters()) if isinstance(head, torch.nn.Module) else []
-    if parameters and parameters[0].device != torch.device(device):
-        raise ValueError(f"head is on {parameters[0].device} and the target on {device}: the head reads both models' "
+    parameter = next(head.parameters(), None) if isinstance(head, torch.nn.Module) else None
+    if parameter is not None and parameter.device != torch.device(device):
+        raise ValueError(f"head is on {parameter.device} and the target on {device}: the head reads both models' "
                          f"outputs on the target's device, so move it there (head.to({str(device)!r}))")
 
 

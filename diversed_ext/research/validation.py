@@ -24,6 +24,7 @@ from typing import Optional, Sequence
 import torch
 
 from ..decoding import DEFAULT_MAX_DRAFT, SpeculativeDecoder
+from ..decoding.runners import model_device
 from .report import _mean, paired_difference, standard_error
 from .teacher_forcing import TokenBatch, teacher_forced_tokens
 
@@ -94,7 +95,7 @@ def weighted_point(label: str, weights: torch.Tensor, tokens: TokenBatch) -> Clo
 def head_point(label: str, head, tokens: TokenBatch) -> ClosedFormPoint:
     """A head's closed-form point (its weights from the contexts' hidden states and distribution features), the head
     run on its own device."""
-    device = next(head.parameters()).device
+    device = model_device(head)
     weights = head(*(inputs.to(device) for inputs in tokens.head_inputs(head)))
     return weighted_point(label, weights.float().to(tokens.mask.device), tokens)
 
