@@ -37,25 +37,10 @@ VLLM_0_33 = "0.33.0"
 @pytest.fixture(scope="session")
 def vllm_0_33_source():
     """vLLM 0.33.0's Python source (the GPU release; no CPU build of it exists): its wheel downloaded once with
-    ``pip download --no-deps`` and the files the plugin hooks unpacked into ~/.cache/diversed_ext; never installed."""
-    import subprocess
-    import sys
-    import zipfile
+    ``pip download --no-deps`` and its ``vllm/**.py`` unpacked into ~/.cache/diversed_ext (scripts/vllm_source.py);
+    never installed."""
+    import runpy
     from pathlib import Path
 
-    from diversed_ext.vllm_plugin.seams import SEAMS
-
-    root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "diversed_ext" / f"vllm-{VLLM_0_33}"
-    files = sorted({relative for relative, _, _ in SEAMS})
-    if not all((root / relative).is_file() for relative in files):
-        wheels = root / "wheel"
-        wheels.mkdir(parents=True, exist_ok=True)
-        if not list(wheels.glob("vllm-*.whl")):
-            subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--dest", str(wheels),
-                            f"vllm=={VLLM_0_33}"], check=True)
-        with zipfile.ZipFile(next(wheels.glob("vllm-*.whl"))) as wheel:
-            for relative in files:
-                wheel.extract(relative, root)
-        for wheel_file in wheels.glob("vllm-*.whl"):  # 336 MB: only the extracted sources are kept
-            wheel_file.unlink()
-    return str(root)
+    script = Path(__file__).resolve().parents[1] / "scripts" / "vllm_source.py"
+    return runpy.run_path(str(script))["fetch_source"](VLLM_0_33)
