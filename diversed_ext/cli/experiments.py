@@ -36,7 +36,8 @@ def add_experiment_commands(commands) -> None:
     run = library_defaults(evaluate)
     validation = library_defaults(sample_validation_tokens)
 
-    evaluate = commands.add_parser("eval", help="acceptance, task quality, fidelity and speed per method")
+    evaluate = commands.add_parser("eval", help="acceptance, task quality, fidelity, calibration (g) and speed per "
+                                   "method")
     _add_task_arguments(evaluate)
     evaluate.add_argument("--method", choices=METHODS + LOSSY_METHODS, nargs="+", default=["sd"],
                           help="one or more (default sd); fly is sd with FLy, static+fly and diversed+fly add FLy "
@@ -186,7 +187,6 @@ def _evaluate_and_print(args, specs_for, comparisons_for) -> int:
     """Run ``specs_for(target, draft)``, print the table, then ``comparisons_for(results)`` (when not empty) and,
     with several draft lengths, the policies against each method's best fixed K."""
     from ..research.draft_length_report import draft_length_table
-    from ..research.report import markdown_table
 
     _check_draft_cost(args)
     setup = _experiment_setup(args)
@@ -195,7 +195,7 @@ def _evaluate_and_print(args, specs_for, comparisons_for) -> int:
     print(f"{task.name}: {len(examples)} prompts, up to {args.max_new_tokens} new tokens, "
           f"{_draft_length_words(args)}, batch size {args.batch_size}, temperature {args.temperature:g}, "
           f"seeds {args.seed}..{args.seed + len(examples) - 1}\n")
-    print(markdown_table(results, task.metric))
+    print(_results_table(results, task.metric))
     comparisons = comparisons_for(results)
     if comparisons:
         print("\n" + comparisons)
@@ -254,12 +254,23 @@ def _prompts_record(args, task, examples) -> dict:
             "fly_top_k": args.fly_top_k}
 
 
+def _results_table(results, metric: str) -> str:
+    """The results' table, what its fidelity, target entropy and g columns mean, and a note where some rows lack the
+    target entropy (parts saved before it was recorded)."""
+    from ..research.calibration import LEGEND, missing_entropy_note
+    from ..research.report import markdown_table
+
+    note = missing_entropy_note(results)
+    return f"{markdown_table(results, metric)}\n\n{LEGEND}" + (f"\n\n{note}" if note else "")
+
+
 def _pareto_report(results, metric: str, output_dir: str) -> tuple[str, list]:
     """(the table with, where heads, the gate or FLy ran, each against the static line and FLy's frontier; the files
     written: pareto.md and pareto.png in ``output_dir``)."""
-    from ..research.report import fly_rows, frontier_table, gate_rows, learned_rows, markdown_table, plot_pareto
+    from ..research.plots import plot_pareto
+    from ..research.report import fly_rows, frontier_table, gate_rows, learned_rows
 
-    table = markdown_table(results, metric)
+    table = _results_table(results, metric)
     placed = list(dict.fromkeys(row.label for row in learned_rows(results) + gate_rows(results) + fly_rows(results)))
     if placed:
         table += ("\n\nEach rule against the static line and FLy's frontier at its acceptance (fidelity, paired over "

@@ -4,5 +4,6 @@ the ensemble head, the evaluation harness, and reports (tables, standard errors,
     tasks, sandbox             data loaders, prompts and rewards (GSM8K, HumanEval in a sandbox, ROUGE, fidelity)
     teacher_forcing, objective what one training step computes from a batch of completions
     rollouts, trainer, checkpoints, recipes   the training run
-    harness, report            methods x prompts experiments and what they print and plot
+    harness, report, plots     methods x prompts experiments and what they print and plot
+    calibration                the calibration gap g and the target entropy reported beside fidelity
 """

@@ -25,7 +25,7 @@ from .draft_length_report import draft_length_label
 from .head_usage import weight_usage
 from .report import MethodResult, _mean
 from .tasks import Task
-from .teacher_forcing import fidelity
+from .teacher_forcing import target_scores
 
 DEMO_PROMPTS = (
     "Explain in two sentences why the sky is blue.",
@@ -239,10 +239,12 @@ def run_demo(target, draft, prompts: Sequence[Sequence[int]], specs: Sequence[tu
 def evaluate(task: Task, examples: Sequence[dict], target, draft, tokenizer, specs: Sequence[tuple[str, dict]], *,
              max_draft: int = DEFAULT_MAX_DRAFT, max_new_tokens: int = 64, temperature: float = 1.0, seed: int = 0,
              eos_token_id=None, chat: bool = True, progress: bool = True, batch_size: Optional[int] = 8,
-             draft_cost: Optional[float] = None, warmup: bool = False) -> list[MethodResult]:
-    """Run every method on every example and score the outputs: task reward and fidelity per prompt.
-    ``draft_cost``: for specs drafting with ``"gain"``; ``warmup``: run each method once untimed first (for
-    benchmarks; the results are unchanged)."""
+             draft_cost: Optional[float] = None, warmup: bool = False,
+             score_temperature: Optional[float] = None) -> list[MethodResult]:
+    """Run every method on every example and score the outputs: task reward, fidelity and the target entropy at the
+    positions visited (one pass of the target: :func:`~.teacher_forcing.target_scores`) per prompt, the target taken
+    at ``score_temperature`` (default: ``temperature``, the user's). ``draft_cost``: for specs drafting with
+    ``"gain"``; ``warmup``: run each method once untimed first (for benchmarks; the results are unchanged)."""
     prompts = encode_examples(task, examples, tokenizer, chat)
     decoders = build_decoders(target, draft, specs, max_draft=max_draft, temperature=temperature,
                               draft_cost=draft_cost)
@@ -258,10 +260,12 @@ def evaluate(task: Task, examples: Sequence[dict], target, draft, tokenizer, spe
             return [(generation, *_score(generation, index)) for generation, index in zip(generations, indices)]
         return run
 
-    def _score(generation, index: int) -> tuple[float, float]:
+    scoring = temperature if score_temperature is None else score_temperature
+
+    def _score(generation, index: int) -> tuple[float, float, float]:
         tokens = generation.tokens.tolist()
         quality = float(task.reward(examples[index], tokenizer.decode(tokens, skip_special_tokens=True)))
-        return quality, fidelity(target, prompts[index], tokens, temperature)
+        return (quality, *target_scores(target, prompts[index], tokens, scoring))
 
     # (new tokens, decoding seconds) of each batch: the method's decoding time, and the unit of paired comparisons
     batch_work = {label: [] for label, _ in specs}
@@ -276,7 +280,7 @@ def evaluate(task: Task, examples: Sequence[dict], target, draft, tokenizer, spe
 
 
 def _method_result(label: str, kwargs: dict, runs: list, batch_work: tuple, draft_length: str) -> MethodResult:
-    generations, quality, fidelities = ([run[i] for run in runs] for i in range(3))
+    generations, quality, fidelities, entropies = ([run[i] for run in runs] for i in range(4))
     summary = throughput_summary(generations, sum(seconds for _, seconds in batch_work))
     usage = weight_usage(generations)
     if usage is not None:
@@ -290,4 +294,5 @@ def _method_result(label: str, kwargs: dict, runs: list, batch_work: tuple, draf
                         tuple(generation.summary().acceptance_rate for generation in generations), usage,
                         drafts_per_round=summary.drafts_per_round, batch_work=batch_work,
                         draft_length=draft_length if kwargs["method"] != "ar" else "",
-                        target_passes=summary.target_passes, drafted=summary.drafted, accepted=summary.accepted)
+                        target_passes=summary.target_passes, drafted=summary.drafted, accepted=summary.accepted,
+                        entropy_per_prompt=tuple(entropies))

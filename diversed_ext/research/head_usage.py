@@ -14,7 +14,8 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Optional
 
-from .report import markdown_rows, new_figure, save_figure
+from .plots import new_figure, save_figure
+from .report import markdown_rows
 
 LOW_WEIGHT_QUANTILE = 0.1  # "lowest w" means at or below this quantile of all the weights a head chose
 HISTOGRAM_BINS = 40

@@ -1,4 +1,5 @@
-"""Reports of experiments: per-method results, standard errors, paired differences, tables and plots.
+"""Reports of experiments: per-method results, standard errors, paired differences and tables (the plots:
+:mod:`.plots`).
 
 Prompts are the independent samples: every method runs on the same prompts with the same seeds, so comparisons are
 paired over prompts, and standard errors are taken over prompts (drafts within one generation are correlated).
@@ -6,13 +7,12 @@ paired over prompts, and standard errors are taken over prompts (drafts within o
 
 from __future__ import annotations
 
-import itertools
 import math
-import os
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from ..decoding import DecodingSummary
+from .calibration import marked
 
 
 @dataclass
@@ -38,6 +38,9 @@ class MethodResult:
     target_passes: int = 0  # the exact counts behind the rates above, for joining runs (research.result_sets)
     drafted: int = 0
     accepted: int = 0
+    # mean target entropy H(p) at the positions each prompt's output visited (research.calibration); () where none
+    # was recorded: rows saved before it existed
+    entropy_per_prompt: tuple = ()
 
     @property
     def fidelity_se(self) -> float:
@@ -53,6 +56,42 @@ class MethodResult:
     def quality_se(self) -> float:
         """Standard error of the mean task quality over prompts."""
         return standard_error(list(self.quality_per_prompt))
+
+    @property
+    def entropy_values(self) -> tuple:
+        """The target entropy prompt by prompt, aligned with ``fidelity_per_prompt``: NaN at every prompt where none
+        was recorded."""
+        return tuple(self.entropy_per_prompt) or (math.nan,) * len(self.fidelity_per_prompt)
+
+    @property
+    def entropy(self) -> float:
+        """Mean over prompts of the target entropy at the positions visited (over the prompts that have one)."""
+        return _mean(_finite(self.entropy_values))
+
+    @property
+    def entropy_se(self) -> float:
+        """Standard error of :attr:`entropy` over prompts."""
+        return standard_error(_finite(self.entropy_values))
+
+    @property
+    def calibration_gap_per_prompt(self) -> tuple:
+        """g = fidelity + target entropy, prompt by prompt (research.calibration): 0 in expectation for exact
+        sampling, positive where the output is sharper than the target; NaN where either is missing."""
+        return tuple(value + entropy for value, entropy in zip(self.fidelity_per_prompt, self.entropy_values))
+
+    @property
+    def calibration_gap(self) -> float:
+        """Mean over prompts of g (over the prompts that have it)."""
+        return _mean(_finite(self.calibration_gap_per_prompt))
+
+    @property
+    def calibration_gap_se(self) -> float:
+        """Standard error of :attr:`calibration_gap` over prompts."""
+        return standard_error(_finite(self.calibration_gap_per_prompt))
+
+
+def _finite(values: Sequence[float]) -> list[float]:
+    return [value for value in values if not math.isnan(value)]
 
 
 def _mean(values: Sequence[float]) -> float:
@@ -191,8 +230,9 @@ def _difference(method: MethodResult, name: str, fidelity_values, quality_values
 
 
 def frontier_table(results: Sequence[MethodResult], labels: Sequence[str]) -> str:
-    """For each of ``labels``: acceptance, fidelity, and its paired distance above the static line and above FLy's
-    frontier at its acceptance ("-" where that line does not reach its acceptance), +- 1 s.e. over prompts."""
+    """For each of ``labels``: acceptance, fidelity, the calibration gap g (marked where sharper than the target), and
+    the fidelity's paired distance above the static line and above FLy's frontier at its acceptance ("-" where that
+    line does not reach its acceptance), +- 1 s.e. over prompts."""
     rows = {row.label: row for row in results}
     lines = []
     for label in labels:
@@ -200,9 +240,10 @@ def frontier_table(results: Sequence[MethodResult], labels: Sequence[str]) -> st
         above_static = [item for item in compare_to_baselines(results, label) if item.baseline.startswith("static f")]
         above_fly = compare_to_fly_frontier(results, label)
         lines.append([label, with_error(row.acceptance, row.acceptance_se), with_error(row.fidelity, row.fidelity_se),
-                      *(f"{found[0].fidelity:+.3f} +- {cell(found[0].fidelity_se)}" if found else "-"
-                        for found in (above_static, above_fly))])
-    return markdown_rows(["rule", "acceptance", "fidelity", "above the static line", "above FLy's frontier"], lines)
+                      gap_cell(row), *(f"{found[0].fidelity:+.3f} +- {cell(found[0].fidelity_se)}" if found else "-"
+                                       for found in (above_static, above_fly))])
+    return markdown_rows(["rule", "acceptance", "fidelity", "g", "above the static line", "above FLy's frontier"],
+                         lines)
 
 
 def comparison_lines(comparisons: Sequence[PairedDifference], label: str = "diversed") -> str:
@@ -243,35 +284,24 @@ def markdown_rows(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return "\n".join(lines)
 
 
+def gap_cell(row: MethodResult) -> str:
+    """The row's calibration gap g +- 1 s.e., marked where it is sharper than the target."""
+    gap, error = row.calibration_gap, row.calibration_gap_se
+    return marked(cell(gap, "+.3f") + ("" if math.isnan(error) else f" +- {error:.3f}"), gap)
+
+
 def markdown_table(results: Sequence[MethodResult], metric: str = "quality") -> str:
-    """The results as a markdown table (``metric`` names the task-quality column)."""
-    header = ["method", "w (mean)", "acceptance", "drafts/round", "tokens/pass", metric, "fidelity", "tokens/s"]
+    """The results as a markdown table (``metric`` names the task-quality column): fidelity (the mean target
+    log-probability per token), the target entropy at the positions visited and g beside it
+    (:mod:`~diversed_ext.research.calibration`)."""
+    header = ["method", "w (mean)", "acceptance", "drafts/round", "tokens/pass", metric, "fidelity (mean log p)",
+              "target entropy", "g", "tokens/s"]
     return markdown_rows(header, [[row.label, cell(row.weight, ".2f"), cell(row.acceptance),
                                    cell(row.drafts_per_round, ".2f"), cell(row.tokens_per_pass, ".2f"),
                                    cell(row.quality), with_error(row.fidelity, row.fidelity_se),
+                                   with_error(row.entropy, row.entropy_se), gap_cell(row),
                                    cell(row.tokens_per_second, ".1f")]
                                   for row in results])
-
-
-def new_figure(columns: int, figsize: tuple):
-    """A figure with ``columns`` axes side by side, drawn off-screen (no display needed)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt.subplots(1, columns, figsize=figsize)
-
-
-def save_figure(figure, path: str) -> str:
-    """Lay out ``figure``, write it as a PNG at ``path`` (creating its folder) and free it; returns ``path``."""
-    import matplotlib.pyplot as plt
-
-    figure.tight_layout()
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    figure.savefig(path, dpi=110, bbox_inches="tight")  # "tight": a legend beside the axes is kept
-    plt.close(figure)
-    return path
 
 
 def learned_rows(results: Sequence[MethodResult]) -> list[MethodResult]:
@@ -290,59 +320,6 @@ def gate_rows(results: Sequence[MethodResult]) -> list[MethodResult]:
     return [row for row in results if row.label.split(" ")[0] == "gate" or "+gate" in row.label]
 
 
-_PARETO_PANELS = (  # (x, y, x label): the frontier first
-    ("acceptance", "fidelity", "acceptance rate"), ("acceptance", "quality", "acceptance rate"),
-    ("weight", "acceptance", "w on the target (a head's mean w)"), ("tokens_per_second", "fidelity", "tokens/s"))
-_ERRORS = {"acceptance": "acceptance_se", "fidelity": "fidelity_se", "quality": "quality_se"}
-_HEAD_MARKERS = "*Dsv^P"
-
-
-def _value_and_error(row: MethodResult, name: str) -> tuple[float, float]:
-    error = getattr(row, _ERRORS[name]) if name in _ERRORS else math.nan
-    return getattr(row, name), (0.0 if math.isnan(error) else error)
-
-
-def plot_pareto(results: Sequence[MethodResult], path: str, metric: str = "quality") -> str:
-    """The static frontier (a line through the sweep over w) and every head's and FLy row's point, +- one standard
-    error over prompts: fidelity and quality against acceptance, acceptance against w, fidelity against tokens/s (where
-    the rows have speeds)."""
-    static = _static_rows(results, key=lambda row: row.weight)
-    # Rows joined from several runs have no tokens/s (speeds of different runs do not compare): no speed panel then.
-    panels = [panel for panel in _PARETO_PANELS
-              if any(not math.isnan(getattr(row, panel[0])) for row in results)]
-    figure, axes = new_figure(len(panels), (4.5 * len(panels), 4.2))
-    for axis, (x_name, y_name, x_label) in zip(axes, panels):
-        points = [(*_value_and_error(row, x_name), *_value_and_error(row, y_name)) for row in static]
-        if points:
-            x, x_error, y, y_error = zip(*points)
-            axis.errorbar(x, y, xerr=x_error, yerr=y_error, fmt="o-", capsize=2, label="static ensembles")
-        for row, (x_value, _, y_value, _) in zip(static, points):
-            axis.annotate(f"{row.weight:g}", (x_value, y_value), fontsize=7)
-        fly = [row for row in results if _is_plain_fly(row.label)]
-        if fly:
-            axis.scatter([getattr(row, x_name) for row in fly], [getattr(row, y_name) for row in fly], marker="x",
-                         color="grey", label="FLy (each W, tau)")
-        if fly and (x_name, y_name) == ("acceptance", "fidelity"):
-            envelope = upper_envelope(fly + [row for row in results if _is_sd(row.label)])
-            axis.plot([row.acceptance for row in envelope], [row.fidelity for row in envelope], "--", color="grey",
-                      label="FLy's frontier")
-        marked = {row.label: row for row in learned_rows(results) + gate_rows(results) + fly_rows(results)
-                  if not _is_plain_fly(row.label)}  # a head's row with the gate is one point
-        for marker, row in zip(itertools.cycle(_HEAD_MARKERS), marked.values()):
-            x_value, x_error = _value_and_error(row, x_name)
-            y_value, y_error = _value_and_error(row, y_name)
-            axis.errorbar([x_value], [y_value], xerr=[x_error], yerr=[y_error], fmt=marker, markersize=10,
-                          capsize=2, label=row.label)
-        axis.set_xlabel(x_label)
-        axis.set_ylabel(metric if y_name == "quality" else y_name)
-        axis.grid(alpha=0.3)
-    # Beside the panels, not on one: with a dozen rules a legend inside covers the frontier's points.
-    handles, labels = axes[0].get_legend_handles_labels()
-    axes[-1].legend(handles, labels, fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
-    axes[0].set_title("fidelity: mean target log-prob per token", fontsize=9)
-    return save_figure(figure, path)
-
-
 def format_table(rows: Sequence[tuple[str, DecodingSummary]], baseline: str = "ar") -> str:
     """A plain-text table of summaries: acceptance, tokens per target pass, tokens/s and speed against ``baseline``."""
     reference = dict(rows).get(baseline)
@@ -354,23 +331,3 @@ def format_table(rows: Sequence[tuple[str, DecodingSummary]], baseline: str = "a
         lines.append(f"{name:<16}{acceptance:>11}{summary.tokens_per_pass:>13.2f}{summary.tokens_per_second:>10.1f}"
                      f"{speed:>8.2f}x")
     return "\n".join(lines)
-
-
-def plot_training_curve(records: list[dict], path: str) -> Optional[str]:
-    """Mean weight, expected acceptance, task reward and fidelity against the step, as a PNG."""
-    if not records:
-        return None
-    steps = [record["step"] for record in records]
-    figure, axes = new_figure(3, (13, 3.6))
-    axes[0].plot(steps, [r["mean_weight"] for r in records], label="mean w (on target)")
-    axes[0].plot(steps, [r["expected_acceptance"] for r in records], label="expected acceptance 1 - w TV")
-    axes[0].set_ylim(0, 1)
-    axes[0].legend()
-    axes[1].plot(steps, [r["task_reward"] for r in records], color="tab:green")
-    axes[1].set_title("task reward (batch mean)")
-    axes[2].plot(steps, [r["fidelity"] for r in records], color="tab:red")
-    axes[2].set_title("fidelity: mean target log-prob / token")
-    for axis in axes:
-        axis.set_xlabel("step")
-        axis.grid(alpha=0.3)
-    return save_figure(figure, path)

@@ -9,7 +9,9 @@ rounded rates.
 
 Two parts on the same prompts must agree on a rule both ran (prompt i's tokens depend only on its seed); parts on
 different prompts must share every decoding setting and must not overlap. Speeds measured in different runs do not
-compare (other load, other machines): rows joined from several parts have no tokens/s.
+compare (other load, other machines): rows joined from several parts have no tokens/s. Parts saved before the target
+entropy was recorded join with NaN at their prompts (where the same rule ran on the same prompts in a newer part too,
+the newer one's values are kept); :func:`~.calibration.missing_entropy_note` says which rows that leaves partial.
 """
 
 from __future__ import annotations
@@ -34,10 +36,15 @@ class ResultSet:
     rows: tuple
 
 
+# Figures derived from the per-prompt values, written for readers of the file (loading recomputes them).
+_DERIVED = ("entropy", "entropy_se", "calibration_gap", "calibration_gap_se")
+
+
 def results_records(results: Sequence[MethodResult]) -> list[dict]:
-    """Each row's figures and its per-prompt values, as JSON-ready dicts (a head's weight usage left out)."""
-    return [{key: value for key, value in dataclasses.asdict(row).items() if key != "weight_usage"}
-            for row in results]
+    """Each row's figures and its per-prompt values, as JSON-ready dicts (a head's weight usage left out; the target
+    entropy and the calibration gap g with their standard errors added; NaN is written as JSON's NaN)."""
+    return [{**{key: value for key, value in dataclasses.asdict(row).items() if key != "weight_usage"},
+             **{name: getattr(row, name) for name in _DERIVED}} for row in results]
 
 
 def save_results(path: str, prompts: dict, results: Sequence[MethodResult]) -> str:
@@ -76,9 +83,11 @@ def merge_result_sets(parts: Sequence[ResultSet]) -> tuple[dict, list[MethodResu
     for part in parts:
         rules = by_prompts.setdefault(json.dumps(part.prompts, sort_keys=True), {})
         for row in part.rows:
-            if row.label in rules and rules[row.label].fidelity_per_prompt != row.fidelity_per_prompt:
+            known = rules.get(row.label)
+            if known is not None and not _same_values(known.fidelity_per_prompt, row.fidelity_per_prompt):
                 raise ValueError(f"{row.label!r} ran twice on the same prompts with different outcomes")
-            rules.setdefault(row.label, row)
+            if known is None or (not known.entropy_per_prompt and row.entropy_per_prompt):
+                rules[row.label] = row  # a part that recorded the target entropy wins over one that did not
     prompt_sets = sorted(((json.loads(key), rules) for key, rules in by_prompts.items()),
                          key=lambda item: item[0].get("skip", 0))
     _check_joinable([prompts for prompts, _ in prompt_sets])
@@ -90,6 +99,12 @@ def merge_result_sets(parts: Sequence[ResultSet]) -> tuple[dict, list[MethodResu
     prompts = {**first, "count": sum(prompts.get("count", 0) for prompts, _ in prompt_sets),
                "parts": [{key: prompts.get(key) for key in _PROMPT_CHOICE} for prompts, _ in prompt_sets]}
     return prompts, joined
+
+
+def _same_values(first: Sequence[float], second: Sequence[float]) -> bool:
+    """Equal prompt by prompt, NaN (nothing generated) equal to NaN."""
+    return len(first) == len(second) and all(a == b or (math.isnan(a) and math.isnan(b))
+                                              for a, b in zip(first, second))
 
 
 def _check_joinable(prompt_sets: Sequence[dict]) -> None:
@@ -129,4 +144,4 @@ def _join_prompts(rows: Sequence[MethodResult]) -> MethodResult:
         acceptance_per_prompt=sum((tuple(row.acceptance_per_prompt) for row in rows), ()), weight_usage=None,
         drafts_per_round=drafted / passes if passes else math.nan,
         batch_work=sum((tuple(row.batch_work) for row in rows), ()), target_passes=passes, drafted=drafted,
-        accepted=accepted)
+        accepted=accepted, entropy_per_prompt=sum((row.entropy_values for row in rows), ()))

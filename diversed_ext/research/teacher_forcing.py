@@ -6,7 +6,8 @@ h_target_t (the head's inputs, those it sees while decoding) and the logits, fro
 takes p_t(y_t), q_t(y_t), their log probabilities and TV(p_t, q_t) in one pass over the vocabulary without
 materialising probabilities; :func:`fidelity_gap` the expected-fidelity term's G_t = E_q[log p] - E_p[log p]
 (chunked, so small temporaries); and :func:`~diversed_ext.head.distribution_features` what a head that reads them sees
-at each position.
+at each position. For scoring decoded outputs, :func:`target_scores` gives a completion's fidelity and the target's
+entropy at the positions it visited (one pass of the target).
 """
 
 from __future__ import annotations
@@ -141,12 +142,26 @@ def _pad_stack(tensors: list[torch.Tensor], length: int) -> torch.Tensor:
 def fidelity(target, prompt: Sequence[int], completion: Sequence[int], temperature: float = 1.0) -> float:
     """Mean target log-probability per generated token (NaN for an empty completion), at the sampling temperature
     (0 counts as 1): how likely the target finds what was generated, for tasks without labels."""
+    return target_scores(target, prompt, completion, temperature)[0]
+
+
+@torch.no_grad()
+def target_scores(target, prompt: Sequence[int], completion: Sequence[int],
+                  temperature: float = 1.0) -> tuple[float, float]:
+    """(fidelity, entropy) of a completion under the target at ``temperature`` (0 counts as 1), from one forward pass:
+    the mean of log p_t(y_t) and the mean of H(p_t) over the positions that predicted its tokens (NaN, NaN for an
+    empty completion).
+
+    Their sum is the calibration gap g of :mod:`.calibration`: E[log p_t(y_t)] = -H(p_t) when y_t is drawn from p_t,
+    so g is 0 in expectation for exact sampling and positive for an output sharper than the target."""
     if not completion:
-        return float("nan")
+        return float("nan"), float("nan")
     device = next(target.parameters()).device
     ids = torch.tensor([list(prompt) + list(completion)], dtype=torch.int64, device=device)
     logits = target(input_ids=ids, use_cache=False).logits[0, len(prompt) - 1:-1].float()
-    scale = distribution_temperature(temperature)
-    logprobs = (logits / scale).log_softmax(-1)
+    logprobs = (logits / distribution_temperature(temperature)).log_softmax(-1)
     picked = logprobs.gather(-1, torch.tensor(list(completion), device=device).unsqueeze(-1))
-    return float(picked.mean())
+    probs = logprobs.exp()
+    # Tokens the target rules out (log p = -inf) add 0 to the entropy, not 0 * -inf = NaN.
+    entropy = -torch.where(probs > 0, probs * logprobs, torch.zeros_like(probs)).sum(-1)
+    return float(picked.mean()), float(entropy.mean())

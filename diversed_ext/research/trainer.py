@@ -37,7 +37,7 @@ from ..head import EnsembleHead
 from .checkpoints import (CHECKPOINT_NAME, LOG_NAME, CheckpointError, TrainingLog, load_checkpoint,
                           save_checkpoint)
 from .objective import CLOSED_FORMS, diversed_objective
-from .report import plot_training_curve
+from .plots import plot_training_curve
 from .rollouts import Rollout
 from .teacher_forcing import teacher_forced_tokens
 

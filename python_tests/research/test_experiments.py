@@ -11,7 +11,7 @@ import torch
 pytest.importorskip("transformers")
 
 from diversed_ext import cli  # noqa: E402
-from diversed_ext.research import harness, recipes, report  # noqa: E402
+from diversed_ext.research import harness, plots, recipes, report  # noqa: E402
 from diversed_ext.head import (DEFAULT_HEAD_DIR, DISTRIBUTION_FEATURES, EnsembleHead, load_head,  # noqa: E402
                                wants_distributions)
 from diversed_ext.research.tasks import TASKS  # noqa: E402
@@ -104,11 +104,13 @@ def test_evaluate_on_a_tiny_pair(experiment_pair, tmp_path):
     for row in results:
         assert row.new_tokens == 3 * 8  # no EOS among the tiny vocabulary's ids: every prompt runs to the limit
         assert 0.0 <= row.quality <= 1.0 and row.fidelity < 0 and row.tokens_per_second > 0
+        # The target entropy of every prompt's visited positions, scored in the same pass: at most log V.
+        assert len(row.entropy_per_prompt) == 3 and 0 < row.entropy <= math.log(32) + 1e-6
     table = report.markdown_table(results, "exact_match")
     assert table.count("\n") == 1 + len(results) and "| exact_match |" in table
     assert by_label["diversed"].weight_usage.weights and by_label["sd"].weight_usage is None
     assert len(by_label["sd"].acceptance_per_prompt) == 3 and by_label["sd"].acceptance_se >= 0
-    path = report.plot_pareto(results, str(tmp_path / "pareto.png"))
+    path = plots.plot_pareto(results, str(tmp_path / "pareto.png"))
     assert os.path.getsize(path) > 1000
 
 
@@ -140,6 +142,7 @@ def test_cli_train_eval_pareto_end_to_end(experiment_pair, tmp_path, monkeypatch
                      "--head", str(run / "head"), "--max-new-tokens", "4"]) == 0
     output = capsys.readouterr().out
     assert "| sd |" in output and "| diversed |" in output and "2 prompts" in output
+    assert "| target entropy | g |" in output and "g = fidelity + target entropy" in output
     assert cli.main(["pareto", "--data", str(data), "--limit", "1", "--weights", "0", "1", "--max-new-tokens", "4",
                      "--output-dir", str(tmp_path / "pareto")]) == 0
     assert (tmp_path / "pareto" / "pareto.png").is_file() and (tmp_path / "pareto" / "pareto.md").is_file()

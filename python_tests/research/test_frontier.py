@@ -14,9 +14,9 @@ from diversed_ext.research import harness, report  # noqa: E402
 from helpers import gsm8k_examples  # noqa: E402
 
 
-def result(label, acceptance, fidelities, weight=1.0):
+def result(label, acceptance, fidelities, weight=1.0, entropies=()):
     return report.MethodResult(label, weight, acceptance, 1.0, 0.0, sum(fidelities) / len(fidelities), 1.0, 10, 1.0,
-                               tuple(fidelities), (0.0,) * len(fidelities))
+                               tuple(fidelities), (0.0,) * len(fidelities), entropy_per_prompt=tuple(entropies))
 
 
 def test_the_upper_envelope_drops_points_under_a_mixture_of_two_others():
@@ -29,7 +29,8 @@ def test_the_upper_envelope_drops_points_under_a_mixture_of_two_others():
 
 def test_distance_above_flys_frontier_is_paired_and_interpolated():
     results = [result("sd", 0.5, [-2.0, -1.0, -3.0]), result("fly W=1 tau=0.3", 0.7, [-3.0, -2.0, -4.0]),
-               result("static w=0.5", 0.7, [-5.0, -5.0, -5.0], 0.5), result("gate margin=1", 0.6, [-1.0, -1.0, -1.0])]
+               result("static w=0.5", 0.7, [-5.0, -5.0, -5.0], 0.5),
+               result("gate margin=1", 0.6, [-1.0, -1.0, -1.0], entropies=[1.2, 1.1, 1.3])]
     (above,) = report.compare_to_fly_frontier(results, "gate margin=1")
     expected = [-1.0 - x for x in (-2.5, -1.5, -3.5)]  # half-way between sd and FLy, prompt by prompt
     assert math.isclose(above.fidelity, sum(expected) / 3)
@@ -39,13 +40,15 @@ def test_distance_above_flys_frontier_is_paired_and_interpolated():
     beyond = results + [result("gate margin=9", 0.95, [-1.0, -2.0, -1.0])]
     (top,) = report.compare_to_fly_frontier(beyond, "gate margin=9")  # beyond FLy's reach: its highest point
     assert math.isclose(top.fidelity, (2.0 + 0.0 + 3.0) / 3) and "FLy's highest acceptance, 0.700" in top.baseline
-    outside = results + [result("gate margin=0", 0.4, [-1.0, -1.0, -1.0])]
+    outside = results + [result("gate margin=0", 0.4, [-1.0, -1.0, -1.0], entropies=[1.0, 1.0, 1.0])]
     assert report.compare_to_fly_frontier(outside, "gate margin=0") == []  # below sd's acceptance: no FLy point
     (above_static,) = [item for item in report.compare_to_baselines(results, "gate margin=1")
                        if item.baseline.startswith("static frontier")]
     table = report.frontier_table(results, ["gate margin=1"])
-    assert (f"| gate margin=1 | 0.600 | -1.000 +- 0.000 | {above_static.fidelity:+.3f} +- "
-            f"{above_static.fidelity_se:.3f} | {above.fidelity:+.3f} +- {above.fidelity_se:.3f} |") in table
+    # g = fidelity + entropy prompt by prompt: 0.2, 0.1, 0.3, above +0.1, so marked sharper than the target.
+    assert (f"| gate margin=1 | 0.600 | -1.000 +- 0.000 | +0.200 +- 0.058 (sharper than the target) | "
+            f"{above_static.fidelity:+.3f} +- {above_static.fidelity_se:.3f} | {above.fidelity:+.3f} +- "
+            f"{above.fidelity_se:.3f} |") in table
     assert "| - |" in report.frontier_table(outside, ["gate margin=0"])
     # The static sweep's w = 1 is sd: the same anchor.
     swept = [result("static w=1", 0.5, [-2.0, -1.0, -3.0])] + results[1:]
