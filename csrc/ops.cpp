@@ -6,7 +6,8 @@
 // (DIVERSED_FORWARD=0, setup.py).
 //
 // The Python layer (diversed_ext/ops/api.py) validates and normalises the arguments before calling these ops:
-//   draft_tokens int64 [B, K], draft_probs [B, K, V], target_probs [B, K+1, V] (float32/bfloat16/float16, contiguous),
+//   draft_tokens int64 [B, K], draft_probs [B, K, V], target_probs [B, K+1, V] (float32/bfloat16/float16, contiguous;
+//   the draft's dtype may differ from the target's, each read as it lies: csrc/common/op_checks.h, is_verify_dtype),
 //   weight float32 [B, K], num_draft int64 [B], greedy bool [B], uniforms float64 [B, K+1], seeds int64 [B],
 //   offset, per_row_seed (the row index joins the Philox counter only when seeds are shared).
 // draft_probs / draft_logits may be None: the drafter gave tokens only, and q is one-hot at each drafted token (B, K

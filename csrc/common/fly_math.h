@@ -1,8 +1,9 @@
 // FLy (entropy-gated deferred verification, as vLLM ships it) on top of the DIVERSED accept test, shared by the CPU
 // and CUDA verify kernels. At a drafted position i of a request with n drafts, a draft that the exact test rejects is
 // accepted anyway ("deferred") when
-//   * the draft could have come from both models: its id lies in [0, V), p_i(x_i) > 0, and q_i(x_i) > 0 for a sampled
-//     row (a greedy row asks p_i(x_i) > 0 only, as vLLM's greedy rule asks a finite target logit);
+//   * the draft could have come from both models: its id lies in [0, V), the target allows it (p_i(x_i) > 0, by the
+//     support rule of verify_math.h: target_forbids), and q_i(x_i) > 0 for a sampled row (a greedy row asks the
+//     target's p_i(x_i) only, as vLLM's greedy rule asks a finite target logit);
 //   * i + W < n and the next W drafts all pass the exact test (with their own uniforms, or as argmax for greedy rows);
 //   * the target's entropy over its top-k probabilities at i, -sum_{top k} p log p (unnormalised), is >= tau.
 // Then the usual prefix rule: the request keeps its drafts up to the first position neither accepted nor deferred.
@@ -13,7 +14,8 @@
 #include <cmath>
 #include <cstdint>
 
-#include "exp_math.h"  // DX_HD
+#include "exp_math.h"     // DX_HD
+#include "verify_math.h"  // target_forbids
 
 namespace diversed {
 
@@ -43,7 +45,7 @@ struct FlySettings {
 
 // Whether a rejected draft may be deferred, before its window and entropy are looked at.
 DX_HD bool fly_deferrable(bool greedy, bool valid, float p, float q) {
-  return valid && p > 0.0f && (greedy || q > 0.0f);
+  return valid && !target_forbids(p) && (greedy || q > 0.0f);
 }
 
 // The k largest of the masses offered, sorted in decreasing order. A NaN is never kept; ties at the k-th value keep

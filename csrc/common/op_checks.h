@@ -31,7 +31,8 @@ inline void check_pair(const at::Tensor& draft, const at::Tensor& target, const 
   TORCH_CHECK(draft.size(0) == target.size(0), op, ": batch sizes differ");
 }
 
-// verify_probs / verify_logits: draft [B, K, V], target [B, K+1, V], draft_tokens (int64 [B, K]), and when given:
+// verify_probs / verify_logits: draft [B, K, V], target [B, K+1, V] (dtypes: is_verify_dtype), draft_tokens (int64
+// [B, K]), and when given:
 // weight (float32 [B, K]), num_draft and seeds (int64 [B]), uniforms (float64 [B, K+1]), and the per-row flags: greedy
 // (bool [B]) from probabilities, temperature (float32 [B]) from logits. An absent one takes its scalar default.
 // Rows read in place: with target_rows (int64 [B, K+1]) the target is a row tensor [R, V], and B and K come from
@@ -79,6 +80,12 @@ inline void check_verify_values(const at::Tensor& values, const c10::optional<at
   }
 }
 
+// The dtypes of verify's distributions: float32, bfloat16 and float16, which a draft and a target may mix (each read
+// as it lies), and float64 (only with a float64 partner; the kernels read it as float32).
+inline bool is_verify_dtype(at::ScalarType type, bool allow_double) {
+  return type == at::kFloat || type == at::kBFloat16 || type == at::kHalf || (allow_double && type == at::kDouble);
+}
+
 // verify's draft tensor is optional (absent: the drafter gave tokens only, and draft_rows must be absent too); B and
 // K come from the target [B, K+1, V], or from draft_tokens when the target is read through target_rows.
 inline VerifyShape check_verify_args(VerifyInput input, const at::Tensor& draft_tokens,
@@ -95,8 +102,15 @@ inline VerifyShape check_verify_args(VerifyInput input, const at::Tensor& draft_
   const int64_t V = target.size(-1);
   TORCH_CHECK(V > 0, op, ": the vocabulary size is zero");
   check_verify_values(target, optional.target_rows, B, K + 1, V, op, "target", "target_rows");
+  const at::ScalarType target_type = target.scalar_type();
+  TORCH_CHECK(is_verify_dtype(target_type, true), op, ": target must be float32, bfloat16, float16 or float64, got ",
+              target_type);
   if (draft.has_value()) {
-    TORCH_CHECK(draft->scalar_type() == target.scalar_type(), op, ": draft and target dtypes differ");
+    const at::ScalarType draft_type = draft->scalar_type();
+    const bool mixable = is_verify_dtype(draft_type, false) && is_verify_dtype(target_type, false);
+    TORCH_CHECK(draft_type == target_type || mixable, op, ": draft (", draft_type, ") and target (", target_type,
+                ") dtypes: a draft of another dtype than the target's must be float32, bfloat16 or float16, and so "
+                "must the target");
     check_verify_values(*draft, optional.draft_rows, B, K, V, op, "draft", "draft_rows");
   } else {
     TORCH_CHECK(!optional.draft_rows.has_value(), op, ": draft_rows given without a draft tensor");

@@ -37,6 +37,50 @@ const T* kernel_data(const c10::optional<at::Tensor>& tensor) {
   return tensor.has_value() ? kernel_data<T, scalar_t>(*tensor) : nullptr;
 }
 
+// The element types of a verify call's distributions: fn(ScalarTag<draft's scalar_t>{}, ScalarTag<target's>{}),
+// once. A draft of the target's type, or none (tokens only), dispatches on the target's type alone (float32, float64,
+// bfloat16, float16); a draft of another type (the model's bfloat16 beside a server's float32 target rows, say) on the
+// pair, each of float32, bfloat16 and float16 (check_verify_args refuses the rest). So the kernels read each tensor as
+// it lies, and only the mixed pairs a call can reach are compiled, without tokens-only variants.
+template <typename T>
+struct ScalarTag {
+  using type = T;
+};
+
+template <typename Fn>
+void with_floating_type(at::ScalarType type, bool mixable_only, const char* op, Fn&& fn) {
+  switch (type) {
+    case at::kFloat: fn(ScalarTag<float>{}); return;
+    case at::kBFloat16: fn(ScalarTag<at::BFloat16>{}); return;
+    case at::kHalf: fn(ScalarTag<at::Half>{}); return;
+    case at::kDouble:
+      if (!mixable_only) {
+        fn(ScalarTag<double>{});
+        return;
+      }
+      break;
+    default: break;
+  }
+  TORCH_CHECK(false, op, ": unsupported distribution dtype ", type);  // check_verify_args refused it already
+}
+
+template <typename Fn>
+void dispatch_verify_types(const char* op, const c10::optional<at::Tensor>& draft, const at::Tensor& target,
+                           Fn&& fn) {
+  const at::ScalarType target_type = target.scalar_type();
+  if (!draft.has_value() || draft->scalar_type() == target_type) {
+    with_floating_type(target_type, false, op, [&](auto tag) { fn(tag, tag); });
+    return;
+  }
+  with_floating_type(draft->scalar_type(), true, op, [&](auto draft_tag) {
+    with_floating_type(target_type, true, op, [&](auto target_tag) {
+      using Draft = typename decltype(draft_tag)::type;
+      using Target = typename decltype(target_tag)::type;
+      if constexpr (!std::is_same_v<Draft, Target>) fn(draft_tag, target_tag);
+    });
+  });
+}
+
 // ------------------------------------------------------------------------------------------------ verify
 // verify_probs / verify_logits: tokens int64 [B, K+1], num_accepted int32 [B], accept_prob float32 [B, K], and the
 // VerifyProblem that points at them.

@@ -3,7 +3,8 @@
 // Every function here is __host__ __device__ and free of torch, so the CPU build (and therefore the CPU test suite)
 // exercises exactly the arithmetic the GPU runs. The arithmetic model is fixed so that the native kernels and the
 // pure-PyTorch reference agree bit for bit on identical uniforms:
-//   * probabilities and weights are loaded as float32 and sanitised (NaN, negative or infinite mass counts as zero);
+//   * probabilities and weights are loaded as float32 and sanitised (NaN, negative or infinite mass counts as zero,
+//     and in the verify ops target mass below kMinTargetMass, outside the target's support: see below);
 //   * nu = (w * p) + ((1 - w) * q) in float32 without fused multiply-add (the build passes -ffp-contract=off and
 //     --fmad=false, so only the explicit fused_multiply_add calls of exp_math.h fuse);
 //   * the accept test u * q < nu is evaluated in float64, where it is exact;
@@ -19,13 +20,35 @@
 
 namespace diversed {
 
-// Probability mass that is NaN, negative or infinite counts as zero (only reachable with check_inputs=False).
-// Written as two selects (no short-circuit branch) so loops over the vocabulary vectorise. A template so that the CPU
-// kernels apply the very same rule to a whole vector of lanes (F a GCC vector of floats); F{} is zero either way.
+// ---------------------------------------------------------------------------------------------------------------
+// The target's support. A hard constraint of a server (bad words, allowed token ids, a -inf or -100 logit bias, EOS
+// suppressed by min_tokens) reaches the verifier only as a target probability of (nearly) zero, while the mixture
+// nu = w p + (1 - w) q still gives such a draft (1 - w) q(x). So the verify ops restrict everything to the target's
+// support: a drafted token outside it verifies with w = 1 (never accepted; the correction comes from
+// norm(max(0, p - q)), verify_weight), greedy rows take the argmax of nu over the support only (greedy_value), FLy
+// never defers such a draft (fly_math.h), and the correction and bonus samples never draw outside it.
+//
+// A target mass below kMinTargetMass = 2^-64 (log p < -44.36) counts as zero. -inf logits give exactly 0, but a soft
+// ban does not: a logit bias of -100 leaves p(x) ~ exp((g - 100) / T) when x led the other tokens by g nats at
+// temperature T, above FLT_MIN (log -87.3) once g > 12.7 at T = 1, or for any g >= 0 at T >= 1.15. 2^-64 catches it
+// for g < 55 at T = 1 and g < 11 at T = 2. It costs nothing measurable: the masses it drops add up to less than
+// V * 2^-64 < 2^-40 for any vocabulary below 2^24 tokens, 2^16 times below float32's resolution of a probability
+// (2^-24), so at w = 1 the output is still the target distribution as float32 states it. The Python reference uses
+// the same constant (diversed_ext/ops/reference.py: MIN_TARGET_MASS).
+constexpr float kMinTargetMass = 0x1p-64f;
+
+// Whether the target forbids a token of mass p (p as loaded, sanitised or not): the one test of the support rule.
+DX_HD bool target_forbids(float p) { return !(p >= kMinTargetMass); }  // NaN is forbidden too
+
+// Probability mass that is NaN, negative or infinite counts as zero (only reachable with check_inputs=False), and so
+// does mass below `floor`: 0 for draft rows and the stats ops, kMinTargetMass for the verify ops' target rows (mass
+// outside the target's support). Written as two selects (no short-circuit branch) so loops over the vocabulary
+// vectorise. A template so that the CPU kernels apply the very same rule to a whole vector of lanes (F a GCC vector of
+// floats); F{} is zero either way.
 template <typename F>
-DX_HD F sanitize_mass(F x) {
-  F non_negative = x >= 0.0f ? x : F{};  // NaN compares false
-  return non_negative <= FLT_MAX ? non_negative : F{};
+DX_HD F sanitize_mass(F x, float floor = 0.0f) {
+  F counted = x >= floor ? x : F{};  // NaN compares false
+  return counted <= FLT_MAX ? counted : F{};
 }
 
 // The weight on the target; NaN falls back to 1 (plain speculative decoding, the conservative choice).
@@ -40,6 +63,12 @@ DX_HD float mix_mass(float w, float p, float q) {
   float draft_part = (1.0f - w) * q;
   return target_part + draft_part;
 }
+
+// The weight a drafted position verifies with: its own w, or 1 where the target forbids the drafted token (p its
+// sanitised target mass). nu(x) is then p(x) = 0, so the draft is never accepted (accept probability 0), and the
+// correction comes from norm(max(0, p - q)) whatever w was. An id outside [0, V) (`valid` false, only reachable with
+// check_inputs=False) keeps its w: it is rejected by its own rule.
+DX_HD float verify_weight(float w, bool valid, float p) { return valid && target_forbids(p) ? 1.0f : w; }
 
 // Accept the drafted token iff u * q(x) < nu(x); exact in double because u, q and nu are float32 values.
 DX_HD bool accept_draft(double u, float q, float nu) { return u * static_cast<double>(q) < static_cast<double>(nu); }
@@ -67,6 +96,11 @@ DX_HD F residual_mass(F p, F q) {
 // as it is with draft distributions. Returns the id that carries q's mass, or -1 for none.
 DX_HD int64_t one_hot_draft_token(int64_t token, int64_t vocab) { return token >= 0 && token < vocab ? token : -1; }
 DX_HD float one_hot_mass(int64_t v, int64_t hot_token) { return v == hot_token ? 1.0f : 0.0f; }
+
+// What a greedy row maximises at a token: nu = w p + (1 - w) q (pass w = 1, q = 0 for p alone) over the target's
+// support; -inf off it, below every candidate (the argmax starts from -1), so a greedy row never picks a forbidden
+// token while the target allows one.
+DX_HD float greedy_value(float w, float p, float q) { return target_forbids(p) ? -INFINITY : mix_mass(w, p, q); }
 
 // Greedy comparison: strictly larger wins, so ties keep the lowest token id.
 DX_HD bool better_candidate(float value, int64_t index, float best_value, int64_t best_index) {
@@ -154,9 +188,10 @@ DX_HD double rescale_exp_sum(double sum, float old_max, float new_max) {
 }
 
 // Probability of one entry given the row's normaliser; sanitised, so a row without finite logits has no mass.
+// `floor` as in sanitize_mass.
 template <typename F>
-DX_HD F softmax_mass(F logit, float inverse_temperature, SoftmaxStats stats) {
-  return sanitize_mass(exp_nonpositive(logit * inverse_temperature - stats.max) * stats.inverse_sum);
+DX_HD F softmax_mass(F logit, float inverse_temperature, SoftmaxStats stats, float floor = 0.0f) {
+  return sanitize_mass(exp_nonpositive(logit * inverse_temperature - stats.max) * stats.inverse_sum, floor);
 }
 
 // Temperature 0 marks a greedy row; its distributions are the untempered softmax (temperature 1). So does any

@@ -10,14 +10,15 @@
 namespace diversed {
 namespace cpu {
 
-// T is float, double, HalfBits or BFloat16Bits (the instantiations in cpu_kernels.h).
+// T is float, double, HalfBits or BFloat16Bits (the instantiations in cpu_kernels.h). The verify kernels take the
+// draft's element type TD and the target's TT: equal, or two different ones of float, HalfBits and BFloat16Bits.
 #define DIVERSED_DECLARE_CPU_KERNELS(capability)                                                                      \
   namespace capability {                                                                                              \
-  template <typename T>                                                                                               \
-  void verify_probs(const VerifyProblem& problem, const T* draft_probs, const T* target_probs,                        \
+  template <typename TD, typename TT>                                                                                 \
+  void verify_probs(const VerifyProblem& problem, const TD* draft_probs, const TT* target_probs,                      \
                     const ParallelFor& parallel_for);                                                                 \
-  template <typename T>                                                                                               \
-  void verify_logits(const VerifyProblem& problem, const T* draft_logits, const T* target_logits,                     \
+  template <typename TD, typename TT>                                                                                 \
+  void verify_logits(const VerifyProblem& problem, const TD* draft_logits, const TT* target_logits,                   \
                      const ParallelFor& parallel_for);                                                                \
   template <typename T>                                                                                               \
   void token_stats(const PairProblem<T>& pair, const TokenStatsOut& out, const ParallelFor& parallel_for);            \

@@ -42,10 +42,12 @@ VerifyTuple verify_probs_cpu(const at::Tensor& draft_tokens, const OptionalTenso
   const VerifyCall call = start_verify(VerifyInput::kProbs, shape, draft_tokens, draft_probs, target_probs, optional,
                                        VerifyScalars{weight_value, 1.0, seed, offset, per_row_seed}, fly);
   if (call.empty()) return call.result();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, target_probs.scalar_type(), "verify_probs_cpu", [&] {
-    using T = CpuElement<scalar_t>;
-    DIVERSED_CPU_CALL(verify_probs<T>, call.problem, kernel_data<T, scalar_t>(draft_probs),
-                      kernel_data<T, scalar_t>(target_probs), kClaimingParallelFor);
+  dispatch_verify_types(kVerifyProbsOp, draft_probs, target_probs, [&](auto draft_tag, auto target_tag) {
+    using DraftScalar = typename decltype(draft_tag)::type;
+    using TargetScalar = typename decltype(target_tag)::type;
+    // The kernel's element types are deduced from the pointers (a tokens-only call's null draft has the target's).
+    DIVERSED_CPU_CALL(verify_probs, call.problem, kernel_data<CpuElement<DraftScalar>, DraftScalar>(draft_probs),
+                      kernel_data<CpuElement<TargetScalar>, TargetScalar>(target_probs), kClaimingParallelFor);
   });
   return call.result();
 }
@@ -70,10 +72,11 @@ VerifyTuple verify_logits_cpu(const at::Tensor& draft_tokens, const OptionalTens
       VerifyInput::kLogits, shape, draft_tokens, draft_logits, target_logits, optional,
       VerifyScalars{weight_value, temperature_value, seed, offset, per_row_seed, target_temperature_value}, fly);
   if (call.empty()) return call.result();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, target_logits.scalar_type(), "verify_logits_cpu", [&] {
-    using T = CpuElement<scalar_t>;
-    DIVERSED_CPU_CALL(verify_logits<T>, call.problem, kernel_data<T, scalar_t>(draft_logits),
-                      kernel_data<T, scalar_t>(target_logits), kClaimingParallelFor);
+  dispatch_verify_types(kVerifyLogitsOp, draft_logits, target_logits, [&](auto draft_tag, auto target_tag) {
+    using DraftScalar = typename decltype(draft_tag)::type;
+    using TargetScalar = typename decltype(target_tag)::type;
+    DIVERSED_CPU_CALL(verify_logits, call.problem, kernel_data<CpuElement<DraftScalar>, DraftScalar>(draft_logits),
+                      kernel_data<CpuElement<TargetScalar>, TargetScalar>(target_logits), kClaimingParallelFor);
   });
   return call.result();
 }

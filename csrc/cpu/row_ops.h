@@ -7,6 +7,8 @@
 // A row policy exposes `float mass(int64_t v)` and `FloatLanes mass_lanes(int64_t v)` (elements v .. v + kLanes - 1):
 //   ProbRow<T>   a row of probabilities (mass = the sanitised value);
 //   LogitRow<T>  a row of logits with its softmax normaliser (mass = softmax probability, computed on the fly);
+// both with a floor below which mass counts as zero (sanitize_mass): kMinTargetMass for the verify ops' target rows
+// (the target's support, verify_math.h), 0 for every other row;
 //   OneHotRow    the draft row of a drafter that gives tokens only: 1 at the drafted id, 0 elsewhere, reads nothing.
 // The passes take the target row and an optional draft row of any policy (a null pointer: no draft row).
 // The loops read a row once per pass and never store a [V] temporary; the sums of a sampled row are kept per block of
@@ -26,9 +28,10 @@ constexpr int64_t kBlock = 256;  // elements per stored block sum: the inverse C
 template <typename T>
 struct ProbRow {
   const T* values;
-  float mass(int64_t v) const { return sanitize_mass(load_float(values, v)); }
+  float floor = 0.0f;
+  float mass(int64_t v) const { return sanitize_mass(load_float(values, v), floor); }
   FloatLanes mass_lanes(int64_t v) const {
-    return map_lanes(load_lanes(values, v), [](FloatVector x) { return sanitize_mass(x); });
+    return map_lanes(load_lanes(values, v), [this](FloatVector x) { return sanitize_mass(x, floor); });
   }
 };
 
@@ -78,10 +81,11 @@ struct LogitRow {
   float inverse_temperature;
   SoftmaxStats stats;
   bool vouched = false;  // its normaliser vouches for it (normaliser_vouches_for_row)
-  float mass(int64_t v) const { return softmax_mass(load_float(values, v), inverse_temperature, stats); }
+  float floor = 0.0f;
+  float mass(int64_t v) const { return softmax_mass(load_float(values, v), inverse_temperature, stats, floor); }
   FloatLanes mass_lanes(int64_t v) const {
     return map_lanes(load_lanes(values, v), [this](FloatVector x) {
-      return sanitize_mass(exp_shifted(x * inverse_temperature - stats.max) * stats.inverse_sum);
+      return sanitize_mass(exp_shifted(x * inverse_temperature - stats.max) * stats.inverse_sum, floor);
     });
   }
   // Whether VouchedLogitRow gives this row's masses.
@@ -90,16 +94,19 @@ struct LogitRow {
 
 // A LogitRow at temperature 1 whose normaliser vouches for it, with the same masses in fewer instructions: the
 // product by 1 changes no value, and every mass is exp(s - max) <= 1 times a finite 1 / sum <= 1, which sanitising
-// leaves as it is. The residual and bonus passes use it where they can.
+// leaves as it is but for the floor (one select). The residual and bonus passes use it where they can.
 template <typename T>
 struct VouchedLogitRow {
   const T* values;
   SoftmaxStats stats;
-  explicit VouchedLogitRow(const LogitRow<T>& row) : values(row.values), stats(row.stats) {}
-  float mass(int64_t v) const { return softmax_mass(load_float(values, v), 1.0f, stats); }
+  float floor;
+  explicit VouchedLogitRow(const LogitRow<T>& row) : values(row.values), stats(row.stats), floor(row.floor) {}
+  float mass(int64_t v) const { return softmax_mass(load_float(values, v), 1.0f, stats, floor); }
   FloatLanes mass_lanes(int64_t v) const {
-    return map_lanes(load_lanes(values, v),
-                     [this](FloatVector x) { return exp_shifted(x - stats.max) * stats.inverse_sum; });
+    return map_lanes(load_lanes(values, v), [this](FloatVector x) {
+      const FloatVector mass = exp_shifted(x - stats.max) * stats.inverse_sum;
+      return mass >= floor ? mass : FloatVector{};
+    });
   }
 };
 
@@ -117,18 +124,18 @@ void with_mass_rows(const LogitRow<T>& target, const OneHotRow* draft, F&& fn) {
   }
   fn(VouchedLogitRow<T>(target), draft);
 }
-template <typename T, typename F>
-void with_mass_rows(const LogitRow<T>& target, const LogitRow<T>* draft, F&& fn) {
+template <typename TT, typename TD, typename F>
+void with_mass_rows(const LogitRow<TT>& target, const LogitRow<TD>* draft, F&& fn) {
   if (!target.plain_at_unit_temperature() || (draft && !draft->plain_at_unit_temperature())) {
     fn(target, draft);
     return;
   }
-  const VouchedLogitRow<T> vouched_target(target);
+  const VouchedLogitRow<TT> vouched_target(target);
   if (!draft) {
-    fn(vouched_target, static_cast<const VouchedLogitRow<T>*>(nullptr));
+    fn(vouched_target, static_cast<const VouchedLogitRow<TD>*>(nullptr));
     return;
   }
-  const VouchedLogitRow<T> vouched_draft(*draft);
+  const VouchedLogitRow<TD> vouched_draft(*draft);
   fn(vouched_target, &vouched_draft);
 }
 
@@ -333,14 +340,15 @@ int64_t inverse_cdf(const Row& target, const Draft* draft, const double* block_s
   return last_positive;
 }
 
-// argmax of nu = w p + (1 - w) q (or of p when draft == nullptr); ties to the lowest id.
+// argmax of nu = w p + (1 - w) q (or of p when draft == nullptr) over the target's support (greedy_value); ties to
+// the lowest id; 0 when the target has no support at all (a row without mass, only reachable unchecked).
 template <typename Row, typename Draft>
 int64_t argmax_mixture(const Row& target, const Draft* draft, float weight, int64_t vocab) {
   float best_value = -1.0f;
   int64_t best_index = 0;
   for (int64_t v = 0; v < vocab; ++v) {
     const float p = target.mass(v);
-    const float nu = draft ? mix_mass(weight, p, draft->mass(v)) : p;
+    const float nu = draft ? greedy_value(weight, p, draft->mass(v)) : greedy_value(1.0f, p, 0.0f);
     if (better_candidate(nu, v, best_value, best_index)) {
       best_value = nu;
       best_index = v;

@@ -46,10 +46,17 @@ double fly_row_entropy(const Row& target, int64_t vocab, int top_k) {
   return fly_entropy(top);
 }
 
+// The mass of a row at a drafted id, 0 for an id outside [0, V).
+template <typename Row>
+float valid_token_mass(const Row& row, int64_t token, int64_t vocab) {
+  return token >= 0 && token < vocab ? row.mass(token) : 0.0f;
+}
+
 // Accept tests of one row; greedy rows also get their final token here. `Rows` provides draft(row, i) and
 // target(row, i) returning Row policies. The tests run at every drafted position (accept_prob reports each), and
 // a FlyWalk turns them into the accepted length: the first failure, or with FLy a later one (a position's entropy is
-// computed only once its window has passed).
+// computed only once its window has passed). A draft the target forbids verifies with w = 1 (verify_weight): never
+// accepted, never deferred, and its correction is the residual's.
 template <typename Rows>
 RowPlan accept_row(const VerifyProblem& problem, const Rows& rows, int64_t row) {
   const int64_t K = problem.num_positions;
@@ -60,7 +67,6 @@ RowPlan accept_row(const VerifyProblem& problem, const Rows& rows, int64_t row) 
   for (int64_t i = 0; i < drafted; ++i) {
     const int64_t token = problem.draft_tokens[row * K + i];
     const bool valid = token >= 0 && token < problem.vocab;
-    const float w = problem.weight_at(row, i);
     const auto target = rows.target(row, i);
     const auto draft = rows.draft(row, i);
     bool accepted = false;
@@ -69,11 +75,12 @@ RowPlan accept_row(const VerifyProblem& problem, const Rows& rows, int64_t row) 
     const float q = valid ? draft.mass(token) : 0.0f;
     int64_t best = 0;
     if (is_greedy) {
-      best = argmax_mixture(target, &draft, w, problem.vocab);
-      accepted = valid && token == best;
+      // The argmax over the support is never a forbidden token, unless the target has no support at all.
+      best = argmax_mixture(target, &draft, problem.weight_at(row, i), problem.vocab);
+      accepted = valid && token == best && !target_forbids(p);
       probability = accepted ? 1.0f : 0.0f;
     } else if (valid) {
-      const float nu = mix_mass(w, p, q);
+      const float nu = mix_mass(verify_weight(problem.weight_at(row, i), valid, p), p, q);
       probability = accept_probability(nu, q);
       accepted = accept_draft(problem.uniform(row, i), q, nu);
     }
@@ -95,13 +102,19 @@ RowPlan accept_row(const VerifyProblem& problem, const Rows& rows, int64_t row) 
   problem.out_num_accepted[row] = static_cast<int32_t>(num_accepted);
 
   const bool rejected = num_accepted < drafted;
+  // The weight at the rejection decides between the residual and p: 1 where the target forbids the draft.
+  const float final_weight =
+      rejected ? problem.verify_weight_at(row, num_accepted,
+                                          valid_token_mass(rows.target(row, num_accepted),
+                                                           problem.draft_tokens[row * K + num_accepted], problem.vocab))
+               : 1.0f;
   if (is_greedy) {
     const auto bonus_row = rows.target(row, drafted);
     row_tokens[num_accepted] =
         rejected ? rejected_argmax : argmax_mixture(bonus_row, static_cast<decltype(&bonus_row)>(nullptr), 1.0f,
                                                     problem.vocab);
   }
-  return RowPlan{num_accepted, rejected && problem.weight_at(row, num_accepted) > 0.0f, !is_greedy};
+  return RowPlan{num_accepted, rejected && final_weight > 0.0f, !is_greedy};
 }
 
 // The draft row at the first rejection, built only when its residual is sampled (with K = 0 there is no draft row,
@@ -214,43 +227,51 @@ void run_verify(const VerifyProblem& problem, const Rows& rows, const ParallelFo
 // ------------------------------------------------------------------------------------------ entry points
 // Called by the binding (ops_cpu.cpp, through cpu_dispatch.h) after the checks and the allocation of the outputs.
 
-// The rows as the passes see them: as they are, or with one-hot draft rows when the draft tensor is absent.
-template <typename Rows, typename Body>
+// The rows as the passes see them: as they are, or with one-hot draft rows when the draft tensor is absent. Only a
+// call whose draft and target share an element type may lack a draft (the binding dispatches a tokens-only call on
+// the target's type alone), so the mixed-type instantiations carry no tokens-only passes.
+template <typename TD, typename TT, typename Rows, typename Body>
 void with_draft_rows(const VerifyProblem& problem, const Rows& rows, bool has_draft, const Body& body) {
-  if (has_draft) body(rows);
-  else body(TokenDraftRows<Rows>{rows, problem.draft_tokens, problem.num_positions, problem.vocab});
+  if constexpr (std::is_same_v<TD, TT>) {
+    if (!has_draft) {
+      body(TokenDraftRows<Rows>{rows, problem.draft_tokens, problem.num_positions, problem.vocab});
+      return;
+    }
+  }
+  body(rows);
 }
 
-// verify_probs: draft probabilities [B, K, V] (or nullptr: tokens only), target probabilities [B, K+1, V]; either may
-// be a row tensor [R, V] that the problem's target_rows / draft_rows index. problem.greedy is set.
-template <typename T>
-void verify_probs(const VerifyProblem& problem, const T* draft_probs, const T* target_probs,
+// verify_probs: draft probabilities [B, K, V] of element type TD (or nullptr: tokens only, with TD = TT), target
+// probabilities [B, K+1, V] of type TT; either may be a row tensor [R, V] that the problem's target_rows / draft_rows
+// index. problem.greedy is set.
+template <typename TD, typename TT>
+void verify_probs(const VerifyProblem& problem, const TD* draft_probs, const TT* target_probs,
                   const ParallelFor& parallel_for) {
-  const ProbRows<T> prob_rows{draft_probs, target_probs, &problem};
-  with_draft_rows(problem, prob_rows, draft_probs != nullptr, [&](const auto& rows) {
+  const ProbRows<TD, TT> prob_rows{draft_probs, target_probs, &problem};
+  with_draft_rows<TD, TT>(problem, prob_rows, draft_probs != nullptr, [&](const auto& rows) {
     run_verify(problem, rows, parallel_for, verify_layout(problem.batch, problem.vocab, parallel_for),
                [](int64_t) {}, [](int64_t) {});
   });
 }
 
-// verify_logits: draft logits [B, K, V] (or nullptr: tokens only), target logits [B, K+1, V] (either may be a row
-// tensor, as in verify_probs), temperatures from the problem. Each row the request reads gets its softmax normaliser
-// first (inside the request's own task when the layout is by rows, where a sampled row's bonus normaliser waits until
-// the bonus is drawn); the greedy flags come from the temperatures.
-template <typename T>
-void verify_logits(const VerifyProblem& problem, const T* draft_logits, const T* target_logits,
+// verify_logits: draft logits [B, K, V] of type TD (or nullptr: tokens only, with TD = TT), target logits
+// [B, K+1, V] of type TT (either may be a row tensor, as in verify_probs), temperatures from the problem. Each row the
+// request reads gets its softmax normaliser first (inside the request's own task when the layout is by rows, where a
+// sampled row's bonus normaliser waits until the bonus is drawn); the greedy flags come from the temperatures.
+template <typename TD, typename TT>
+void verify_logits(const VerifyProblem& problem, const TD* draft_logits, const TT* target_logits,
                    const ParallelFor& parallel_for) {
   const TemperaturePlan temperatures = plan_temperatures(problem);
-  SoftmaxStatsPlan<T> stats(problem, draft_logits, target_logits, temperatures.inverse.data(),
-                            temperatures.target_inverse.data());
+  SoftmaxStatsPlan<TD, TT> stats(problem, draft_logits, target_logits, temperatures.inverse.data(),
+                                 temperatures.target_inverse.data());
   const VerifyLayout layout = verify_layout(problem.batch, problem.vocab, parallel_for);
   if (layout == VerifyLayout::kChunks) stats.compute_all(parallel_for);
-  const LogitRows<T> logit_rows{draft_logits, target_logits, &problem, temperatures.inverse.data(),
+  const LogitRows<TD, TT> logit_rows{draft_logits, target_logits, &problem, temperatures.inverse.data(),
                                 temperatures.target_inverse.data(), stats.draft_stats.data(),
                                 stats.target_stats.data(), stats.draft_vouched.data(), stats.target_vouched.data()};
   VerifyProblem with_greedy = problem;
   with_greedy.greedy = temperatures.greedy.get();
-  with_draft_rows(problem, logit_rows, draft_logits != nullptr, [&](const auto& rows) {
+  with_draft_rows<TD, TT>(problem, logit_rows, draft_logits != nullptr, [&](const auto& rows) {
     run_verify(
         with_greedy, rows, parallel_for, layout,
         [&](int64_t row) { stats.compute_row(row, with_greedy.greedy_at(row)); },

@@ -12,18 +12,20 @@ namespace diversed {
 namespace cpu {
 namespace DIVERSED_CPU_CAPABILITY {
 
-// Rows of draft probabilities and target probabilities, at the tensor rows the problem maps positions to.
-template <typename T>
+// Rows of draft probabilities (element type TD) and target probabilities (TT), at the tensor rows the problem maps
+// positions to. Each tensor is read as it lies, so a draft in the model's bfloat16 and a float32 target need no copy.
+// Target rows count mass below kMinTargetMass as zero (the target's support, verify_math.h).
+template <typename TD, typename TT>
 struct ProbRows {
-  const T* draft_probs;
-  const T* target_probs;
+  const TD* draft_probs;
+  const TT* target_probs;
   const VerifyProblem* problem;
 
-  ProbRow<T> draft(int64_t row, int64_t position) const {
+  ProbRow<TD> draft(int64_t row, int64_t position) const {
     return {draft_probs + problem->draft_row(row, position) * problem->vocab};
   }
-  ProbRow<T> target(int64_t row, int64_t position) const {
-    return {target_probs + problem->target_row(row, position) * problem->vocab};
+  ProbRow<TT> target(int64_t row, int64_t position) const {
+    return {target_probs + problem->target_row(row, position) * problem->vocab, kMinTargetMass};
   }
 };
 
@@ -41,12 +43,13 @@ struct TokenDraftRows {
   auto target(int64_t row, int64_t position) const { return base.target(row, position); }
 };
 
-// Rows of draft and target logits with their normalisers. The normalisers are kept per request position ([B, K] and
-// [B, K+1] slots), not per tensor row: a row that several positions read gets one normaliser per position.
-template <typename T>
+// Rows of draft (TD) and target (TT) logits with their normalisers. The normalisers are kept per request position
+// ([B, K] and [B, K+1] slots), not per tensor row: a row that several positions read gets one normaliser per position.
+// Target rows have the support's floor, as in ProbRows.
+template <typename TD, typename TT>
 struct LogitRows {
-  const T* draft_logits;
-  const T* target_logits;
+  const TD* draft_logits;
+  const TT* target_logits;
   const VerifyProblem* problem;
   const float* inverse_temperature;         // [B], the draft rows'
   const float* target_inverse_temperature;  // [B]
@@ -55,32 +58,32 @@ struct LogitRows {
   const uint8_t* draft_vouched;             // [B * K]: normaliser_vouches_for_row
   const uint8_t* target_vouched;            // [B * (K + 1)]
 
-  LogitRow<T> draft(int64_t row, int64_t position) const {
+  LogitRow<TD> draft(int64_t row, int64_t position) const {
     const int64_t index = row * problem->num_positions + position;
     return {draft_logits + problem->draft_row(row, position) * problem->vocab, inverse_temperature[row],
             draft_stats[index], draft_vouched[index] != 0};
   }
-  LogitRow<T> target(int64_t row, int64_t position) const {
+  LogitRow<TT> target(int64_t row, int64_t position) const {
     const int64_t index = row * (problem->num_positions + 1) + position;
     return {target_logits + problem->target_row(row, position) * problem->vocab, target_inverse_temperature[row],
-            target_stats[index], target_vouched[index] != 0};
+            target_stats[index], target_vouched[index] != 0, kMinTargetMass};
   }
 };
 
 // Softmax normalisers of the rows a request reads: draft positions < num_draft and target positions <= num_draft.
 // Slots [0, K) of a request are its draft positions, slots [K, 2K + 1) its target positions. Without draft logits
 // (tokens only) a request has no draft normalisers to compute.
-template <typename T>
+template <typename TD, typename TT>
 struct SoftmaxStatsPlan {
   const VerifyProblem& problem;
-  const T* draft_logits;
-  const T* target_logits;
+  const TD* draft_logits;
+  const TT* target_logits;
   const float* inverse_temperature;         // [B], the draft rows'
   const float* target_inverse_temperature;  // [B]
   std::vector<SoftmaxStats> draft_stats, target_stats;
   std::vector<uint8_t> draft_vouched, target_vouched;  // whether each normaliser vouches for its row
 
-  SoftmaxStatsPlan(const VerifyProblem& p, const T* draft, const T* target, const float* inverse,
+  SoftmaxStatsPlan(const VerifyProblem& p, const TD* draft, const TT* target, const float* inverse,
                    const float* target_inverse)
       : problem(p), draft_logits(draft), target_logits(target), inverse_temperature(inverse),
         target_inverse_temperature(target_inverse),
@@ -100,10 +103,15 @@ struct SoftmaxStatsPlan {
     const int64_t K = problem.num_positions, drafted = problem.drafted(row);
     return is_draft(slot) ? slot < drafted : slot - K <= drafted;
   }
-  const T* values(int64_t row, int64_t slot) const {
+  // The normaliser of a slot's row, from the draft's or the target's tensor (each of its own element type).
+  SoftmaxStats slot_stats(int64_t row, int64_t slot, bool* summed_every_block) const {
     const int64_t K = problem.num_positions;
-    const int64_t tensor_row = is_draft(slot) ? problem.draft_row(row, slot) : problem.target_row(row, slot - K);
-    return (is_draft(slot) ? draft_logits : target_logits) + tensor_row * problem.vocab;
+    const float inverse = inverse_temperature_of_slot(row, slot);
+    if (is_draft(slot))
+      return softmax_stats(draft_logits + problem.draft_row(row, slot) * problem.vocab, problem.vocab, inverse,
+                           summed_every_block);
+    return softmax_stats(target_logits + problem.target_row(row, slot - K) * problem.vocab, problem.vocab, inverse,
+                         summed_every_block);
   }
   float inverse_temperature_of_slot(int64_t row, int64_t slot) const {
     return (is_draft(slot) ? inverse_temperature : target_inverse_temperature)[row];
@@ -124,8 +132,7 @@ struct SoftmaxStatsPlan {
   // The normaliser of a slot's row, stored with whether it vouches for the row (returned).
   bool normalise(int64_t row, int64_t slot) {
     bool summed_every_block = false;
-    const SoftmaxStats stats = softmax_stats(values(row, slot), problem.vocab, inverse_temperature_of_slot(row, slot),
-                                             &summed_every_block);
+    const SoftmaxStats stats = slot_stats(row, slot, &summed_every_block);
     const bool vouched = normaliser_vouches_for_row(stats, summed_every_block);
     const int64_t index = position_index(row, slot);
     (is_draft(slot) ? draft_stats : target_stats)[index] = stats;

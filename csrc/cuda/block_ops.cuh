@@ -94,7 +94,7 @@ __device__ __forceinline__ int64_t first_tile(Span span, const TileLayout& layou
 // skipped by the max; a span without a finite logit has max -inf and sum 0.
 template <typename T>
 __device__ SoftmaxPartial block_softmax_partial(const T* row, Span span, float inverse_temperature, BlockStorage& s) {
-  const TileLayout layout = tile_layout<T>(row, nullptr);
+  const TileLayout layout = tile_layout<T>(row, static_cast<const T*>(nullptr));
   float thread_max = -INFINITY;
   double thread_sum = 0.0;
   for (int64_t tile = first_tile(span, layout); tile < span.end; tile += kTileElements) {
@@ -137,28 +137,29 @@ __device__ __forceinline__ void for_each_mass_tile(const Row& target, const Draf
     const int64_t first = thread_first(tile);
     float p[kItemsPerThread], q[kItemsPerThread];
     load_masses(target, first, span, layout.vectorised, p);
-    if (draft != nullptr) load_masses(*draft, first, span, layout.vectorised, q);
+    if (draft != nullptr) load_masses(*draft, first, span, layout.second_vectorised, q);
     visit(first, p, q);
   }
 }
 
-// argmax over a span of nu = w p + (1 - w) q (or of p without a draft row), ties to the lowest id; an index of
-// INT64_MAX (which loses to every element) for an empty span.
+// argmax over a span of nu = w p + (1 - w) q (or of p without a draft row) over the target's support
+// (greedy_value), ties to the lowest id; an index of INT64_MAX (which loses to every element of the support) for a
+// span without support.
 template <typename Row, typename Draft>
 __device__ ArgMax block_argmax_span(const Row& target, const Draft* draft, float weight, Span span, BlockStorage& s) {
-  ArgMax best{-1.0f, INT64_MAX};  // loses to every element: masses are >= 0
+  ArgMax best{-1.0f, INT64_MAX};  // loses to every element of the support (masses are >= 0), beats the rest (-inf)
   for_each_mass_tile(target, draft, span, [&](int64_t first, const float* p, const float* q) {
 #pragma unroll
     for (int k = 0; k < kItemsPerThread; ++k) {
       const int64_t v = first + k;
-      const float nu = draft != nullptr ? mix_mass(weight, p[k], q[k]) : p[k];
+      const float nu = draft != nullptr ? greedy_value(weight, p[k], q[k]) : greedy_value(1.0f, p[k], 0.0f);
       if (span.contains(v) && better_candidate(nu, v, best.value, best.index)) best = ArgMax{nu, v};
     }
   });
   return block_all_reduce(best, ArgMaxOp{}, s.temp.argmax, s.result.argmax);
 }
 
-// The argmax over a whole row, always in [0, vocab).
+// The argmax over a whole row, always in [0, vocab): 0 when the target has no support at all.
 template <typename Row, typename Draft>
 __device__ int64_t block_argmax_mixture(const Row& target, const Draft* draft, float weight, int64_t vocab,
                                         BlockStorage& s) {
@@ -201,7 +202,7 @@ __device__ int64_t block_inverse_cdf(const Row& target, const Draft* draft, Span
   for (int64_t tile = first_tile(span, layout); tile < span.end; tile += kTileElements) {
     const int64_t first = thread_first(tile);
     float mass[kItemsPerThread];
-    load_sample_masses(target, draft, first, span, layout.vectorised, mass);
+    load_sample_masses(target, draft, first, span, layout, mass);
     double local = 0.0;
 #pragma unroll
     for (int k = 0; k < kItemsPerThread; ++k) local += static_cast<double>(mass[k]);

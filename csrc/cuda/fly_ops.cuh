@@ -17,7 +17,7 @@ namespace gpu {
 template <typename Row>
 __device__ double block_fly_entropy(const Row& target, int64_t vocab, int top_k, BlockStorage& s) {
   const Span span{0, vocab};
-  const TileLayout layout = tile_layout(target.values, nullptr);
+  const TileLayout layout = tile_layout(target.values, static_cast<decltype(target.values)>(nullptr));
   FlyTopK top(top_k);
   for (int64_t tile = first_tile(span, layout); tile < span.end; tile += kTileElements) {
     const int64_t first = thread_first(tile);
@@ -63,7 +63,7 @@ __device__ int64_t fly_sampled_length(const VerifyProblem& params, const Rows& r
     if (valid) {
       p = mass_at(rows.target_row(params, b, i), token);
       q = mass_at(rows.draft_row(params, b, i), token);
-      passed = accept_draft(params.uniform(b, i), q, mix_mass(params.weight_at(b, i), p, q));
+      passed = accept_draft(params.uniform(b, i), q, mix_mass(verify_weight(params.weight_at(b, i), true, p), p, q));
     }
     const int64_t asked = walk.feed(i, passed, fly_deferrable(false, valid, p, q));
     if (asked >= 0) walk.settle(fly_entropy_defers(params, rows, b, asked, s));

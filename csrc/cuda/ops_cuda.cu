@@ -176,10 +176,11 @@ VerifyTuple verify_probs_cuda(const at::Tensor& draft_tokens, const OptionalTens
   if (split) check_split_without_fly(kVerifyProbsOp, problem);
   const SplitLaunch launch =
       split ? prepare_split(kVerifyProbsOp, problem, target_probs, false, stream) : SplitLaunch{};
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, target_probs.scalar_type(), "verify_probs_cuda", [&] {
-    using T = CudaElement<scalar_t>;
-    const T* draft = kernel_data<T, scalar_t>(draft_probs);
-    const T* target = kernel_data<T, scalar_t>(target_probs);
+  dispatch_verify_types(kVerifyProbsOp, draft_probs, target_probs, [&](auto draft_tag, auto target_tag) {
+    using DraftScalar = typename decltype(draft_tag)::type;
+    using TargetScalar = typename decltype(target_tag)::type;
+    const auto* draft = kernel_data<CudaElement<DraftScalar>, DraftScalar>(draft_probs);
+    const auto* target = kernel_data<CudaElement<TargetScalar>, TargetScalar>(target_probs);
     if (split) launch_split_verify_probs(problem, draft, target, launch.plan, launch.scratch, stream);
     else launch_verify_probs(problem, draft, target, stream);
   });
@@ -221,10 +222,11 @@ VerifyTuple verify_logits_cuda(const at::Tensor& draft_tokens, const OptionalTen
       split ? at::Tensor()
             : at::empty({2 * logits_scratch_size(problem.batch, problem.num_positions)},
                         target_logits.options().dtype(at::kFloat));
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, target_logits.scalar_type(), "verify_logits_cuda", [&] {
-    using T = CudaElement<scalar_t>;
-    const T* draft = kernel_data<T, scalar_t>(draft_logits);
-    const T* target = kernel_data<T, scalar_t>(target_logits);
+  dispatch_verify_types(kVerifyLogitsOp, draft_logits, target_logits, [&](auto draft_tag, auto target_tag) {
+    using DraftScalar = typename decltype(draft_tag)::type;
+    using TargetScalar = typename decltype(target_tag)::type;
+    const auto* draft = kernel_data<CudaElement<DraftScalar>, DraftScalar>(draft_logits);
+    const auto* target = kernel_data<CudaElement<TargetScalar>, TargetScalar>(target_logits);
     if (split) {
       launch_split_verify_logits(problem, draft, target, launch.plan, launch.scratch, stream);
     } else {

@@ -72,19 +72,25 @@ __device__ __forceinline__ float load_element(const T* row, int64_t v) {
 
 // Where the tiles of a row (or of two rows read in lockstep) start. Vector loads need 16-byte alignment; a row whose
 // start is off by `head` elements from it begins its first tile at `head - width` (those leading lanes lie before the
-// row and are skipped), so every later vector is aligned. Two rows with different misalignments are read scalar.
+// row and are skipped), so every later vector of the first row is aligned. The second row (of its own element type:
+// a draft may be bfloat16 beside a float32 target) uses 16-byte loads only where the same tiles align it too, and is
+// read scalar otherwise. A span's start is a multiple of every vector width and 16 elements (vocab_split.h), and a
+// thread's elements begin at multiples of kItemsPerThread, so one test at the tiles' base decides for every vector.
 struct TileLayout {
-  int64_t base;     // element index of the first tile, in (-width, 0]
-  bool vectorised;  // 16-byte loads wherever a whole vector lies inside the row
+  int64_t base;            // element index of the first tile, in (-width, 0]
+  bool vectorised;         // the first row: 16-byte loads wherever a whole vector lies inside the row
+  bool second_vectorised;  // the second row: the same
 };
 
-template <typename T>
-__device__ __forceinline__ TileLayout tile_layout(const T* first, const void* second) {
+template <typename T, typename Second = T>
+__device__ __forceinline__ TileLayout tile_layout(const T* first, const Second* second) {
   const uintptr_t misalignment = reinterpret_cast<uintptr_t>(first) % 16;
-  const bool same = second == nullptr || reinterpret_cast<uintptr_t>(second) % 16 == misalignment;
-  if (!same || misalignment % sizeof(T) != 0) return TileLayout{0, false};
+  if (misalignment % sizeof(T) != 0) return TileLayout{0, false, false};
   const int64_t head = static_cast<int64_t>(((16 - misalignment) % 16) / sizeof(T));
-  return TileLayout{head > 0 ? head - kVectorWidth<T> : 0, true};
+  const int64_t base = head > 0 ? head - kVectorWidth<T> : 0;
+  const uintptr_t second_start = reinterpret_cast<uintptr_t>(second) +
+                                 static_cast<uintptr_t>(base * static_cast<int64_t>(sizeof(Second)));
+  return TileLayout{base, true, second != nullptr && second_start % 16 == 0};
 }
 
 // Elements [first, first + kItemsPerThread) of a row as float32; entries outside the span read as 0 and are never
@@ -127,10 +133,13 @@ __device__ __forceinline__ void load_items(const T* row, int64_t first, Span spa
 // As on the CPU: a row of probabilities (mass = the sanitised value) or of logits with its softmax normaliser
 // (mass = the softmax probability, recomputed on the fly). `mass` maps a loaded element to its mass. OneHotRow, the
 // draft row of a tokens-only drafter, loads nothing (see below).
+// Both count mass below their floor as zero (sanitize_mass): kMinTargetMass for the verify kernels' target rows (the
+// target's support, verify_math.h), 0 for every other row.
 template <typename T>
 struct ProbRow {
   const T* values;
-  __device__ __forceinline__ float mass(float x) const { return sanitize_mass(x); }
+  float floor = 0.0f;
+  __device__ __forceinline__ float mass(float x) const { return sanitize_mass(x, floor); }
 };
 
 template <typename T>
@@ -138,7 +147,8 @@ struct LogitRow {
   const T* values;
   float inverse_temperature;
   SoftmaxStats stats;
-  __device__ __forceinline__ float mass(float x) const { return softmax_mass(x, inverse_temperature, stats); }
+  float floor = 0.0f;
+  __device__ __forceinline__ float mass(float x) const { return softmax_mass(x, inverse_temperature, stats, floor); }
 };
 
 // The draft row of a drafter that gives tokens only: one-hot at `token` (one_hot_draft_token: -1 for an id outside
@@ -155,10 +165,10 @@ __device__ __forceinline__ float mass_at(const OneHotRow& row, int64_t v) { retu
 
 // The memory an optional second row reads, which tile_layout aligns with the first: none for a one-hot row.
 template <typename Row>
-__device__ __forceinline__ const void* row_memory(const Row* row) {
+__device__ __forceinline__ auto row_memory(const Row* row) -> decltype(row->values) {
   return row != nullptr ? row->values : nullptr;
 }
-__device__ __forceinline__ const void* row_memory(const OneHotRow*) { return nullptr; }
+__device__ __forceinline__ const float* row_memory(const OneHotRow*) { return nullptr; }
 
 // Masses of this thread's elements of a tile; 0 outside the span.
 template <typename Row>
@@ -176,14 +186,15 @@ __device__ __forceinline__ void load_masses(const OneHotRow& row, int64_t first,
     mass[k] = span.contains(first + k) ? one_hot_mass(first + k, row.token) : 0.0f;  // 0 outside, as loads
 }
 
-// The mass sampled by the final step: max(0, p - q) with a draft row, p alone without.
+// The mass sampled by the final step: max(0, p - q) with a draft row, p alone without (`layout` from tile_layout of
+// the two rows).
 template <typename Row, typename Draft>
 __device__ __forceinline__ void load_sample_masses(const Row& target, const Draft* draft, int64_t first, Span span,
-                                                   bool vectorised, float (&mass)[kItemsPerThread]) {
-  load_masses(target, first, span, vectorised, mass);
+                                                   const TileLayout& layout, float (&mass)[kItemsPerThread]) {
+  load_masses(target, first, span, layout.vectorised, mass);
   if (draft != nullptr) {
     float q[kItemsPerThread];
-    load_masses(*draft, first, span, vectorised, q);
+    load_masses(*draft, first, span, layout.second_vectorised, q);
 #pragma unroll
     for (int k = 0; k < kItemsPerThread; ++k) mass[k] = residual_mass(mass[k], q[k]);
   }

@@ -113,9 +113,9 @@ __device__ __forceinline__ ArgMax load_partial(const ArgMax* slot) {
 // One block per (request, row, chunk): the row's online-softmax partial over the chunk; the last block of a row
 // merges its chunks (max, then the sums rescaled to it) into the row's normaliser. Rows the request never reads
 // (draft positions >= num_draft, target positions > num_draft, draft rows without draft logits) are skipped.
-template <typename T>
+template <typename TD, typename TT>
 __global__ void __launch_bounds__(kThreads)
-    softmax_partials_kernel(const VerifyProblem params, const LogitRows<T> rows, const VocabSplit split,
+    softmax_partials_kernel(const VerifyProblem params, const LogitRows<TD, TT> rows, const VocabSplit split,
                             const SplitScratch scratch) {
   __shared__ BlockStorage storage;
   const int64_t K = params.num_positions, per_request = 2 * K + 1, chunks = split.num_chunks;
@@ -125,10 +125,12 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t position = is_draft ? slot : slot - K;
   const int64_t drafted = params.drafted(b);
   if (is_draft ? (rows.draft == nullptr || position >= drafted) : position > drafted) return;
-  const T* values = is_draft ? rows.draft_values(params, b, position) : rows.target_values(params, b, position);
   const float inverse_t = is_draft ? rows.inverse_temperature(params, b) : rows.target_inverse_temperature(params, b);
+  const Span span{split.begin(chunk), split.end(chunk)};
+  // The draft's and the target's rows may have different element types; the block takes one branch (is_draft).
   const SoftmaxPartial partial =
-      block_softmax_partial(values, Span{split.begin(chunk), split.end(chunk)}, inverse_t, storage);
+      is_draft ? block_softmax_partial(rows.draft_values(params, b, position), span, inverse_t, storage)
+               : block_softmax_partial(rows.target_values(params, b, position), span, inverse_t, storage);
   SoftmaxPartial* row_partials = scratch.partials + row_index * chunks;
   if (threadIdx.x == 0) row_partials[chunk] = partial;
   if (!arrive_last(scratch.row_done + row_index, chunks)) return;
@@ -147,6 +149,8 @@ __global__ void __launch_bounds__(kThreads)
 
 // ------------------------------------------------------------------------------------------------ verification
 // The last block's part for a greedy row: each position's argmax over all chunks, the accept decisions, the outputs.
+// The chunks' argmaxes are taken over the target's support, so a forbidden draft never equals one; a target without
+// support (no chunk found a candidate) accepts nothing.
 __device__ inline void finish_greedy_row(const VerifyProblem& params, int64_t b, int64_t drafted, int64_t chunks,
                                   const ArgMax* row_argmax, BlockStorage& storage) {
   const int64_t K = params.num_positions;
@@ -160,7 +164,8 @@ __device__ inline void finish_greedy_row(const VerifyProblem& params, int64_t b,
       if (m == drafted) choice = index;
       break;
     }
-    const bool accepted = params.draft_tokens[b * K + i] == index;  // ids outside [0, V) are rejected
+    // ids outside [0, V) are rejected
+    const bool accepted = best < params.vocab && params.draft_tokens[b * K + i] == index;
     if (threadIdx.x == 0) params.out_accept_prob[b * K + i] = accepted ? 1.0f : 0.0f;
     if (!accepted && m == drafted) {
       m = i;
@@ -249,8 +254,9 @@ __global__ void __launch_bounds__(kThreads)
     // Every block of the request finds the same m; its first block writes the outputs that do not need the sample.
     m = sampled_first_rejection(params, rows, b, drafted, chunk == 0, storage);
     if (chunk == 0) write_row_outputs(params, b, drafted, m);
-    // Residual max(0, p_m - q_m) only when rejected with w_m > 0; otherwise (or when it has no mass) p_m itself.
-    use_residual = m < drafted && params.weight_at(b, m) > 0.0f;
+    // Residual max(0, p_m - q_m) only when rejected with w_m > 0 (1 at a forbidden draft); otherwise (or when it has
+    // no mass) p_m itself.
+    use_residual = m < drafted && rejection_weight(params, rows, b, m) > 0.0f;
     const Row target = rows.target_row(params, b, m);
     DraftRow draft_storage{};
     if (use_residual) draft_storage = rows.draft_row(params, b, m);
@@ -269,32 +275,33 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // ------------------------------------------------------------------------------------------------ launchers
-// `scratch` was laid out by lay_out_split_scratch, its counters zeroed. A null draft
-// pointer: the drafter gave tokens only.
-template <typename Rows>
+// `scratch` was laid out by lay_out_split_scratch, its counters zeroed. A null draft pointer: the drafter gave tokens
+// only (then TD = TT, with_launch_rows).
+template <typename TD, typename TT, typename Rows>
 void launch_split_verify(const VerifyProblem& params, const Rows& rows, bool has_draft, const SplitPlan& plan,
                          const SplitScratch& scratch, cudaStream_t stream) {
   const unsigned blocks = static_cast<unsigned>(params.batch * plan.verify.num_chunks);
-  if (has_draft) split_verify_kernel<<<blocks, kThreads, 0, stream>>>(params, rows, plan.verify, scratch);
-  else split_verify_kernel<<<blocks, kThreads, 0, stream>>>(params, TokenDraftRows<Rows>{rows}, plan.verify, scratch);
+  with_launch_rows<TD, TT>(rows, has_draft, [&](const auto& launched) {
+    split_verify_kernel<<<blocks, kThreads, 0, stream>>>(params, launched, plan.verify, scratch);
+  });
 }
 
-template <typename T>
-void launch_split_verify_probs(const VerifyProblem& params, const T* draft, const T* target, const SplitPlan& plan,
+template <typename TD, typename TT>
+void launch_split_verify_probs(const VerifyProblem& params, const TD* draft, const TT* target, const SplitPlan& plan,
                                const SplitScratch& scratch, cudaStream_t stream) {
   if (params.batch == 0) return;
-  launch_split_verify(params, ProbRows<T>{{draft, target}}, draft != nullptr, plan, scratch, stream);
+  launch_split_verify<TD, TT>(params, ProbRows<TD, TT>{{draft, target}}, draft != nullptr, plan, scratch, stream);
 }
 
-template <typename T>
-void launch_split_verify_logits(const VerifyProblem& params, const T* draft, const T* target, const SplitPlan& plan,
+template <typename TD, typename TT>
+void launch_split_verify_logits(const VerifyProblem& params, const TD* draft, const TT* target, const SplitPlan& plan,
                                 const SplitScratch& scratch, cudaStream_t stream) {
   if (params.batch == 0) return;
-  const LogitRows<T> rows{{draft, target}, scratch.draft_stats, scratch.target_stats};
+  const LogitRows<TD, TT> rows{{draft, target}, scratch.draft_stats, scratch.target_stats};
   const unsigned row_blocks =
       static_cast<unsigned>(params.batch * (2 * params.num_positions + 1) * plan.rows.num_chunks);
   softmax_partials_kernel<<<row_blocks, kThreads, 0, stream>>>(params, rows, plan.rows, scratch);
-  launch_split_verify(params, rows, draft != nullptr, plan, scratch, stream);
+  launch_split_verify<TD, TT>(params, rows, draft != nullptr, plan, scratch, stream);
 }
 
 }  // namespace gpu

@@ -37,7 +37,7 @@ __device__ __forceinline__ void for_each_pair_tile(const Row& target, const Row&
     const int64_t first = thread_first(tile);
     float p[kItemsPerThread], q[kItemsPerThread];
     load_masses(target, first, Span{0, vocab}, layout.vectorised, p);
-    load_masses(draft, first, Span{0, vocab}, layout.vectorised, q);
+    load_masses(draft, first, Span{0, vocab}, layout.second_vectorised, q);
     f(first, p, q);
   }
 }

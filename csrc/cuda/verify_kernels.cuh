@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "../common/problems.h"
 #include "block_ops.cuh"
@@ -18,44 +19,47 @@ namespace gpu {
 // The request-level inputs and outputs are a VerifyProblem, shared with the CPU kernels; its greedy flags are read by
 // ProbRows, while LogitRows derives them from the temperatures.
 
-// The draft's and the target's values ([rows, V] each) and where a request position's row starts in them: the tensor
-// rows the problem maps positions to ([B, K, V] / [B, K+1, V], or row tensors read through target_rows / draft_rows).
-template <typename T>
+// The draft's values (element type TD) and the target's (TT), [rows, V] each, and where a request position's row
+// starts in them: the tensor rows the problem maps positions to ([B, K, V] / [B, K+1, V], or row tensors read through
+// target_rows / draft_rows). Each is read as it lies: a bfloat16 draft beside a float32 target needs no copy.
+template <typename TD, typename TT>
 struct RowValues {
-  const T* draft;  // null: the drafter gave tokens only
-  const T* target;
+  const TD* draft;  // null: the drafter gave tokens only
+  const TT* target;
 
-  __device__ const T* draft_values(const VerifyProblem& p, int64_t row, int64_t position) const {
+  __device__ const TD* draft_values(const VerifyProblem& p, int64_t row, int64_t position) const {
     return draft + p.draft_row(row, position) * p.vocab;
   }
-  __device__ const T* target_values(const VerifyProblem& p, int64_t row, int64_t position) const {
+  __device__ const TT* target_values(const VerifyProblem& p, int64_t row, int64_t position) const {
     return target + p.target_row(row, position) * p.vocab;
   }
 };
 
-// Rows of draft probabilities and target probabilities; greedy rows flagged per request.
-template <typename T>
-struct ProbRows : RowValues<T> {
-  using Row = ProbRow<T>;
-  using DraftRow = Row;
+// Rows of draft probabilities and target probabilities; greedy rows flagged per request. Target rows count mass below
+// kMinTargetMass as zero (the target's support, verify_math.h).
+template <typename TD, typename TT>
+struct ProbRows : RowValues<TD, TT> {
+  using Row = ProbRow<TT>;
+  using DraftRow = ProbRow<TD>;
 
   __device__ bool greedy(const VerifyProblem& p, int64_t row) const { return p.greedy_at(row); }
   __device__ void prepare(const VerifyProblem&, int64_t, int64_t, BlockStorage&) const {}
-  __device__ Row draft_row(const VerifyProblem& p, int64_t row, int64_t position) const {
-    return Row{this->draft_values(p, row, position)};
+  __device__ DraftRow draft_row(const VerifyProblem& p, int64_t row, int64_t position) const {
+    return DraftRow{this->draft_values(p, row, position)};
   }
   __device__ Row target_row(const VerifyProblem& p, int64_t row, int64_t position) const {
-    return Row{this->target_values(p, row, position)};
+    return Row{this->target_values(p, row, position), kMinTargetMass};
   }
 };
 
 // Rows of logits with their softmax normalisers, which `prepare` computes into per-call scratch (see
 // logits_scratch_size) for every row the request reads: draft positions < num_draft, target positions <= num_draft.
-// Temperature <= 0 or NaN marks a greedy row, decided on the untempered softmax.
-template <typename T>
-struct LogitRows : RowValues<T> {
-  using Row = LogitRow<T>;
-  using DraftRow = Row;
+// Temperature <= 0 or NaN marks a greedy row, decided on the untempered softmax. Target rows have the support's
+// floor, as in ProbRows.
+template <typename TD, typename TT>
+struct LogitRows : RowValues<TD, TT> {
+  using Row = LogitRow<TT>;
+  using DraftRow = LogitRow<TD>;
   SoftmaxStats* draft_stats;   // [B, K] scratch, one normaliser per request position (a row read twice gets two)
   SoftmaxStats* target_stats;  // [B, K+1] scratch
 
@@ -83,13 +87,13 @@ struct LogitRows : RowValues<T> {
     }
     __syncthreads();  // the block reads the normalisers back from global memory
   }
-  __device__ Row draft_row(const VerifyProblem& p, int64_t row, int64_t position) const {
-    return Row{this->draft_values(p, row, position), inverse_temperature(p, row),
-               draft_stats[row * p.num_positions + position]};
+  __device__ DraftRow draft_row(const VerifyProblem& p, int64_t row, int64_t position) const {
+    return DraftRow{this->draft_values(p, row, position), inverse_temperature(p, row),
+                    draft_stats[row * p.num_positions + position]};
   }
   __device__ Row target_row(const VerifyProblem& p, int64_t row, int64_t position) const {
     return Row{this->target_values(p, row, position), target_inverse_temperature(p, row),
-               target_stats[row * (p.num_positions + 1) + position]};
+               target_stats[row * (p.num_positions + 1) + position], kMinTargetMass};
   }
 };
 
@@ -118,9 +122,18 @@ inline int64_t logits_scratch_size(int64_t batch, int64_t num_positions) {
   return batch * (2 * num_positions + 1);
 }
 
+// The weight a request's rejection at m verifies with (verify_weight): 1 where the target forbids the draft x_m, so
+// its correction is drawn from the residual whatever w_m is.
+template <typename Rows>
+__device__ float rejection_weight(const VerifyProblem& params, const Rows& rows, int64_t b, int64_t m) {
+  const int64_t token = params.draft_tokens[b * params.num_positions + m];
+  const float p = in_row(token, params.vocab) ? mass_at(rows.target_row(params, b, m), token) : 0.0f;
+  return params.verify_weight_at(b, m, p);
+}
+
 // Accept tests of a sampled (not greedy) row at its drafted positions, one position per thread: returns m, the first
 // rejection (drafted when every test passes), in every thread. With write_outputs, also each drafted position's
-// accept_prob.
+// accept_prob. A draft the target forbids verifies with w = 1 (verify_weight): never accepted.
 template <typename Rows>
 __device__ int64_t sampled_first_rejection(const VerifyProblem& params, const Rows& rows, int64_t b, int64_t drafted,
                                            bool write_outputs, BlockStorage& storage) {
@@ -135,8 +148,9 @@ __device__ int64_t sampled_first_rejection(const VerifyProblem& params, const Ro
     if (in_row(token, params.vocab)) {
       const Row target = rows.target_row(params, b, i);
       const DraftRow draft = rows.draft_row(params, b, i);
+      const float p = mass_at(target, token);
       const float q = mass_at(draft, token);
-      const float nu = mix_mass(params.weight_at(b, i), mass_at(target, token), q);
+      const float nu = mix_mass(verify_weight(params.weight_at(b, i), true, p), p, q);
       probability = accept_probability(nu, q);
       accepted = accept_draft(params.uniform(b, i), q, nu);
     }
@@ -180,12 +194,14 @@ __global__ void __launch_bounds__(kThreads) verify_kernel(const VerifyProblem pa
       const DraftRow draft = rows.draft_row(params, b, i);
       const int64_t best = block_argmax_mixture(target, &draft, params.weight_at(b, i), V, storage);
       const int64_t token = params.draft_tokens[b * K + i];
-      const bool accepted = token == best;  // best lies in [0, V): ids outside are rejected
+      const bool valid = in_row(token, V);
+      const float p = valid ? mass_at(target, token) : 0.0f;
+      // best lies in [0, V) (ids outside are rejected) and in the support, unless the target has none.
+      const bool accepted = token == best && !target_forbids(p);
       if (threadIdx.x == 0) params.out_accept_prob[b * K + i] = accepted ? 1.0f : 0.0f;
       // A failure while no rejection is pending is this position's; one inside a window ends at the pending one.
       if (!accepted && !walk.decided() && walk.pending < 0) greedy_choice = best;
-      const bool deferrable = window > 0 && fly_deferrable(true, in_row(token, V),
-                                                           in_row(token, V) ? mass_at(target, token) : 0.0f, 0.0f);
+      const bool deferrable = window > 0 && fly_deferrable(true, valid, p, 0.0f);
       const int64_t asked = walk.feed(i, accepted, deferrable);
       if (asked >= 0) walk.settle(fly_entropy_defers(params, rows, b, asked, storage));
     }
@@ -210,8 +226,9 @@ __global__ void __launch_bounds__(kThreads) verify_kernel(const VerifyProblem pa
       choice = block_argmax_mixture(bonus, static_cast<const Row*>(nullptr), 1.0f, V, storage);
     }
   } else {
-    // Residual max(0, p_m - q_m) only when rejected with w_m > 0; otherwise (or when it has no mass) p_m itself.
-    const bool use_residual = rejected && params.weight_at(b, m) > 0.0f;
+    // Residual max(0, p_m - q_m) only when rejected with w_m > 0 (1 at a forbidden draft); otherwise (or when it has
+    // no mass) p_m itself.
+    const bool use_residual = rejected && rejection_weight(params, rows, b, m) > 0.0f;
     const Row target = rows.target_row(params, b, m);
     DraftRow draft_storage{};
     if (use_residual) draft_storage = rows.draft_row(params, b, m);
@@ -229,28 +246,43 @@ __global__ void __launch_bounds__(kThreads) verify_kernel(const VerifyProblem pa
   if (threadIdx.x == 0) row_tokens[m] = choice;
 }
 
-// One launch over the batch, with one-hot draft rows when the draft tensor is absent (draft == nullptr).
-template <typename Rows>
+// The rows a launch reads: as they are, or with one-hot draft rows when the draft tensor is absent (a null draft).
+// Only a draft of the target's element type may be absent (the binding dispatches a tokens-only call on the target's
+// type alone), so the mixed-type instantiations compile no tokens-only kernels.
+template <typename TD, typename TT, typename Rows, typename Launch>
+void with_launch_rows(const Rows& rows, bool has_draft, const Launch& launch) {
+  if constexpr (std::is_same_v<TD, TT>) {
+    if (!has_draft) {
+      launch(TokenDraftRows<Rows>{rows});
+      return;
+    }
+  }
+  launch(rows);
+}
+
+// One launch over the batch.
+template <typename TD, typename TT, typename Rows>
 void launch_verify(const VerifyProblem& params, const Rows& rows, bool has_draft, cudaStream_t stream) {
   const unsigned blocks = static_cast<unsigned>(params.batch);
-  if (has_draft) verify_kernel<<<blocks, kThreads, 0, stream>>>(params, rows);
-  else verify_kernel<<<blocks, kThreads, 0, stream>>>(params, TokenDraftRows<Rows>{rows});
+  with_launch_rows<TD, TT>(rows, has_draft, [&](const auto& launched) {
+    verify_kernel<<<blocks, kThreads, 0, stream>>>(params, launched);
+  });
 }
 
 // Launchers; params.greedy must be set for probabilities. `scratch` holds logits_scratch_size(B, K) entries. A null
-// draft pointer: the drafter gave tokens only.
-template <typename T>
-void launch_verify_probs(const VerifyProblem& params, const T* draft, const T* target, cudaStream_t stream) {
+// draft pointer: the drafter gave tokens only (then TD = TT).
+template <typename TD, typename TT>
+void launch_verify_probs(const VerifyProblem& params, const TD* draft, const TT* target, cudaStream_t stream) {
   if (params.batch == 0) return;
-  launch_verify(params, ProbRows<T>{{draft, target}}, draft != nullptr, stream);
+  launch_verify<TD, TT>(params, ProbRows<TD, TT>{{draft, target}}, draft != nullptr, stream);
 }
 
-template <typename T>
-void launch_verify_logits(const VerifyProblem& params, const T* draft, const T* target, SoftmaxStats* scratch,
+template <typename TD, typename TT>
+void launch_verify_logits(const VerifyProblem& params, const TD* draft, const TT* target, SoftmaxStats* scratch,
                           cudaStream_t stream) {
   if (params.batch == 0) return;
-  const LogitRows<T> rows{{draft, target}, scratch, scratch + params.batch * params.num_positions};
-  launch_verify(params, rows, draft != nullptr, stream);
+  const LogitRows<TD, TT> rows{{draft, target}, scratch, scratch + params.batch * params.num_positions};
+  launch_verify<TD, TT>(params, rows, draft != nullptr, stream);
 }
 
 }  // namespace gpu

@@ -2,10 +2,11 @@
 the references' deferral rule (the kernels' is csrc/common/fly_math.h).
 
 At drafted position i of a request with n drafts, a draft that the exact test rejects (u_i q_i(x_i) < nu_i(x_i), or
-x_i == argmax nu_i for a greedy row) is accepted anyway when its id is valid with p_i(x_i) > 0 (and q_i(x_i) > 0 for
-a sampled row), i + W < n, the next W drafts all pass the exact test, and the target's top-k entropy at i,
--sum_{top k} p log p over the target's k largest probabilities, is at least tau. The usual prefix rule follows. The
-output no longer follows nu: FLy trades fidelity for acceptance.
+x_i == argmax nu_i for a greedy row) is accepted anyway when its id is valid, the target allows it (p_i(x_i) at least
+MIN_TARGET_MASS: never a token the target forbids), q_i(x_i) > 0 for a sampled row, i + W < n, the next W drafts all
+pass the exact test, and the target's top-k entropy at i, -sum_{top k} p log p over the target's k largest
+probabilities, is at least tau. The usual prefix rule follows. The output no longer follows nu: FLy trades fidelity
+for acceptance.
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ class VerifyArgs:
 
     draft_tokens: torch.Tensor  # int64 [B, K]
     draft: Optional[torch.Tensor]  # [B, K, V] probabilities or logits, contiguous; None: the draft gave tokens only
-    target: torch.Tensor  # [B, K+1, V], same dtype
+    target: torch.Tensor  # [B, K+1, V], of its own dtype (float32, bfloat16 or float16, like the draft's)
     weight: Optional[torch.Tensor]  # float32 [B, K], or None: weight_value everywhere
     num_draft: Optional[torch.Tensor]  # int64 [B], or None: K everywhere
     greedy: Optional[torch.Tensor]  # bool [B], or None: no greedy row
@@ -107,10 +107,11 @@ def check_target_only(target: torch.Tensor, target_name: str, kind: str) -> tupl
 
 
 def check_pair_layout(draft: torch.Tensor, target: torch.Tensor, draft_name: str, target_name: str,
-                      kind: str) -> tuple[int, int, int, int]:
+                      kind: str, same_dtype: bool = True) -> tuple[int, int, int, int]:
     """Types, ranks, dtypes, devices and B/V agreement of a draft and a target tensor; returns (B, K, V, the
     target's positions). How many positions the target must have is the caller's rule: K + 1 for verify, K or at
-    least K for token_stats and mix."""
+    least K for token_stats and mix. Each dtype is one of PROB_DTYPES; ``same_dtype`` asks them to be equal
+    (token_stats and mix); the verify ops read a draft and a target of different dtypes each as it lies."""
     # Every check is a cheap test first and the helper that words the error only when it fails: this runs on every
     # call, and each Python call or .shape read costs a fraction of a microsecond.
     if not (isinstance(draft, torch.Tensor) and isinstance(target, torch.Tensor)):
@@ -124,7 +125,7 @@ def check_pair_layout(draft: torch.Tensor, target: torch.Tensor, draft_name: str
     if len(draft_shape) != 3 or len(target_shape) != 3:
         require_rank(draft, 3, draft_name, "[B, K, V]")
         require_rank(target, 3, target_name, "[B, K+1, V]")
-    if draft_dtype != target_dtype:
+    if same_dtype and draft_dtype != target_dtype:
         raise TypeError(f"{draft_name} ({draft_dtype}) and {target_name} ({target_dtype}) must have the same dtype")
     if target.device != draft.device:
         require_device(target, draft.device, target_name)
@@ -142,10 +143,12 @@ def check_pair_layout(draft: torch.Tensor, target: torch.Tensor, draft_name: str
 def check_distributions(draft: Optional[torch.Tensor], target: torch.Tensor, draft_name: str, target_name: str,
                         kind: str) -> tuple[int, int, int]:
     """verify's draft [B, K, V] and target [B, K+1, V] (check_pair_layout, then K + 1 target positions); returns
-    (B, K, V). A draft of None (tokens only) leaves the target alone to check."""
+    (B, K, V). Their dtypes may differ (each float32, bfloat16 or float16). A draft of None (tokens only) leaves the
+    target alone to check."""
     if draft is None:
         return check_target_only(target, target_name, kind)
-    batch, num_positions, vocab, target_positions = check_pair_layout(draft, target, draft_name, target_name, kind)
+    batch, num_positions, vocab, target_positions = check_pair_layout(draft, target, draft_name, target_name, kind,
+                                                                      same_dtype=False)
     if target_positions != num_positions + 1:
         raise ValueError(f"{target_name} must have K+1 = {num_positions + 1} positions (K from {draft_name}), "
                          f"got {target_positions}")

@@ -9,7 +9,12 @@ verify / verify_logits: DIVERSED verification of a batch of draft blocks. For ro
     all n accepted:       emit the bonus y ~ p_{n+1}
     greedy rows:          accept while x_i == argmax nu_i, emit argmax nu_m or argmax p_{n+1}; ties go to the lowest id
 
-Every emitted token at a drafted position follows nu; with w = 1 the output follows the target exactly. This is
+Tokens the target forbids (probability below MIN_TARGET_MASS = 2^-64: a server's bad words, allowed token ids, -inf or
+-100 logit biases) stay out whatever the weight: a drafted token the target forbids verifies with w = 1 (never
+accepted, corrected from the residual), greedy rows take the argmax over the target's support, FLy never defers such a
+draft. Every emitted token at a drafted position follows nu' = w p + (1 - w) (q 1_S + q(not S) norm(max(0, p - q))),
+S the target's support, which is nu wherever S covers q's support (docs/api.md); with w = 1 the output follows the
+target exactly. This is
 speculative sampling (Leviathan, Kalman and Matias, ICML 2023, arXiv:2211.17192; Chen et al., arXiv:2302.01318)
 verified against DIVERSED's ensemble (Wang et al., AISTATS 2026, arXiv:2604.07622).
 
@@ -69,7 +74,8 @@ def verify(draft_tokens, draft_probs, target_probs, weight, *, num_draft=None, g
         draft_probs: [B, K, V] draft distributions q (float32, bfloat16 or float16), or None when the drafter gives
             tokens only (EAGLE, MTP, ngram lookup): q is then one-hot at each drafted token, so x_i is accepted with
             probability w_i p_i(x_i) + 1 - w_i and a rejection draws from p_m without x_m. No draft row is read.
-        target_probs: [B, K+1, V] target distributions p, same dtype and device; row K (or num_draft[b]) gives the bonus.
+        target_probs: [B, K+1, V] target distributions p on the same device; row K (or num_draft[b]) gives the bonus.
+            Its dtype may differ from ``draft_probs``' (each float32, bfloat16 or float16, read as it lies: no copy).
             [R, V] rows with ``target_rows`` (and ``draft_probs`` [Rd, V] rows with ``draft_rows``).
         weight: weight w on the target: a float, a [B] tensor (per request) or a [B, K] tensor (per token, e.g. from
             :class:`diversed_ext.head.EnsembleHead`). 1 is standard speculative decoding, 0 accepts every draft.
@@ -165,7 +171,9 @@ def verify_logits(draft_tokens, draft_logits, target_logits, weight, *, temperat
     Args:
         draft_logits: [B, K, V] draft logits (float32, bfloat16 or float16); -inf entries mask tokens out. None when
             the drafter gives tokens only (q one-hot at each drafted token, as in :func:`diversed_ext.verify`).
-        target_logits: [B, K+1, V] target logits, same dtype and device ([R, V] rows with ``target_rows``).
+        target_logits: [B, K+1, V] target logits on the same device ([R, V] rows with ``target_rows``); its dtype may
+            differ from ``draft_logits``' (each float32, bfloat16 or float16, read as it lies: a bfloat16 draft beside
+            float32 target rows needs no copy).
         temperature: float or [B] tensor, >= 0. Probabilities are softmax(logits / temperature); 0 makes the row
             greedy (accept while x_i = argmax nu_i, with nu formed from the temperature-1 softmax).
         target_temperature: None (the target logits are divided by ``temperature`` too), or a float or [B] tensor,

@@ -2,7 +2,8 @@
 
 It is the correctness oracle of the test suite and the baseline of every benchmark. It follows the arithmetic model of
 csrc/common/verify_math.h (float32 mixture without fused multiply-add, float64 accept test and cumulative sums), so on identical
-uniforms it returns the same tokens as the kernels.
+uniforms it returns the same tokens as the kernels, and the same support rule: a target probability below
+MIN_TARGET_MASS counts as zero, and a drafted token the target forbids verifies with w = 1.
 """
 
 from __future__ import annotations
@@ -20,10 +21,27 @@ from .api import TokenStats, VerifyResult
 
 FLOAT32_MAX = torch.finfo(torch.float32).max
 
+# The target's support (csrc/common/verify_math.h: kMinTargetMass, which says why this value): a target probability
+# below it counts as zero in the verify ops. A hard constraint of a server (bad words, allowed token ids, a -inf or
+# -100 logit bias, min_tokens) reaches the verifier only as such a probability, and must hold whatever the weight.
+MIN_TARGET_MASS = 2.0 ** -64
 
-def _sanitize_mass(values: torch.Tensor) -> torch.Tensor:
-    """NaN, negative and infinite mass count as zero (reachable only with check_inputs=False)."""
-    return torch.where((values >= 0) & (values <= FLOAT32_MAX), values, torch.zeros_like(values))
+
+def target_forbids(target_probs: torch.Tensor) -> torch.Tensor:
+    """bool, like ``target_probs``: where the target forbids a token (probability below MIN_TARGET_MASS, or NaN). The
+    verify ops never accept such a draft, verify its position with w = 1, and never emit such a token."""
+    return ~(target_probs >= MIN_TARGET_MASS)
+
+
+def _sanitize_mass(values: torch.Tensor, floor: float = 0.0) -> torch.Tensor:
+    """NaN, negative and infinite mass count as zero (reachable only with check_inputs=False), and so does mass below
+    ``floor`` (MIN_TARGET_MASS for the verify ops' target rows)."""
+    return torch.where((values >= floor) & (values <= FLOAT32_MAX), values, torch.zeros_like(values))
+
+
+def _target_mass(values: torch.Tensor) -> torch.Tensor:
+    """The verify ops' target probabilities as float32: sanitised, and zero outside the target's support."""
+    return _sanitize_mass(values.float(), MIN_TARGET_MASS)
 
 
 def _sanitize_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -60,45 +78,51 @@ def reference_core(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, target
                    weight: torch.Tensor, num_draft: torch.Tensor, greedy: torch.Tensor,
                    uniforms: torch.Tensor, fly=None) -> VerifyResult:
     """Verification on normalised arguments (see diversed_ext.ops._inputs.VerifyArgs) with explicit float64 uniforms;
-    ``fly``: FLy's (window int64 [B], threshold float32 [B], top_k), or None."""
+    ``fly``: FLy's (window int64 [B], threshold float32 [B], top_k), or None. Draft and target may have different
+    dtypes: both are read as float32."""
     batch, num_positions, vocab = draft_probs.shape
     rows = torch.arange(batch, device=draft_probs.device)
     positions = torch.arange(num_positions, device=draft_probs.device)
     weight = _sanitize_weight(weight)
     num_draft = num_draft.clamp(0, num_positions)  # as the kernels do when the checks are off
+    target = _target_mass(target_probs)  # [B, K+1, V], zero outside the target's support
+    draft = _sanitize_mass(draft_probs.float())
 
     drafted = positions.unsqueeze(0) < num_draft.unsqueeze(1)
     valid = (draft_tokens >= 0) & (draft_tokens < vocab) & drafted
     safe_tokens = draft_tokens.clamp(0, vocab - 1).unsqueeze(-1)
-    q_token = _sanitize_mass(draft_probs.gather(2, safe_tokens).squeeze(-1).float())
-    p_token = _sanitize_mass(target_probs[:, :num_positions].gather(2, safe_tokens).squeeze(-1).float())
-    nu_token = weight * p_token + (1 - weight) * q_token
+    q_token = draft.gather(2, safe_tokens).squeeze(-1)
+    p_token = target[:, :num_positions].gather(2, safe_tokens).squeeze(-1)
+    # A valid draft the target forbids verifies with w = 1: nu(x) = p(x) = 0, never accepted, corrected by the residual.
+    forbidden = (draft_tokens >= 0) & (draft_tokens < vocab) & target_forbids(p_token)
+    verify_weight = torch.where(forbidden, torch.ones_like(weight), weight)
+    nu_token = verify_weight * p_token + (1 - verify_weight) * q_token
 
     ratio = torch.where(q_token > 0, (nu_token / q_token).clamp(max=1.0), (nu_token > 0).float())
     accept_sampled = uniforms[:, :num_positions] * q_token.double() < nu_token.double()
 
-    # Greedy rows compare against argmax nu at every position (first index wins ties).
-    nu_full = weight.unsqueeze(-1) * _sanitize_mass(target_probs[:, :num_positions].float()) \
-        + (1 - weight).unsqueeze(-1) * _sanitize_mass(draft_probs.float())
+    # Greedy rows compare against argmax nu over the target's support at every position (first index wins ties).
+    nu_full = weight.unsqueeze(-1) * target[:, :num_positions] + (1 - weight).unsqueeze(-1) * draft
+    nu_full = torch.where(target_forbids(target[:, :num_positions]), float("-inf"), nu_full)
     greedy_choice = nu_full.argmax(-1)
-    accept_greedy = draft_tokens == greedy_choice
+    accept_greedy = (draft_tokens == greedy_choice) & ~forbidden
 
     accepted = torch.where(greedy.unsqueeze(1), accept_greedy, accept_sampled) & valid
     accept_prob = torch.where(greedy.unsqueeze(1), accepted.float(), ratio) * valid
     if fly is not None:
         window, threshold, top_k = fly
-        deferrable = valid & (p_token > 0) & (greedy.unsqueeze(1) | (q_token > 0))
-        entropy = fly_entropy(_sanitize_mass(target_probs[:, :num_positions].float()), top_k)
+        deferrable = valid & ~forbidden & (greedy.unsqueeze(1) | (q_token > 0))
+        entropy = fly_entropy(target[:, :num_positions], top_k)
         accepted = accepted | fly_deferred(accepted, deferrable, entropy, window, threshold, num_draft)
     num_accepted = accepted.long().cumprod(1).sum(1)
 
     # The final token: residual at the first rejection, else the bonus from target row num_draft.
     rejected = num_accepted < num_draft
     draft_position = num_accepted.clamp(max=max(num_positions - 1, 0))
-    p_row = _sanitize_mass(target_probs[rows, num_accepted].float())
+    p_row = target[rows, num_accepted]
     if num_positions > 0:
-        q_row = _sanitize_mass(draft_probs[rows, draft_position].float())
-        w_row = weight[rows, draft_position]
+        q_row = draft[rows, draft_position]
+        w_row = verify_weight[rows, draft_position]
         greedy_at_rejection = greedy_choice[rows, draft_position]
     else:
         q_row = torch.zeros_like(p_row)
@@ -108,7 +132,7 @@ def reference_core(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, target
     use_residual = rejected & (w_row > 0) & (residual.sum(-1) > 0)
     mass = torch.where(use_residual.unsqueeze(1), residual, p_row)
     sampled = inverse_cdf_sample(mass, uniforms[:, num_positions])
-    greedy_final = torch.where(rejected, greedy_at_rejection, p_row.argmax(-1))
+    greedy_final = torch.where(rejected, greedy_at_rejection, p_row.argmax(-1))  # p_row is 0 off the support
     final = torch.where(greedy, greedy_final, sampled)
 
     tokens = torch.where(positions.unsqueeze(0) < num_accepted.unsqueeze(1), draft_tokens, -1)

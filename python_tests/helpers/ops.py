@@ -146,6 +146,65 @@ def tokens_only_case(batch, num_positions, vocab, seed, dtype=torch.float32):
     return tokens, target, weight, kwargs
 
 
+# How a target forbids tokens, as a server's constraints reach the verifier: probabilities of exactly 0 (bad words,
+# allowed_token_ids), the float32 softmax of a -100 logit bias (tiny, often subnormal), logits of -inf, logits biased
+# by -100.
+FORBIDDEN_FORMS = ["probs_zero", "probs_bias", "logits_inf", "logits_bias"]
+
+
+def forbidden_case(batch, num_positions, vocab, form, *, seed=0, dtype=torch.float32):
+    """A verify call whose target forbids about a third of each row, and about half of the drafted tokens (drafts come
+    from the unconstrained draft, as a draft model that never saw the constraint proposes them); one token per target
+    row stays allowed. ``form``: one of FORBIDDEN_FORMS. Returns (tokens, draft, target, forbidden, kwargs): draft
+    and target probabilities or logits of ``dtype``, ``forbidden`` bool [B, K+1, V], and kwargs with ragged
+    num_draft, uniforms, and greedy flags (every third row) or temperatures in [0.5, 1.5] (0 on every third row)."""
+    generator = torch.Generator().manual_seed(seed)
+    draft = torch.randn(batch, num_positions, vocab, generator=generator) * 2
+    target = torch.randn(batch, num_positions + 1, vocab, generator=generator) * 2
+    forbidden = torch.rand(batch, num_positions + 1, vocab, generator=generator) < 0.3
+    if num_positions:
+        tokens = torch.multinomial(draft.softmax(-1).reshape(-1, vocab), 1, generator=generator)
+        tokens = tokens.reshape(batch, num_positions)
+        hit = torch.rand(batch, num_positions, generator=generator) < 0.5
+        drafted = forbidden[:, :num_positions].gather(2, tokens.unsqueeze(-1)).squeeze(-1)
+        forbidden[:, :num_positions].scatter_(2, tokens.unsqueeze(-1), (drafted | hit).unsqueeze(-1))
+    else:
+        tokens = torch.zeros(batch, 0, dtype=torch.int64)
+    keep = torch.randint(0, vocab, (batch, num_positions + 1, 1), generator=generator)
+    forbidden.scatter_(2, keep, False)
+    if form == "probs_zero":
+        target = target.softmax(-1).masked_fill(forbidden, 0.0)
+        target = target / target.sum(-1, keepdim=True)
+    elif form == "probs_bias":
+        target = (target - 100.0 * forbidden).softmax(-1)
+    elif form == "logits_inf":
+        target = target.masked_fill(forbidden, float("-inf"))
+    else:
+        target = target - 100.0 * forbidden
+    kwargs = dict(num_draft=torch.randint(0, num_positions + 1, (batch,), generator=generator),
+                  uniforms=torch.rand(batch, num_positions + 1, generator=generator, dtype=torch.float64))
+    if form.startswith("probs"):
+        draft = draft.softmax(-1)
+        kwargs["greedy"] = torch.arange(batch) % 3 == 1
+    else:
+        kwargs["temperature"] = torch.where(torch.arange(batch) % 3 == 1, 0.0,
+                                            torch.rand(batch, generator=generator) + 0.5)
+    return tokens, draft.to(dtype), target.to(dtype), forbidden, kwargs
+
+
+def assert_keeps_constraints(result, draft_tokens, forbidden):
+    """What the target forbids holds whatever the weight: a forbidden draft has accept_prob 0, and no emitted token is
+    forbidden by the target row it was emitted at (accepted drafts, corrections and the bonus alike). ``forbidden``
+    bool [B, K+1, V] as the padded target's rows; results and tensors on the CPU."""
+    batch, num_positions = draft_tokens.shape
+    if num_positions:
+        drafted = forbidden[:, :num_positions].gather(2, draft_tokens.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+        assert torch.all(result.accept_prob[drafted] == 0)
+    emitted = torch.arange(num_positions + 1).unsqueeze(0) <= result.num_accepted.long().unsqueeze(1)
+    at = forbidden.gather(2, result.tokens.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    assert not torch.any(at & emitted), "an emitted token is one its target row forbids"
+
+
 def assert_same(native, reference):
     """Two verify results bit for bit: tokens, accepted counts and acceptance probabilities."""
     assert torch.equal(native.tokens, reference.tokens), (native.tokens, reference.tokens)

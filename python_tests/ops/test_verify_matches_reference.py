@@ -142,12 +142,13 @@ def test_int32_tokens_and_padding_past_num_draft():
 
 
 def test_bonus_row_follows_num_draft():
-    # All drafts accepted (w = 0): the bonus of row b must come from target row num_draft[b].
+    # All drafts accepted (w = 0, each in its target's support): the bonus of row b must come from target row
+    # num_draft[b].
     vocab = 5
     draft = torch.full((3, 3, vocab), 0.2)
     target = torch.zeros(3, 4, vocab)
     for position in range(4):
         target[:, position, position] = 1.0
-    tokens = torch.zeros(3, 3, dtype=torch.int64)
+    tokens = torch.arange(3).repeat(3, 1)
     native = dx.verify(tokens, draft, target, 0.0, num_draft=torch.tensor([0, 2, 3]), seed=0)
-    assert native.tokens.tolist() == [[0, -1, -1, -1], [0, 0, 2, -1], [0, 0, 0, 3]]
+    assert native.tokens.tolist() == [[0, -1, -1, -1], [0, 1, 2, -1], [0, 1, 2, 3]]
