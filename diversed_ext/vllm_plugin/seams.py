@@ -66,6 +66,7 @@ _V2_STANDALONE = "vllm/v1/worker/gpu/spec_decode/standalone_ar/speculator.py"
 _V2_TARGET_AR = "vllm/v1/worker/gpu/spec_decode/target_dependent_ar/speculator.py"
 _V2_STATES = "vllm/v1/worker/gpu/sample/states.py"
 _PROCESSOR = "vllm/v1/engine/input_processor.py"
+_V2_NGRAM = "vllm/v1/worker/gpu/spec_decode/ngram/speculator.py"
 
 SEAMS = (
     # V1 model runner
@@ -117,7 +118,19 @@ SEAMS = (
     Seam(_V2_TARGET_AR, "TargetDependentARSpeculator._fused_multi_step_decode", "the same, fused"),
     Seam(_V2_TARGET_AR, "TargetDependentARSpeculator._generate_fused_drafts", "the same, fused"),
     Seam(_V2_TARGET_AR, "TargetDependentARSpeculator._generate_draft", "calls sample_draft"),
+    # V2's n-gram speculator: its filler drafts are counted by the rule of its kernels
+    Seam(_V2_NGRAM, "NgramGPUSpeculator.__init__", "read: its scratch scores, blocks and model length"),
+    Seam(_V2_NGRAM, "NgramGPUSpeculator.propose", "wrapped: each request's real drafts counted after a proposal"),
+    Seam(_V2_NGRAM, "_ngram_scan_kernel", "re-implemented: how a block's best match is packed into its score"),
+    Seam(_V2_NGRAM, "_ngram_finalize_kernel", "re-implemented: which slots are real drafts and which are filler"),
     # Both
+    Seam("vllm/config/vllm.py", "VllmConfig.use_v2_model_runner", "read at start-up: which runner drafts"),
+    Seam("vllm/model_executor/models/llama_eagle3.py", "Eagle3LlamaForCausalLM.compute_logits",
+         "relied on: a reduced draft vocabulary as target-vocabulary rows, -inf outside it"),
+    Seam("vllm/sampling_params.py", "SamplingParams._validate_spec_decode",
+         "relied on: logit_bias and min_p refused with speculation, so they never reach the sampler"),
+    Seam("vllm/v1/sample/logits_processor/__init__.py", "build_logitsprocs",
+         "relied on: V1 refuses custom logits processors with speculation"),
     Seam("vllm/v1/worker/gpu_worker.py", "Worker.load_model", "wrapped: the check that the runner was hooked"),
     Seam(_PROCESSOR, "InputProcessor.__init__", "wrapped: the engine's entry checked"),
     Seam(_PROCESSOR, "InputProcessor._validate_params", "wrapped: requests checked"),
