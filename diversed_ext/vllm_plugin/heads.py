@@ -12,7 +12,9 @@ moments:
   the sampler's ``target_logits_indices`` index it. The capture reads it when ``sample_tokens`` starts.
 
 Proposing for step t + 1 happens after step t's verification, so what a step verifies was always captured the step
-before, keyed by request id: the rows of a batch may move between steps.
+before, keyed by request id: the rows of a batch may move between steps. Only the rows of requests that use a head
+are kept (and their draft logits recomputed only where a head reads distributions): which rows those are is known on
+the host when the proposal starts (:attr:`HiddenStateCapture.plan`), so a batch without head requests captures nothing.
 """
 
 from __future__ import annotations
@@ -42,7 +44,13 @@ class HiddenStateCapture:
         self.hidden: Optional[torch.Tensor] = None
         self.logits: Optional[torch.Tensor] = None
         self.row_of: dict = {}
-        self._proposing: list = []  # per draft position: (hidden [B, H], logits [B, V] or None) of the propose
+        self._proposing: list = []  # per draft position: (hidden [M, H], logits [M, V] or None) of the propose
+        # request ids of the proposing batch, in row order -> (the rows to keep, whether their draft logits are read);
+        # set by the weights (every row, logits as keep_draft_logits says, until then)
+        self.plan = lambda request_ids: (list(range(len(request_ids))), keep_draft_logits)
+        self._rows: Optional[torch.Tensor] = None  # this proposal's kept rows on the device; None: keep none
+        self._logits = False
+        self._request_ids: list = []
         self._install()
 
     def _install(self) -> None:
@@ -55,31 +63,41 @@ class HiddenStateCapture:
             return sample_tokens(*args, **kwargs)
 
         def capture_proposal(*args, **kwargs):
-            self._proposing = []
+            self._start_proposal()
             try:
                 return propose(*args, **kwargs)
             finally:
                 self._commit_proposal()
 
         def capture_draft_position(hidden_states, sampling_metadata):
-            # greedy drafting never materialises the draft's logits outside the drafter: recompute them here, once
-            logits = drafter.model.compute_logits(hidden_states).detach() if self.keep_draft_logits else None
-            self._proposing.append((hidden_states.detach(), logits))
+            if self._rows is not None:
+                kept = hidden_states.detach()[self._rows]
+                # greedy drafting never materialises the draft's logits outside the drafter: recompute them here,
+                # once, for the kept rows
+                logits = drafter.model.compute_logits(kept).detach() if self._logits else None
+                self._proposing.append((kept, logits))
             return sample_draft(hidden_states, sampling_metadata)
 
         runner.sample_tokens = capture_target_then_sample
         drafter.propose = capture_proposal
         drafter._sample_draft_tokens = capture_draft_position
 
+    def _start_proposal(self) -> None:
+        """Which rows of the proposing batch to keep, decided on the host from its request ids."""
+        self._proposing = []
+        self._request_ids = list(self.runner.input_batch.req_ids)
+        rows, self._logits = self.plan(self._request_ids)
+        self._request_ids = [self._request_ids[row] for row in rows]
+        self._rows = torch.tensor(rows, dtype=torch.int64, device=self.runner.device) if rows else None
+        self._logits = bool(rows) and self._logits and self.keep_draft_logits
+
     def _commit_proposal(self) -> None:
-        request_ids = list(self.runner.input_batch.req_ids)
         self.row_of = {}
         if not self._proposing:
             return
-        self.hidden = torch.stack([position[0][:len(request_ids)] for position in self._proposing], dim=1)
-        self.logits = (torch.stack([position[1][:len(request_ids)] for position in self._proposing], dim=1)
-                       if self.keep_draft_logits else None)
-        self.row_of = {request_id: row for row, request_id in enumerate(request_ids[:self.hidden.shape[0]])}
+        self.hidden = torch.stack([position[0] for position in self._proposing], dim=1)
+        self.logits = torch.stack([position[1] for position in self._proposing], dim=1) if self._logits else None
+        self.row_of = {request_id: row for row, request_id in enumerate(self._request_ids)}
         self._proposing = []
 
 

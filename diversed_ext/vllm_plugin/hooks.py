@@ -64,6 +64,7 @@ def attach_to_v2_runner(runner, settings: EngineSettings) -> None:
     """Replace a V2 runner's rejection sampler (see the module docstring)."""
     from vllm.v1.worker.gpu.spec_decode.rejection_sampler import RejectionSampler
 
+    from .drafters import real_draft_counts
     from .v2_sampler import DiversedV2RejectionSampler
     from .v2_state import StateWeights
 
@@ -84,6 +85,7 @@ def attach_to_v2_runner(runner, settings: EngineSettings) -> None:
     exact = settings.verifier == "vllm"
     weights = None if exact else StateWeights(runner, settings, heads, counts_owner=sampler)
     runner.rejection_sampler = sampler.bind(weights, runner.device, exact_vllm=exact)
+    sampler.real_drafts = None if exact else real_draft_counts(runner)  # V2 n-gram's filler is never verified
     logger.info("diversed: V2 rejection sampler replaced (verifier %s, weight %s, heads %s)", settings.verifier,
                 settings.weight, sorted(heads) or "none")
 

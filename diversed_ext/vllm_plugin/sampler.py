@@ -7,13 +7,17 @@ step of vLLM's own that is not the acceptance rule:
 
 1. the bonus token, sampled by vLLM's own sampler from the bonus logits (every logits processor, the request's seeded
    generator): the token emitted when all of a request's drafts are kept;
-2. vLLM's logits processors on the target rows (penalties, bad words, min tokens), then temperature, top-k and top-p
-   per request. vLLM's CPU build expands those per-request values with a kernel that leaves float outputs unwritten,
-   so that expansion is done here with ``torch.repeat_interleave``;
+2. vLLM's logits processing of the drafted target rows (its ``apply_logits_processors``: penalties, allowed token
+   ids, bad words, min_tokens, the thinking budget; vLLM refuses logit_bias, min_p and custom logits processors when
+   speculative decoding is on), then temperature, top-k and top-p per request. vLLM's CPU build expands those
+   per-request values with a kernel that leaves float outputs unwritten, so that expansion is done here with
+   ``torch.repeat_interleave``;
 3. verification: one ``verify_logits`` call (drafts as tokens: q one-hot at each draft) or ``verify`` call (the
    draft's probabilities) that reads the N rows where they lie through [B, K] row indices (K = the longest request's
    draft count), with each request's weight (a static weight, or a learned head's w per token; 0 where the
-   request's log-probability gate keeps a draft outright), its seed and its greedy flag;
+   request's log-probability gate keeps a draft outright), its seed and its greedy flag. A drafted token that the
+   processed target rules out (probability 0) is never kept, whatever the weight (the ops' support rule), so every
+   constraint of step 2 holds at any w;
 4. vLLM's log-probabilities of the emitted tokens, and its output layout: [B, K + 1] int32, the kept drafts, then the
    correction or bonus token, then -1.
 
@@ -24,6 +28,7 @@ nu, which is the target's argmax only at w = 1.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import replace
 from typing import Callable, Optional
@@ -134,13 +139,39 @@ def gate_keeps_rows(margin: torch.Tensor, draft_tokens: torch.Tensor, draft_prob
     """[M] bool: the drafted tokens the log-probability gate keeps outright (:func:`diversed_ext.ops.gate_keeps`),
     from M rows of tempered target logits [M, V] and the draft's probabilities [M, V] (None: tokens only). ``margin``
     [M] is NaN on rows not gated; an id outside the vocabulary (vLLM's -1 for a draft that must be rejected) is never
-    kept."""
+    kept, nor is a token the processed target forbids (the ops' support rule: a bad word, a token outside
+    allowed_token_ids, EOS before min_tokens), whatever the margin."""
     vocab = target_logits.shape[-1]
     tokens = draft_tokens.to(torch.int64)
     in_vocab = (tokens >= 0) & (tokens < vocab)
-    keeps = dx_ops.gate_keeps(margin, tokens.clamp(0, max(vocab - 1, 0)), draft_probs,
-                              torch.log_softmax(target_logits.float(), dim=-1))
-    return keeps & in_vocab
+    tokens = tokens.clamp(0, max(vocab - 1, 0))
+    log_probs = torch.log_softmax(target_logits.float(), dim=-1)
+    allowed = ~dx_ops.target_forbids(log_probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).exp())
+    return dx_ops.gate_keeps(margin, tokens, draft_probs, log_probs) & in_vocab & allowed
+
+
+def gate_keeps_requests(rows: PaddedRows, requests: list, margin: torch.Tensor, greedy: torch.Tensor, metadata,
+                        draft_probs: Optional[torch.Tensor], target_logits: torch.Tensor) -> torch.Tensor:
+    """[B, K] bool: the drafts the log-probability gate keeps outright, reading only the rows of the gated
+    ``requests`` (a host list of batch rows, ``margin`` [G] theirs); greedy requests are not gated (they have no
+    log-probabilities to compare). The gated rows are found on the host from vLLM's draft counts."""
+    num_draft = metadata.num_draft_tokens
+    starts = [0, *itertools.accumulate(num_draft)]
+    flat = [row for request in requests for row in range(starts[request], starts[request + 1])]
+    keep = torch.zeros(target_logits.shape[0], dtype=torch.bool, device=target_logits.device)
+    if flat:
+        device = target_logits.device
+        requests_t = torch.tensor(requests, dtype=torch.int64, device=device)
+        counts = torch.tensor([num_draft[request] for request in requests], dtype=torch.int64, device=device)
+        margin = torch.repeat_interleave(torch.where(greedy[requests_t], math.nan, margin), counts,
+                                         output_size=len(flat))
+        every_row = len(flat) == target_logits.shape[0]  # all rows gated: read them where they lie
+        index = None if every_row else torch.tensor(flat, dtype=torch.int64, device=device)
+        keep_rows = gate_keeps_rows(margin, metadata.draft_token_ids if every_row else metadata.draft_token_ids[index],
+                                    draft_probs if every_row or draft_probs is None else draft_probs[index],
+                                    target_logits if every_row else target_logits[index])
+        keep = keep_rows if every_row else keep.index_put_((index,), keep_rows)
+    return rows.gather(keep, fill=False)
 
 
 def gated(weight: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
@@ -218,12 +249,9 @@ class DiversedRejectionSampler(vllm_rejection.RejectionSampler):
             return output
         weight = self.weight_source(rows, target_logits, sampling_metadata, metadata.target_logits_indices)
         greedy = greedy_rows(sampling_metadata, rows.batch, device)
-        margin = self.weight_source.gate_margin()
-        if margin is not None:  # greedy requests are not gated: they have no log-probabilities to compare
-            margin = expand_per_request(torch.where(greedy, math.nan, margin), metadata.cu_num_draft_tokens,
-                                        target_logits.shape[0])
-            keep = gate_keeps_rows(margin, metadata.draft_token_ids, draft_probs, target_logits)
-            weight = gated(weight, rows.gather(keep, fill=False))
+        gate = self.weight_source.gate()
+        if gate is not None:
+            weight = gated(weight, gate_keeps_requests(rows, *gate, greedy, metadata, draft_probs, target_logits))
         result = verify_in_place(rows, metadata.draft_token_ids, draft_probs, target_logits, weight, greedy,
                                  row_seeds(sampling_metadata, metadata.num_draft_tokens, device),
                                  self.weight_source.fly())

@@ -20,8 +20,8 @@ Request (``SamplingParams(extra_args={...})``, or the OpenAI server's ``vllm_xar
 
     {"diversed_weight": 0.7}               a static weight in [0, 1] for this request
     {"diversed_head": "a"}                 one of the engine's heads, by the name the engine config gave it
-    {"diversed_fly_window": 1,             this request's FLy window (0: off) and threshold, beside a weight or head
-     "diversed_fly_threshold": 0.6}
+    {"diversed_fly_window": 1,             this request's FLy window (0: off; below num_speculative_tokens) and
+     "diversed_fly_threshold": 0.6}        threshold, beside a weight or head
     {"diversed_gate_margin": 1.0}          this request's gate margin (the gate on for it), beside a weight or head
 
 Nothing here imports vLLM: the rules are plain functions, tested without an engine.
@@ -72,6 +72,8 @@ class EngineSettings:
     verifier: str = "diversed"
     fly: FlySettings = FlySettings()
     gate_margin: Optional[float] = None  # the gate's margin for every request that gives none; None: no gate
+    # K, the engine's num_speculative_tokens (None: not known, e.g. no speculative_config): FLy windows stay below it
+    num_speculative_tokens: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -144,6 +146,14 @@ def parse_fly(entry: Any, prefix: str) -> FlySettings:
         top_k=_engine_value(rules.fly_top_k, entry.get("top_k", defaults.top_k), f"{prefix}['top_k']"))
 
 
+def fly_window_below(window: int, num_positions: Optional[int], name: str) -> None:
+    """A FLy window must be below K (``num_positions``; None: not known): the drafts after a deferred one must fit in
+    the step. A ValueError naming ``name`` otherwise; a window of 0 (FLy off) always passes."""
+    if window and num_positions is not None and window >= num_positions:
+        raise ValueError(f"{name} {window} must be below num_speculative_tokens {num_positions} (the drafts after a "
+                         "deferred one must fit in the step), or 0 to switch FLy off")
+
+
 def _engine_value(rule, value: Any, name: str):
     """A rule's verdict on a value of the engine entry, its errors as the DiversedConfigError start-up reports."""
     try:
@@ -195,7 +205,8 @@ def parse_engine_entry(entry: Any) -> EngineSettings:
 def parse_request(extra_args: Optional[Mapping], settings: Optional[EngineSettings]) -> RequestChoice:
     """One request's choice, or a ValueError naming the field: an unknown ``diversed_*`` key, a weight outside
     [0, 1] (or NaN, or not a number), a head the engine did not load, both at once, a FLy window or threshold or a
-    gate margin outside its rule, or any of them when the engine has no diversed entry (``settings`` None)."""
+    gate margin outside its rule (a window not below the engine's K among them), or any of them when the engine has
+    no diversed entry (``settings`` None)."""
     if not extra_args:
         return RequestChoice()
     ours = [key for key in extra_args if isinstance(key, str) and key.startswith(REQUEST_PREFIX)]
@@ -213,6 +224,7 @@ def parse_request(extra_args: Optional[Mapping], settings: Optional[EngineSettin
     beside = {}  # FLy and the gate go with a weight, a head or the default
     if REQUEST_FLY_WINDOW in extra_args:
         beside["fly_window"] = _as_value_error(rules.fly_window, extra_args[REQUEST_FLY_WINDOW], REQUEST_FLY_WINDOW)
+        fly_window_below(beside["fly_window"], settings.num_speculative_tokens, REQUEST_FLY_WINDOW)
     if REQUEST_FLY_THRESHOLD in extra_args:
         beside["fly_threshold"] = _as_value_error(rules.fly_threshold, extra_args[REQUEST_FLY_THRESHOLD],
                                                   REQUEST_FLY_THRESHOLD)

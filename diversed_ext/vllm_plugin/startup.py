@@ -5,11 +5,16 @@ diversed_ext as asked. Refused, each with what to change:
 
 - a vLLM whose hooked code differs from every release the plugin was tested with (:mod:`.seams`), naming the
   function;
-- no speculative decoding, or a speculative method the plugin was not tested with (:data:`TESTED_METHODS`);
+- no speculative decoding, or a speculative method whose drafts DIVERSED cannot verify as asked on the engine's model
+  runner (:func:`.drafters.drafter_problems`: a method it does not know, one vLLM runs on the other runner only, or
+  learned heads with a drafter that has no hidden states);
 - an acceptance rule of vLLM's other than the standard one and FLy (``rejection_sample_method`` "synthetic" or
   "block"), adaptive verification (V2 compacts the logits it verifies) or watermarking: each replaces the rule the
   plugin replaces (vLLM's FLy becomes the ops' FLy, on top of the weights);
-- a FLy window not below the number of drafted tokens;
+- parallel drafting, and a draft whose distributions cover another vocabulary than the target's where learned heads
+  or probabilistic drafts would read them (:func:`draft_layout_problems`);
+- a FLy window not below the number of drafted tokens (a request's own window is refused the same way, as that
+  request's error: :func:`.settings.parse_request`);
 - a head folder that does not exist.
 
 The workers check the rest once their runner is built (:func:`require_hooked`): a runner whose rejection sampler is
@@ -22,14 +27,13 @@ import os
 
 from dataclasses import replace
 
-from .settings import CONFIG_KEY, EngineSettings, engine_entry, parse_engine_entry, parse_fly
+from .drafters import drafter_problems
+from .settings import CONFIG_KEY, EngineSettings, engine_entry, fly_window_below, parse_engine_entry, parse_fly
 
-# Speculative methods whose drafts the plugin's engine tests verify; others may lay out drafts differently.
-TESTED_METHODS = ("draft_model",)
 STANDARD_ACCEPTANCE = "standard"
 FLY_ACCEPTANCE = "fly"  # vLLM 0.33.0's FLy: the plugin verifies with the ops' FLy, composed with the weights
-NEEDS_SPECULATION = (f"additional_config[{CONFIG_KEY!r}] needs speculative decoding: pass a speculative_config with "
-                     "a draft model (method 'draft_model')")
+NEEDS_SPECULATION = (f"additional_config[{CONFIG_KEY!r}] needs speculative decoding: pass a speculative_config "
+                     "(a draft model, EAGLE, EAGLE-3, MTP or n-gram drafts)")
 
 
 class DiversedStartupError(RuntimeError):
@@ -48,7 +52,8 @@ def engine_settings(vllm_config) -> EngineSettings | None:
         entry = {"window": spec.fly_window_size, "threshold": spec.fly_entropy_threshold,
                  "top_k": spec.fly_entropy_top_k}
         settings = replace(settings, fly=parse_fly(entry, "speculative_config's FLy"))
-    return settings
+    num_positions = getattr(spec, "num_speculative_tokens", None)
+    return settings if num_positions is None else replace(settings, num_speculative_tokens=num_positions)
 
 
 def require_tested_vllm() -> None:
@@ -63,16 +68,19 @@ def require_tested_vllm() -> None:
             + ". Install a tested vLLM (see the README) or run without the diversed entry.")
 
 
-def speculation_problems(vllm_config) -> list:
-    """Why this engine's speculative decoding would not be verified by the plugin (empty when it would)."""
+def uses_v2_runner(vllm_config) -> bool:
+    """Whether vLLM will build this engine's workers on its V2 model runner (vLLM decides it from the configuration,
+    the environment and whether Triton is there; older configurations without the property run V1)."""
+    return bool(getattr(vllm_config, "use_v2_model_runner", False))
+
+
+def speculation_problems(vllm_config, heads: bool = False) -> list:
+    """Why this engine's speculative decoding would not be verified by the plugin (empty when it would); ``heads``:
+    the engine loads learned heads."""
     spec = getattr(vllm_config, "speculative_config", None)
     if spec is None:
         return [NEEDS_SPECULATION]
-    problems = []
-    method = getattr(spec, "method", None)
-    if method not in TESTED_METHODS:
-        problems.append(f"speculative method {method!r} is not tested with DIVERSED (tested: "
-                        f"{', '.join(TESTED_METHODS)}); use a draft model")
+    problems = drafter_problems(getattr(spec, "method", None), v2=uses_v2_runner(vllm_config), heads=heads)
     acceptance = getattr(spec, "rejection_sample_method", STANDARD_ACCEPTANCE)
     if acceptance not in (STANDARD_ACCEPTANCE, FLY_ACCEPTANCE):
         problems.append(f"rejection_sample_method {acceptance!r} replaces the acceptance rule DIVERSED replaces; "
@@ -81,6 +89,34 @@ def speculation_problems(vllm_config) -> list:
         problems.append("enable_adaptive_verification compacts the rows DIVERSED verifies; switch it off")
     if getattr(vllm_config, "watermark_config", None) is not None:
         problems.append("watermarking samples with its own rule; DIVERSED cannot verify a watermarked engine")
+    return problems + draft_layout_problems(vllm_config, heads)
+
+
+def draft_layout_problems(vllm_config, heads: bool) -> list:
+    """Drafts the plugin would read wrongly mid-step rather than refuse: parallel drafting (all K drafts from one
+    pass, whose hidden states and distributions are not laid out one draft step per position), and a draft model with
+    its own vocabulary (vLLM's ``use_heterogeneous_vocab``) where the plugin would read its distributions (learned
+    heads, or probabilistic drafts); its token-only drafts are target ids (vLLM maps them) and verify as tokens."""
+    spec = vllm_config.speculative_config
+    problems = []
+    if getattr(spec, "parallel_drafting", False):
+        problems.append("speculative_config parallel_drafting=True drafts all positions in one pass, which DIVERSED "
+                        "does not read position by position; set parallel_drafting to False")
+    draft, target = getattr(spec, "draft_model_config", None), getattr(vllm_config, "model_config", None)
+    if draft is None or target is None:
+        return problems
+    # The rows the plugin reads have the draft config's vocab_size columns: an EAGLE-3 head with a reduced draft
+    # vocabulary (draft_vocab_size, d2t) hands over target-vocabulary rows, -inf outside its own ids.
+    draft_vocabulary = draft.get_vocab_size()
+    target_vocabulary = target.get_vocab_size()
+    probabilistic = getattr(spec, "draft_sample_method", None) == "probabilistic"
+    if draft_vocabulary != target_vocabulary and (heads or probabilistic):
+        setting = "learned heads (their features compare q and p token by token)" if heads else \
+            "draft_sample_method 'probabilistic' (q and p must be distributions over the same ids)"
+        problems.append(f"the draft model's vocabulary ({draft_vocabulary} tokens"
+                        f"{', use_heterogeneous_vocab' if getattr(spec, 'use_heterogeneous_vocab', False) else ''}) "
+                        f"differs from the target's ({target_vocabulary}), which {setting} cannot take: use a draft "
+                        "with the target's vocabulary, or greedy drafts and a static weight")
     return problems
 
 
@@ -93,11 +129,11 @@ def check_engine(vllm_config) -> EngineSettings | None:
     if settings is None:
         return None
     require_tested_vllm()
-    problems = speculation_problems(vllm_config)
-    num_positions = getattr(getattr(vllm_config, "speculative_config", None), "num_speculative_tokens", None)
-    if settings.fly.window and num_positions is not None and settings.fly.window >= num_positions:
-        problems.append(f"FLy's window {settings.fly.window} must be below num_speculative_tokens {num_positions} "
-                        "(the drafts after a deferred one must fit in the step)")
+    problems = speculation_problems(vllm_config, heads=bool(settings.head_paths))
+    try:
+        fly_window_below(settings.fly.window, settings.num_speculative_tokens, "FLy's window")
+    except ValueError as error:
+        problems.append(str(error))
     if problems:
         raise DiversedStartupError("DIVERSED was asked for but " + "; ".join(problems))
     for name in settings.head_paths:

@@ -8,23 +8,26 @@ state (``idx_mapping``), before temperature. Per-request temperature and seed li
 indexed the same way.
 
 Everything of V2's own that is not the acceptance rule is kept, because only :meth:`_verify`'s call of V2's
-``rejection_sample`` is replaced: its chunking of large batches, its sampling parameters (penalties, bad words, logit
-bias, temperature, min-p, top-k / top-p) applied to the target rows by its own sampler, its log-probabilities and its
-output (``sampled`` [num_reqs, K + 1] and ``num_sampled``). The replacement is one diversed_ext verify call per chunk
-that reads the rows where they lie (row indices, no padded copy), with
+``rejection_sample`` is replaced: its chunking of large batches, its sampling parameters (allowed token ids, bad
+words, min_tokens, penalties, custom logits processors, the thinking budget, temperature, min-p, top-k / top-p)
+applied to every target row by its own sampler, its log-probabilities and its output (``sampled`` [num_reqs, K + 1]
+and ``num_sampled``). The replacement is one diversed_ext verify call per chunk that reads the rows where they lie
+(row indices, no padded copy), with
 
 - the target rows as V2 processed them (already divided by the temperature, so the op's target temperature is 1),
-  and the draft logits divided by the request's temperature in the op;
+  and the draft logits, in the drafter's own dtype, divided by the request's temperature in the op. A draft that
+  the processed target rules out (probability 0) is never kept, whatever the weight (the ops' support rule), so
+  every hard constraint above holds at any w;
 - greedy rows (temperature 0) verified greedily against nu;
 - randomness from the request's seed and the position of its first row, so a request's tokens do not depend on its
   neighbours in the batch and a seeded request repeats them;
 - the token after a request's last kept draft (the bonus, and the only token of a request without drafts) sampled by
-  V2's own sampler (``gumbel_sample`` at the request's seed and that row's position), so a request's tokens are the
-  same whether or not its batch drafted;
+  V2's own sampler (``gumbel_sample`` at the request's seed and that row's position, reading the rows in place), so
+  a request's tokens are the same whether or not its batch drafted;
 - each request's weight, or its head's weight per drafted token, and its FLy window and threshold (FLy's deferral
   on top of the weight; a window of 0 leaves verification exact against nu) (:mod:`.v2_state`);
 - each gated request's margin: the weight is set to 0 where the log-probability gate keeps a draft outright
-  (:func:`diversed_ext.ops.gate_keeps`, lossy), before the verify call.
+  (:func:`diversed_ext.ops.gate_keeps`, lossy), before the verify call; only gated requests' rows are read.
 """
 
 from __future__ import annotations
@@ -66,6 +69,10 @@ def step_seeds(seeds: torch.Tensor, first_positions: torch.Tensor) -> torch.Tens
 class DiversedV2RejectionSampler(RejectionSampler):
     """V2's RejectionSampler with the acceptance rule replaced (see the module docstring)."""
 
+    # For a drafter that pads with filler (V2's n-gram): each request state's count of real drafts
+    # (:class:`.drafters.RealDraftCounts`); positions past it are not verified, so no weight keeps filler.
+    real_drafts = None
+
     def bind(self, weights, device, exact_vllm: bool = False) -> "DiversedV2RejectionSampler":
         """``weights`` gives each step's weight on the target (:class:`.v2_state.StateWeights`); ``exact_vllm``
         keeps V2's own acceptance (a control for benchmarks)."""
@@ -99,7 +106,8 @@ class DiversedV2RejectionSampler(RejectionSampler):
         if verify_draft_sampled is None:
             verify_draft_sampled = draft_sampled
         sampled, num_sampled = self._verify_chunk(processed_logits, draft_logits, verify_draft_sampled, pos,
-                                                  cu_num_logits, idx_mapping, self._chunk_start(logits))
+                                                  cu_num_logits, idx_mapping, idx_mapping_np, expanded_idx_mapping,
+                                                  self._chunk_start(logits))
         return processed_logits, sampled, num_sampled
 
     def _chunk_start(self, chunk: torch.Tensor) -> int:
@@ -110,60 +118,83 @@ class DiversedV2RejectionSampler(RejectionSampler):
         return (chunk.data_ptr() - whole.data_ptr()) // (whole.stride(0) * whole.element_size())
 
     def _verify_chunk(self, target_logits, draft_logits, draft_sampled, pos, cu_num_logits, idx_mapping,
-                      chunk_start: int):
+                      idx_mapping_np, expanded_idx_mapping, chunk_start: int):
         num_positions = self.num_speculative_steps
         first, num_draft, target_rows, draft_token_rows = request_rows(cu_num_logits, num_positions,
                                                                       target_logits.shape[0])
         states = idx_mapping.to(torch.int64)
+        if self.real_drafts is not None:
+            num_draft = torch.minimum(num_draft, self.real_drafts.by_state[states])
         sampling = self.sampler.sampling_states
         temperature = sampling.temperature.gpu[states].to(torch.float32)
         draft_tokens = draft_sampled[draft_token_rows]
-        weight = self.weight_source(states, num_draft, chunk_start + target_rows[:, :num_positions], target_logits,
-                                    target_rows, draft_logits, temperature)
-        margin = self.weight_source.gate_margin(states)
-        if margin is not None:
-            weight = gated(weight, gate_keeps_of(margin, draft_tokens, draft_logits, target_logits,
+        weight = self.weight_source(states, idx_mapping_np, num_draft, chunk_start + target_rows[:, :num_positions],
+                                    target_logits, target_rows, draft_logits, temperature)
+        gate = self.weight_source.gate(states, idx_mapping_np)
+        if gate is not None:
+            weight = gated(weight, gate_keeps_of(*gate, draft_tokens, draft_logits, target_logits,
                                                  target_rows[:, :num_positions], states, temperature, num_draft))
         draft_rows = None
         if draft_logits is not None:
-            draft_logits, draft_rows = draft_rows_of(draft_logits, states, target_logits.dtype)
+            draft_logits, draft_rows = draft_rows_of(draft_logits, states)
         result = verify_rows(draft_tokens, draft_logits, draft_rows, target_logits, target_rows, weight,
                              temperature, num_draft, step_seeds(sampling.seeds.gpu[states], pos[first]),
                              self.weight_source.fly(states))
         self.counts.add(num_draft, result.num_accepted, weight)
-        bonus_rows = first + num_draft
-        bonus = gumbel_sample(target_logits[bonus_rows], states, sampling.temperature.gpu, sampling.seeds.gpu,
-                              pos[bonus_rows], apply_temperature=False, is_drafting=False,
-                              use_fp64=self.sampler.use_fp64_gumbel)
+        # with filler drafts cut off (real_drafts), a request's bonus row need not be its last row
+        bonus = bonus_tokens(target_logits, first + num_draft, self.real_drafts is None, num_positions, states,
+                             expanded_idx_mapping, pos, sampling, self.sampler.use_fp64_gumbel)
         return with_bonus(result.tokens, result.num_accepted, num_draft, bonus), result.num_accepted + 1
 
 
-def gate_keeps_of(margin, draft_tokens, draft_logits, target_logits, target_rows, states, temperature, num_draft):
-    """[R, K] bool: the drafts the log-probability gate keeps outright. The target rows are V2's processed (tempered)
-    ones; the draft's distributions are its logits at the request's state divided by the request's temperature (None:
-    tokens only). Greedy requests and positions past a request's drafts are not gated."""
+def gate_keeps_of(requests_np, margin, draft_tokens, draft_logits, target_logits, target_rows, states, temperature,
+                  num_draft):
+    """[R, K] bool: the drafts the log-probability gate keeps outright, reading only the rows of the gated requests
+    (``requests_np`` their positions in the chunk, ``margin`` [G] their margins). The target rows are V2's processed
+    (tempered) ones; the draft's distributions are its logits at the request's state divided by the request's
+    temperature (None: tokens only). Greedy requests and positions past a request's drafts are not gated."""
     requests, num_positions = target_rows.shape
+    index = torch.as_tensor(requests_np, device=target_rows.device)
+    temperature, num_draft = temperature[index], num_draft[index]
     positions = torch.arange(num_positions, device=num_draft.device)
     gated_rows = ~dx_ops.is_greedy_temperature(temperature)[:, None] & (positions[None, :] < num_draft[:, None])
     margin = torch.where(gated_rows, margin[:, None], math.nan).reshape(-1)
     draft_probs = None
     if draft_logits is not None:
         scale = dx_ops.distribution_temperature(temperature)[:, None, None]
-        draft_probs = torch.softmax(draft_logits[states].float() / scale, dim=-1).flatten(0, 1)
-    keep = gate_keeps_rows(margin, draft_tokens.reshape(-1), draft_probs, target_logits[target_rows.reshape(-1)])
-    return keep.view(requests, num_positions)
+        draft_probs = torch.softmax(draft_logits[states[index]].float() / scale, dim=-1).flatten(0, 1)
+    keep_rows = gate_keeps_rows(margin, draft_tokens[index].reshape(-1), draft_probs,
+                                target_logits[target_rows[index].reshape(-1)])
+    keep = torch.zeros(requests, num_positions, dtype=torch.bool, device=target_rows.device)
+    return keep.index_put_((index,), keep_rows.view(-1, num_positions))
 
 
-def draft_rows_of(draft_logits: torch.Tensor, states: torch.Tensor, dtype: torch.dtype):
-    """The drafter's [max_num_reqs, K, V] logits as [max_num_reqs * K, V] rows and each request's K row indices. The
-    ops read both sides in one dtype: where V2's sampling parameters made the target rows float32 and the drafter
-    keeps its logits in the model's dtype, the step's requests' draft rows are converted (the one copy left)."""
+def bonus_tokens(target_logits, bonus_rows, last_rows: bool, num_positions: int, states, expanded_idx_mapping, pos,
+                 sampling, use_fp64: bool):
+    """[R] the token each request emits after keeping all its drafts, drawn by V2's own ``gumbel_sample`` (the
+    request's seed and temperature, the bonus row's position), which reads a row tensor in place: when the bonus rows
+    are the requests' last rows (``last_rows``) and every request of the chunk has as many rows, a strided view of
+    them; else every row of the chunk, of which the bonus rows' tokens are kept. No [R, V] copy is made. A request
+    has 1 to K + 1 rows, so the host knows they all have as many when the chunk has R or R (K + 1) rows."""
+    requests, num_rows = states.shape[0], target_logits.shape[0]
+    if last_rows and requests and num_rows in (requests, requests * (num_positions + 1)):
+        stride = num_rows // requests
+        rows = target_logits.as_strided((requests, target_logits.shape[1]),
+                                        (stride * target_logits.stride(0), target_logits.stride(1)),
+                                        target_logits.storage_offset() + (stride - 1) * target_logits.stride(0))
+        return gumbel_sample(rows, states, sampling.temperature.gpu, sampling.seeds.gpu, pos[bonus_rows],
+                             apply_temperature=False, is_drafting=False, use_fp64=use_fp64)
+    every_row = gumbel_sample(target_logits, expanded_idx_mapping, sampling.temperature.gpu, sampling.seeds.gpu, pos,
+                              apply_temperature=False, is_drafting=False, use_fp64=use_fp64)
+    return every_row[bonus_rows]
+
+
+def draft_rows_of(draft_logits: torch.Tensor, states: torch.Tensor):
+    """The drafter's [max_num_reqs, K, V] logits as [max_num_reqs * K, V] rows and each request's K row indices, read
+    where they lie in the drafter's dtype (the ops take a draft dtype other than the target's: V2's sampling
+    parameters make the target rows float32 while the drafter keeps the model's dtype)."""
     num_positions = draft_logits.shape[1]
     positions = torch.arange(num_positions, dtype=torch.int64, device=states.device)
-    if draft_logits.dtype != dtype:
-        converted = draft_logits[states].to(dtype).reshape(-1, draft_logits.shape[-1])
-        local = torch.arange(states.shape[0], dtype=torch.int64, device=states.device)
-        return converted, local[:, None] * num_positions + positions[None, :]
     return draft_logits.reshape(-1, draft_logits.shape[-1]), states[:, None] * num_positions + positions[None, :]
 
 

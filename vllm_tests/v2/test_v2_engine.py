@@ -6,15 +6,12 @@ server answering. A few requests of a few tokens each: the interpreter is slow."
 from __future__ import annotations
 
 import pytest
-from engines import PROMPTS, acceptance, chat, start_engine, stop_engine, worker_status
+from engines import PROMPTS, V2_ARGS, acceptance, chat, start_engine, stop_engine, worker_status
 
 PROMPT_COUNT = 2
 TOKENS = 12
 ENGINE_WEIGHT = 0.5
 HEAD = "default"
-# What V2 under the interpreter needs of an engine here: a KV cache of a set size (profiling it takes 40 s) and one
-# thread per process (matrix products run several times slower with more on 2 cores).
-V2_ARGS = dict(kv_cache_memory_bytes=256 * 2**20)
 
 
 @pytest.fixture(scope="module")

@@ -6,6 +6,8 @@ V2's own sampler is the oracle of exact verification (w = 1); the plugin must eq
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -121,7 +123,7 @@ def test_the_counts_add_up():
 
 def test_draft_logits_in_another_dtype_than_the_target_rows():
     """V2 keeps draft logits in the model's dtype while its sampling parameters make target rows float32: the
-    plugin converts the step's draft rows, which equals a float32 table holding the same values."""
+    plugin has the op read the bfloat16 table where it lies, which equals a float32 table holding the same values."""
     generator = torch.Generator().manual_seed(9)
     problem = make_problem([3, 2, 3], 29, num_positions=3, generator=generator, sharpness=1.0)
     problem.draft_logits = problem.draft_logits.to(torch.bfloat16)
@@ -220,3 +222,28 @@ def test_the_gates_extremes_keep_every_draft_or_none_more_and_greedy_rows_are_no
     _, greedy_gate = samplers(3, *_tables(8, temperature=0.0))
     greedy_gate.weight_source.gate_margin_by_state = torch.full((8,), 1e6)
     assert emitted(greedy_gate, problem) == emitted(greedy_plain, problem)
+
+
+@pytest.mark.parametrize("num_draft", [[3, 3, 3], [0, 0, 0], [0, 3, 1, 2]], ids=["all-K", "none", "mixed"])
+def test_the_bonus_read_in_place_is_v2s_own_sample_of_the_bonus_rows(num_draft):
+    """Whether the chunk's bonus rows are read through a strided view (every request with K or with no drafts) or by
+    sampling every row of the chunk (mixed), each request's bonus token is what V2's gumbel_sample draws from that
+    row alone; with filler cut off (the bonus not the last row) the every-row path serves too."""
+    from vllm.v1.worker.gpu.sample.gumbel import gumbel_sample
+
+    from diversed_ext.vllm_plugin.v2_sampler import bonus_tokens
+
+    generator = torch.Generator().manual_seed(12)
+    problem = make_problem(num_draft, 67, num_positions=3, generator=generator, sharpness=1.0)
+    temperature, seeds, _ = _tables(8)
+    temperature[1] = 0.0
+    sampling = SimpleNamespace(temperature=SimpleNamespace(gpu=temperature), seeds=SimpleNamespace(gpu=seeds))
+    counts = torch.tensor(num_draft) + 1
+    states = torch.tensor(problem.states)
+    expanded = states.repeat_interleave(counts)
+    for bonus_rows, last_rows in ((counts.cumsum(0) - 1, True), (counts.cumsum(0) - counts, False)):
+        expected = gumbel_sample(problem.target_logits[bonus_rows], states, temperature, seeds,
+                                 problem.pos[bonus_rows], apply_temperature=False, is_drafting=False)
+        tokens = bonus_tokens(problem.target_logits, bonus_rows, last_rows, 3, states, expanded, problem.pos,
+                              sampling, use_fp64=False)
+        assert tokens.tolist() == expected.tolist()

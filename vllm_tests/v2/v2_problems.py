@@ -44,14 +44,19 @@ class TableWeights:
         self.gate_margin_by_state = None  # no gate unless a test sets margins
         self.settings = SimpleNamespace(weight=1.0, head=None, head_paths=())
 
-    def __call__(self, states, *args):
+    def __call__(self, states, states_np, *args):
         return self.weight_by_state[states]
 
     def fly(self, states) -> dict:
         return dict(fly_window=self.fly_window, fly_threshold=self.fly_threshold, fly_top_k=3)
 
-    def gate_margin(self, states):
-        return None if self.gate_margin_by_state is None else self.gate_margin_by_state[states]
+    def gate(self, states, states_np):
+        """(the gated requests' positions, their margins), as the plugin's tables give them; None: none gated."""
+        if self.gate_margin_by_state is None:
+            return None
+        margins = self.gate_margin_by_state[states]
+        rows = np.flatnonzero(~np.isnan(margins.numpy()))
+        return (rows, margins[torch.as_tensor(rows)]) if rows.size else None
 
 
 @dataclass

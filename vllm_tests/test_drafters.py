@@ -1,0 +1,117 @@
+"""The plugin verifying drafters other than a draft model, in real V1 engines on the default pair's target: vLLM's
+n-gram lookup (tokens only, nothing drafted where nothing matches), and EAGLE (greedy drafts) and EAGLE-3 (a reduced
+draft vocabulary, probabilistic drafts) heads built in the test with random weights. Each engine: verified by
+diversed_ext, w = 0 keeps every real draft, w = 1 greedy equals vLLM without speculation, the lossy rules raise
+acceptance, and no head request's draft goes without its hidden states. One engine per drafter, few short requests."""
+
+from __future__ import annotations
+
+import pytest
+from drafters import NGRAM_CONFIG, REPEATING_PROMPTS, build_eagle, build_eagle3, start_drafter_engine
+from engines import chat, stop_engine, worker_status
+from laws import greedy_tokens
+
+TOKENS = 48
+HEAD = "default"
+# EAGLE heads with random weights accept almost nothing at w = 1: each step emits one token, so fewer, shorter requests
+EAGLE_PROMPTS = REPEATING_PROMPTS[:4]
+EAGLE_TOKENS = 32
+
+
+def _sampled(llm, extra_args, prompts=REPEATING_PROMPTS, tokens=TOKENS):
+    from vllm import SamplingParams
+
+    params = [SamplingParams(temperature=1.0, max_tokens=tokens, seed=index, extra_args=extra_args)
+              for index in range(len(prompts))]
+    return llm.chat([chat(prompt) for prompt in prompts], params, use_tqdm=False)
+
+
+def _delta(llm, run) -> dict:
+    """What the plugin counted (drafted, accepted, weight sum, head drafts without hidden states) during ``run``."""
+    before = worker_status(llm)[0]
+    run()
+    after = worker_status(llm)[0]
+    return {key: after[key] - before[key] for key in ("drafted", "accepted", "weight_sum", "verified_without_head")}
+
+
+def _rate(delta: dict) -> float:
+    return delta["accepted"] / delta["drafted"]
+
+
+def _assert_verified_by_diversed(llm) -> None:
+    statuses = worker_status(llm)
+    assert statuses
+    for status in statuses:
+        assert status["sampler"] == "DiversedRejectionSampler" and status["verifier"] == "diversed", status
+        assert status["verified_without_head"] == 0, status
+
+
+@pytest.fixture(scope="module")
+def ngram(pair):
+    llm = start_drafter_engine(pair, NGRAM_CONFIG, {"weight": 1.0})
+    yield llm
+    stop_engine(llm)
+
+
+def test_ngram_weight_zero_keeps_every_real_draft(ngram):
+    _assert_verified_by_diversed(ngram)
+    delta = _delta(ngram, lambda: _sampled(ngram, {"diversed_weight": 0.0}))
+    assert delta["drafted"] > 20 and delta["accepted"] == delta["drafted"] and delta["weight_sum"] == 0.0, delta
+
+
+def test_ngram_greedy_at_weight_one_equals_no_speculation(ngram, baseline):
+    tokens = []
+    delta = _delta(ngram, lambda: tokens.extend(greedy_tokens(ngram, {"diversed_weight": 1.0})))
+    assert delta["drafted"] > 0, "n-gram lookup drafted nothing: the test would not exercise verification"
+    assert tokens == baseline["greedy"]
+
+
+def test_ngram_gate_and_fly_raise_acceptance(ngram):
+    exact = _delta(ngram, lambda: _sampled(ngram, {"diversed_weight": 1.0}))
+    gated = _delta(ngram, lambda: _sampled(ngram, {"diversed_weight": 1.0, "diversed_gate_margin": 1.0}))
+    fly = _delta(ngram, lambda: _sampled(ngram, {"diversed_weight": 1.0, "diversed_fly_window": 1,
+                                                 "diversed_fly_threshold": 0.0}))
+    wide = _delta(ngram, lambda: _sampled(ngram, {"diversed_weight": 1.0, "diversed_gate_margin": 1e6}))
+    assert min(exact["drafted"], gated["drafted"], fly["drafted"], wide["drafted"]) > 20
+    assert _rate(gated) > _rate(exact) and _rate(fly) > _rate(exact), (exact, gated, fly)
+    assert wide["accepted"] == wide["drafted"], wide
+    _assert_verified_by_diversed(ngram)
+
+
+def test_ngram_with_heads_is_refused_at_startup(pair):
+    with pytest.raises(RuntimeError, match="'ngram': its drafts are token ids without hidden states"):
+        start_drafter_engine(pair, NGRAM_CONFIG, {"weight": 1.0, "heads": [HEAD]})
+
+
+# EAGLE with greedy drafts (tokens only); EAGLE-3 with a reduced draft vocabulary and probabilistic drafts (the
+# verifier reads q, -inf outside the draft's ids, and the head's features read it too).
+EAGLE_ENGINES = {"eagle": (build_eagle, "greedy"), "eagle3": (build_eagle3, "probabilistic")}
+
+
+@pytest.fixture(scope="module", params=sorted(EAGLE_ENGINES))
+def eagle(request, pair, tmp_path_factory):
+    build, draft_sample_method = EAGLE_ENGINES[request.param]
+    folder = build(pair, tmp_path_factory.mktemp(request.param))
+    llm = start_drafter_engine(pair, {"method": request.param, "model": str(folder),
+                                      "draft_sample_method": draft_sample_method},
+                               {"weight": 1.0, "heads": [HEAD]})
+    yield llm
+    stop_engine(llm)
+
+
+def test_eagle_weights_zero_half_and_one(eagle, baseline):
+    _assert_verified_by_diversed(eagle)
+    none, half, exact = (_delta(eagle, lambda: _sampled(eagle, {"diversed_weight": weight}, EAGLE_PROMPTS,
+                                                        EAGLE_TOKENS)) for weight in (0.0, 0.5, 1.0))
+    assert min(none["drafted"], half["drafted"], exact["drafted"]) > 50
+    assert none["accepted"] == none["drafted"], none
+    assert _rate(half) > _rate(exact), (half, exact)
+    assert greedy_tokens(eagle, {"diversed_weight": 1.0}) == baseline["greedy"]
+
+
+def test_eagle_a_head_reads_the_drafters_hidden_states(eagle):
+    delta = _delta(eagle, lambda: _sampled(eagle, {"diversed_head": HEAD}, EAGLE_PROMPTS, EAGLE_TOKENS))
+    assert delta["drafted"] > 50 and delta["verified_without_head"] == 0, delta
+    mean_weight = delta["weight_sum"] / delta["drafted"]
+    assert 0.0 < mean_weight < 1.0, mean_weight
+    _assert_verified_by_diversed(eagle)
