@@ -8,13 +8,17 @@ from typing import Optional, Union
 
 import torch
 
+from .reference import target_forbids
+
 
 def gate_keeps(margin: Union[float, torch.Tensor], draft_tokens: torch.Tensor, draft_probs: Optional[torch.Tensor],
                target_log_probs: torch.Tensor) -> torch.Tensor:
     """[M] bool: whether the gate keeps each of M drafted tokens outright, row by row. ``margin`` a float or [M]
     (NaN: no gate on that row); ``draft_tokens`` [M]; ``draft_probs`` [M, V] the draft's distributions, or None (q
     one-hot at the drafts); ``target_log_probs`` [M, V] the target's log-probabilities, both at the temperature the
-    verifier samples at. ``diversed_ext.decoding.gate`` states the rule and applies it to a loop's [B, K] drafts."""
+    verifier samples at. ``diversed_ext.decoding.gate`` states the rule and applies it to a loop's [B, K] drafts.
+    A token the target forbids (:func:`target_forbids`: a bad word, a token outside a request's allowed set) is never
+    kept, whatever the margin: the verify ops would reject it anyway, and a weight zeroed for it would be counted."""
     log_p = target_log_probs.float()
     drafted_log_p = log_p.gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1)
     if draft_probs is None:
@@ -23,7 +27,8 @@ def gate_keeps(margin: Union[float, torch.Tensor], draft_tokens: torch.Tensor, d
         mass, weighted = _residual(log_p, draft_probs.float())
     rejected_log_p = weighted / mass.clamp_min(torch.finfo(mass.dtype).tiny)
     # Without residual mass (p = q) nothing is rejected: the weight does not matter there.
-    return (mass > 0) & (drafted_log_p >= rejected_log_p - margin)
+    allowed = ~target_forbids(drafted_log_p.exp())
+    return (mass > 0) & (drafted_log_p >= rejected_log_p - margin) & allowed
 
 
 def _residual(log_p: torch.Tensor, q: torch.Tensor) -> tuple:

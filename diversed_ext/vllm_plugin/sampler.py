@@ -139,15 +139,14 @@ def gate_keeps_rows(margin: torch.Tensor, draft_tokens: torch.Tensor, draft_prob
     """[M] bool: the drafted tokens the log-probability gate keeps outright (:func:`diversed_ext.ops.gate_keeps`),
     from M rows of tempered target logits [M, V] and the draft's probabilities [M, V] (None: tokens only). ``margin``
     [M] is NaN on rows not gated; an id outside the vocabulary (vLLM's -1 for a draft that must be rejected) is never
-    kept, nor is a token the processed target forbids (the ops' support rule: a bad word, a token outside
-    allowed_token_ids, EOS before min_tokens), whatever the margin."""
+    kept, nor (by :func:`diversed_ext.ops.gate_keeps`) is a token the processed target forbids (a bad word, a token
+    outside allowed_token_ids, EOS before min_tokens), whatever the margin."""
     vocab = target_logits.shape[-1]
     tokens = draft_tokens.to(torch.int64)
     in_vocab = (tokens >= 0) & (tokens < vocab)
-    tokens = tokens.clamp(0, max(vocab - 1, 0))
-    log_probs = torch.log_softmax(target_logits.float(), dim=-1)
-    allowed = ~dx_ops.target_forbids(log_probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).exp())
-    return dx_ops.gate_keeps(margin, tokens, draft_probs, log_probs) & in_vocab & allowed
+    keeps = dx_ops.gate_keeps(margin, tokens.clamp(0, max(vocab - 1, 0)), draft_probs,
+                              torch.log_softmax(target_logits.float(), dim=-1))
+    return keeps & in_vocab
 
 
 def gate_keeps_requests(rows: PaddedRows, requests: list, margin: torch.Tensor, greedy: torch.Tensor, metadata,
