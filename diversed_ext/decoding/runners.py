@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import inspect
 import time
-from typing import Protocol
+from typing import Optional, Protocol, Sequence
 
 import torch
 
 from ..forward import LlamaRunner, supports_fast_forward
+from ..forward.llama_runner import check_aux_layers
 from .transfers import device_tensor
 
 
@@ -22,7 +23,10 @@ class RowRunner(Protocol):
     """What a decoding round calls on a model (HFRunner, LlamaRunner): rows of new tokens, each with its own cache,
     in; logits of each row's last ``num_logits`` positions (and last hidden states when asked) and the caches out."""
 
-    def run_rows(self, feeds: list[list[int]], caches: list, num_logits: list[int], want_hidden: bool): ...
+    def run_rows(self, feeds: list[list[int]], caches: list, num_logits: list[int], want_hidden: bool,
+                 aux_layers: Optional[Sequence[int]] = None):
+        """``(logits, hidden, caches)``; with ``aux_layers``, a fourth output: the residual streams entering those
+        decoder layers at every fed position, [tokens fed, len(aux_layers) * H] (what an EAGLE-3 drafter reads)."""
 
 
 class Clock:
@@ -73,27 +77,39 @@ class HFRunner:
         self.keeps_logits = "logits_to_keep" in parameters
         self.cache_keyword = cache_keyword(parameters)
 
-    def __call__(self, feed: list[int], cache, num_logits: int, want_hidden: bool):
+    def __call__(self, feed: list[int], cache, num_logits: int, want_hidden: bool,
+                 aux_layers: Optional[tuple] = None):
         kwargs = {self.cache_keyword: cache, "use_cache": True}
         if self.keeps_logits:
             kwargs["logits_to_keep"] = num_logits  # skip the LM head on positions nobody reads
-        if want_hidden:
+        if want_hidden or aux_layers:
             kwargs["output_hidden_states"] = True
         output = self.model(device_tensor([feed], torch.int64, self.device), **kwargs)
         hidden = output.hidden_states[-1][0, -num_logits:] if want_hidden else None
-        return output.logits[0, -num_logits:], hidden, getattr(output, self.cache_keyword)
+        logits, cache = output.logits[0, -num_logits:], getattr(output, self.cache_keyword)
+        if aux_layers is None:
+            return logits, hidden, cache
+        # hidden_states[l] is the residual stream entering decoder layer l (index 0: the embeddings).
+        return logits, hidden, cache, torch.cat([output.hidden_states[layer][0] for layer in aux_layers], dim=-1)
 
-    def run_rows(self, feeds: list[list[int]], caches: list, num_logits: list[int], want_hidden: bool):
+    def run_rows(self, feeds: list[list[int]], caches: list, num_logits: list[int], want_hidden: bool,
+                 aux_layers: Optional[Sequence[int]] = None):
         """Several sequences, each through its own cache, one forward call per row; the outputs stacked in row order
-        as :meth:`diversed_ext.forward.LlamaRunner.run_rows` gives them.
+        as :meth:`diversed_ext.forward.LlamaRunner.run_rows` gives them (aux hidden states fourth, with
+        ``aux_layers``).
 
         One call per row rather than one padded call: a transformers cache crops every row by the same count, while
         the loop crops each row to its own accepted length, and per-row calls keep each row's result independent of
         its neighbours (no padding, no shared activation scale in int8 layers)."""
-        outputs = [self(feed, cache, wanted, want_hidden) for feed, cache, wanted in zip(feeds, caches, num_logits)]
+        if aux_layers is not None:
+            aux_layers = check_aux_layers(aux_layers, self.model.config.num_hidden_layers)
+        outputs = [self(feed, cache, wanted, want_hidden, aux_layers)
+                   for feed, cache, wanted in zip(feeds, caches, num_logits)]
         logits = torch.cat([output[0] for output in outputs])
         hidden = torch.cat([output[1] for output in outputs]) if want_hidden else None
-        return logits, hidden, [output[2] for output in outputs]
+        if aux_layers is None:
+            return logits, hidden, [output[2] for output in outputs]
+        return logits, hidden, [output[2] for output in outputs], torch.cat([output[3] for output in outputs])
 
 
 def make_runner(model: torch.nn.Module, device: torch.device, fast_forward: bool):

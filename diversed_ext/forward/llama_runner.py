@@ -42,7 +42,7 @@ the model's own forward: see :func:`supports_fast_forward`.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -157,6 +157,11 @@ class LlamaRunner:
     ``runner(feed, cache, num_logits, want_hidden)`` appends the token ids ``feed`` to ``cache`` (a new one when
     None) and returns ``(logits [num_logits, V], hidden [num_logits, H], cache)`` for the last ``num_logits``
     positions, ``hidden`` being the final-norm output the LM head reads (``output_hidden_states[-1]``).
+
+    With ``aux_layers`` (layer ids l in [0, layers)), :meth:`run_rows` also returns, fourth, the residual streams
+    entering those decoder layers (``output_hidden_states[l]``; what an EAGLE-3 drafter reads) at every fed position,
+    concatenated in the order given: [tokens fed, len(aux_layers) * H]. The native layers then run in segments
+    split at those layers; without ``aux_layers`` nothing changes.
     """
 
     def __init__(self, model: torch.nn.Module):
@@ -174,6 +179,7 @@ class LlamaRunner:
         self.head = Projections((model.lm_head,), _linear)
         # A float32 or int8 Llama on the CPU runs every decoder layer in one native call (see the module docstring).
         self.native = native_layers(self.layers, self.projections, num_heads=self.num_heads, head_dim=self.head_dim)
+        self._segments: dict = {}  # aux layer ids -> the native layers cut at them (built on first use)
 
     @torch.no_grad()
     def __call__(self, feed: list[int], cache: Optional[StaticKVCache], num_logits: int, want_hidden: bool = True):
@@ -181,15 +187,18 @@ class LlamaRunner:
         return logits, hidden, caches[0]
 
     @torch.no_grad()
-    def run_rows(self, feeds: list[list[int]], caches: list, num_logits: list[int], want_hidden: bool = True):
+    def run_rows(self, feeds: list[list[int]], caches: list, num_logits: list[int], want_hidden: bool = True,
+                 aux_layers: Optional[Sequence[int]] = None):
         """Several sequences in one pass: row r appends ``feeds[r]`` to ``caches[r]`` (a new cache when None).
 
         Every product runs once over all rows' new tokens stacked (``[sum of feeds, H] @ W``); attention runs row by
         row over the row's own cache, so no token sees another row and nothing is padded. Returns ``(logits, hidden,
-        caches)`` with the last ``num_logits[r]`` positions of each row stacked in row order.
+        caches)`` with the last ``num_logits[r]`` positions of each row stacked in row order, and with
+        ``aux_layers`` the aux hidden states of every fed position fourth (see the class docstring).
         """
         if not feeds or any(not feed for feed in feeds):
             raise ValueError("feed must hold at least one token id")
+        aux_layers = None if aux_layers is None else check_aux_layers(aux_layers, len(self.layers))
         base = self.model.model
         embed = base.embed_tokens
         caches = [StaticKVCache() if cache is None else cache for cache in caches]
@@ -202,22 +211,45 @@ class LlamaRunner:
         cos, sin = base.rotary_emb(states, positions.unsqueeze(0))  # [1, n, head_dim]
         for span in spans:
             span.cache.reserve(span.end, len(self.layers), self.num_kv_heads, self.head_dim, states)
+        entering: dict = {}  # aux layer id -> the residual stream entering it [1, n, H]
         if self.native is not None and states.dtype == torch.float32 and states.device.type == "cpu":
-            states = llama_layers(states[0], self.native, cos[0].contiguous(), sin[0].contiguous(),
-                                  [(span.cache.keys, span.cache.values) for span in spans],
-                                  [span.start for span in spans], row_groups).unsqueeze(0)
+            cos, sin = cos[0].contiguous(), sin[0].contiguous()
+            for first, end, layers in self._native_segments(aux_layers):
+                entering[first] = states
+                states = llama_layers(states[0], layers, cos, sin,
+                                      [(span.cache.keys[first:end], span.cache.values[first:end]) for span in spans],
+                                      [span.start for span in spans], row_groups).unsqueeze(0)
         else:
-            states = self._layers(states, *_rotary_tables(cos, sin), spans, row_groups)
+            states = self._layers(states, *_rotary_tables(cos, sin), spans, row_groups,
+                                  entering if aux_layers else None)
         for span in spans:
             span.cache.length = span.end
         last = [span.offset + span.count - wanted + position for span, wanted in zip(spans, num_logits)
                 for position in range(wanted)]
         hidden = _rms_norm(base.norm, states[0, last])
-        return self.head(hidden, num_logits), hidden, caches
+        if aux_layers is None:
+            return self.head(hidden, num_logits), hidden, caches
+        aux = torch.cat([entering[layer][0] for layer in aux_layers], dim=-1)
+        return self.head(hidden, num_logits), hidden, caches, aux
 
-    def _layers(self, states, cos, sin, spans: list["_RowSpan"], row_groups: list[int]) -> torch.Tensor:
-        """Every decoder layer, op by op: ``cos``, ``sin`` [1, n, 1, head_dim] from :func:`_rotary_tables`."""
+    def _native_segments(self, aux_layers: Optional[tuple]) -> list:
+        """(first layer, end, LlamaLayers of layers first..end-1) covering every layer, cut where an aux layer
+        starts (one segment without aux layers)."""
+        key = tuple(sorted(set(aux_layers or ())))
+        if key not in self._segments:
+            cuts = sorted({0, *key, len(self.layers)})
+            self._segments[key] = [(first, end, self.native._replace(norms=self.native.norms[2 * first:2 * end],
+                                                                     products=self.native.products[4 * first:4 * end]))
+                                   for first, end in zip(cuts, cuts[1:])]
+        return self._segments[key]
+
+    def _layers(self, states, cos, sin, spans: list["_RowSpan"], row_groups: list[int],
+                entering: Optional[dict] = None) -> torch.Tensor:
+        """Every decoder layer, op by op: ``cos``, ``sin`` [1, n, 1, head_dim] from :func:`_rotary_tables`; with
+        ``entering``, the states entering each layer are recorded there by layer id."""
         for index, layer in enumerate(self.layers):
+            if entering is not None:
+                entering[index] = states
             products = self.projections[index]
             states = states + self._attention(layer.self_attn, _rms_norm(layer.input_layernorm, states), cos, sin,
                                               spans, index, row_groups)
@@ -276,6 +308,15 @@ class _RowSpan:
         if self.count == 1:
             return None
         return torch.ones(self.count, self.end, dtype=torch.bool, device=self.device).tril(self.start)
+
+
+def check_aux_layers(aux_layers, num_layers: int) -> tuple:
+    """``aux_layers`` as a tuple of layer ids in [0, num_layers), at least one, or a ValueError naming it."""
+    layers = tuple(aux_layers)
+    if not layers or any(isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < num_layers
+                         for layer in layers):
+        raise ValueError(f"aux_layers must be one or more layer ids in [0, {num_layers}), got {list(layers)}")
+    return layers
 
 
 def _row_spans(feeds: list[list[int]], caches: list[StaticKVCache], device: torch.device) -> list[_RowSpan]:
