@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 
 from .common import (UsageError, _add_model_arguments, _non_negative_float, _non_negative_int, _positive_float,
                      _positive_int, _weight_of_untrained_head, library_defaults)
@@ -146,3 +147,148 @@ def run_train(args) -> int:
               f"{last['expected_acceptance']:.3f}, task reward {last['task_reward']:.3f}, "
               f"fidelity {last['fidelity']:.3f}; head saved in {os.path.join(args.output_dir, 'head')}")
     return 0
+
+
+# ---- diversed train-drafter ---------------------------------------------------------------------------------------
+
+DRAFTER_SIZES = (2048, 4096, 8192, 16384, 32768)  # draft vocabulary sizes whose coverage a run reports
+BF16_TOLERANCE = 0.002  # the largest drop in held-out acceptance at which the head is saved in bfloat16
+HOLDOUT_METRICS = ("top1_step", "accept_step", "accept_upper_step", "acceptance_rate")
+BF16_CHECK_SEQUENCES = 16  # held-out sequences of that check (float32 arithmetic is slow on a small CPU)
+
+
+def add_train_drafter_command(commands) -> None:
+    """``diversed train-drafter``: its options' defaults are the recipe of the shipped EAGLE-3 head."""
+    from ..research.drafter_training import DrafterTrainConfig
+
+    defaults = library_defaults(DrafterTrainConfig)
+    train = commands.add_parser("train-drafter", help="train an EAGLE-3 draft head for the default pair by "
+                                "self-distillation on GSM8K training problems")
+    train.add_argument("--out", required=True, help="folder for the head (config.json, model.safetensors), its log, "
+                       "curve, summary and checkpoint")
+    train.add_argument("--data", required=True, help="GSM8K training problems (train.jsonl; never the test split)")
+    train.add_argument("--data-dir", help="where the generated continuations are cached, resumable (default: under "
+                       "the model cache)")
+    train.add_argument("--prompts", type=_positive_int, default=2048, help="training problems (default %(default)s)")
+    train.add_argument("--holdout", type=_positive_int, default=64,
+                       help="problems from the end of the file held out for the metrics (default %(default)s)")
+    train.add_argument("--shards", type=_positive_int,
+                       help="generate and use only the first N batches of problems (held-out batches first)")
+    train.add_argument("--max-new-tokens", type=_positive_int, default=128, help="default %(default)s")
+    train.add_argument("--top-k", type=_positive_int, default=32, help="soft-label entries kept (default %(default)s)")
+    train.add_argument("--gen-batch", type=_positive_int, default=32, help="prompts sampled together (default "
+                       "%(default)s)")
+    train.add_argument("--draft-vocab", type=_positive_int, default=8192, help="draft vocabulary size (default "
+                       "%(default)s)")
+    train.add_argument("--steps", type=_positive_int, default=defaults["steps"], help="default %(default)s")
+    train.add_argument("--batch-size", type=_positive_int, default=defaults["batch_size"],
+                       help="sequences per step (default %(default)s)")
+    train.add_argument("--lr", type=_positive_float, default=defaults["learning_rate"], help="default %(default)s")
+    train.add_argument("--warmup-steps", type=_non_negative_int, default=defaults["warmup_steps"],
+                       help="default %(default)s")
+    train.add_argument("--ttt-steps", type=_positive_int, default=defaults["ttt_steps"],
+                       help="draft steps unrolled in training (default %(default)s)")
+    train.add_argument("--eval-every", type=_positive_int, default=defaults["eval_every"], help="default %(default)s")
+    train.add_argument("--seed", type=_non_negative_int, default=0, help="default %(default)s")
+    train.add_argument("--fp32-matmul", action="store_true", help="train with float32 matmuls (default bfloat16)")
+    train.add_argument("--threads", type=_positive_int, help="torch threads (default: torch's choice; on a busy small "
+                       "CPU one thread runs the small matmuls of decoding several times faster than two)")
+    train.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
+
+
+def _default_data_dir(args) -> str:
+    import hashlib
+    import json
+
+    from ..models import cache_root
+
+    key = json.dumps([os.path.abspath(args.data), args.prompts, args.holdout, args.max_new_tokens, args.top_k,
+                      args.gen_batch, args.seed])
+    return str(cache_root() / "drafter-data" / hashlib.sha256(key.encode()).hexdigest()[:12])
+
+
+def run_train_drafter(args) -> int:
+    """Generates (or resumes) the self-distillation data, trains the head, evaluates it and saves it in --out."""
+    import json
+
+    import torch
+
+    from ..decoding import eos_ids
+    from ..models import load_default_pair
+    from ..models.eagle3 import AUX_LAYERS_DEFAULT, Eagle3Config, Eagle3Head
+    from ..research import drafter_data as data
+    from ..research.drafter_training import DrafterTrainConfig, evaluate, init_from_target, prepare, train_drafter
+
+    if os.path.basename(args.data).startswith("test"):
+        raise UsageError(f"--data {args.data}: the drafter trains on the training split only (train.jsonl)")
+    if not os.path.isfile(args.data):
+        raise UsageError(f"--data {args.data}: no such file")
+    _require_writable(args.out)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    target, _, tokenizer = load_default_pair()
+    try:
+        prompts, holdout = data.gsm8k_prompts(tokenizer, args.data, limit=args.prompts, holdout=args.holdout,
+                                              batch_size=args.gen_batch)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    if args.shards:
+        prompts = prompts[:args.shards * args.gen_batch]
+    if len(prompts) <= holdout:
+        raise UsageError(f"--shards {args.shards}: leaves no training problems after the {holdout} held out")
+    folder = args.data_dir or _default_data_dir(args)
+    settings = dict(max_new_tokens=args.max_new_tokens, aux_layer_ids=AUX_LAYERS_DEFAULT,
+                    eos_ids=eos_ids(tokenizer, target), top_k=args.top_k, batch_size=args.gen_batch, seed=args.seed)
+    meta = {"task": "gsm8k", "holdout": holdout, "target": "SmolLM2-135M-Instruct", "matmul": "bfloat16"}
+    try:
+        data.generate_dataset(data.bf16_matmul_copy(target), prompts, folder, meta=meta, **settings)
+    except ValueError as error:
+        raise UsageError(f"--data-dir {folder}: {error}") from None
+    records = data.load_records(folder)[:len(prompts)]
+    held, train = records[:holdout], records[holdout:]
+    vocab = target.config.vocab_size
+    draft_ids, coverage = data.draft_vocabulary(train, vocab, min(args.draft_vocab, vocab))
+    torch.manual_seed(args.seed)
+    config = Eagle3Config.from_target(target.config.to_dict(), draft_ids.numel(), AUX_LAYERS_DEFAULT)
+    head = Eagle3Head(config, target.get_input_embeddings())
+    head.set_draft_vocabulary(draft_ids)
+    init_from_target(head, target)
+    train_config = DrafterTrainConfig(output_dir=args.out, steps=args.steps, batch_size=args.batch_size,
+                                      learning_rate=args.lr, warmup_steps=args.warmup_steps, ttt_steps=args.ttt_steps,
+                                      seed=args.seed, eval_every=args.eval_every,
+                                      autocast_bf16=not args.fp32_matmul)
+    train_examples, held_examples = prepare(train, draft_ids, vocab), prepare(held, draft_ids, vocab)
+    log = train_drafter(head, train_examples, held_examples, train_config, resume=args.resume)
+    # bfloat16 storage: kept where it costs no acceptance, checked with float32 arithmetic on part of the held-out
+    # problems (the full held-out metrics are the training log's last evaluation)
+    check = held_examples[:BF16_CHECK_SEQUENCES]
+    float_metrics = evaluate(head, check, args.ttt_steps)
+    low = Eagle3Head(config, target.get_input_embeddings())
+    low.load_state_dict({k: v.to(torch.bfloat16).float() for k, v in head.state_dict().items()})
+    low.set_draft_vocabulary(draft_ids)
+    bf16_metrics = evaluate(low, check, args.ttt_steps)
+    key = f"acceptance_rate_k{args.ttt_steps}"
+    dtype = torch.bfloat16 if float_metrics[key] - bf16_metrics[key] <= BF16_TOLERANCE else torch.float32
+    head.save_pretrained(args.out, dtype=dtype)
+    recipe = {k: v for k, v in sorted(vars(args).items()) if k not in ("command", "out", "data_dir", "resume",
+                                                                         "threads")}
+    recipe["data"] = os.path.join(*Path(args.data).parts[-2:])  # no machine's path: gsm8k/train.jsonl
+    summary = {"recipe": recipe,
+               "train_sequences": len(train), "holdout_sequences": len(held),
+               "train_label_positions": sum(int(e["prob"].shape[0]) for e in train_examples),
+               "draft_vocab": int(draft_ids.numel()), "draft_vocab_coverage": coverage,
+               "coverage_by_size": data.coverage_curve(train, vocab, DRAFTER_SIZES),
+               "holdout": {k: v for k, v in log[-1].items() if k.startswith(HOLDOUT_METRICS)},
+               "bf16_check_sequences": len(check), "check_float32_weights": float_metrics,
+               "check_bfloat16_weights": bf16_metrics,
+               "saved_dtype": str(dtype).replace("torch.", "")}
+    (Path(args.out) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(json.dumps({"saved": args.out, "dtype": summary["saved_dtype"], **summary["holdout"]}, indent=2))
+    return 0
+
+
+def _require_writable(folder: str) -> None:
+    try:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise UsageError(f"--out {folder}: {error}") from None
