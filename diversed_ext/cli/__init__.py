@@ -9,6 +9,8 @@
     diversed train    --task gsm8k --data PATH [--steps --batch-size --lr --acceptance-coef --fidelity-coef ...]
     diversed train    --recipe smollm2-135m-lambda4 --data PATH/gsm8k/train.jsonl
                       a shipped head's training run again, from the recipe in its head.json
+    diversed train-drafter --out FOLDER --data PATH/gsm8k/train.jsonl [--prompts N --steps N --draft-vocab V ...]
+                      an EAGLE-3 draft head for the default pair, by self-distillation (the shipped head's recipe)
     diversed eval     --task gsm8k --data PATH --method ar sd static diversed [--weight W ...] [--head PATH]
     diversed pareto   --task gsm8k --data PATH [--weights W ...] [--head PATH ...] [--output-dir DIR]
     diversed compare-drafts [--task gsm8k --data PATH] [--drafts distributions tokens ...] [--weight W ...]
@@ -43,7 +45,7 @@ from .common import (USAGE_EXIT_STATUS, UsageError, _add_batch_argument, _add_dr
                      _add_model_arguments, _check_draft_cost, _decoder_error, _draft_length_words, _load_head,
                      _positive_int, _unit_float, library_defaults, load_models)
 from .experiments import EXPERIMENT_HANDLERS, add_experiment_commands
-from .train import add_train_command, run_train, with_recipe
+from .train import add_train_command, add_train_drafter_command, run_train, run_train_drafter, with_recipe
 
 __all__ = ["build_parser", "main", "UsageError", "load_models", "find_bench_script"]
 
@@ -80,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("directory", type=Path, help="gets target/ and draft/")
     export.add_argument("--overwrite", action="store_true", help="replace existing target/ and draft/ folders")
     add_train_command(commands)
+    add_train_drafter_command(commands)
     add_experiment_commands(commands)
     return parser
 
@@ -92,7 +95,7 @@ def _run_generate(args) -> int:
     if args.weight is not None and args.method != "static":
         raise UsageError("--weight applies to --method static")
     _check_draft_cost(args)
-    target, draft, tokenizer = common.load_models(args.target, args.draft, args.device)
+    target, draft, tokenizer = common.load_command_models(args)
     head = _load_head(args.head, target, draft) if args.head else None
     with _decoder_error():
         decoder = SpeculativeDecoder(target, draft, method=args.method, weight=args.weight, head=head,
@@ -112,7 +115,7 @@ def _run_generate(args) -> int:
 
 def _run_demo(args) -> int:
     _check_draft_cost(args)
-    target, draft, tokenizer = common.load_models(args.target, args.draft, args.device)
+    target, draft, tokenizer = common.load_command_models(args)
     texts = [DEMO_PROMPTS[index % len(DEMO_PROMPTS)] for index in range(args.prompts)]
     prompts = [encode_prompt(tokenizer, text, chat=not args.no_chat_template) for text in texts]
     # The shipped head was trained for the default pair only; other pairs get the static rows.
@@ -166,7 +169,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     handlers = {"generate": _run_generate, "demo": _run_demo, "bench": _run_bench, "export-pair": _run_export_pair,
-                "train": run_train, **EXPERIMENT_HANDLERS}
+                "train": run_train, "train-drafter": run_train_drafter, **EXPERIMENT_HANDLERS}
     try:
         if getattr(args, "recipe", None):
             args = with_recipe(parser, argv, args)

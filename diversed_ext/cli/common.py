@@ -59,6 +59,7 @@ _temperature = _ruled(float, rules.temperature, rules.TEMPERATURE)
 _draft_length = _ruled(int, rules.draft_length, rules.DRAFT_LENGTH)
 _seed = _ruled(int, rules.seed, rules.SEED)
 _gate_margin = _ruled(float, rules.gate_margin, rules.GATE_MARGIN)
+DRAFTERS = ("model", "eagle3")  # --drafter: the draft model, or an EAGLE-3 head on the target's hidden states
 
 
 def _device(text: str) -> str:
@@ -92,6 +93,11 @@ def _add_model_arguments(parser: argparse.ArgumentParser, defaults: dict) -> Non
     """The pair, K, temperature, length and seed flags, with ``defaults`` (from :func:`library_defaults`)."""
     parser.add_argument("--target", help="target model name or folder (default: the embedded SmolLM2-135M pair)")
     parser.add_argument("--draft", help="draft model name or folder (default: an int8 copy of the target)")
+    parser.add_argument("--drafter", choices=DRAFTERS, default=None,
+                        help="what drafts: the draft model (default), or eagle3, an EAGLE-3 head on the target's "
+                        "hidden states (default: the one shipped for the default pair; see --drafter-path)")
+    parser.add_argument("--drafter-path", metavar="FOLDER",
+                        help="the EAGLE-3 head's folder (config.json, model.safetensors); implies --drafter eagle3")
     parser.add_argument("--device", type=_device, default="cpu",
                         help="where the target (and a float draft) run: cpu or cuda[:N] (default %(default)s; the "
                         "default pair's int8 draft stays on the CPU)")
@@ -210,8 +216,63 @@ def _add_batch_argument(parser: argparse.ArgumentParser, defaults: dict) -> None
                              "tokens/s is then every token over the wall time of the batches")
 
 
-def load_models(target: Optional[str], draft: Optional[str], device: str = "cpu"):
-    """(target, draft, tokenizer): the default pair, or the pair named on the command line, on ``device``."""
+def load_models(target: Optional[str], draft: Optional[str], device: str = "cpu", *, drafter: Optional[str] = None,
+                drafter_path: Optional[str] = None):
+    """(target, draft, tokenizer): the default pair, or the pair named on the command line, on ``device``. With
+    ``drafter`` "eagle3" (or a ``drafter_path``), the draft is an EAGLE-3 head on the target's hidden states: the
+    one at ``drafter_path``, else the one shipped for the default pair."""
+    if drafter == "model" and drafter_path is not None:
+        raise UsageError("--drafter-path names an EAGLE-3 head: it goes with --drafter eagle3, not --drafter model")
+    if drafter == "eagle3" or drafter_path is not None:
+        if draft is not None:
+            raise UsageError("--drafter eagle3 drafts in place of a draft model: drop --draft")
+        flag, folder = _eagle_folder(drafter_path)  # before any model loads
+        target_model, _, tokenizer = _load_pair(target, None, device)
+        return target_model, _load_eagle_head(flag, folder, target_model), tokenizer
+    return _load_pair(target, draft, device)
+
+
+def load_command_models(args):
+    """:func:`load_models` for a command's --target, --draft, --device, --drafter and --drafter-path (the drafter
+    keywords only when one of those flags was given, so a stand-in ``load_models(target, draft, device)`` serves)."""
+    drafter = {name: getattr(args, name, None) for name in ("drafter", "drafter_path")}
+    drafter = {name: value for name, value in drafter.items() if value is not None}
+    return load_models(args.target, args.draft, args.device, **drafter)
+
+
+def _eagle_folder(path: Optional[str]) -> tuple[str, str]:
+    """(the flag to name in errors, the EAGLE-3 head's folder): ``path``, or the shipped head's folder."""
+    from ..models.eagle3 import default_drafter_path
+
+    if path is not None:
+        if not os.path.isdir(path):
+            raise UsageError(f"--drafter-path {path}: no such folder")
+        return f"--drafter-path {path}", path
+    try:
+        return "--drafter eagle3", str(default_drafter_path())
+    except FileNotFoundError as error:
+        raise UsageError(f"--drafter eagle3: {error}; pass --drafter-path FOLDER") from None
+
+
+def _load_eagle_head(flag: str, folder: str, target):
+    """The EAGLE-3 head in ``folder`` for ``target``, on its device, or a one-line error naming ``flag``."""
+    import torch
+
+    from safetensors import SafetensorError
+
+    from ..decoding.eagle_drafting import EagleDrafter
+    from ..models.eagle3 import Eagle3Head
+
+    try:
+        head = Eagle3Head.from_pretrained(folder, target.get_input_embeddings(), dtype=torch.float32)
+        head = head.to(model_device(target))
+        EagleDrafter(head, target, model_device(target))  # refuses a head built for another target, with the reason
+        return head
+    except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as error:
+        raise UsageError(f"cannot load {flag}: {error}") from None
+
+
+def _load_pair(target: Optional[str], draft: Optional[str], device: str):
     from ..models import load_default_pair, load_pair
 
     if target is None:

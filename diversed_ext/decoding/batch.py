@@ -34,8 +34,10 @@ from ..head import distribution_features, wants_distributions
 from ..ops import is_greedy_temperature, philox_uniforms, verify_logits
 from .checks import DrafterLike, HeadLike, check_drafted
 from .draft_lengths import DraftLengthPolicy, RoundOutcome
+from .eagle_drafting import EagleDrafter
 from .fly import Fly
 from .gate import Gate, gated_weights, require_sampling
+from .typical import Typical, typical_verify_arguments
 from .runners import RowRunner, crop_cache
 from .state import DecodingState, commit_tokens
 from .stats import RoundStats
@@ -62,11 +64,13 @@ class RoundConfig:
     clock: Callable[[], float]  # seconds, synchronised with the device when the decoder times for real
     target_runner: RowRunner
     draft_runner: Optional[RowRunner]  # None without a draft model
+    typical: Optional[Typical] = None  # Medusa's typical acceptance in place of the exact test (lossy), or None
+    eagle: Optional[EagleDrafter] = None  # an EAGLE-3 head drafting from the target's hidden states, or None
 
     @property
     def proposes(self) -> bool:
-        """Whether anything drafts (a draft model or a drafter); without, a round is one target step (``ar``)."""
-        return self.draft_runner is not None or self.drafter is not None
+        """Whether anything drafts (a draft model, an EAGLE-3 head, a drafter); else a round is one target step."""
+        return self.draft_runner is not None or self.drafter is not None or self.eagle is not None
 
 
 @dataclass
@@ -131,11 +135,11 @@ def run_round(config: RoundConfig, states: list[DecodingState]) -> list[RoundSta
     budgets = [min(policy.budget(memory), left - 1) if config.proposes else 0
                for memory, left in zip(memories, remaining)]
     run_draft = _run_draft if config.drafter is None else _call_drafter
-    drafts = run_draft(config, states, budgets)
+    drafts = (config.eagle.draft if config.eagle is not None else run_draft)(config, states, budgets)
     drafted = [len(tokens) for tokens in drafts.tokens]
 
-    target_start = clock()
-    target_logits, target_hidden = _run_target(config, states, drafts.tokens)
+    target_start, target_cached = clock(), [state.target_cached for state in states]
+    target_logits, target_hidden, fed, aux = _run_target(config, states, drafts.tokens)
     target_end = clock()
     keep_draft = config.draft_mode == "distributions" or (config.head is not None
                                                          and wants_distributions(config.head))
@@ -161,13 +165,16 @@ def run_round(config: RoundConfig, states: list[DecodingState]) -> list[RoundSta
         emitted = commit_tokens(state, tokens[row][:accepted[row] + 1], remaining[row])
         keep = len(state.tokens) - 1
         state.target_cached = crop_cache(state.target_cache, state.target_cached, keep)
-        state.draft_cached = crop_cache(state.draft_cache, state.draft_cached, keep)
+        if config.eagle is None:  # an EAGLE-3 head's cache is cropped with its features, below
+            state.draft_cached = crop_cache(state.draft_cache, state.draft_cached, keep)
         state.round_index += 1
         all_stats.append(RoundStats(drafted=drafted[row], accepted=accepted[row], emitted=emitted,
                                     draft_seconds=drafts.seconds, target_seconds=target_end - target_start,
                                     head_seconds=head_end - target_end, verify_seconds=verify_end - head_end,
                                     draft_tokens=tuple(drafts.tokens[row]),
                                     weights=tuple(row_weights) if head_chose else ()))
+    if config.eagle is not None:
+        config.eagle.commit(states, aux, fed, target_cached)
     round_seconds = clock() - round_start
     for state, stats in zip(states, all_stats):
         stats.round_seconds = round_seconds
@@ -187,7 +194,6 @@ def _run_draft(config: RoundConfig, states: list[DecodingState], budgets: list[i
     draft-length policy may stop a row earlier, after any of its drafts."""
     drafts = _Drafts(tokens=[[] for _ in states], logits=[], slots=[], hidden=[], seconds=0.0,
                      draft_probs=[[] for _ in states])
-    policy = config.draft_length
     want_hidden = config.head is not None
     active = [row for row, budget in enumerate(budgets) if budget > 0]
     position = 0
@@ -211,21 +217,32 @@ def _run_draft(config: RoundConfig, states: list[DecodingState], budgets: list[i
         temperature = 0.0 if config.draft_mode == "tokens" else config.temperature
         new_tokens = sample_drafts(logits, temperature, [states[row].generator for row in active])
         drafts.logits.append(logits)
-        drafts.slots += [(row, position) for row in active]
-        if want_hidden:
-            drafts.hidden.append(hidden.to(config.device))
-        for row, token in zip(active, new_tokens):
-            drafts.tokens[row].append(token)
-        if policy.reads_draft_probs:
-            for row, prob in zip(active, token_probs(logits, new_tokens, config.temperature)):
-                drafts.draft_probs[row].append(prob)
+        active = record_position(config, states, drafts, active, budgets, position, new_tokens,
+                                 hidden if want_hidden else None, logits, new_tokens)
         position += 1
-        # A row stops at its budget and after an EOS draft (tokens after an accepted EOS would be thrown away), or
-        # where its policy stops it, from this round's drafts so far.
-        active = [row for row, token in zip(active, new_tokens)
-                  if position < budgets[row] and token not in states[row].eos_token_ids
-                  and policy.keep_drafting(states[row].draft_length_memory, drafts.draft_probs[row])]
     return drafts
+
+
+def record_position(config: RoundConfig, states: list[DecodingState], drafts: _Drafts, active: list[int],
+                    budgets: list[int], position: int, new_tokens: list[int], hidden: Optional[torch.Tensor],
+                    logits: torch.Tensor, sampled: list[int]) -> list[int]:
+    """Record one draft position of the ``active`` rows (their tokens, slots, hidden states and, for the draft-length
+    policy, q of each draft: ``sampled`` indexes ``logits``' columns) and return the rows that draft on.
+
+    A row stops at its budget and after an EOS draft (tokens after an accepted EOS would be thrown away), or where
+    its policy stops it, from this round's drafts so far."""
+    policy = config.draft_length
+    drafts.slots += [(row, position) for row in active]
+    if hidden is not None:
+        drafts.hidden.append(hidden.to(config.device))
+    for row, token in zip(active, new_tokens):
+        drafts.tokens[row].append(token)
+    if policy.reads_draft_probs:
+        for row, prob in zip(active, token_probs(logits, sampled, config.temperature)):
+            drafts.draft_probs[row].append(prob)
+    return [row for row, token in zip(active, new_tokens)
+            if position + 1 < budgets[row] and token not in states[row].eos_token_ids
+            and policy.keep_drafting(states[row].draft_length_memory, drafts.draft_probs[row])]
 
 
 def token_probs(logits: torch.Tensor, tokens: list[int], temperature: float) -> list[float]:
@@ -254,13 +271,15 @@ def _call_drafter(config: RoundConfig, states: list[DecodingState], budgets: lis
 
 def _run_target(config: RoundConfig, states: list[DecodingState], draft_tokens: list[list[int]]):
     """One target pass over every row's unseen tokens and drafts: logits [B, K + 1, V] padded past each row's
-    k_r + 1 positions, and, for the head, the last hidden states [N, Ht] at the positions that predicted each draft
-    (N drafts over all rows, row by row)."""
+    k_r + 1 positions; for the head, the last hidden states [N, Ht] at the positions that predicted each draft
+    (N drafts over all rows, row by row); each row's count of fed positions; for an EAGLE-3 head the aux hidden
+    states of every fed position (else None)."""
     feeds = [state.tokens[state.target_cached:] + tokens for state, tokens in zip(states, draft_tokens)]
     num_logits = [len(tokens) + 1 for tokens in draft_tokens]
     want_hidden = config.head is not None and any(draft_tokens)
-    logits, hidden, caches = config.target_runner.run_rows(
-        feeds, [state.target_cache for state in states], num_logits, want_hidden)
+    aux = {} if config.eagle is None else {"aux_layers": config.eagle.aux_layers}
+    logits, hidden, caches, *aux = config.target_runner.run_rows(
+        feeds, [state.target_cache for state in states], num_logits, want_hidden, **aux)
     for state, feed, cache in zip(states, feeds, caches):
         state.target_cache = cache
         state.target_cached += len(feed)
@@ -271,7 +290,8 @@ def _run_target(config: RoundConfig, states: list[DecodingState], draft_tokens: 
         drafted_rows += range(first, first + count - 1)  # every position but the last predicted a draft
         first += count
     padded = _padded(logits, slots, (len(states), width, logits.shape[-1]))
-    return padded, _rows(hidden, drafted_rows) if want_hidden else None
+    hidden = _rows(hidden, drafted_rows) if want_hidden else None
+    return padded, hidden, [len(feed) for feed in feeds], aux[0] if aux else None
 
 
 def _shared_vocab_logits(drafts: _Drafts, target_logits: torch.Tensor,
@@ -359,6 +379,10 @@ def _verify(config: RoundConfig, states: list[DecodingState], drafts: _Drafts, d
         draft_logits = None
     device = target_logits.device
     num_draft = device_tensor([len(tokens) for tokens in drafts.tokens], torch.int64, device)
+    if config.typical is not None and width > 0:  # Medusa's test in place of the exact one (see .typical)
+        num_draft, weight = typical_verify_arguments(config.typical, draft_tokens, num_draft, target_logits,
+                                                     config.temperature)
+        draft_logits = None
     fly = {} if config.fly is None else config.fly.verify_arguments(width)
     return verify_logits(draft_tokens, draft_logits, target_logits, weight, temperature=config.temperature,
                          num_draft=num_draft, uniforms=row_uniforms(states, num_draft, width, device),

@@ -43,8 +43,10 @@ from .batch import RoundConfig, run_round
 from .checks import (DrafterLike, HeadLike, PromptLike, check_batch_size, check_draft_mode, check_gate, check_head,
                      check_head_device, check_max_new_tokens, check_method, check_prompt, check_seed, check_weight)
 from .draft_lengths import DEFAULT_DRAFT_LENGTH, PolicyLike, check_draft_length
+from .eagle_drafting import EagleDrafter, is_eagle_head
 from .fly import Fly
 from .gate import Gate
+from .typical import Typical, check_typical
 from .prompts import normalise_eos, split_prompts
 from .runners import Clock, make_runner, model_device
 from .state import DecodingState
@@ -63,7 +65,13 @@ class SpeculativeDecoder:
     Args:
         target: Hugging Face causal LM (``model(input_ids, cache=..., use_cache=True)`` returning logits).
         draft: the draft causal LM; may be None for ``method="ar"`` or with ``drafter``. It may live on another device
-            (an int8 CPU draft next to a GPU target): its outputs are moved to the target's device.
+            (an int8 CPU draft next to a GPU target): its outputs are moved to the target's device. Or an EAGLE-3
+            head (:class:`diversed_ext.models.eagle3.Eagle3Head`, on the target's device) in place of a draft model:
+            it drafts from the target's own hidden states (the aux layers its config names) with its own KV cache,
+            one decoder layer per draft token (:mod:`diversed_ext.decoding.eagle_drafting`). Its drafts have
+            distributions (q zero outside its draft vocabulary), so every method, ``draft_mode``, ``fly`` and
+            ``gate`` apply; a ``diversed`` head reads the EAGLE head's output state as the draft hidden state. A
+            request's first round drafts nothing (the head needs the target's pass over the prompt first).
         method: ``"ar"``, ``"sd"``, ``"static"``, ``"diversed"`` or ``"fly"`` (``sd`` with FLy; see the module
             docstring).
         weight: w on the target for ``static`` (required, in [0, 1]); must be None or 1 for ``sd``.
@@ -113,6 +121,9 @@ class SpeculativeDecoder:
             ``diversed``: a drafted token is kept outright when its target log-probability is within ``margin``
             nats of what a rejection would give in expectation, and verified with the method's weight otherwise.
             Lossy, as FLy is (the weight reads the drafted token); needs a temperature > 0. Composes with ``fly``.
+        typical: Medusa's typical acceptance (:class:`~diversed_ext.decoding.typical.Typical`) in place of ``sd``'s
+            exact test: a draft passes when p(x) > min(eps, delta exp(-H(p))), and the first that fails is replaced
+            by a sample of the target. Lossy; needs a temperature > 0; not with ``fly`` or ``gate``.
         fast_forward: run ``LlamaForCausalLM`` models through :mod:`diversed_ext.forward` (their own modules and
             weights, a preallocated KV cache, CPU-friendly skinny products; outputs equal up to float rounding).
             Other models, and every model when False, run through their own forward with a transformers cache.
@@ -126,7 +137,8 @@ class SpeculativeDecoder:
                  temperature: float = 1.0, draft_mode: Optional[str] = None, drafter: Optional[DrafterLike] = None,
                  check_inputs: bool = False, synchronize_timing: bool = True, fast_forward: bool = True,
                  draft_length: PolicyLike = DEFAULT_DRAFT_LENGTH,
-                 draft_cost: Optional[float] = None, fly: Optional[Fly] = None, gate: Optional[Gate] = None):
+                 draft_cost: Optional[float] = None, fly: Optional[Fly] = None, gate: Optional[Gate] = None,
+                 typical: Optional[Typical] = None):
         if method == "fly":
             method, fly = "sd", fly if fly is not None else Fly()
         self.method = check_method(method)
@@ -140,6 +152,7 @@ class SpeculativeDecoder:
         self.fly = None if fly is None else fly.for_max_draft(self.max_draft)
         self.temperature = rules.temperature(temperature)
         self.gate = check_gate(gate, method, self.temperature)
+        self.typical = check_typical(typical, method, self.temperature, self.fly, self.gate)
         self.draft_mode = check_draft_mode(method, draft_mode, drafter)
         self.draft_length = check_draft_length(draft_length, self.max_draft, method=method, weight=self.weight,
                                                drafter=drafter, draft_cost=draft_cost)
@@ -159,9 +172,11 @@ class SpeculativeDecoder:
         if self.head is not None:
             check_head_device(self.head, self.device)
         self.draft_device = model_device(draft) if self.draft is not None else self.device
+        self._eagle = EagleDrafter(self.draft, target, self.device) if is_eagle_head(self.draft) else None
         self._clock = Clock(self.device, synchronize_timing)
         self._target_runner = make_runner(target, self.device, fast_forward)
-        self._draft_runner = (make_runner(self.draft, self.draft_device, fast_forward) if self.draft is not None
+        self._draft_runner = (make_runner(self.draft, self.draft_device, fast_forward)
+                              if self.draft is not None and self._eagle is None
                               else None)
 
     def round_config(self) -> RoundConfig:
@@ -170,9 +185,10 @@ class SpeculativeDecoder:
         return RoundConfig(max_draft=self.max_draft, draft_length=self.draft_length, temperature=self.temperature,
                            draft_mode=self.draft_mode, weight=self.weight, head=self.head, drafter=self.drafter,
                            vocab_size=self.vocab_size, check_inputs=self.check_inputs, fly=self.fly,
-                           gate=self.gate,
+                           gate=self.gate, typical=self.typical,
                            device=self.device,
-                           clock=self._clock, target_runner=self._target_runner, draft_runner=self._draft_runner)
+                           clock=self._clock, target_runner=self._target_runner, draft_runner=self._draft_runner,
+                           eagle=self._eagle)
 
     # ---- public API ------------------------------------------------------------------------------------------------
 

@@ -32,6 +32,7 @@ class DecodingState:
     draft_cache: object = None
     target_cached: int = 0
     draft_cached: int = 0
+    draft_features: object = None  # an EAGLE-3 head's pending target features [n, H] (decoding/eagle_drafting.py)
     round_index: int = 0
     draft_length_policy: object = None  # the draft-length policy whose memory the request holds
     draft_length_memory: object = None  # what that policy learnt of this request (draft_lengths.py)
