@@ -13,7 +13,8 @@ from . import common
 from .common import (UsageError, _add_batch_argument, _add_draft_length_arguments, _add_fly_arguments,
                      _add_gate_argument, _add_model_arguments, _fly_settings, _gates,
                      _check_draft_cost, _decoder_error, _draft_length_words, _draft_lengths, _load_head,
-                     _non_negative_float, _non_negative_int, _positive_int, _require_writable_folder, _unit_float,
+                     _non_negative_float, _non_negative_int, _positive_float, _positive_int,
+                     _require_writable_folder, _unit_float,
                      _write_text, library_defaults)
 
 
@@ -21,7 +22,8 @@ def _add_task_arguments(parser: argparse.ArgumentParser) -> None:
     from ..research.tasks import TASKS
 
     parser.add_argument("--task", choices=sorted(TASKS), default="gsm8k", help="default gsm8k")
-    parser.add_argument("--data", help="jsonl file of the task's examples (gsm8k: .../gsm8k/test.jsonl)")
+    parser.add_argument("--data", help="jsonl file of the task's examples (gsm8k: .../gsm8k/test.jsonl; synthetic: "
+                        "the split, test (held out, the default) or train)")
     parser.add_argument("--limit", type=_positive_int, help="use the first N examples only (after --skip)")
     parser.add_argument("--skip", type=_non_negative_int, default=0,
                         help="leave out the first N examples: train with --limit N, validate with --skip N")
@@ -42,7 +44,8 @@ def add_experiment_commands(commands) -> None:
     evaluate.add_argument("--method", choices=METHODS + LOSSY_METHODS, nargs="+", default=["sd"],
                           help="one or more (default sd); fly is sd with FLy, static+fly and diversed+fly add FLy "
                           "(--fly-*) to those methods; gate, static+gate and diversed+gate likewise add the "
-                          "log-probability gate (--gate-margin). FLy and the gate are lossy")
+                          "log-probability gate (--gate-margin); typical is sd with Medusa's typical acceptance "
+                          "(eps 0.09, delta 0.3). FLy, the gate and typical are lossy")
     evaluate.add_argument("--weight", type=_unit_float, nargs="+", default=[0.5],
                           help="w of each static ensemble (default 0.5)")
     evaluate.add_argument("--head", help="head folder for diversed, or the name of a head shipped in "
@@ -73,6 +76,13 @@ def add_experiment_commands(commands) -> None:
                         help=f"FLy's thresholds of the sweep (default {' '.join(map(str, FLY_SWEEP_THRESHOLDS))})")
     _add_fly_arguments(pareto)
     _add_gate_argument(pareto, several=True)
+    pareto.add_argument("--temperatures", type=_positive_float, nargs="+", default=[],
+                        help="the temperature family, a free baseline: also sd run at each of these temperatures, "
+                        "scored at --temperature (e.g. 0.7 0.85)")
+    pareto.add_argument("--typical", type=_non_negative_float, nargs="*", default=None, metavar="EPS",
+                        help="Medusa's typical acceptance, a free baseline (p(x) > min(eps, delta exp(-H))): alone, "
+                        "its published eps = 0.09, delta = 0.3; with values, one point per eps with delta = "
+                        "sqrt(eps), as Medusa recommends (e.g. 0.01 0.09 0.3)")
 
     report = commands.add_parser("report", help="pareto's table, frontier and plot from saved results.json files: "
                                  "parts of one evaluation (other rules on the same prompts, or the same rules on "
@@ -131,7 +141,7 @@ def _experiment_setup(args):
                              f"({', '.join(shipped_heads())})")
     if getattr(args, "output_dir", None) is not None:
         _require_writable_folder("--output-dir", args.output_dir)
-    target, draft, tokenizer = common.load_models(args.target, args.draft, args.device)
+    target, draft, tokenizer = common.load_command_models(args)
     return task, examples, target, draft, tokenizer, eos_ids(tokenizer, target)
 
 
@@ -232,7 +242,8 @@ def _run_pareto(args) -> int:
     fly = _fly_settings(args) if args.fly else None
     sweep = fly_sweep(args.max_draft, args.fly_thresholds, args.fly_top_k) if args.fly else ()
     results = _evaluate(args, setup, pareto_methods(args.weights, heads=_heads_by_label(args, target, draft),
-                                                    fly=fly, fly_sweep=sweep, gates=_gates(args.gate_margin)))
+                                                    fly=fly, fly_sweep=sweep, gates=_gates(args.gate_margin),
+                                                    temperatures=args.temperatures, typicals=_typicals(args.typical)))
     table, written = _pareto_report(results, task.metric, args.output_dir)
     written.append(save_results(os.path.join(args.output_dir, "results.json"), _prompts_record(args, task, examples),
                                 results))
@@ -245,13 +256,23 @@ def _run_pareto(args) -> int:
     return 0
 
 
+def _typicals(values) -> list:
+    """The Typical settings of --typical: none when absent, Medusa's published ones when given alone, else one per
+    eps with delta = sqrt(eps)."""
+    from ..decoding import Typical
+
+    if values is None:
+        return []
+    return [Typical()] if not values else [Typical(eps, eps ** 0.5) for eps in values]
+
+
 def _prompts_record(args, task, examples) -> dict:
     """Which prompts a run decoded and how: what `diversed report` checks before it joins runs."""
     return {"task": task.name, "data": os.path.basename(args.data) if args.data else None, "skip": args.skip,
             "count": len(examples), "seed": args.seed, "target": args.target, "draft": args.draft,
             "max_draft": args.max_draft, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
-            "chat": not args.no_chat_template, "draft_length": args.draft_length, "draft_cost": args.draft_cost,
-            "fly_top_k": args.fly_top_k}
+            "chat": task.chat and not args.no_chat_template, "draft_length": args.draft_length,
+            "draft_cost": args.draft_cost, "fly_top_k": args.fly_top_k}
 
 
 def _results_table(results, metric: str) -> str:
@@ -268,6 +289,7 @@ def _pareto_report(results, metric: str, output_dir: str) -> tuple[str, list]:
     """(the table with, where heads, the gate or FLy ran, each against the static line and FLy's frontier; the files
     written: pareto.md and pareto.png in ``output_dir``)."""
     from ..research.plots import plot_pareto
+    from ..research.baselines import LEGEND as BASELINE_LEGEND, baseline_table, placed_rows
     from ..research.report import fly_rows, frontier_table, gate_rows, learned_rows
 
     table = _results_table(results, metric)
@@ -275,6 +297,12 @@ def _pareto_report(results, metric: str, output_dir: str) -> tuple[str, list]:
     if placed:
         table += ("\n\nEach rule against the static line and FLy's frontier at its acceptance (fidelity, paired over "
                   "prompts, +- 1 s.e.):\n\n" + frontier_table(results, placed))
+    against = placed_rows(results)
+    if against:
+        for plane in ("fidelity", "KL", "TV"):
+            table += (f"\n\nEach rule against every free baseline's frontier on the (acceptance, {plane}) plane "
+                      f"(paired over prompts, +- 1 s.e.):\n\n" + baseline_table(results, against, plane))
+        table += "\n\n" + BASELINE_LEGEND
     return table, [_write_text(output_dir, "pareto.md", table),
                    plot_pareto(results, os.path.join(output_dir, "pareto.png"), metric)]
 

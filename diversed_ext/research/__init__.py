@@ -6,4 +6,6 @@ the ensemble head, the evaluation harness, and reports (tables, standard errors,
     rollouts, trainer, checkpoints, recipes   the training run
     harness, report, plots     methods x prompts experiments and what they print and plot
     calibration                the calibration gap g and the target entropy reported beside fidelity
+    divergence, fly_divergence, divergence_scores   each rule's per-position KL and TV to the target
+    baselines                  the free baselines' frontiers on every plane, and each rule's distance above them
 """

@@ -19,10 +19,13 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 from tqdm.auto import tqdm
 
-from ..decoding import (DEFAULT_MAX_DRAFT, DRAFT_MODES, Fly, Gate, NgramDrafter, SpeculativeDecoder, encode_prompt,
-                        summarize)
+from ..decoding import (DEFAULT_MAX_DRAFT, DRAFT_MODES, Fly, Gate, NgramDrafter, SpeculativeDecoder, Typical,
+                        encode_prompt, summarize)
 from .draft_length_report import draft_length_label
 from .head_usage import weight_usage
+from ..decoding.eagle_drafting import is_eagle_head
+from .divergence import rule_law
+from .divergence_scores import NOT_MEASURED, divergence_scorer
 from .report import MethodResult, _mean
 from .tasks import Task
 from .teacher_forcing import target_scores
@@ -43,7 +46,7 @@ WARMUP_TOKENS = 4  # new tokens of each method's untimed first run
 FLY_SUFFIX = "+fly"
 GATE_SUFFIX = "+gate"
 LOSSY_METHODS = ("static" + FLY_SUFFIX, "diversed" + FLY_SUFFIX, "gate", "static" + GATE_SUFFIX,
-                 "diversed" + GATE_SUFFIX)
+                 "diversed" + GATE_SUFFIX, "typical")  # typical: Medusa's typical acceptance, sd's drafts
 # FLy's entropy thresholds a pareto sweep tries at every window W in 1..K-1: its frontier is their upper envelope.
 FLY_SWEEP_THRESHOLDS = (0.1, 0.3, 0.6)
 
@@ -98,16 +101,18 @@ def build_decoders(target, draft, specs: Sequence[tuple[str, dict]], *, max_draf
     whose draft length is ``"gain"``."""
     decoders = {}
     for label, kwargs in specs:
-        kwargs = {"max_draft": max_draft, **kwargs}
+        kwargs = {"max_draft": max_draft, "temperature": temperature, **kwargs}  # a spec may run at its own T
         if draft_cost is not None and kwargs.get("draft_length") == "gain":
             kwargs["draft_cost"] = draft_cost
         model = None if kwargs["method"] == "ar" or "drafter" in kwargs else draft
-        decoders[label] = SpeculativeDecoder(target, model, temperature=temperature, **kwargs)
+        decoders[label] = SpeculativeDecoder(target, model, **kwargs)
     return decoders
 
 
 def encode_examples(task: Task, examples: Sequence[dict], tokenizer, chat: bool = True) -> list[list[int]]:
-    return [encode_prompt(tokenizer, task.prompt(example), chat=chat) for example in examples]
+    """Token ids of each example's prompt: through the chat template when ``chat`` and the task both want it (a
+    completion task, ``Task.chat`` False, is always plain text)."""
+    return [encode_prompt(tokenizer, task.prompt(example), chat=chat and task.chat) for example in examples]
 
 
 def method_specs(methods: Sequence[str], weights: Sequence[float], head=None,
@@ -117,7 +122,8 @@ def method_specs(methods: Sequence[str], weights: Sequence[float], head=None,
     method that drafts to one entry per draft length (see :func:`with_draft_lengths`). ``fly`` (sd with FLy) and the
     FLy variants ``static+fly`` and ``diversed+fly`` take ``fly`` (a :class:`~diversed_ext.decoding.Fly`; None:
     its defaults); ``gate`` (sd with the gate), ``static+gate`` and ``diversed+gate`` take ``gate`` (a
-    :class:`~diversed_ext.decoding.Gate`; None: its default margin)."""
+    :class:`~diversed_ext.decoding.Gate`; None: its default margin); ``typical`` is sd with Medusa's typical acceptance
+    at its published settings."""
     specs = _plain_method_specs(methods, weights, head, fly, gate)
     return with_draft_lengths(specs, draft_lengths, fixed_ks) if draft_lengths else specs
 
@@ -157,6 +163,8 @@ def _plain_method_specs(methods: Sequence[str], weights: Sequence[float], head=N
         elif name.endswith(GATE_SUFFIX) or name == "gate":
             method = "sd" if name == "gate" else name.removesuffix(GATE_SUFFIX)
             extra = {"gate": gate if gate is not None else Gate()}
+        elif name == "typical":  # Medusa's typical acceptance at its published settings (sd's drafts)
+            method, extra = "sd", {"typical": Typical()}
         if method == "static":
             specs += [(f"{name} w={weight:g}", {"method": "static", "weight": float(weight), **extra})
                       for weight in weights]
@@ -183,12 +191,15 @@ def draft_source_specs(sources: Sequence[str], weights: Sequence[float]) -> list
 
 def pareto_methods(weights: Sequence[float] = PARETO_WEIGHTS, head=None,
                    heads: Optional[Mapping[str, Any]] = None, fly=None, fly_sweep: Sequence = (),
-                   gates: Sequence = ()) -> list[tuple[str, dict]]:
+                   gates: Sequence = (), temperatures: Sequence[float] = (),
+                   typicals: Sequence = ()) -> list[tuple[str, dict]]:
     """The static sweep (w = 1 is sd) plus one DIVERSED point per head: ``head`` is labelled "diversed", each of
     ``heads`` (label -> head) by its label. ``fly_sweep``: FLy's points (each a :class:`~diversed_ext.decoding.Fly`,
     sd with FLy, labelled "fly W=.. tau=..": see :func:`fly_sweep`). With ``fly``, each head's point with FLy
     ("<label>+fly"). ``gates``: for each :class:`~diversed_ext.decoding.Gate`, sd's point with it ("gate margin=..")
-    and each head's ("<label>+gate margin=..")."""
+    and each head's ("<label>+gate margin=.."). The free baselines: ``temperatures``, sd run at each T' (labelled
+    "sd T=.."; scored at the user's T, the temperature family) and ``typicals``, Medusa's typical acceptance at each
+    :class:`~diversed_ext.decoding.Typical` ("typical eps=.. delta=..")."""
     heads = dict(heads or {})
     if head is not None:
         heads = {"diversed": head, **heads}
@@ -198,11 +209,18 @@ def pareto_methods(weights: Sequence[float] = PARETO_WEIGHTS, head=None,
     if fly is not None:
         specs += [(label + FLY_SUFFIX, {"method": "diversed", "head": learned, "fly": fly})
                   for label, learned in heads.items()]
+    specs += [(temperature_label(value), {"method": "sd", "temperature": float(value)}) for value in temperatures]
+    specs += [(f"typical {setting.label}", {"method": "sd", "typical": setting}) for setting in typicals]
     for gate in gates:
         specs += [(f"gate {gate.label}", {"method": "sd", "gate": gate})]
         specs += [(f"{label}{GATE_SUFFIX} {gate.label}", {"method": "diversed", "head": learned, "gate": gate})
                   for label, learned in heads.items()]
     return specs
+
+
+def temperature_label(temperature: float) -> str:
+    """The label of sd run at ``temperature`` in the temperature family: "sd T=0.7"."""
+    return f"sd T={temperature:g}"
 
 
 def fly_sweep(max_draft: int, thresholds: Sequence[float] = FLY_SWEEP_THRESHOLDS, top_k: Optional[int] = None) -> list:
@@ -242,9 +260,10 @@ def evaluate(task: Task, examples: Sequence[dict], target, draft, tokenizer, spe
              draft_cost: Optional[float] = None, warmup: bool = False,
              score_temperature: Optional[float] = None) -> list[MethodResult]:
     """Run every method on every example and score the outputs: task reward, fidelity and the target entropy at the
-    positions visited (one pass of the target: :func:`~.teacher_forcing.target_scores`) per prompt, the target taken
-    at ``score_temperature`` (default: ``temperature``, the user's). ``draft_cost``: for specs drafting with
-    ``"gain"``; ``warmup``: run each method once untimed first (for benchmarks; the results are unchanged)."""
+    positions visited (one pass of the target: :func:`~.teacher_forcing.target_scores`) and the rule's per-position
+    KL and TV to the target there (:mod:`.divergence_scores`) per prompt, the target taken at ``score_temperature``
+    (default: ``temperature``, the user's; a spec may set its own decoding temperature). ``draft_cost``: for specs
+    drafting with ``"gain"``; ``warmup``: run each method once untimed first (for benchmarks; the results are unchanged)."""
     prompts = encode_examples(task, examples, tokenizer, chat)
     decoders = build_decoders(target, draft, specs, max_draft=max_draft, temperature=temperature,
                               draft_cost=draft_cost)
@@ -257,15 +276,19 @@ def evaluate(task: Task, examples: Sequence[dict], target, draft, tokenizer, spe
             generations = generate(indices, seed, max_new_tokens)
             elapsed = time.perf_counter() - start  # scoring below is not decoding time
             batch_work[label].append((sum(len(generation.tokens) for generation in generations), elapsed))
-            return [(generation, *_score(generation, index)) for generation, index in zip(generations, indices)]
+            return [(generation, *_score(generation, index, label))
+                    for generation, index in zip(generations, indices)]
         return run
 
     scoring = temperature if score_temperature is None else score_temperature
 
-    def _score(generation, index: int) -> tuple[float, float, float]:
+    divergence = {label: _divergence_scorer(target, draft, decoders[label], scoring, seed) for label, _ in specs}
+
+    def _score(generation, index: int, label: str) -> tuple:
         tokens = generation.tokens.tolist()
         quality = float(task.reward(examples[index], tokenizer.decode(tokens, skip_special_tokens=True)))
-        return (quality, *target_scores(target, prompts[index], tokens, scoring))
+        return (quality, *target_scores(target, prompts[index], tokens, scoring),
+                *divergence[label](prompts[index], tokens, index))
 
     # (new tokens, decoding seconds) of each batch: the method's decoding time, and the unit of paired comparisons
     batch_work = {label: [] for label, _ in specs}
@@ -279,8 +302,17 @@ def evaluate(task: Task, examples: Sequence[dict], target, draft, tokenizer, spe
             for label, kwargs in specs]
 
 
+def _divergence_scorer(target, draft, decoder: SpeculativeDecoder, temperature: float, seed: int):
+    """:func:`~.divergence_scores.divergence_scorer`, except with an EAGLE-3 head for the draft: its q depends on a
+    draft's place in its round (the first reads the target's states, later ones the head's own), so no per-position
+    law reads it, and only ``ar`` and exact sd (whose law is the target's) are scored; the rest are NaN."""
+    if is_eagle_head(draft) and decoder.method != "ar" and getattr(rule_law(decoder), "kind", None) != "exact":
+        return lambda prompt, completion, index: NOT_MEASURED
+    return divergence_scorer(target, None if is_eagle_head(draft) else draft, decoder, temperature, seed)
+
+
 def _method_result(label: str, kwargs: dict, runs: list, batch_work: tuple, draft_length: str) -> MethodResult:
-    generations, quality, fidelities, entropies = ([run[i] for run in runs] for i in range(4))
+    generations, quality, fidelities, entropies, kls, tvs = ([run[i] for run in runs] for i in range(6))
     summary = throughput_summary(generations, sum(seconds for _, seconds in batch_work))
     usage = weight_usage(generations)
     if usage is not None:
@@ -295,4 +327,4 @@ def _method_result(label: str, kwargs: dict, runs: list, batch_work: tuple, draf
                         drafts_per_round=summary.drafts_per_round, batch_work=batch_work,
                         draft_length=draft_length if kwargs["method"] != "ar" else "",
                         target_passes=summary.target_passes, drafted=summary.drafted, accepted=summary.accepted,
-                        entropy_per_prompt=tuple(entropies))
+                        entropy_per_prompt=tuple(entropies), kl_per_prompt=tuple(kls), tv_per_prompt=tuple(tvs))

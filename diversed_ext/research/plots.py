@@ -8,7 +8,8 @@ import os
 from typing import Optional, Sequence
 
 from .calibration import SHARPER_MARK, SHARPER_THRESHOLD, is_sharper, marked
-from .report import MethodResult, _is_plain_fly, _is_sd, _static_rows, fly_rows, gate_rows, learned_rows, upper_envelope
+from .baselines import envelope, is_temperature_row, is_typical_row
+from .report import MethodResult, _is_plain_fly, _is_sd, _static_rows, fly_rows, gate_rows, learned_rows
 
 
 def new_figure(columns: int, figsize: tuple):
@@ -33,13 +34,16 @@ def save_figure(figure, path: str) -> str:
 
 
 _PARETO_PANELS = (  # (x, y, x label): the frontier first
-    ("acceptance", "fidelity", "acceptance rate"), ("acceptance", "calibration_gap", "acceptance rate"),
+    ("acceptance", "fidelity", "acceptance rate"), ("acceptance", "kl", "acceptance rate"),
+    ("acceptance", "tv", "acceptance rate"), ("acceptance", "calibration_gap", "acceptance rate"),
     ("acceptance", "entropy", "acceptance rate"), ("acceptance", "quality", "acceptance rate"),
     ("weight", "acceptance", "w on the target (a head's mean w)"), ("tokens_per_second", "fidelity", "tokens/s"))
 _ERRORS = {"acceptance": "acceptance_se", "fidelity": "fidelity_se", "quality": "quality_se",
-           "calibration_gap": "calibration_gap_se", "entropy": "entropy_se"}
+           "calibration_gap": "calibration_gap_se", "entropy": "entropy_se", "kl": "kl_se", "tv": "tv_se"}
 _Y_LABELS = {"fidelity": "fidelity: mean target log p per token", "calibration_gap": "g = fidelity + target entropy",
-             "entropy": "target entropy at the positions visited"}
+             "entropy": "target entropy at the positions visited",
+             "kl": "KL(output || target) per position", "tv": "TV(output, target) per position"}
+_ENVELOPE_PLANES = {"fidelity": "fidelity", "kl": "KL", "tv": "TV"}
 _HEAD_MARKERS = "*Dsv^P"
 
 
@@ -50,7 +54,9 @@ def _value_and_error(row: MethodResult, name: str) -> tuple[float, float]:
 
 def plot_pareto(results: Sequence[MethodResult], path: str, metric: str = "quality") -> str:
     """The static frontier (a line through the sweep over w) and every head's and FLy row's point, +- one standard
-    error over prompts: fidelity, the calibration gap g, the target entropy and quality against acceptance, acceptance
+    error over prompts: fidelity, the per-position KL and TV to the target (FLy's frontier on each plane it has; the
+    temperature family and typical acceptance as lines from sd), the calibration gap g, the target entropy and
+    quality against acceptance, acceptance
     against w, fidelity against tokens/s (where the rows have speeds). Rules sharper than the target
     (:mod:`.calibration`) are marked so in the legend and beside their static weight; the g panel draws the line
     above which they are."""
@@ -72,10 +78,17 @@ def plot_pareto(results: Sequence[MethodResult], path: str, metric: str = "quali
         if fly:
             axis.scatter([getattr(row, x_name) for row in fly], [getattr(row, y_name) for row in fly], marker="x",
                          color="grey", label="FLy (each W, tau)")
-        if fly and (x_name, y_name) == ("acceptance", "fidelity"):
-            envelope = upper_envelope(fly + [row for row in results if _is_sd(row.label)])
-            axis.plot([row.acceptance for row in envelope], [row.fidelity for row in envelope], "--", color="grey",
-                      label="FLy's frontier")
+        if fly and x_name == "acceptance" and y_name in _ENVELOPE_PLANES:
+            frontier = envelope(fly + [row for row in results if _is_sd(row.label)], _ENVELOPE_PLANES[y_name])
+            axis.plot([row.acceptance for row in frontier], [getattr(row, y_name) for row in frontier], "--",
+                      color="grey", label="FLy's frontier")
+        for member, style, name in ((is_temperature_row, "v-", "sd at T' (temperature family)"),
+                                    (is_typical_row, "P-", "typical acceptance (Medusa)")):
+            family = sorted((row for row in results if member(row.label) or _is_sd(row.label)),
+                            key=lambda row: row.acceptance)
+            if len(family) > 1 and x_name == "acceptance":  # sd alone is already on the static line
+                axis.plot([getattr(row, x_name) for row in family], [getattr(row, y_name) for row in family], style,
+                          alpha=0.7, label=name)
         placed = {row.label: row for row in learned_rows(results) + gate_rows(results) + fly_rows(results)
                   if not _is_plain_fly(row.label)}  # a head's row with the gate is one point
         for marker, row in zip(itertools.cycle(_HEAD_MARKERS), placed.values()):

@@ -41,6 +41,10 @@ class MethodResult:
     # mean target entropy H(p) at the positions each prompt's output visited (research.calibration); () where none
     # was recorded: rows saved before it existed
     entropy_per_prompt: tuple = ()
+    # mean per-position KL(out || target) and TV(out, target) of each prompt's visited positions
+    # (research.divergence; FLy's TV by research.fly_divergence, its KL NaN); () where none was recorded
+    kl_per_prompt: tuple = ()
+    tv_per_prompt: tuple = ()
 
     @property
     def fidelity_se(self) -> float:
@@ -88,6 +92,36 @@ class MethodResult:
     def calibration_gap_se(self) -> float:
         """Standard error of :attr:`calibration_gap` over prompts."""
         return standard_error(_finite(self.calibration_gap_per_prompt))
+
+    @property
+    def kl_values(self) -> tuple:
+        """The per-position KL to the target prompt by prompt, NaN at every prompt where none was recorded."""
+        return tuple(self.kl_per_prompt) or (math.nan,) * len(self.fidelity_per_prompt)
+
+    @property
+    def tv_values(self) -> tuple:
+        """The per-position TV to the target prompt by prompt, NaN at every prompt where none was recorded."""
+        return tuple(self.tv_per_prompt) or (math.nan,) * len(self.fidelity_per_prompt)
+
+    @property
+    def kl(self) -> float:
+        """Mean over prompts of the per-position KL(out || target) (research.divergence)."""
+        return _mean(_finite(self.kl_values))
+
+    @property
+    def kl_se(self) -> float:
+        """Standard error of :attr:`kl` over prompts."""
+        return standard_error(_finite(self.kl_values))
+
+    @property
+    def tv(self) -> float:
+        """Mean over prompts of the per-position TV(out, target)."""
+        return _mean(_finite(self.tv_values))
+
+    @property
+    def tv_se(self) -> float:
+        """Standard error of :attr:`tv` over prompts."""
+        return standard_error(_finite(self.tv_values))
 
 
 def _finite(values: Sequence[float]) -> list[float]:
@@ -293,13 +327,15 @@ def gap_cell(row: MethodResult) -> str:
 def markdown_table(results: Sequence[MethodResult], metric: str = "quality") -> str:
     """The results as a markdown table (``metric`` names the task-quality column): fidelity (the mean target
     log-probability per token), the target entropy at the positions visited and g beside it
-    (:mod:`~diversed_ext.research.calibration`)."""
+    (:mod:`~diversed_ext.research.calibration`), and the per-position KL and TV to the target
+    (:mod:`~diversed_ext.research.divergence`)."""
     header = ["method", "w (mean)", "acceptance", "drafts/round", "tokens/pass", metric, "fidelity (mean log p)",
-              "target entropy", "g", "tokens/s"]
+              "target entropy", "g", "KL to target", "TV to target", "tokens/s"]
     return markdown_rows(header, [[row.label, cell(row.weight, ".2f"), cell(row.acceptance),
                                    cell(row.drafts_per_round, ".2f"), cell(row.tokens_per_pass, ".2f"),
                                    cell(row.quality), with_error(row.fidelity, row.fidelity_se),
                                    with_error(row.entropy, row.entropy_se), gap_cell(row),
+                                   with_error(row.kl, row.kl_se, ".4f"), with_error(row.tv, row.tv_se),
                                    cell(row.tokens_per_second, ".1f")]
                                   for row in results])
 

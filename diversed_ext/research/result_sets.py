@@ -37,7 +37,7 @@ class ResultSet:
 
 
 # Figures derived from the per-prompt values, written for readers of the file (loading recomputes them).
-_DERIVED = ("entropy", "entropy_se", "calibration_gap", "calibration_gap_se")
+_DERIVED = ("entropy", "entropy_se", "calibration_gap", "calibration_gap_se", "kl", "kl_se", "tv", "tv_se")
 
 
 def results_records(results: Sequence[MethodResult]) -> list[dict]:
@@ -86,8 +86,9 @@ def merge_result_sets(parts: Sequence[ResultSet]) -> tuple[dict, list[MethodResu
             known = rules.get(row.label)
             if known is not None and not _same_values(known.fidelity_per_prompt, row.fidelity_per_prompt):
                 raise ValueError(f"{row.label!r} ran twice on the same prompts with different outcomes")
-            if known is None or (not known.entropy_per_prompt and row.entropy_per_prompt):
-                rules[row.label] = row  # a part that recorded the target entropy wins over one that did not
+            if known is None or (not known.entropy_per_prompt and row.entropy_per_prompt) or (
+                    not known.kl_per_prompt and row.kl_per_prompt):
+                rules[row.label] = row  # a part that recorded the entropy or the divergences wins over one that did not
     prompt_sets = sorted(((json.loads(key), rules) for key, rules in by_prompts.items()),
                          key=lambda item: item[0].get("skip", 0))
     _check_joinable([prompts for prompts, _ in prompt_sets])
@@ -144,4 +145,5 @@ def _join_prompts(rows: Sequence[MethodResult]) -> MethodResult:
         acceptance_per_prompt=sum((tuple(row.acceptance_per_prompt) for row in rows), ()), weight_usage=None,
         drafts_per_round=drafted / passes if passes else math.nan,
         batch_work=sum((tuple(row.batch_work) for row in rows), ()), target_passes=passes, drafted=drafted,
-        accepted=accepted, entropy_per_prompt=sum((row.entropy_values for row in rows), ()))
+        accepted=accepted, entropy_per_prompt=sum((row.entropy_values for row in rows), ()),
+        kl_per_prompt=sum((row.kl_values for row in rows), ()), tv_per_prompt=sum((row.tv_values for row in rows), ()))
