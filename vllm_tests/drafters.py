@@ -122,6 +122,21 @@ def build_eagle3(pair, folder: Path) -> Path:
     return _write(folder, config, tensors)
 
 
+TRAINED_EAGLE3 = "smollm2-135m-eagle3"  # the trained EAGLE-3 drafter's folder under diversed_ext/drafters/
+
+
+def trained_eagle3() -> Path:
+    """The trained EAGLE-3 drafter for the default pair, as the package ships it (``config.json`` and
+    ``model.safetensors`` in vLLM's eagle3 layout); FileNotFoundError naming the folder where it is missing."""
+    import diversed_ext
+
+    folder = Path(diversed_ext.__file__).resolve().parent / "drafters" / TRAINED_EAGLE3
+    missing = [name for name in ("config.json", "model.safetensors") if not (folder / name).is_file()]
+    if missing:
+        raise FileNotFoundError(f"the trained EAGLE-3 drafter lacks {', '.join(missing)} in {folder}")
+    return folder
+
+
 def start_drafter_engine(pair, speculative_config: dict, diversed, **extra):
     """An LLM on the default pair's target, drafting with ``speculative_config`` (K = NUM_DRAFT unless given)."""
     from vllm import LLM

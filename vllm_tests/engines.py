@@ -22,6 +22,8 @@ SPECULATIVE_ARGS = dict(per_request_spec_decode_metrics="summary")  # acceptance
 # What V2 under Triton's interpreter needs of an engine here: a KV cache of a set size (profiling it takes 40 s); the
 # V2 tests' conftest gives every process one thread (matrix products run several times slower with more on 2 cores).
 V2_ARGS = dict(kv_cache_memory_bytes=256 * 2**20)
+# What V2 engines' greedy checks compare with V2 without speculation: few, short continuations (the interpreter is slow)
+V2_GREEDY = dict(prompts=2, tokens=12)
 NUM_DRAFT = 3
 
 # Word problems written for these tests, in the style of GSM8K (no data set is read).

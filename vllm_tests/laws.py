@@ -17,11 +17,12 @@ GREEDY_TOKENS = 32
 MIN_BIN = 10  # tokens seen fewer times (both engines together) are pooled into one bin
 
 
-def greedy_tokens(llm, extra_args=None) -> list:
+def greedy_tokens(llm, extra_args=None, *, prompts: int = GREEDY_PROMPTS, tokens: int = GREEDY_TOKENS) -> list:
+    """The greedy continuations of the first ``prompts`` prompts, ``tokens`` tokens each (one list a prompt)."""
     from vllm import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=GREEDY_TOKENS, extra_args=extra_args)
-    outputs = llm.chat([chat(prompt) for prompt in PROMPTS[:GREEDY_PROMPTS]], params, use_tqdm=False)
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, extra_args=extra_args)
+    outputs = llm.chat([chat(prompt) for prompt in PROMPTS[:prompts]], params, use_tqdm=False)
     return [list(output.outputs[0].token_ids) for output in outputs]
 
 

@@ -1,13 +1,14 @@
 """The plugin verifying drafters other than a draft model, in real V1 engines on the default pair's target: vLLM's
-n-gram lookup (tokens only, nothing drafted where nothing matches), and EAGLE (greedy drafts) and EAGLE-3 (a reduced
-draft vocabulary, probabilistic drafts) heads built in the test with random weights. Each engine: verified by
-diversed_ext, w = 0 keeps every real draft, w = 1 greedy equals vLLM without speculation, the lossy rules raise
-acceptance, and no head request's draft goes without its hidden states. One engine per drafter, few short requests."""
+n-gram lookup and suffix decoding (tokens only, nothing drafted where nothing matches), EAGLE (greedy drafts) and
+EAGLE-3 (a reduced draft vocabulary, probabilistic drafts) heads built in the test with random weights, and the
+trained EAGLE-3 drafter for the default pair. Each engine: verified by diversed_ext, w = 0 keeps every real draft,
+w = 1 greedy equals vLLM without speculation, the lossy rules raise acceptance, and no head request's draft goes
+without its hidden states. One engine per drafter, few short requests."""
 
 from __future__ import annotations
 
 import pytest
-from drafters import NGRAM_CONFIG, REPEATING_PROMPTS, build_eagle, build_eagle3, start_drafter_engine
+from drafters import NGRAM_CONFIG, REPEATING_PROMPTS, build_eagle, build_eagle3, start_drafter_engine, trained_eagle3
 from engines import chat, stop_engine, worker_status
 from laws import greedy_tokens
 
@@ -46,36 +47,49 @@ def _assert_verified_by_diversed(llm) -> None:
         assert status["verified_without_head"] == 0, status
 
 
-@pytest.fixture(scope="module")
-def ngram(pair):
-    llm = start_drafter_engine(pair, NGRAM_CONFIG, {"weight": 1.0})
+# Lookup drafters (tokens only, nothing drafted where nothing matches): n-gram lookup in the request's own tokens, and
+# suffix decoding (arctic_inference's suffix trees over the prompt and earlier responses, built by the test).
+LOOKUPS = {"ngram": NGRAM_CONFIG, "suffix": {"method": "suffix"}}
+
+
+@pytest.fixture(scope="module", params=sorted(LOOKUPS))
+def lookup(request, pair):
+    if request.param == "suffix":
+        from suffix_decoding import suffix_decoding_on_path
+
+        with suffix_decoding_on_path():  # this process checks arctic_inference is there, the engine's imports it
+            llm = start_drafter_engine(pair, LOOKUPS["suffix"], {"weight": 1.0})
+    else:
+        llm = start_drafter_engine(pair, LOOKUPS[request.param], {"weight": 1.0})
     yield llm
     stop_engine(llm)
 
 
-def test_ngram_weight_zero_keeps_every_real_draft(ngram):
-    _assert_verified_by_diversed(ngram)
-    delta = _delta(ngram, lambda: _sampled(ngram, {"diversed_weight": 0.0}))
+def test_lookup_weight_zero_keeps_every_real_draft(lookup):
+    _assert_verified_by_diversed(lookup)
+    delta = _delta(lookup, lambda: _sampled(lookup, {"diversed_weight": 0.0}))
     assert delta["drafted"] > 20 and delta["accepted"] == delta["drafted"] and delta["weight_sum"] == 0.0, delta
 
 
-def test_ngram_greedy_at_weight_one_equals_no_speculation(ngram, baseline):
+def test_lookup_greedy_at_weight_one_equals_no_speculation(lookup, baseline):
     tokens = []
-    delta = _delta(ngram, lambda: tokens.extend(greedy_tokens(ngram, {"diversed_weight": 1.0})))
-    assert delta["drafted"] > 0, "n-gram lookup drafted nothing: the test would not exercise verification"
+    delta = _delta(lookup, lambda: tokens.extend(greedy_tokens(lookup, {"diversed_weight": 1.0})))
+    assert delta["drafted"] > 0, "the lookup drafted nothing: the test would not exercise verification"
     assert tokens == baseline["greedy"]
 
 
-def test_ngram_gate_and_fly_raise_acceptance(ngram):
-    exact = _delta(ngram, lambda: _sampled(ngram, {"diversed_weight": 1.0}))
-    gated = _delta(ngram, lambda: _sampled(ngram, {"diversed_weight": 1.0, "diversed_gate_margin": 1.0}))
-    fly = _delta(ngram, lambda: _sampled(ngram, {"diversed_weight": 1.0, "diversed_fly_window": 1,
-                                                 "diversed_fly_threshold": 0.0}))
-    wide = _delta(ngram, lambda: _sampled(ngram, {"diversed_weight": 1.0, "diversed_gate_margin": 1e6}))
-    assert min(exact["drafted"], gated["drafted"], fly["drafted"], wide["drafted"]) > 20
-    assert _rate(gated) > _rate(exact) and _rate(fly) > _rate(exact), (exact, gated, fly)
+def test_lookup_weights_gate_and_fly_raise_acceptance(lookup):
+    exact = _delta(lookup, lambda: _sampled(lookup, {"diversed_weight": 1.0}))
+    half = _delta(lookup, lambda: _sampled(lookup, {"diversed_weight": 0.5}))
+    gated = _delta(lookup, lambda: _sampled(lookup, {"diversed_weight": 1.0, "diversed_gate_margin": 1.0}))
+    fly = _delta(lookup, lambda: _sampled(lookup, {"diversed_weight": 1.0, "diversed_fly_window": 1,
+                                                   "diversed_fly_threshold": 0.0}))
+    wide = _delta(lookup, lambda: _sampled(lookup, {"diversed_weight": 1.0, "diversed_gate_margin": 1e6}))
+    print("acceptance at w = 1, w = 0.5, gate margin 1, FLy, gate margin 1e6:", exact, half, gated, fly, wide)
+    assert min(exact["drafted"], half["drafted"], gated["drafted"], fly["drafted"], wide["drafted"]) > 20
+    assert min(_rate(half), _rate(gated), _rate(fly)) > _rate(exact), (exact, half, gated, fly)
     assert wide["accepted"] == wide["drafted"], wide
-    _assert_verified_by_diversed(ngram)
+    _assert_verified_by_diversed(lookup)
 
 
 def test_ngram_with_heads_is_refused_at_startup(pair):
@@ -84,28 +98,38 @@ def test_ngram_with_heads_is_refused_at_startup(pair):
 
 
 # EAGLE with greedy drafts (tokens only); EAGLE-3 with a reduced draft vocabulary and probabilistic drafts (the
-# verifier reads q, -inf outside the draft's ids, and the head's features read it too).
-EAGLE_ENGINES = {"eagle": (build_eagle, "greedy"), "eagle3": (build_eagle3, "probabilistic")}
+# verifier reads q, -inf outside the draft's ids, and the head's features read it too), with random weights and as
+# trained for the default pair: (method, checkpoint, draft_sample_method).
+EAGLE_ENGINES = {"eagle": ("eagle", build_eagle, "greedy"), "eagle3": ("eagle3", build_eagle3, "probabilistic"),
+                 "eagle3-trained": ("eagle3", lambda pair, folder: trained_eagle3(), "probabilistic")}
+# Acceptance at w = 1 the trained drafter must reach: five times EAGLE-3's with random weights (0.008)
+TRAINED_RATE_AT_ONE = 0.04
 
 
 @pytest.fixture(scope="module", params=sorted(EAGLE_ENGINES))
 def eagle(request, pair, tmp_path_factory):
-    build, draft_sample_method = EAGLE_ENGINES[request.param]
+    method, build, draft_sample_method = EAGLE_ENGINES[request.param]
     folder = build(pair, tmp_path_factory.mktemp(request.param))
-    llm = start_drafter_engine(pair, {"method": request.param, "model": str(folder),
+    llm = start_drafter_engine(pair, {"method": method, "model": str(folder),
                                       "draft_sample_method": draft_sample_method},
                                {"weight": 1.0, "heads": [HEAD]})
     yield llm
     stop_engine(llm)
 
 
-def test_eagle_weights_zero_half_and_one(eagle, baseline):
+def test_eagle_weights_zero_half_one_and_the_gate(eagle, baseline, request):
     _assert_verified_by_diversed(eagle)
-    none, half, exact = (_delta(eagle, lambda: _sampled(eagle, {"diversed_weight": weight}, EAGLE_PROMPTS,
-                                                        EAGLE_TOKENS)) for weight in (0.0, 0.5, 1.0))
-    assert min(none["drafted"], half["drafted"], exact["drafted"]) > 50
+    none, half, exact, gated = (
+        _delta(eagle, lambda: _sampled(eagle, extra_args, EAGLE_PROMPTS, EAGLE_TOKENS))
+        for extra_args in ({"diversed_weight": 0.0}, {"diversed_weight": 0.5}, {"diversed_weight": 1.0},
+                           {"diversed_weight": 1.0, "diversed_gate_margin": 4.0}))
+    name = request.node.callspec.params["eagle"]
+    print(name, "acceptance at w = 0, 0.5, 1 and the gate (margin 4):", none, half, exact, gated)
+    assert min(none["drafted"], half["drafted"], exact["drafted"], gated["drafted"]) > 50
     assert none["accepted"] == none["drafted"], none
     assert _rate(half) > _rate(exact), (half, exact)
+    if name == "eagle3-trained":
+        assert _rate(exact) > TRAINED_RATE_AT_ONE and _rate(gated) > _rate(exact), (exact, gated)
     assert greedy_tokens(eagle, {"diversed_weight": 1.0}) == baseline["greedy"]
 
 
@@ -115,3 +139,4 @@ def test_eagle_a_head_reads_the_drafters_hidden_states(eagle):
     mean_weight = delta["weight_sum"] / delta["drafted"]
     assert 0.0 < mean_weight < 1.0, mean_weight
     _assert_verified_by_diversed(eagle)
+

@@ -68,6 +68,20 @@ def test_an_engine_that_would_verify_another_way_is_refused(fields, message):
         startup.check_engine(_speculative(**fields))
 
 
+def test_heads_with_step3p5_mtp_are_refused_on_v1_only():
+    """V1 proposes Step-3.5's MTP layers outside the hook where heads read hidden states; V2 through sample_draft."""
+    from diversed_ext.vllm_plugin import drafters, startup
+
+    def engine(model_type: str, *, v2: bool, heads: bool):
+        config = _speculative(method="mtp", use_step3p5_mtp=lambda: model_type == "step3p5_mtp")
+        config.use_v2_model_runner = v2
+        return startup.speculation_problems(config, heads=heads)
+
+    assert engine("step3p5_mtp", v2=False, heads=True) == [drafters.STEP3P5_V1]
+    assert engine("step3p5_mtp", v2=True, heads=True) == engine("step3p5_mtp", v2=False, heads=False) == []
+    assert engine("deepseek_mtp", v2=False, heads=True) == []
+
+
 def test_vllms_fly_becomes_the_ops_fly_on_top_of_the_weight():
     from diversed_ext.vllm_plugin import startup
     from diversed_ext.vllm_plugin.settings import FlySettings

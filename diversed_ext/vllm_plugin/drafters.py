@@ -13,11 +13,12 @@ probabilities (V1) or logits (V2) only when it samples probabilistically; withou
   verification would keep that filler and pull the output towards repeating itself, so the plugin counts each
   request's real drafts after every proposal (:class:`RealDraftCounts`, by the rule of V2's kernel) and its V2
   sampler verifies only those: the filler is never kept by a weight below 1, FLy or the gate;
-- which runner runs it: vLLM runs suffix and Medusa on V1 only.
+- which runner runs it: vLLM runs suffix and Medusa on V1 only;
+- model-specific variants (:func:`variant_problems`): V1 proposes Step-3.5's MTP layers outside the hook heads read.
 
-A method not in :data:`DRAFTERS` (vLLM's dflash, dspark, mlp_speculator, custom_class, extract_hidden_states and
-model-specific MTP variants with their own proposers) lays its drafts out in ways the plugin was not built for, and is
-refused at start-up with that reason.
+A method not in :data:`DRAFTERS` (vLLM's dflash, dspark, mlp_speculator, custom_class and extract_hidden_states) lays
+its drafts out in ways the plugin was not built for, and is refused at start-up with that reason. Model-specific MTP
+names reach the plugin as "mtp"; of their proposers, only V1's for Step-3.5 drafts outside the hook heads read.
 """
 
 from __future__ import annotations
@@ -42,15 +43,20 @@ V1_ONLY = "vLLM runs it on the V1 model runner only"
 
 DRAFTERS = {
     "draft_model": Drafter(hidden_states=True, tested="V1 and V2 engines"),
-    "eagle": Drafter(hidden_states=True, tested="V1 engine, checkpoint built in the test"),
-    "eagle3": Drafter(hidden_states=True, tested="V1 engine, checkpoint built in the test"),
+    "eagle": Drafter(hidden_states=True, tested="V1 engine, checkpoint built in the test; V2: the speculator of "
+                                                "eagle3's V2 engine"),
+    "eagle3": Drafter(hidden_states=True, tested="V1 and V2 engines, checkpoint built in the test; V1 engine with "
+                                                 "the trained drafter"),
     # vLLM folds every model-specific MTP name (deepseek_mtp, qwen3_next_mtp, ...) into "mtp" before the plugin sees
     # it; V1 proposes MTP with the EAGLE proposer (same hidden-state path), V2 with its MTP speculators.
-    "mtp": Drafter(hidden_states=True, tested="not run: no model here has MTP layers"),
-    "ngram": Drafter(hidden_states=False, tested="V1 engine; V2's filler counted on its own kernels' output"),
+    "mtp": Drafter(hidden_states=True, tested="V2's MTP speculators at the sampler on synthetic rows; V1 through "
+                                              "EAGLE's proposer (no model here has MTP layers)"),
+    "ngram": Drafter(hidden_states=False, tested="V1 and V2 engines; V2's filler counted on its own kernels' output"),
     "ngram_gpu": Drafter(hidden_states=False, tested="V2 as ngram (the same speculator); V1 not run (needs Triton)"),
-    "suffix": Drafter(hidden_states=False, v2=V1_ONLY, tested="not run: needs arctic_inference"),
-    "medusa": Drafter(hidden_states=False, v2=V1_ONLY, tested="not run: no Medusa checkpoint"),
+    "suffix": Drafter(hidden_states=False, v2=V1_ONLY,
+                      tested="V1 engine, arctic_inference's suffix tree built from source by the test"),
+    "medusa": Drafter(hidden_states=False, v2=V1_ONLY, tested="not in the suite: a V1 engine with random weights "
+                                                              "ran once"),
 }
 
 
@@ -68,6 +74,20 @@ def drafter_problems(method: Optional[str], *, v2: bool, heads: bool) -> list:
     if heads and not drafter.hidden_states:
         problems.append(f"learned heads with speculative method {method!r}: {TOKENS_ONLY}")
     return problems
+
+
+# vLLM's V1 runner proposes Step-3.5's MTP layers (method "mtp", a ``step3p5_mtp`` draft) with a proposer of their own
+# that samples its drafts outside ``_sample_draft_tokens``, the hook where heads read the draft's hidden states.
+STEP3P5_V1 = ("learned heads with Step-3.5's MTP layers on the V1 model runner: its proposer samples drafts where "
+              "the plugin cannot read their hidden states; use the V2 runner or a static weight")
+
+
+def variant_problems(speculative_config, *, v2: bool, heads: bool) -> list:
+    """Why a model-specific variant of a supported method would not be verified as asked (empty when it would)."""
+    use_step3p5_mtp = getattr(speculative_config, "use_step3p5_mtp", None)
+    if heads and not v2 and callable(use_step3p5_mtp) and use_step3p5_mtp():
+        return [STEP3P5_V1]
+    return []
 
 
 def ngram_real_drafts(scratch, num_blocks: int, seq_lens, num_sampled, max_model_len: int, num_positions: int):

@@ -67,6 +67,7 @@ _V2_TARGET_AR = "vllm/v1/worker/gpu/spec_decode/target_dependent_ar/speculator.p
 _V2_STATES = "vllm/v1/worker/gpu/sample/states.py"
 _PROCESSOR = "vllm/v1/engine/input_processor.py"
 _V2_NGRAM = "vllm/v1/worker/gpu/spec_decode/ngram/speculator.py"
+_V2_MULTI_MTP = "vllm/v1/worker/gpu/spec_decode/multi_module_mtp/speculator.py"
 
 SEAMS = (
     # V1 model runner
@@ -88,6 +89,11 @@ SEAMS = (
     Seam("vllm/v1/spec_decode/metadata.py", "SpecDecodeMetadata", "read: the step's draft layout"),
     Seam(_V1_PROPOSER, "SpecDecodeBaseProposer.propose", "wrapped with heads: a proposal's start and end"),
     Seam(_V1_PROPOSER, "SpecDecodeBaseProposer._sample_draft_tokens", "wrapped with heads: the draft's hidden states"),
+    Seam("vllm/v1/spec_decode/suffix_decoding.py", "SuffixDecodingProposer.propose",
+         "relied on: nothing drafted where the suffix tree has no match (no filler)"),
+    Seam("vllm/v1/spec_decode/step3p5.py", "Step3p5MTPProposer.propose",
+         "refused with heads: it samples its drafts outside _sample_draft_tokens"),
+    Seam("vllm/config/speculative.py", "SpeculativeConfig.use_step3p5_mtp", "read at start-up: which MTP proposer"),
     # V2 model runner
     Seam(_V2_RUNNER, "GPUModelRunner.load_model", "wrapped: builds the rejection sampler"),
     Seam(_V2_RUNNER, "GPUModelRunner.sample", "wrapped with heads: the target's hidden states"),
@@ -118,6 +124,13 @@ SEAMS = (
     Seam(_V2_TARGET_AR, "TargetDependentARSpeculator._fused_multi_step_decode", "the same, fused"),
     Seam(_V2_TARGET_AR, "TargetDependentARSpeculator._generate_fused_drafts", "the same, fused"),
     Seam(_V2_TARGET_AR, "TargetDependentARSpeculator._generate_draft", "calls sample_draft"),
+    Seam("vllm/v1/worker/gpu/spec_decode/eagle/speculator.py", "EagleSpeculator",
+         "relied on: drafts through TargetDependentARSpeculator's steps and DraftModelSpeculator.sample_draft"),
+    Seam("vllm/v1/worker/gpu/spec_decode/mtp/speculator.py", "MTPSpeculator", "relied on: the same as EAGLE's"),
+    Seam(_V2_MULTI_MTP, "MultiModuleMTPSpeculator.propose", "wrapped with heads: a proposal's start"),
+    Seam(_V2_MULTI_MTP, "MultiModuleMTPSpeculator._generate_drafts", "calls sample_draft once a draft step"),
+    Seam(_V2_MULTI_MTP, "MultiModuleMTPSpeculator.compute_draft_logits",
+         "called with heads: each position's own module's logits"),
     # V2's n-gram speculator: its filler drafts are counted by the rule of its kernels
     Seam(_V2_NGRAM, "NgramGPUSpeculator.__init__", "read: its scratch scores, blocks and model length"),
     Seam(_V2_NGRAM, "NgramGPUSpeculator.propose", "wrapped: each request's real drafts counted after a proposal"),

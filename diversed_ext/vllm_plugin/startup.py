@@ -27,7 +27,7 @@ import os
 
 from dataclasses import replace
 
-from .drafters import drafter_problems
+from .drafters import drafter_problems, variant_problems
 from .settings import CONFIG_KEY, EngineSettings, engine_entry, fly_window_below, parse_engine_entry, parse_fly
 
 STANDARD_ACCEPTANCE = "standard"
@@ -80,7 +80,9 @@ def speculation_problems(vllm_config, heads: bool = False) -> list:
     spec = getattr(vllm_config, "speculative_config", None)
     if spec is None:
         return [NEEDS_SPECULATION]
-    problems = drafter_problems(getattr(spec, "method", None), v2=uses_v2_runner(vllm_config), heads=heads)
+    v2 = uses_v2_runner(vllm_config)
+    problems = drafter_problems(getattr(spec, "method", None), v2=v2, heads=heads)
+    problems += variant_problems(spec, v2=v2, heads=heads)
     acceptance = getattr(spec, "rejection_sample_method", STANDARD_ACCEPTANCE)
     if acceptance not in (STANDARD_ACCEPTANCE, FLY_ACCEPTANCE):
         problems.append(f"rejection_sample_method {acceptance!r} replaces the acceptance rule DIVERSED replaces; "

@@ -17,3 +17,16 @@ def pytest_configure(config):
         raise pytest.UsageError("the V2 tests need TRITON_INTERPRET=1 (see vllm_tests/triton_on_cpu.py)")
     # the interpreter evaluates both sides of tl.where with numpy, which warns on the side that is masked out
     config.addinivalue_line("filterwarnings", "ignore::RuntimeWarning")
+
+
+@pytest.fixture(scope="session")
+def v2_greedy(pair):
+    """The greedy continuations of V2 without speculation (``V2_GREEDY``), from one engine shared by every test."""
+    from engines import V2_ARGS, V2_GREEDY, start_engine, stop_engine
+    from laws import greedy_tokens
+
+    plain = start_engine(pair, speculative=None, **V2_ARGS)
+    try:
+        return greedy_tokens(plain, **V2_GREEDY)
+    finally:
+        stop_engine(plain)

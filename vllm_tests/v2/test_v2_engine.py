@@ -6,7 +6,8 @@ server answering. A few requests of a few tokens each: the interpreter is slow."
 from __future__ import annotations
 
 import pytest
-from engines import PROMPTS, V2_ARGS, acceptance, chat, start_engine, stop_engine, worker_status
+from engines import PROMPTS, V2_ARGS, V2_GREEDY, acceptance, chat, start_engine, stop_engine, worker_status
+from laws import greedy_tokens
 
 PROMPT_COUNT = 2
 TOKENS = 12
@@ -59,15 +60,8 @@ def test_weight_zero_keeps_every_draft(engine):
     assert delta["drafted"] > 10 and delta["accepted"] == delta["drafted"] and delta["weight_sum"] == 0.0
 
 
-def test_greedy_at_weight_one_equals_v2_without_speculation(engine, pair):
-    speculative = [list(output.outputs[0].token_ids)
-                   for output in _generate(engine, {"diversed_weight": 1.0}, temperature=0.0)]
-    plain = start_engine(pair, speculative=None, **V2_ARGS)
-    try:
-        expected = [list(output.outputs[0].token_ids) for output in _generate(plain, temperature=0.0)]
-    finally:
-        stop_engine(plain)
-    assert speculative == expected
+def test_greedy_at_weight_one_equals_v2_without_speculation(engine, v2_greedy):
+    assert greedy_tokens(engine, {"diversed_weight": 1.0}, **V2_GREEDY) == v2_greedy
 
 
 def test_per_request_weights_and_the_engine_default(engine):
