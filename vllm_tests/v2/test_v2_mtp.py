@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from v2_problems import Problem, emitted, samplers
+from v2_problems import Problem, emitted, fake_runner, samplers
 
 NUM_POSITIONS, VOCAB, HIDDEN, MAX_REQUESTS = 3, 32, 8, 8
 STATES = [5, 2, 7, 0]  # the requests' state slots, out of order as V2 hands them over
@@ -142,12 +142,8 @@ def test_a_head_reads_the_mtp_hidden_states_and_each_positions_logits(kind, prob
 
     speculator = _speculator(kind, probabilistic, torch.Generator().manual_seed(2))
     head = SimpleNamespace(wants_distributions=True)
-    spec = SimpleNamespace(num_speculative_tokens=NUM_POSITIONS,
-                           draft_model_config=SimpleNamespace(get_hidden_size=lambda: HIDDEN))
-    runner = SimpleNamespace(device=torch.device("cpu"), max_num_reqs=MAX_REQUESTS, speculative_config=spec,
-                             speculator=speculator, vocab_size=VOCAB, model_config=SimpleNamespace(dtype=torch.float32),
-                             sample=lambda hidden_states, input_batch: None,
-                             sampler=SimpleNamespace(add_request=lambda req_idx, params: None))
+    runner = fake_runner(speculator, num_positions=NUM_POSITIONS, hidden=HIDDEN, vocab=VOCAB,
+                         max_requests=MAX_REQUESTS)
     weights = StateWeights(runner, EngineSettings(weight=1.0, head_paths=("reads",)), {"reads": head})
     for state in STATES:
         runner.sampler.add_request(state, SimpleNamespace(extra_args={"diversed_head": "reads"}))

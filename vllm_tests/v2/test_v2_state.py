@@ -11,6 +11,7 @@ import torch
 
 from diversed_ext.vllm_plugin.settings import EngineSettings
 from diversed_ext.vllm_plugin.v2_state import StateWeights
+from v2_problems import fake_runner
 
 NUM_POSITIONS, HIDDEN, VOCAB, MAX_REQUESTS = 3, 4, 11, 6
 
@@ -50,12 +51,8 @@ class Speculator:
 
 def _weights(heads: dict):
     speculator = Speculator()
-    spec = SimpleNamespace(num_speculative_tokens=NUM_POSITIONS,
-                           draft_model_config=SimpleNamespace(get_hidden_size=lambda: HIDDEN))
-    runner = SimpleNamespace(device=torch.device("cpu"), max_num_reqs=MAX_REQUESTS, speculative_config=spec,
-                             speculator=speculator, vocab_size=VOCAB, model_config=SimpleNamespace(dtype=torch.float32),
-                             sample=lambda hidden_states, input_batch: None,
-                             sampler=SimpleNamespace(add_request=lambda req_idx, params: None))
+    runner = fake_runner(speculator, num_positions=NUM_POSITIONS, hidden=HIDDEN, vocab=VOCAB,
+                         max_requests=MAX_REQUESTS)
     settings = EngineSettings(weight=0.5, head_paths=tuple(heads))
     return StateWeights(runner, settings, heads), runner
 

@@ -125,3 +125,14 @@ def emitted(sampler, problem: Problem) -> list:
     """Each request's emitted tokens: the kept drafts, then the correction or bonus token."""
     _, sampled, num_sampled = sampler._verify(*problem.verify_arguments())
     return [sampled[row, :int(count)].tolist() for row, count in enumerate(num_sampled)]
+
+
+def fake_runner(speculator, *, num_positions: int, hidden: int, vocab: int, max_requests: int) -> SimpleNamespace:
+    """What the plugin's V2 state reads of a model runner (device, sizes, speculative config, speculator, sampler),
+    around ``speculator``, for tests that drive the state without an engine."""
+    spec = SimpleNamespace(num_speculative_tokens=num_positions,
+                           draft_model_config=SimpleNamespace(get_hidden_size=lambda: hidden))
+    return SimpleNamespace(device=torch.device("cpu"), max_num_reqs=max_requests, speculative_config=spec,
+                           speculator=speculator, vocab_size=vocab, model_config=SimpleNamespace(dtype=torch.float32),
+                           sample=lambda hidden_states, input_batch: None,
+                           sampler=SimpleNamespace(add_request=lambda req_idx, params: None))
