@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from typing import Callable, Sequence
 
+from ..decoding.eagle_drafting import is_eagle_head
 from ..ops import is_greedy_temperature
 from .divergence import RuleLaw, position_divergences, rule_law
 from .fly_divergence import fly_divergences
@@ -24,25 +25,31 @@ def divergence_scorer(target, draft, decoder, score_temperature: float, seed: in
     KL(p_T' || p_T) otherwise); static, heads, the gate and typical acceptance their closed forms; FLy with a static
     weight (sd's 1 included) its TV from ``fly_samples`` Monte Carlo estimates per position, seeded by ``seed`` + the
     prompt's index (its KL is NaN: not linear in what is estimated). NaN, NaN where nothing applies: greedy decoding
-    (no law to compare), a callable drafter (no model q), a head with FLy (its weight on the branches is not read)."""
+    (no law to compare), a callable drafter (no model q), a head with FLy (its weight on the branches is not read),
+    and any law that reads q with an EAGLE-3 head for the draft (its q depends on a draft's place in its round: the
+    first reads the target's states, later ones the head's own, so no per-position law reads it)."""
     temperature = decoder.temperature
     if is_greedy_temperature(temperature):
         return lambda prompt, completion, index: NOT_MEASURED
+    draft_model = None if is_eagle_head(draft) else draft
     law = RuleLaw("exact") if decoder.method == "ar" else rule_law(decoder)
     if law is not None:
-        model = None if law.kind == "exact" else draft
+        if law.kind != "exact" and draft_model is None:
+            return lambda prompt, completion, index: NOT_MEASURED
+        model = None if law.kind == "exact" else draft_model
 
         def closed_form(prompt, completion, index):
             return position_divergences(target, model, [prompt], [completion], law, temperature,
                                         score_temperature)[0]
         return closed_form
-    if decoder.fly is not None and decoder.drafter is None and decoder.head is None and decoder.gate is None:
+    if (decoder.fly is not None and draft_model is not None and decoder.drafter is None and decoder.head is None
+            and decoder.gate is None):
         tokens_only = decoder.draft_mode != "distributions"
 
         def monte_carlo(prompt, completion, index):
             if not math.isclose(temperature, score_temperature):
                 return NOT_MEASURED  # FLy's TV identity holds against the target it verifies with
-            deferral, tv = fly_divergences(target, draft, [prompt], [completion], decoder.fly,
+            deferral, tv = fly_divergences(target, draft_model, [prompt], [completion], decoder.fly,
                                            weight=float(decoder.weight), temperature=temperature,
                                            tokens_only=tokens_only, samples=fly_samples, seed=seed + index)[0]
             return math.nan, tv

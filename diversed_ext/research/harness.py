@@ -23,9 +23,7 @@ from ..decoding import (DEFAULT_MAX_DRAFT, DRAFT_MODES, Fly, Gate, NgramDrafter,
                         encode_prompt, summarize)
 from .draft_length_report import draft_length_label
 from .head_usage import weight_usage
-from ..decoding.eagle_drafting import is_eagle_head
-from .divergence import rule_law
-from .divergence_scores import NOT_MEASURED, divergence_scorer
+from .divergence_scores import divergence_scorer
 from .report import MethodResult, _mean
 from .tasks import Task
 from .teacher_forcing import target_scores
@@ -263,7 +261,8 @@ def evaluate(task: Task, examples: Sequence[dict], target, draft, tokenizer, spe
     positions visited (one pass of the target: :func:`~.teacher_forcing.target_scores`) and the rule's per-position
     KL and TV to the target there (:mod:`.divergence_scores`) per prompt, the target taken at ``score_temperature``
     (default: ``temperature``, the user's; a spec may set its own decoding temperature). ``draft_cost``: for specs
-    drafting with ``"gain"``; ``warmup``: run each method once untimed first (for benchmarks; the results are unchanged)."""
+    drafting with ``"gain"``; ``warmup``: run each method once untimed first (for benchmarks; the results are
+    unchanged)."""
     prompts = encode_examples(task, examples, tokenizer, chat)
     decoders = build_decoders(target, draft, specs, max_draft=max_draft, temperature=temperature,
                               draft_cost=draft_cost)
@@ -282,7 +281,7 @@ def evaluate(task: Task, examples: Sequence[dict], target, draft, tokenizer, spe
 
     scoring = temperature if score_temperature is None else score_temperature
 
-    divergence = {label: _divergence_scorer(target, draft, decoders[label], scoring, seed) for label, _ in specs}
+    divergence = {label: divergence_scorer(target, draft, decoders[label], scoring, seed) for label, _ in specs}
 
     def _score(generation, index: int, label: str) -> tuple:
         tokens = generation.tokens.tolist()
@@ -300,15 +299,6 @@ def evaluate(task: Task, examples: Sequence[dict], target, draft, tokenizer, spe
                            desc=f"eval {task.name}", progress=progress)
     return [_method_result(label, kwargs, runs[label], tuple(batch_work[label]), decoders[label].draft_length.name)
             for label, kwargs in specs]
-
-
-def _divergence_scorer(target, draft, decoder: SpeculativeDecoder, temperature: float, seed: int):
-    """:func:`~.divergence_scores.divergence_scorer`, except with an EAGLE-3 head for the draft: its q depends on a
-    draft's place in its round (the first reads the target's states, later ones the head's own), so no per-position
-    law reads it, and only ``ar`` and exact sd (whose law is the target's) are scored; the rest are NaN."""
-    if is_eagle_head(draft) and decoder.method != "ar" and getattr(rule_law(decoder), "kind", None) != "exact":
-        return lambda prompt, completion, index: NOT_MEASURED
-    return divergence_scorer(target, None if is_eagle_head(draft) else draft, decoder, temperature, seed)
 
 
 def _method_result(label: str, kwargs: dict, runs: list, batch_work: tuple, draft_length: str) -> MethodResult:
