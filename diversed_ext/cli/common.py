@@ -233,11 +233,9 @@ def load_models(target: Optional[str], draft: Optional[str], device: str = "cpu"
 
 
 def load_command_models(args):
-    """:func:`load_models` for a command's --target, --draft, --device, --drafter and --drafter-path (the drafter
-    keywords only when one of those flags was given, so a stand-in ``load_models(target, draft, device)`` serves)."""
-    drafter = {name: getattr(args, name, None) for name in ("drafter", "drafter_path")}
-    drafter = {name: value for name, value in drafter.items() if value is not None}
-    return load_models(args.target, args.draft, args.device, **drafter)
+    """:func:`load_models` for a command's --target, --draft, --device, --drafter and --drafter-path."""
+    return load_models(args.target, args.draft, args.device, drafter=getattr(args, "drafter", None),
+                       drafter_path=getattr(args, "drafter_path", None))
 
 
 def _eagle_folder(path: Optional[str]) -> tuple[str, str]:

@@ -144,7 +144,7 @@ def test_the_kl_envelope_is_the_lower_convex_one():
 def test_pareto_runs_the_free_baselines_and_report_joins_their_divergences(experiment_pair, tmp_path, monkeypatch,
                                                                            capsys):
     target, draft, tokenizer = experiment_pair
-    monkeypatch.setattr(cli.common, "load_models", lambda target_name, draft_name, device: (target, draft, tokenizer))
+    monkeypatch.setattr(cli.common, "load_models", lambda target_name, draft_name, device, **drafter: (target, draft, tokenizer))
     data = tmp_path / "gsm8k.jsonl"
     data.write_text("".join(json.dumps(example) + "\n" for example in gsm8k_examples()))
     common = ["--data", str(data), "--limit", "2", "--weights", "0", "1", "--max-new-tokens", "8", "--max-draft", "3",

@@ -130,7 +130,7 @@ def test_build_trainer_trains_through_the_speculative_loop(experiment_pair, tmp_
 
 def test_cli_train_eval_pareto_end_to_end(experiment_pair, tmp_path, monkeypatch, capsys):
     target, draft, tokenizer = experiment_pair
-    monkeypatch.setattr(cli.common, "load_models", lambda target_name, draft_name, device: (target, draft, tokenizer))
+    monkeypatch.setattr(cli.common, "load_models", lambda target_name, draft_name, device, **drafter: (target, draft, tokenizer))
     data = tmp_path / "gsm8k.jsonl"
     data.write_text("".join(json.dumps(example) + "\n" for example in gsm8k_examples()))
     run = tmp_path / "run"
@@ -172,7 +172,7 @@ def test_compare_drafts_end_to_end(experiment_pair, tmp_path, monkeypatch, capsy
     """diversed compare-drafts: sd and static w, each with the draft's distributions and its tokens only (and an
     n-gram drafter), in one table with the paired differences against the first source."""
     target, draft, tokenizer = experiment_pair
-    monkeypatch.setattr(cli.common, "load_models", lambda target_name, draft_name, device: (target, draft, tokenizer))
+    monkeypatch.setattr(cli.common, "load_models", lambda target_name, draft_name, device, **drafter: (target, draft, tokenizer))
     data = tmp_path / "gsm8k.jsonl"
     data.write_text("".join(json.dumps(example) + "\n" for example in gsm8k_examples()))
     assert cli.main(["compare-drafts", "--data", str(data), "--limit", "2", "--max-new-tokens", "6",
@@ -227,7 +227,7 @@ def test_eval_compares_draft_lengths_with_each_methods_best_fixed_k(experiment_p
     """diversed eval --draft-length ... --fixed-k ...: one row per method and policy (fixed once per K), the
     drafts per round of each, then every policy against its method's best fixed K."""
     target, draft, tokenizer = experiment_pair
-    monkeypatch.setattr(cli.common, "load_models", lambda target_name, draft_name, device: (target, draft, tokenizer))
+    monkeypatch.setattr(cli.common, "load_models", lambda target_name, draft_name, device, **drafter: (target, draft, tokenizer))
     data = tmp_path / "gsm8k.jsonl"
     data.write_text("".join(json.dumps(example) + "\n" for example in gsm8k_examples()))
     assert cli.main(["eval", "--data", str(data), "--limit", "2", "--max-new-tokens", "12", "--method", "ar", "sd",

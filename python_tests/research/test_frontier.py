@@ -88,7 +88,7 @@ def test_a_margin_that_is_not_a_finite_number_is_a_usage_error(capsys):
 
 def test_pareto_places_fly_and_the_gate_end_to_end(experiment_pair, tmp_path, monkeypatch, capsys):
     target, draft, tokenizer = experiment_pair
-    monkeypatch.setattr(cli.common, "load_models", lambda target_name, draft_name, device: (target, draft, tokenizer))
+    monkeypatch.setattr(cli.common, "load_models", lambda target_name, draft_name, device, **drafter: (target, draft, tokenizer))
     data = tmp_path / "gsm8k.jsonl"
     data.write_text("".join(json.dumps(example) + "\n" for example in gsm8k_examples()))
     assert cli.main(["pareto", "--data", str(data), "--limit", "2", "--weights", "0", "1", "--max-new-tokens", "12",

@@ -86,7 +86,7 @@ def test_a_saved_part_reads_back_as_it_was(tmp_path):
 
 def test_report_of_parts_is_the_run_over_all_prompts(experiment_pair, tmp_path, monkeypatch, capsys):
     target, draft, tokenizer = experiment_pair
-    monkeypatch.setattr(cli.common, "load_models", lambda target_name, draft_name, device: (target, draft, tokenizer))
+    monkeypatch.setattr(cli.common, "load_models", lambda target_name, draft_name, device, **drafter: (target, draft, tokenizer))
     data = tmp_path / "gsm8k.jsonl"
     data.write_text("".join(json.dumps(example) + "\n" for example in gsm8k_examples(4)))
     common = ["--data", str(data), "--max-new-tokens", "10", "--max-draft", "3", "--batch-size", "1"]

@@ -81,7 +81,7 @@ def test_tokens_round_trip(tmp_path):
 
 def test_cli_validate_end_to_end(experiment_pair, tmp_path, monkeypatch, capsys):
     target, draft, tokenizer = experiment_pair
-    monkeypatch.setattr(cli.common, "load_models", lambda target_name, draft_name, device: (target, draft, tokenizer))
+    monkeypatch.setattr(cli.common, "load_models", lambda target_name, draft_name, device, **drafter: (target, draft, tokenizer))
     data = tmp_path / "gsm8k.jsonl"
     data.write_text("".join(json.dumps(example) + "\n" for example in gsm8k_examples(4)))
     head = tmp_path / "head"
