@@ -47,14 +47,15 @@ struct ScalarTag {
   using type = T;
 };
 
-template <typename Fn>
-void with_floating_type(at::ScalarType type, bool mixable_only, const char* op, Fn&& fn) {
+// kMixableOnly is a template argument, not a flag, so that a mixed call compiles no float64 kernels at all.
+template <bool kMixableOnly, typename Fn>
+void with_floating_type(at::ScalarType type, const char* op, Fn&& fn) {
   switch (type) {
     case at::kFloat: fn(ScalarTag<float>{}); return;
     case at::kBFloat16: fn(ScalarTag<at::BFloat16>{}); return;
     case at::kHalf: fn(ScalarTag<at::Half>{}); return;
     case at::kDouble:
-      if (!mixable_only) {
+      if constexpr (!kMixableOnly) {
         fn(ScalarTag<double>{});
         return;
       }
@@ -69,11 +70,11 @@ void dispatch_verify_types(const char* op, const c10::optional<at::Tensor>& draf
                            Fn&& fn) {
   const at::ScalarType target_type = target.scalar_type();
   if (!draft.has_value() || draft->scalar_type() == target_type) {
-    with_floating_type(target_type, false, op, [&](auto tag) { fn(tag, tag); });
+    with_floating_type<false>(target_type, op, [&](auto tag) { fn(tag, tag); });
     return;
   }
-  with_floating_type(draft->scalar_type(), true, op, [&](auto draft_tag) {
-    with_floating_type(target_type, true, op, [&](auto target_tag) {
+  with_floating_type<true>(draft->scalar_type(), op, [&](auto draft_tag) {
+    with_floating_type<true>(target_type, op, [&](auto target_tag) {
       using Draft = typename decltype(draft_tag)::type;
       using Target = typename decltype(target_tag)::type;
       if constexpr (!std::is_same_v<Draft, Target>) fn(draft_tag, target_tag);

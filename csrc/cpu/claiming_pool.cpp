@@ -7,11 +7,14 @@
 // `done_`; the caller returns once every task is done, so nothing refers to the loop's body after that.
 #include "claiming_pool.h"
 
+#include <linux/futex.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <climits>
 #include <mutex>
 #include <thread>
 
@@ -27,6 +30,19 @@ constexpr uint32_t kPublishing = UINT32_MAX;  // next-task value while a loop's 
 constexpr int kTasksPerThread = 8;            // tasks per participant, so a late helper still finds some to take
 constexpr auto kHelperSpin = std::chrono::microseconds(1000);  // how long an idle helper watches for the next loop
 constexpr int kCallerSpinsBeforeYield = 1 << 12;
+
+// Sleeping on an atomic's value is C++20 (std::atomic::wait), and torch builds extensions as C++17 up to 2.11, so the
+// helpers sleep on the Linux futex that libstdc++'s wait uses: a wake between the load of `expected` and the sleep
+// makes the sleep return at once, so no wake is lost.
+static_assert(sizeof(std::atomic<uint32_t>) == sizeof(uint32_t), "a futex word is 32 bits");
+
+void sleep_while_equal(std::atomic<uint32_t>& word, uint32_t expected) {
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(&word), FUTEX_WAIT_PRIVATE, expected, nullptr, nullptr, 0);
+}
+
+void wake_all(std::atomic<uint32_t>& word) {
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(&word), FUTEX_WAKE_PRIVATE, INT_MAX, nullptr, nullptr, 0);
+}
 
 inline void cpu_relax() {
 #if defined(__x86_64__)
@@ -77,7 +93,7 @@ class ClaimingPool {
     state_.store(pack(generation, 0), std::memory_order_seq_cst);
     if (sleepers_.load(std::memory_order_seq_cst) > 0) {
       wake_.fetch_add(1, std::memory_order_seq_cst);
-      wake_.notify_all();
+      wake_all(wake_);
     }
     run_claimed_tasks(generation);
     for (int spins = 0; done_.load(std::memory_order_acquire) < num_tasks; ++spins) {
@@ -151,7 +167,7 @@ class ClaimingPool {
       sleepers_.fetch_add(1, std::memory_order_seq_cst);
       const uint32_t wake = wake_.load(std::memory_order_seq_cst);
       const uint32_t generation = generation_of(state_.load(std::memory_order_seq_cst));
-      if (generation == seen) wake_.wait(wake, std::memory_order_seq_cst);
+      if (generation == seen) sleep_while_equal(wake_, wake);
       sleepers_.fetch_sub(1, std::memory_order_seq_cst);
       if (generation != seen) return generation;
     }

@@ -1,7 +1,8 @@
 // CUDA bindings of the four `diversed` ops: argument and device checks, output allocation, the kernel launches.
 // Nothing here reads device memory, so a call never syncs with the host (CUDA graphs can capture it). The kernels are
 // torch-free headers: verify_kernels.cuh and split_kernels.cuh (verify_probs, verify_logits: two families, picked by
-// diversed_ext.set_cuda_kernels, common/kernel_family.h) and stats_kernels.cuh (token_stats, mix).
+// diversed_ext.set_cuda_kernels, common/kernel_family.h; compiled in translation units of their own, see
+// verify_instances.cuh) and stats_kernels.cuh (token_stats, mix).
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/cuda/CUDAGeneratorImpl.h>
@@ -23,12 +24,19 @@
 #include "../common/kernel_family.h"
 #include "../common/op_checks.h"
 #include "../common/op_outputs.h"
-#include "split_kernels.cuh"
 #include "stats_kernels.cuh"
-#include "verify_kernels.cuh"
+#include "verify_instances.cuh"
 
 namespace diversed {
 namespace gpu {
+
+// The verify launchers are compiled in their own translation units (verify_instances.cuh).
+#define DX_DECLARE_LAUNCHERS(TD, TT)                                                                            \
+  DX_BLOCK_PROBS_INSTANCE(extern, TD, TT) DX_BLOCK_LOGITS_INSTANCE(extern, TD, TT)                            \
+  DX_SPLIT_PROBS_INSTANCE(extern, TD, TT) DX_SPLIT_LOGITS_INSTANCE(extern, TD, TT)
+DX_VERIFY_TYPE_PAIRS(DX_DECLARE_LAUNCHERS)
+#undef DX_DECLARE_LAUNCHERS
+
 namespace {
 
 // The kernels are written over CUDA's 16-bit types.

@@ -12,7 +12,7 @@ import torch
 
 from helpers import REPO_ROOT as ROOT
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
-STEPS = ["build", "tests", "sanitizer-memcheck", "sanitizer-racecheck", "sanitizer-synccheck",
+STEPS = ["build", "ops-tests", "loop-tests", "sanitizer-memcheck", "sanitizer-racecheck", "sanitizer-synccheck",
          "sanitizer-initcheck", "bench-block", "bench-split", "profile-block", "profile-split"]
 
 
@@ -43,9 +43,29 @@ def test_dry_run_lists_every_step(tmp_path):
 def test_the_kit_is_an_argument_the_bench_step_needs(tmp_path):
     result = gpu_check(tmp_path, "--dry-run", kit=False)
     assert result.returncode == 2 and "--kit DIR" in result.stderr
-    result = gpu_check(tmp_path, "--dry-run", "--only", "build,tests,sanitizers,profile", kit=False)
+    result = gpu_check(tmp_path, "--dry-run", "--only", "build,ops-tests,sanitizers,profile", kit=False)
     assert result.returncode == 0, result.stderr
-    assert "[dry-run] tests " in result.stdout and "bench-block" not in result.stdout
+    assert "[dry-run] ops-tests " in result.stdout and "bench-block" not in result.stdout
+    assert "loop-tests" not in result.stdout
+
+
+def _dry_run_steps(stdout: str) -> list:
+    return [line.split()[1] for line in stdout.splitlines() if line.startswith("[dry-run] ")]
+
+
+def test_the_two_parts_run_every_step_once_the_bench_in_the_first(tmp_path):
+    (tmp_path / "kit").mkdir()
+    (tmp_path / "kit" / "bench_vs_flashinfer.py").write_text("")
+    first = gpu_check(tmp_path, "--dry-run", "--part", "1")
+    second = gpu_check(tmp_path, "--dry-run", "--part", "2", kit=False)
+    assert first.returncode == 0 and second.returncode == 0, first.stderr + second.stderr
+    first_steps, second_steps = _dry_run_steps(first.stdout), _dry_run_steps(second.stdout)
+    assert first_steps == ["build", "bench-block", "bench-split", "ops-tests"]
+    assert second_steps[1:] == [step for step in STEPS if step not in first_steps]
+    # Part 2 builds only where part 1's build is not installed: on a machine that was given back meanwhile.
+    assert second_steps[0] == "build"
+    assert "--ignore=" in second.stdout and "python_tests/ops" in second.stdout
+    assert gpu_check(tmp_path, "--dry-run", "--part", "3").returncode == 2
 
 
 def test_it_writes_nothing_outside_its_report_folder(tmp_path):
@@ -67,14 +87,14 @@ def test_it_writes_nothing_outside_its_report_folder(tmp_path):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU, so the script would run for real")
 def test_without_a_gpu_it_stops_at_once_with_the_reason(tmp_path):
-    result = gpu_check(tmp_path, "--only", "tests")
+    result = gpu_check(tmp_path, "--only", "ops-tests")
     assert result.returncode == 2
     assert "no GPU visible" in result.stderr
     assert "no GPU visible" in (tmp_path / "report" / "summary.md").read_text()
-    assert not (tmp_path / "report" / "tests.log").exists()
+    assert not (tmp_path / "report" / "ops-tests.log").exists()
 
 
-@pytest.mark.parametrize("args,message", [((), "usage"), (("--only", "tests,lint"), "unknown step 'lint'"),
+@pytest.mark.parametrize("args,message", [((), "usage"), (("--only", "ops-tests,lint"), "unknown step 'lint'"),
                                           (("--kit",), "usage")])
 def test_usage_errors(tmp_path, args, message):
     if args:
