@@ -264,20 +264,24 @@ def _difference(method: MethodResult, name: str, fidelity_values, quality_values
 
 
 def frontier_table(results: Sequence[MethodResult], labels: Sequence[str]) -> str:
-    """For each of ``labels``: acceptance, fidelity, the calibration gap g (marked where sharper than the target), and
-    the fidelity's paired distance above the static line and above FLy's frontier at its acceptance ("-" where that
-    line does not reach its acceptance), +- 1 s.e. over prompts."""
+    """For each of ``labels``: acceptance, fidelity, the calibration gap g (marked where sharper than the target), the
+    fidelity's paired distance above the static line and above FLy's frontier at its acceptance ("-" where that line
+    does not reach its acceptance), and the task score with its paired change against sd; +- 1 s.e. over prompts."""
     rows = {row.label: row for row in results}
     lines = []
     for label in labels:
         row = rows[label]
-        above_static = [item for item in compare_to_baselines(results, label) if item.baseline.startswith("static f")]
+        against_static = compare_to_baselines(results, label)
+        above_static = [item for item in against_static if item.baseline.startswith("static f")]
+        against_sd = [item for item in against_static if item.baseline.endswith("(w = 1)")]
         above_fly = compare_to_fly_frontier(results, label)
         lines.append([label, with_error(row.acceptance, row.acceptance_se), with_error(row.fidelity, row.fidelity_se),
                       gap_cell(row), *(f"{found[0].fidelity:+.3f} +- {cell(found[0].fidelity_se)}" if found else "-"
-                                       for found in (above_static, above_fly))])
-    return markdown_rows(["rule", "acceptance", "fidelity", "g", "above the static line", "above FLy's frontier"],
-                         lines)
+                                       for found in (above_static, above_fly)),
+                      with_error(row.quality, row.quality_se),
+                      f"{against_sd[0].quality:+.3f} +- {cell(against_sd[0].quality_se)}" if against_sd else "-"])
+    return markdown_rows(["rule", "acceptance", "fidelity", "g", "above the static line", "above FLy's frontier",
+                          "task score", "task score against sd"], lines)
 
 
 def comparison_lines(comparisons: Sequence[PairedDifference], label: str = "diversed") -> str:
@@ -333,7 +337,7 @@ def markdown_table(results: Sequence[MethodResult], metric: str = "quality") -> 
               "target entropy", "g", "KL to target", "TV to target", "tokens/s"]
     return markdown_rows(header, [[row.label, cell(row.weight, ".2f"), cell(row.acceptance),
                                    cell(row.drafts_per_round, ".2f"), cell(row.tokens_per_pass, ".2f"),
-                                   cell(row.quality), with_error(row.fidelity, row.fidelity_se),
+                                   with_error(row.quality, row.quality_se), with_error(row.fidelity, row.fidelity_se),
                                    with_error(row.entropy, row.entropy_se), gap_cell(row),
                                    with_error(row.kl, row.kl_se, ".4f"), with_error(row.tv, row.tv_se),
                                    cell(row.tokens_per_second, ".1f")]

@@ -55,6 +55,14 @@ def test_distance_above_flys_frontier_is_paired_and_interpolated():
     assert report.compare_to_fly_frontier(swept, "gate margin=1")[0].fidelity == above.fidelity
 
 
+def test_the_frontier_table_gives_the_task_score_and_its_paired_change_against_sd():
+    gate = report.MethodResult("gate margin=1", 1.0, 0.6, 1.0, 2 / 3, -1.0, 1.0, 10, 1.0, (-1.0,) * 3, (1.0, 0.0, 1.0))
+    results = [result("sd", 0.5, [-2.0, -1.0, -3.0]), gate]
+    # Scores 1, 0, 1 against sd's 0, 0, 0: +2/3, s.e. sqrt(var / n) = sqrt((1/3) / 3) = 1/3.
+    assert "| 0.667 +- 0.333 | +0.667 +- 0.333 |" in report.frontier_table(results, ["gate margin=1"])
+    assert report.frontier_table([gate], ["gate margin=1"]).endswith("| 0.667 +- 0.333 | - |")  # no sd: no change
+
+
 def test_the_sweep_covers_every_window_below_k_and_every_threshold():
     sweep = harness.fly_sweep(4)
     assert sweep == [Fly(window, threshold) for window in (1, 2, 3) for threshold in (0.1, 0.3, 0.6)]
