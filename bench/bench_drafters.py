@@ -1,7 +1,8 @@
 """The EAGLE-3 head against the int8 draft on the default pair: what a draft token costs, how often drafts are kept,
 and the tokens/s each gives over ar, side by side in one run.
 
-Rows, for each drafter (``eagle3``: the EAGLE-3 head on the target's hidden states; ``int8``: the target's int8 copy):
+Rows, for each drafter (``eagle3``: the EAGLE-3 head on the target's hidden states; ``eagle3-int8``: the same head
+with int8 products, ``Eagle3Head.use_int8_products``, with --int8-head; ``int8``: the target's int8 copy):
 
     sd        standard speculative decoding (w = 1: the output follows the target)
     gate      sd with the log-probability gate at its default margin (lossy)
@@ -19,14 +20,15 @@ tokens/s over ar's on the same prompt (paired, so a slow spell of a shared machi
 
 Per-token costs (medians of --pass-repeats after a warm-up, on a prompt's cache): the target's 1-token pass, the int8
 draft's 1-token pass, and one EAGLE-3 draft step (the head's decoder layer and draft-vocabulary LM head for one
-token, plus drawing the token), and the fusion of one position's aux hidden states (paid once per verified position).
+token, plus drawing the token; with --int8-head also with int8 products), and the fusion of one position's aux hidden
+states (paid once per verified position).
 
 Targets checked at the end: a draft token at most 1/10 of a target pass; sd acceptance at least 0.45 at K = 3; the best
 rule at least 2x ar and sd at least 1.5x ar.
 
     python bench/bench_drafters.py [--drafter-path FOLDER | --random-head] [--data gsm8k/test.jsonl] [--prompts N]
                                    [--skip N] [--max-new-tokens N] [--k K [K ...]] [--temperature T] [--seed S]
-                                   [--pass-repeats N] [--costs-only] [--no-int8] [--threads N]
+                                   [--pass-repeats N] [--costs-only] [--no-int8] [--int8-head] [--threads N]
 
 --random-head runs an untrained head (random weights, the shipped head's shapes) to check the script end to end.
 """
@@ -52,6 +54,7 @@ from diversed_ext.research.report import cell, markdown_rows
 from diversed_ext.research.tasks import gsm8k_prompt, load_gsm8k
 
 WARMUP_PASSES = 3
+EAGLE_DRAFTERS = ("eagle3", "eagle3-int8")
 RANDOM_DRAFT_VOCAB = 32000
 
 
@@ -75,9 +78,10 @@ def median_ms(times: list[float]) -> float:
 
 
 @torch.no_grad()
-def per_token_costs(target, draft, head: Eagle3Head, prompt: list[int], repeats: int) -> dict:
-    """Median milliseconds: target and int8 draft 1-token passes, one EAGLE-3 draft step, one position's fusion;
-    interleaved pass by pass, each on its own cache of ``prompt``."""
+def per_token_costs(target, draft, head: Eagle3Head, prompt: list[int], repeats: int,
+                    int8_head: Optional[Eagle3Head] = None) -> dict:
+    """Median milliseconds: target and int8 draft 1-token passes, one EAGLE-3 draft step (and one of ``int8_head``'s,
+    when given), one position's fusion; interleaved pass by pass, each on its own cache of ``prompt``."""
     target_runner, draft_runner = LlamaRunner(target), LlamaRunner(draft)
     _, _, (target_cache,), aux = target_runner.run_rows([prompt], [None], [1], False,
                                                         aux_layers=head.config.aux_layer_ids)
@@ -88,6 +92,10 @@ def per_token_costs(target, draft, head: Eagle3Head, prompt: list[int], repeats:
     generator = [torch.Generator().manual_seed(0)]
     times = {"target 1-token pass": [], "int8 draft 1-token pass": [], "EAGLE-3 draft step": [],
              "EAGLE-3 fuse, one position": []}
+    steps = {"EAGLE-3 draft step": head}
+    if int8_head is not None:
+        steps["EAGLE-3 int8 draft step"] = int8_head
+        times["EAGLE-3 int8 draft step"] = []
     for repeat in range(WARMUP_PASSES + repeats):
         token = [prompt[repeat % len(prompt)]]
         start = time.perf_counter()
@@ -98,11 +106,12 @@ def per_token_costs(target, draft, head: Eagle3Head, prompt: list[int], repeats:
         draft_runner(token, draft_cache, 1, False)
         times["int8 draft 1-token pass"].append(time.perf_counter() - start)
         draft_cache.crop(-1)
-        start = time.perf_counter()
-        logits, _ = head.step(torch.tensor(token), hidden[-1:], head_cache)
-        int(head.draft_to_target[sample_drafts(logits, 1.0, generator)[0]])
-        times["EAGLE-3 draft step"].append(time.perf_counter() - start)
-        head_cache.crop(len(prompt))
+        for label, stepped in steps.items():
+            start = time.perf_counter()
+            logits, _ = stepped.step(torch.tensor(token), hidden[-1:], head_cache)
+            int(stepped.draft_to_target[sample_drafts(logits, 1.0, generator)[0]])
+            times[label].append(time.perf_counter() - start)
+            head_cache.crop(len(prompt))
         start = time.perf_counter()
         head.fuse(aux[-1:])
         times["EAGLE-3 fuse, one position"].append(time.perf_counter() - start)
@@ -160,15 +169,19 @@ def check_targets(costs: dict, table: list[dict]) -> list[str]:
         return max(rows, key=lambda row: row["x ar"]) if rows else None
 
     lines = []
-    ratio = costs["EAGLE-3 draft step"] / costs["target 1-token pass"]
-    lines.append(f"draft token <= 1/10 target pass: {'met' if ratio <= 0.1 else 'NOT met'} "
-                 f"(EAGLE-3 step {ratio:.3f} of a target pass; int8 draft "
-                 f"{costs['int8 draft 1-token pass'] / costs['target 1-token pass']:.3f})")
-    at3 = [row for row in table if row["drafter"] == "eagle3" and row["method"] == "sd" and row["K"] == 3]
-    if at3:
-        value = at3[0]["acceptance"]
-        lines.append(f"sd acceptance >= 0.45 at K = 3: {'met' if value >= 0.45 else 'NOT met'} ({value:.3f})")
-    for drafter in ("eagle3", "int8"):
+    for label in ("EAGLE-3 draft step", "EAGLE-3 int8 draft step"):
+        if label in costs:
+            ratio = costs[label] / costs["target 1-token pass"]
+            lines.append(f"draft token <= 1/10 target pass: {'met' if ratio <= 0.1 else 'NOT met'} "
+                         f"({label} {ratio:.3f} of a target pass; int8 draft "
+                         f"{costs['int8 draft 1-token pass'] / costs['target 1-token pass']:.3f})")
+    for drafter in EAGLE_DRAFTERS:
+        at3 = [row for row in table if row["drafter"] == drafter and row["method"] == "sd" and row["K"] == 3]
+        if at3:
+            value = at3[0]["acceptance"]
+            lines.append(f"{drafter}: sd acceptance >= 0.45 at K = 3: {'met' if value >= 0.45 else 'NOT met'} "
+                         f"({value:.3f})")
+    for drafter in (*EAGLE_DRAFTERS, "int8"):
         top, sd = best(drafter), best(drafter, "sd")
         if top is not None:
             lines.append(f"{drafter}: best rule >= 2x ar: {'met' if top['x ar'] >= 2 else 'NOT met'} "
@@ -191,6 +204,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--pass-repeats", type=int, default=30)
     parser.add_argument("--no-int8", action="store_true", help="only the EAGLE-3 rows (and ar)")
+    parser.add_argument("--int8-head", action="store_true", help="also the EAGLE-3 head with int8 products")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     parser.add_argument("--costs-only", action="store_true", help="the per-token costs alone (they depend on the "
@@ -206,7 +220,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     head = load_head_under_test(args, target)
     prompts = gsm8k_prompts(args, tokenizer)
     eos = eos_ids(tokenizer, target)
-    costs = per_token_costs(target, draft, head, prompts[0], args.pass_repeats)
+    int8_head = load_head_under_test(args, target).use_int8_products() if args.int8_head else None
+    costs = per_token_costs(target, draft, head, prompts[0], args.pass_repeats, int8_head)
     print(f"Per-token costs, ms (median of {args.pass_repeats} after {WARMUP_PASSES} warm-up passes; torch threads "
           f"{torch.get_num_threads()}; a shared, busy 2-core CPU):")
     target_ms = costs["target 1-token pass"]
@@ -215,6 +230,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.costs_only:
         return 0
     drafts = {"eagle3": (head, load_head("default", target=target, draft=head))}
+    if int8_head is not None:
+        drafts["eagle3-int8"] = (int8_head, load_head("default", target=target, draft=int8_head))
     if not args.no_int8:
         drafts["int8"] = (draft, load_head("default", target=target, draft=draft))
     results = run_rows(target, drafts, prompts, eos, args)

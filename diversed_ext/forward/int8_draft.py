@@ -42,15 +42,22 @@ def _int8_module(qweight: torch.Tensor, bias: Optional[torch.Tensor], in_feature
     return module
 
 
-def _int8_linear(linear: torch.nn.Linear) -> torch.nn.Module:
-    """int8 copy of an ``nn.Linear`` with the observer and qparams ``quantize_dynamic`` uses."""
+def quantize_weight(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` (a linear layer's [N, K]) as ``quantize_dynamic`` quantises it: a per-tensor symmetric qint8 tensor
+    on the CPU, with the observer and qparams of ``default_dynamic_qconfig``."""
     from torch.ao.quantization import default_dynamic_qconfig
 
-    weight = linear.weight.detach().float().cpu()
-    observer = default_dynamic_qconfig.weight()  # per-tensor symmetric qint8, as quantize_dynamic uses
-    observer(weight)
-    scale, zero_point = observer.calculate_qparams()
-    qweight = torch.quantize_per_tensor(weight, float(scale), int(zero_point), torch.qint8)
+    weight = weight.detach().float().cpu()
+    with _quiet_quantization_warnings():
+        observer = default_dynamic_qconfig.weight()  # per-tensor symmetric qint8, as quantize_dynamic uses
+        observer(weight)
+        scale, zero_point = observer.calculate_qparams()
+        return torch.quantize_per_tensor(weight, float(scale), int(zero_point), torch.qint8)
+
+
+def _int8_linear(linear: torch.nn.Linear) -> torch.nn.Module:
+    """int8 copy of an ``nn.Linear`` with the observer and qparams ``quantize_dynamic`` uses."""
+    qweight = quantize_weight(linear.weight)
     bias = None if linear.bias is None else linear.bias.detach().float().cpu()
     return _int8_module(qweight, bias, linear.in_features, linear.out_features)
 

@@ -203,6 +203,13 @@ class Eagle3Head(torch.nn.Module):
             raise ValueError("set_draft_vocabulary: target_ids must be strictly ascending ids in [0, vocab_size)")
         self.draft_to_target.copy_(ids.to(self.draft_to_target.device))
 
+    def use_int8_products(self, enabled: bool = True) -> "Eagle3Head":
+        """Run the inference steps' products on int8 copies of the weights (CPU, float32 parameters; elsewhere
+        ignored): a quarter of the bytes a float32 step reads. Drafts differ slightly from the float weights' (vLLM
+        runs those); training and the reference :meth:`step` stay float. Returns the head."""
+        self.__dict__["_int8_products"] = bool(enabled)
+        return self
+
     def new_cache(self) -> Eagle3Cache:
         """An empty cache for one sequence."""
         return Eagle3Cache()

@@ -10,6 +10,11 @@ call, where ``F.linear`` of one row runs well above that (the default pair's 163
 1.0 ms against 2.4 ms; bfloat16 weights through ``F.linear`` are no faster, about 1.0-1.3 ms). Elsewhere each group is
 one ``F.linear`` over the concatenated weights. The prepared weights are rebuilt when a parameter changes (training
 steps it in place, loading copies into it). The results equal the plain layer's up to float rounding.
+
+With int8 products (:meth:`~diversed_ext.models.eagle3.Eagle3Head.use_int8_products`, CPU, float32 parameters) each
+group is one ``diversed::int8_linear`` call over the weights quantised as the int8 draft model's are (per tensor,
+symmetric): a quarter of the bytes. The drafts then differ slightly from the float checkpoint's (which vLLM runs);
+the loop stays exact, since the verifier reads the distribution the drafts were sampled from.
 """
 
 from __future__ import annotations
@@ -98,10 +103,17 @@ class StepWeights:
                    "lm_head": (head.lm_head,)}
         weight = head.lm_head.weight
         self.native = weight.device.type == "cpu" and weight.dtype == torch.float32 and forward_ops_built()
+        self.int8 = self.native and int8_products(head)
         self.products = {}
         with torch.no_grad():
             for name, group in modules.items():
-                if self.native:
+                if self.int8:
+                    from ..forward.int8 import pack_int8
+                    from ..forward.int8_draft import quantize_weight
+
+                    quantized = [quantize_weight(module.weight) for module in group]
+                    self.products[name] = pack_int8([(q.int_repr(), q.q_scale(), None) for q in quantized])
+                elif self.native:
                     from ..forward.float_linear import pack_float
 
                     self.products[name] = pack_float([(module.weight, None) for module in group])
@@ -118,6 +130,10 @@ class StepWeights:
     def linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
         """The products of group ``name`` for ``x`` [T, K], concatenated: [T, sum of out features]."""
         product = self.products[name]
+        if self.int8:
+            from ..forward.int8 import int8_linear
+
+            return int8_linear(x.contiguous(), product)
         if self.native:
             from ..forward.float_linear import float_linear
 
@@ -136,9 +152,15 @@ class StepWeights:
         return self.cos[start:end], self.sin[start:end]
 
 
+def int8_products(head) -> bool:
+    """Whether ``head``'s inference steps run int8 products (:meth:`Eagle3Head.use_int8_products`)."""
+    return bool(head.__dict__.get("_int8_products", False))
+
+
 def step_weights(head) -> StepWeights:
-    """The head's :class:`StepWeights`, rebuilt when any parameter was changed, moved or cast since."""
-    key = tuple((p.data_ptr(), p._version, p.dtype, p.device) for p in head.parameters())
+    """The head's :class:`StepWeights`, rebuilt when any parameter was changed, moved or cast since, or the choice of
+    int8 products changed."""
+    key = (int8_products(head), *((p.data_ptr(), p._version, p.dtype, p.device) for p in head.parameters()))
     prepared = head.__dict__.get("_step_weights")
     if prepared is None or prepared.key != key:
         prepared = StepWeights(head, key)

@@ -15,6 +15,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("scipy.stats")
 
 from diversed_ext.decoding import SpeculativeDecoder  # noqa: E402
+from diversed_ext.forward._native import forward_ops_built  # noqa: E402
 from diversed_ext.models.eagle3 import Eagle3Config, Eagle3Head  # noqa: E402
 from helpers import (P_VALUE_FLOOR, PROMPT, SMALL_VOCAB, WIDE_VOCAB, assert_prompts_decode_as_alone,  # noqa: E402
                      chi_square_cells_p_value, exact_joint, sequences, small_pair_models, wide_pair_models)
@@ -157,6 +158,19 @@ def test_sampled_sd_with_an_eagle_head_follows_the_target(small_eagle, draft_mod
     # The test can fail: the same samples reject the target's law at another temperature.
     other = exact_joint(target, None, PROMPT, 4, SMALL_VOCAB, temperature=0.5)
     assert chi_square_cells_p_value(samples, other) < 1e-6
+
+
+@pytest.mark.skipif(not forward_ops_built(), reason="the native forward ops are not built")
+def test_sampled_sd_with_int8_products_still_follows_the_target(small_eagle):
+    """int8 products change the drafts' distribution, never the output's: the verifier reads the law they came from."""
+    target, head = small_eagle
+    try:
+        output = SpeculativeDecoder(target, head.use_int8_products(), method="sd", max_draft=2,
+                                    temperature=1.0).generate([PROMPT] * SAMPLES, max_new_tokens=4, seed=1)
+    finally:
+        head.use_int8_products(False)
+    samples = [tuple(tokens) for tokens in sequences(output)]
+    assert chi_square_cells_p_value(samples, exact_joint(target, None, PROMPT, 4, SMALL_VOCAB)) > P_VALUE_FLOOR
 
 
 def test_static_weight_zero_keeps_every_eagle_draft(wide_eagle):

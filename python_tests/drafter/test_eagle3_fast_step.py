@@ -4,6 +4,7 @@ keys repeated per query head and a causal mask, as vLLM's Llama EAGLE-3 layer co
 several positions, after crops, across the cache's capacity growth, in float64 (the torch products) and in float32
 (the native packed products where they are built)."""
 
+import copy
 import math
 
 import pytest
@@ -135,6 +136,28 @@ def test_float32_on_the_cpu_uses_the_packed_products_and_repacks_after_a_change(
         want = reference_step(head, tokens, features, ReferenceCache())
     torch.testing.assert_close(got[0], want[0], **tolerances(torch.float32))
     torch.testing.assert_close(got[1], want[1], **tolerances(torch.float32))
+
+
+@pytest.mark.skipif(not forward_ops_built(), reason="the native forward ops are not built")
+def test_int8_products_are_the_dynamically_quantised_layers_and_switch_back():
+    """With int8 products the step computes what the plain layer computes with every linear layer quantised by
+    ``quantize_dynamic`` (the int8 draft model's quantisation), not the float layer; switched off, the float again."""
+    head = make_head(torch.float32, seed=3)
+    quantized = torch.ao.quantization.quantize_dynamic(copy.deepcopy(head), {torch.nn.Linear}, torch.qint8)
+    tokens, features = torch.tensor([3, 4, 5, 6]), torch.randn(4, head.config.hidden_size)
+    with torch.no_grad():
+        got = head.use_int8_products().step(tokens, features, head.new_cache())
+        assert step_weights(head).int8
+        want = reference_step(quantized, tokens, features, ReferenceCache())
+        float_want = reference_step(head, tokens, features, ReferenceCache())
+        fused, fused_want = head.fuse(features.repeat(1, 3)), quantized.fc(features.repeat(1, 3))
+        back = head.use_int8_products(False).step(tokens, features, head.new_cache())
+    for mine, theirs in zip(got, want):
+        torch.testing.assert_close(mine, theirs, rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(fused, fused_want, rtol=1e-4, atol=1e-4)
+    assert (got[0] - float_want[0]).abs().max() > 1e-2  # int8 is not float: the comparison above can fail
+    for mine, theirs in zip(back, float_want):
+        torch.testing.assert_close(mine, theirs, **tolerances(torch.float32))
 
 
 def test_with_gradients_the_step_is_the_plain_layer_and_differentiable():
