@@ -266,7 +266,8 @@ def _difference(method: MethodResult, name: str, fidelity_values, quality_values
 def frontier_table(results: Sequence[MethodResult], labels: Sequence[str]) -> str:
     """For each of ``labels``: acceptance, fidelity, the calibration gap g (marked where sharper than the target), the
     fidelity's paired distance above the static line and above FLy's frontier at its acceptance ("-" where that line
-    does not reach its acceptance), and the task score with its paired change against sd; +- 1 s.e. over prompts."""
+    does not reach its acceptance), and the task score with its paired change against sd and its distance above the
+    same two lines (taken at the points that line's fidelity picks); +- 1 s.e. over prompts."""
     rows = {row.label: row for row in results}
     lines = []
     for label in labels:
@@ -276,12 +277,19 @@ def frontier_table(results: Sequence[MethodResult], labels: Sequence[str]) -> st
         against_sd = [item for item in against_static if item.baseline.endswith("(w = 1)")]
         above_fly = compare_to_fly_frontier(results, label)
         lines.append([label, with_error(row.acceptance, row.acceptance_se), with_error(row.fidelity, row.fidelity_se),
-                      gap_cell(row), *(f"{found[0].fidelity:+.3f} +- {cell(found[0].fidelity_se)}" if found else "-"
-                                       for found in (above_static, above_fly)),
+                      gap_cell(row), *(_paired_cell(found, "fidelity") for found in (above_static, above_fly)),
                       with_error(row.quality, row.quality_se),
-                      f"{against_sd[0].quality:+.3f} +- {cell(against_sd[0].quality_se)}" if against_sd else "-"])
+                      *(_paired_cell(found, "quality") for found in (against_sd, above_static, above_fly))])
     return markdown_rows(["rule", "acceptance", "fidelity", "g", "above the static line", "above FLy's frontier",
-                          "task score", "task score against sd"], lines)
+                          "task score", "task: against sd", "task: above the static line",
+                          "task: above FLy's frontier"], lines)
+
+
+def _paired_cell(found: Sequence[PairedDifference], metric: str) -> str:
+    """The first paired difference's ``metric`` ("fidelity" or "quality") +- its s.e., or "-" when there is none."""
+    if not found:
+        return "-"
+    return f"{getattr(found[0], metric):+.3f} +- {cell(getattr(found[0], metric + '_se'))}"
 
 
 def comparison_lines(comparisons: Sequence[PairedDifference], label: str = "diversed") -> str:

@@ -140,17 +140,19 @@ def test_float32_on_the_cpu_uses_the_packed_products_and_repacks_after_a_change(
 
 @pytest.mark.skipif(not forward_ops_built(), reason="the native forward ops are not built")
 def test_int8_products_are_the_dynamically_quantised_layers_and_switch_back():
-    """With int8 products the step computes what the plain layer computes with every linear layer quantised by
-    ``quantize_dynamic`` (the int8 draft model's quantisation), not the float layer; switched off, the float again."""
+    """With int8 products the step computes what the plain layer computes with its linear layers quantised by
+    ``quantize_dynamic`` (the int8 draft model's quantisation), not the float layer; ``fc`` (the fusion, once per
+    verified position) stays float; switched off, the float step again."""
     head = make_head(torch.float32, seed=3)
     quantized = torch.ao.quantization.quantize_dynamic(copy.deepcopy(head), {torch.nn.Linear}, torch.qint8)
+    quantized.fc = head.fc
     tokens, features = torch.tensor([3, 4, 5, 6]), torch.randn(4, head.config.hidden_size)
     with torch.no_grad():
         got = head.use_int8_products().step(tokens, features, head.new_cache())
         assert step_weights(head).int8
         want = reference_step(quantized, tokens, features, ReferenceCache())
         float_want = reference_step(head, tokens, features, ReferenceCache())
-        fused, fused_want = head.fuse(features.repeat(1, 3)), quantized.fc(features.repeat(1, 3))
+        fused, fused_want = head.fuse(features.repeat(1, 3)), head.fc(features.repeat(1, 3))  # fc stays float
         back = head.use_int8_products(False).step(tokens, features, head.new_cache())
     for mine, theirs in zip(got, want):
         torch.testing.assert_close(mine, theirs, rtol=1e-3, atol=1e-3)

@@ -157,7 +157,7 @@ def test_cli_train_eval_pareto_end_to_end(experiment_pair, tmp_path, monkeypatch
                      "--output-dir", str(tmp_path / "heads")]) == 0
     table = capsys.readouterr().out
     assert "| diversed:head |" in table and "| diversed:second |" in table
-    placed = table.split("above FLy's frontier |")[1]  # the table of each rule against the lines
+    placed = table.split("task: above FLy's frontier |")[1]  # the table of each rule against the lines
     assert "| diversed:head |" in placed and "| diversed:second |" in placed
     assert os.path.getsize(tmp_path / "heads" / "head_weights.png") > 1000
     lowest = (tmp_path / "heads" / "lowest_w_tokens.md").read_text()

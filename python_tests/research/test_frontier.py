@@ -55,12 +55,19 @@ def test_distance_above_flys_frontier_is_paired_and_interpolated():
     assert report.compare_to_fly_frontier(swept, "gate margin=1")[0].fidelity == above.fidelity
 
 
-def test_the_frontier_table_gives_the_task_score_and_its_paired_change_against_sd():
+def test_the_frontier_table_gives_the_task_score_against_sd_and_above_flys_frontier():
     gate = report.MethodResult("gate margin=1", 1.0, 0.6, 1.0, 2 / 3, -1.0, 1.0, 10, 1.0, (-1.0,) * 3, (1.0, 0.0, 1.0))
+    fly = report.MethodResult("fly W=1 tau=0.3", 1.0, 0.7, 1.0, 2 / 3, -3.0, 1.0, 10, 1.0, (-3.0,) * 3,
+                              (1.0, 1.0, 0.0))
     results = [result("sd", 0.5, [-2.0, -1.0, -3.0]), gate]
-    # Scores 1, 0, 1 against sd's 0, 0, 0: +2/3, s.e. sqrt(var / n) = sqrt((1/3) / 3) = 1/3.
-    assert "| 0.667 +- 0.333 | +0.667 +- 0.333 |" in report.frontier_table(results, ["gate margin=1"])
-    assert report.frontier_table([gate], ["gate margin=1"]).endswith("| 0.667 +- 0.333 | - |")  # no sd: no change
+    # Scores 1, 0, 1 against sd's 0, 0, 0: +2/3, s.e. sqrt(var / n) = sqrt((1/3) / 3) = 1/3. FLy's frontier is sd
+    # alone, which is no frontier: "-".
+    assert "| 0.667 +- 0.333 | +0.667 +- 0.333 | - | - |" in report.frontier_table(results, ["gate margin=1"])
+    # With FLy's point at 0.7 the frontier at 0.6 is half-way from sd's scores to FLy's: 0.5, 0.5, 0; the gate's
+    # differences 0.5, -0.5, 1: mean 1/3, s.e. sqrt((7/12) / 3).
+    table = report.frontier_table(results + [fly], ["gate margin=1"])
+    assert table.endswith(f"| +0.333 +- {math.sqrt(7 / 36):.3f} |")
+    assert report.frontier_table([gate], ["gate margin=1"]).endswith("| 0.667 +- 0.333 | - | - | - |")  # no sd
 
 
 def test_the_sweep_covers_every_window_below_k_and_every_threshold():
@@ -104,7 +111,7 @@ def test_pareto_places_fly_and_the_gate_end_to_end(experiment_pair, tmp_path, mo
                      "--output-dir", str(tmp_path / "out")]) == 0
     table = capsys.readouterr().out
     for label in ("fly W=1 tau=0.3", "fly W=2 tau=0.3", "gate margin=1"):
-        assert f"| {label} |" in table.split("above FLy's frontier |")[1]
+        assert f"| {label} |" in table.split("task: above FLy's frontier |")[1]
     saved = json.loads((tmp_path / "out" / "results.json").read_text())["rows"]
     assert [row["label"] for row in saved] == ["static w=0", "static w=1", "fly W=1 tau=0.3", "fly W=2 tau=0.3",
                                                "gate margin=1"]
