@@ -59,7 +59,10 @@ _temperature = _ruled(float, rules.temperature, rules.TEMPERATURE)
 _draft_length = _ruled(int, rules.draft_length, rules.DRAFT_LENGTH)
 _seed = _ruled(int, rules.seed, rules.SEED)
 _gate_margin = _ruled(float, rules.gate_margin, rules.GATE_MARGIN)
-DRAFTERS = ("model", "eagle3")  # --drafter: the draft model, or an EAGLE-3 head on the target's hidden states
+# --drafter: the draft model, or an EAGLE-3 head on the target's hidden states (eagle3-int8: its draft steps' products
+# in int8, Eagle3Head.use_int8_products)
+DRAFTERS = ("model", "eagle3", "eagle3-int8")
+EAGLE_DRAFTERS = ("eagle3", "eagle3-int8")
 
 
 def _device(text: str) -> str:
@@ -95,7 +98,9 @@ def _add_model_arguments(parser: argparse.ArgumentParser, defaults: dict) -> Non
     parser.add_argument("--draft", help="draft model name or folder (default: an int8 copy of the target)")
     parser.add_argument("--drafter", choices=DRAFTERS, default=None,
                         help="what drafts: the draft model (default), or eagle3, an EAGLE-3 head on the target's "
-                        "hidden states (default: the one shipped for the default pair; see --drafter-path)")
+                        "hidden states (default: the one shipped for the default pair; see --drafter-path); "
+                        "eagle3-int8: the same head with its draft steps' products in int8 (faster, drafts differ "
+                        "slightly from the float checkpoint's)")
     parser.add_argument("--drafter-path", metavar="FOLDER",
                         help="the EAGLE-3 head's folder (config.json, model.safetensors); implies --drafter eagle3")
     parser.add_argument("--device", type=_device, default="cpu",
@@ -219,16 +224,18 @@ def _add_batch_argument(parser: argparse.ArgumentParser, defaults: dict) -> None
 def load_models(target: Optional[str], draft: Optional[str], device: str = "cpu", *, drafter: Optional[str] = None,
                 drafter_path: Optional[str] = None):
     """(target, draft, tokenizer): the default pair, or the pair named on the command line, on ``device``. With
-    ``drafter`` "eagle3" (or a ``drafter_path``), the draft is an EAGLE-3 head on the target's hidden states: the
-    one at ``drafter_path``, else the one shipped for the default pair."""
+    ``drafter`` "eagle3" or "eagle3-int8" (or a ``drafter_path``), the draft is an EAGLE-3 head on the target's hidden
+    states: the one at ``drafter_path``, else the one shipped for the default pair; "eagle3-int8" runs its draft
+    steps' products in int8."""
     if drafter == "model" and drafter_path is not None:
         raise UsageError("--drafter-path names an EAGLE-3 head: it goes with --drafter eagle3, not --drafter model")
-    if drafter == "eagle3" or drafter_path is not None:
+    if drafter in EAGLE_DRAFTERS or drafter_path is not None:
         if draft is not None:
-            raise UsageError("--drafter eagle3 drafts in place of a draft model: drop --draft")
+            raise UsageError(f"--drafter {drafter or 'eagle3'} drafts in place of a draft model: drop --draft")
         flag, folder = _eagle_folder(drafter_path)  # before any model loads
         target_model, _, tokenizer = _load_pair(target, None, device)
-        return target_model, _load_eagle_head(flag, folder, target_model), tokenizer
+        head = _load_eagle_head(flag, folder, target_model)
+        return target_model, head.use_int8_products(drafter == "eagle3-int8"), tokenizer
     return _load_pair(target, draft, device)
 
 

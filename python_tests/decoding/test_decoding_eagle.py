@@ -320,6 +320,18 @@ def test_a_saved_head_loads_through_drafter_path_and_a_bad_one_names_the_flag(tm
         tiny_pair_loader.load_models(None, None, "cpu", drafter_path=str(tmp_path / "foreign"))
 
 
+@pytest.mark.parametrize("drafter, int8", [("eagle3", False), ("eagle3-int8", True)])
+def test_drafter_eagle3_int8_loads_the_head_with_int8_products(tmp_path, tiny_pair_loader, wide_eagle, drafter, int8):
+    from diversed_ext.models.eagle3_layers import int8_products
+
+    _, head = wide_eagle
+    head.save_pretrained(tmp_path / "head")
+    _, loaded, _ = tiny_pair_loader.load_models(None, None, "cpu", drafter=drafter, drafter_path=str(tmp_path / "head"))
+    assert int8_products(loaded) is int8
+    with pytest.raises(tiny_pair_loader.UsageError, match=f"--drafter {drafter} drafts in place of a draft model"):
+        tiny_pair_loader.load_models(None, "x", "cpu", drafter=drafter)
+
+
 def test_eval_scores_sd_with_an_eagle_head_and_leaves_lossy_rules_unmeasured(wide_eagle):
     """The harness's divergence to the target: exact sd's is 0 with any drafter; a lossy rule's closed form would
     need a per-position q, which an EAGLE-3 head does not have, so it is NaN rather than a crash or a made-up value."""
