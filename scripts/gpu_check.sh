@@ -27,7 +27,10 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 checkout="$PWD"
 
-usage() { echo "usage: scripts/gpu_check.sh REPORT_DIR [--kit DIR] [--part 1|2 | --only STEPS] [--dry-run]" >&2; exit 2; }
+usage() {
+  echo "usage: scripts/gpu_check.sh REPORT_DIR [--kit DIR] [--part 1|2 | --only STEPS] [--dry-run]" >&2
+  exit 2
+}
 [ $# -ge 1 ] || usage
 report="$1"; shift
 kit=; only=build,ops-tests,loop-tests,sanitizers,bench,profile; dry_run=0; build_if_missing=0
@@ -48,7 +51,10 @@ while [ $# -gt 0 ]; do
   esac
 done
 for step in ${only//,/ }; do
-  case "$step" in build|ops-tests|loop-tests|sanitizers|bench|profile) ;; *) echo "gpu_check: unknown step '$step'" >&2; exit 2 ;; esac
+  case "$step" in
+    build|ops-tests|loop-tests|sanitizers|bench|profile) ;;
+    *) echo "gpu_check: unknown step '$step'" >&2; exit 2 ;;
+  esac
 done
 wants() { [[ ",$only," == *",$1,"* ]]; }
 if wants bench && [ -z "$kit" ]; then
@@ -113,7 +119,10 @@ if wants bench && [ ! -f "$kit/bench_vs_flashinfer.py" ]; then
 fi
 
 # 2. Build with this machine's torch; nothing else can run without it. Part 2 keeps the build part 1 installed.
-installed() { (cd "$report" && "$python" -c "import diversed_ext, sys; sys.exit(not diversed_ext.cuda_kernels_registered())") 2>/dev/null; }
+installed() {
+  (cd "$report" && "$python" -c "import diversed_ext, sys; sys.exit(not diversed_ext.cuda_kernels_registered())") \
+    2>/dev/null
+}
 if wants build && [ "$build_if_missing" = 1 ] && [ "$dry_run" = 0 ] && installed; then
   echo "| build | already installed | 0 |" >> "$summary"
 elif wants build; then

@@ -12,9 +12,10 @@ one ``F.linear`` over the concatenated weights. The prepared weights are rebuilt
 steps it in place, loading copies into it). The results equal the plain layer's up to float rounding.
 
 With int8 products (:meth:`~diversed_ext.models.eagle3.Eagle3Head.use_int8_products`, CPU, float32 parameters) each
-group of a draft step (:data:`INT8_GROUPS`) is one ``diversed::int8_linear`` call over the weights quantised as the int8 draft model's are (per tensor,
-symmetric): a quarter of the bytes. The drafts then differ slightly from the float checkpoint's (which vLLM runs);
-the loop stays exact, since the verifier reads the distribution the drafts were sampled from.
+group of a draft step (:data:`INT8_GROUPS`) is one ``diversed::int8_linear`` call over the weights quantised as the
+int8 draft model's are (per tensor, symmetric): a quarter of the bytes. The drafts then differ slightly from the float
+checkpoint's (which vLLM runs); the loop stays exact, since the verifier reads the distribution the drafts were
+sampled from.
 """
 
 from __future__ import annotations
@@ -107,11 +108,11 @@ class StepWeights:
                    "lm_head": (head.lm_head,)}
         weight = head.lm_head.weight
         self.native = weight.device.type == "cpu" and weight.dtype == torch.float32 and forward_ops_built()
-        self.int8 = INT8_GROUPS if self.native and int8_products(head) else frozenset()
+        self.int8_groups = INT8_GROUPS if self.native and int8_products(head) else frozenset()
         self.products = {}
         with torch.no_grad():
             for name, group in modules.items():
-                if name in self.int8:
+                if name in self.int8_groups:
                     from ..forward.int8 import pack_int8
                     from ..forward.int8_draft import quantize_weight
 
@@ -134,7 +135,7 @@ class StepWeights:
     def linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
         """The products of group ``name`` for ``x`` [T, K], concatenated: [T, sum of out features]."""
         product = self.products[name]
-        if name in self.int8:
+        if name in self.int8_groups:
             from ..forward.int8 import int8_linear
 
             return int8_linear(x.contiguous(), product)

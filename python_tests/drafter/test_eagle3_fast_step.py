@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from diversed_ext.forward._native import forward_ops_built
 from diversed_ext.models.eagle3 import Eagle3Config, Eagle3Head, rotate
-from diversed_ext.models.eagle3_layers import Eagle3Cache, step_weights
+from diversed_ext.models.eagle3_layers import INT8_GROUPS, Eagle3Cache, step_weights
 
 TARGET = dict(hidden_size=32, num_attention_heads=6, num_key_value_heads=2, head_dim=8, intermediate_size=48,
               rms_norm_eps=1e-5, rope_parameters={"rope_theta": 10000.0, "rope_type": "default"},
@@ -149,7 +149,7 @@ def test_int8_products_are_the_dynamically_quantised_layers_and_switch_back():
     tokens, features = torch.tensor([3, 4, 5, 6]), torch.randn(4, head.config.hidden_size)
     with torch.no_grad():
         got = head.use_int8_products().step(tokens, features, head.new_cache())
-        assert step_weights(head).int8
+        assert step_weights(head).int8_groups == INT8_GROUPS
         want = reference_step(quantized, tokens, features, ReferenceCache())
         float_want = reference_step(head, tokens, features, ReferenceCache())
         fused, fused_want = head.fuse(features.repeat(1, 3)), head.fc(features.repeat(1, 3))  # fc stays float
