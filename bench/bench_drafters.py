@@ -14,7 +14,9 @@ chat format ``diversed eval --task gsm8k`` uses, T = --temperature (default 1), 
 seed + i for every row. Rows alternate prompt by prompt (the research harness), each first runs once untimed.
 
 Figures: acceptance = accepted / drafted over all prompts (the EAGLE-3 drafter drafts nothing in a request's first
-round, which reads the prompt, so that round does not count); tokens/pass = new tokens per target pass; tokens/s =
+round, which reads the prompt, so that round does not count); mean w = the mean over drafted tokens of the weight
+on the target the DIVERSED head chose (its rows only: where it reads states unlike its training drafter's, a low
+mean w flags acceptance bought by moving off the target); tokens/pass = new tokens per target pass; tokens/s =
 the median over prompts of each prompt's tokens over its seconds; "x ar" = the median over prompts of the prompt's
 tokens/s over ar's on the same prompt (paired, so a slow spell of a shared machine cancels out).
 
@@ -154,8 +156,10 @@ def summary_rows(results: dict) -> list[dict]:
         accepted = sum(stats.accepted for generation in generations for stats in generation.rounds)
         passes = sum(len(generation.rounds) for generation in generations)
         tokens = sum(len(generation.tokens) for generation in generations)
+        weights = [w for generation in generations for stats in generation.rounds for w in stats.weights]
         table.append({"drafter": drafter, "method": method, "K": k,
                       "acceptance": accepted / drafted if drafted else float("nan"),
+                      "mean w": statistics.fmean(weights) if weights else None,
                       "tokens/pass": tokens / passes,
                       "tokens/s": statistics.median(speed(generation) for generation in generations),
                       "x ar": statistics.median(speed(mine) / speed(base) for mine, base in zip(generations, ar))})
@@ -239,8 +243,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"\n{len(prompts)} GSM8K test problems (from #{args.skip}), up to {args.max_new_tokens} new tokens, "
           f"T = {args.temperature:g}, one request at a time, seed {args.seed} + prompt index"
           f"{' (RANDOM head: checks the script only)' if args.random_head else ''}:")
-    columns = ["drafter", "method", "K", "acceptance", "tokens/pass", "tokens/s", "x ar"]
-    formats = {"acceptance": ".3f", "tokens/pass": ".2f", "tokens/s": ".1f", "x ar": ".2f"}
+    columns = ["drafter", "method", "K", "acceptance", "mean w", "tokens/pass", "tokens/s", "x ar"]
+    formats = {"acceptance": ".3f", "mean w": ".3f", "tokens/pass": ".2f", "tokens/s": ".1f", "x ar": ".2f"}
     print(markdown_rows(columns, [[cell(row[name], formats[name]) if name in formats else str(row[name])
                                    for name in columns] for row in table]))
     print("\nTargets:")
