@@ -152,11 +152,10 @@ def summary_rows(results: dict) -> list[dict]:
     ar = results["ar"][3]
     table = []
     for label, (drafter, method, k, generations) in results.items():
-        drafted = sum(stats.drafted for generation in generations for stats in generation.rounds)
-        accepted = sum(stats.accepted for generation in generations for stats in generation.rounds)
-        passes = sum(len(generation.rounds) for generation in generations)
-        tokens = sum(len(generation.tokens) for generation in generations)
-        weights = [w for generation in generations for stats in generation.rounds for w in stats.weights]
+        rounds = [stats for generation in generations for stats in generation.rounds]  # one a target pass
+        drafted, accepted = sum(stats.drafted for stats in rounds), sum(stats.accepted for stats in rounds)
+        passes, tokens = len(rounds), sum(len(generation.tokens) for generation in generations)
+        weights = [w for stats in rounds for w in stats.weights]
         table.append({"drafter": drafter, "method": method, "K": k,
                       "acceptance": accepted / drafted if drafted else float("nan"),
                       "mean w": statistics.fmean(weights) if weights else None,
