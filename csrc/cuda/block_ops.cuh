@@ -82,11 +82,7 @@ __device__ __forceinline__ int64_t block_max(int64_t value, BlockStorage& s) {
 
 // ------------------------------------------------------------------------------------------------ row operations
 // Each is called by every thread of the block and returns the same value in every thread. Each reads one span of a
-// row (Span{0, V}: the whole row; the split kernels give each block one chunk), and tiles start where the row's
-// alignment puts them, shifted by the span's start (a multiple of every vector width, see vocab_split.h).
-
-// The first tile of a span, for rows whose tiles the layout aligns.
-__device__ __forceinline__ int64_t first_tile(Span span, const TileLayout& layout) { return span.begin + layout.base; }
+// row (Span{0, V}: the whole row; the split kernels give each block one chunk), in tiles from the span's start.
 
 // Softmax partial of logits scaled by inverse_temperature over a span, reading it once (online softmax): each thread
 // keeps its running max and its sum of exp(s - running max), rescaled when a tile raises the max; the block then
@@ -97,7 +93,7 @@ __device__ SoftmaxPartial block_softmax_partial(const T* row, Span span, float i
   const TileLayout layout = tile_layout<T>(row, static_cast<const T*>(nullptr));
   float thread_max = -INFINITY;
   double thread_sum = 0.0;
-  for (int64_t tile = first_tile(span, layout); tile < span.end; tile += kTileElements) {
+  for (int64_t tile = span.begin; tile < span.end; tile += kTileElements) {
     const int64_t first = thread_first(tile);
     float scaled[kItemsPerThread];
     load_items(row, first, span, layout.vectorised, scaled);
@@ -133,7 +129,7 @@ __device__ SoftmaxStats block_softmax_stats(const T* row, int64_t vocab, float i
 template <typename Row, typename Draft, typename Visit>
 __device__ __forceinline__ void for_each_mass_tile(const Row& target, const Draft* draft, Span span, Visit&& visit) {
   const TileLayout layout = tile_layout(target.values, row_memory(draft));
-  for (int64_t tile = first_tile(span, layout); tile < span.end; tile += kTileElements) {
+  for (int64_t tile = span.begin; tile < span.end; tile += kTileElements) {
     const int64_t first = thread_first(tile);
     float p[kItemsPerThread], q[kItemsPerThread];
     load_masses(target, first, span, layout.vectorised, p);
@@ -199,7 +195,7 @@ __device__ int64_t block_inverse_cdf(const Row& target, const Draft* draft, Span
   constexpr int64_t kNone = INT64_MAX;
   double carry = 0.0;              // mass of all earlier tiles
   int64_t last_positive = -1;      // this thread's last element with positive mass
-  for (int64_t tile = first_tile(span, layout); tile < span.end; tile += kTileElements) {
+  for (int64_t tile = span.begin; tile < span.end; tile += kTileElements) {
     const int64_t first = thread_first(tile);
     float mass[kItemsPerThread];
     load_sample_masses(target, draft, first, span, layout, mass);

@@ -19,7 +19,7 @@ __device__ double block_fly_entropy(const Row& target, int64_t vocab, int top_k,
   const Span span{0, vocab};
   const TileLayout layout = tile_layout(target.values, static_cast<decltype(target.values)>(nullptr));
   FlyTopK top(top_k);
-  for (int64_t tile = first_tile(span, layout); tile < span.end; tile += kTileElements) {
+  for (int64_t tile = span.begin; tile < span.end; tile += kTileElements) {
     const int64_t first = thread_first(tile);
     float p[kItemsPerThread];
     load_masses(target, first, span, layout.vectorised, p);

@@ -4,8 +4,8 @@
 // A thread block works on a span of a row (the whole row, or one chunk of it in the split kernels), reading it in
 // tiles of kThreads x kItemsPerThread elements, each thread owning kItemsPerThread consecutive elements, loaded with
 // 16-byte vector loads where the row allows it (rows start at row * V elements, so a row is aligned only when V is a
-// multiple of the vector width: misaligned rows get a short scalar head, see TileLayout). Nothing is read outside the
-// span, which lies inside [0, V) of the row.
+// multiple of the vector width: misaligned rows are read scalar, see TileLayout). Nothing is read outside the span,
+// which lies inside [0, V) of the row.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -70,27 +70,25 @@ __device__ __forceinline__ float load_element(const T* row, int64_t v) {
   return Element<T>::decode(__ldg(reinterpret_cast<const Bits*>(row) + v));
 }
 
-// Where the tiles of a row (or of two rows read in lockstep) start. Vector loads need 16-byte alignment; a row whose
-// start is off by `head` elements from it begins its first tile at `head - width` (those leading lanes lie before the
-// row and are skipped), so every later vector of the first row is aligned. The second row (of its own element type:
-// a draft may be bfloat16 beside a float32 target) uses 16-byte loads only where the same tiles align it too, and is
-// read scalar otherwise. A span's start is a multiple of every vector width and 16 elements (vocab_split.h), and a
-// thread's elements begin at multiples of kItemsPerThread, so one test at the tiles' base decides for every vector.
+// How the tiles of a row (or of two rows read in lockstep) are loaded. Tiles always start at the span's start, so the
+// elements a thread owns, and with them the order in which sums and maxima are taken, are the same whatever the
+// row's alignment and element type: a row read in place, a padded copy of it and its float32 widening give the same
+// bits. A row whose start is 16-byte aligned is read with 16-byte loads, any other row scalar (the second row, of its
+// own element type, is decided alone). A span's start is a multiple of every vector width and 16 elements
+// (vocab_split.h), and a thread's elements begin at multiples of kItemsPerThread, so one test at the row's start
+// decides for every vector.
 struct TileLayout {
-  int64_t base;            // element index of the first tile, in (-width, 0]
-  bool vectorised;         // the first row: 16-byte loads wherever a whole vector lies inside the row
+  bool vectorised;         // the first row: 16-byte loads wherever a whole vector lies inside the span
   bool second_vectorised;  // the second row: the same
 };
 
+__device__ __forceinline__ bool aligned16(const void* address) {
+  return reinterpret_cast<uintptr_t>(address) % 16 == 0;
+}
+
 template <typename T, typename Second = T>
 __device__ __forceinline__ TileLayout tile_layout(const T* first, const Second* second) {
-  const uintptr_t misalignment = reinterpret_cast<uintptr_t>(first) % 16;
-  if (misalignment % sizeof(T) != 0) return TileLayout{0, false, false};
-  const int64_t head = static_cast<int64_t>(((16 - misalignment) % 16) / sizeof(T));
-  const int64_t base = head > 0 ? head - kVectorWidth<T> : 0;
-  const uintptr_t second_start = reinterpret_cast<uintptr_t>(second) +
-                                 static_cast<uintptr_t>(base * static_cast<int64_t>(sizeof(Second)));
-  return TileLayout{base, true, second != nullptr && second_start % 16 == 0};
+  return TileLayout{aligned16(first), second != nullptr && aligned16(second)};
 }
 
 // Elements [first, first + kItemsPerThread) of a row as float32; entries outside the span read as 0 and are never

@@ -33,7 +33,7 @@ __device__ __forceinline__ void with_rows(const PairProblem<T>& p, int64_t index
 template <typename Row, typename F>
 __device__ __forceinline__ void for_each_pair_tile(const Row& target, const Row& draft, int64_t vocab, F f) {
   const TileLayout layout = tile_layout(target.values, draft.values);
-  for (int64_t tile = layout.base; tile < vocab; tile += kTileElements) {
+  for (int64_t tile = 0; tile < vocab; tile += kTileElements) {
     const int64_t first = thread_first(tile);
     float p[kItemsPerThread], q[kItemsPerThread];
     load_masses(target, first, Span{0, vocab}, layout.vectorised, p);
