@@ -196,6 +196,7 @@ class EnsembleHead(nn.Module):
             directory: folder written by :meth:`save`.
             pair: {"target": name, "draft": name} of the models in use; a head saved for another pair is refused.
             draft_hidden / target_hidden: hidden sizes of the models in use; a mismatch is refused.
+            map_location: the device the returned head lives on.
         """
         config_path = os.path.join(directory, CONFIG_NAME)
         weights_path = os.path.join(directory, WEIGHTS_NAME)
@@ -206,8 +207,8 @@ class EnsembleHead(nn.Module):
         _check_matches(config, pair, draft_hidden, target_hidden, directory)
         head = cls(config.draft_hidden, config.target_hidden, hidden=config.hidden, init_weight=config.init_weight,
                    pair=config.pair, features=config.features, use_hidden=config.use_hidden, recipe=config.recipe)
-        head.load_state_dict(_read_weights(weights_path, head, map_location))
-        return head
+        head.load_state_dict(_read_weights(weights_path, head))
+        return head.to(map_location)
 
 
 def _read_config(path: str) -> HeadConfig:
@@ -262,14 +263,14 @@ def _check_features(features: Sequence[str], use_hidden: bool) -> list:
     return features
 
 
-def _read_weights(path: str, head: "EnsembleHead", map_location: str) -> dict:
+def _read_weights(path: str, head: "EnsembleHead") -> dict:
     """The tensors in head.safetensors, checked against the head the config describes: same names, same shapes,
     every value finite. Anything else is a ValueError naming the file."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     try:
-        tensors = load_file(path, device=map_location)
+        tensors = load_file(path, device="cpu")
     except (SafetensorError, OSError, ValueError, RuntimeError) as error:
         raise ValueError(f"{path} is not a readable safetensors file ({error})") from None
     expected = head.state_dict()

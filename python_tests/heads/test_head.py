@@ -49,6 +49,9 @@ def test_save_and_load_round_trip(tmp_path):
     torch.testing.assert_close(loaded(*inputs), head(*inputs), rtol=0, atol=0)
     assert loaded.config == head.config
     assert sorted(p.name for p in tmp_path.iterdir()) == ["head.json", "head.safetensors"]
+    # map_location places the whole head (the meta device holds no data, so any device but the CPU would tell).
+    moved = EnsembleHead.load(str(tmp_path), map_location="meta")
+    assert {parameter.device.type for parameter in moved.parameters()} == {"meta"}
 
 
 @pytest.mark.parametrize("kwargs,pattern", [
