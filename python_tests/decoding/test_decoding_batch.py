@@ -12,6 +12,7 @@ draft pass, one for the verifier's results, none in the head, the gate or the ve
 """
 
 import copy
+import os
 import warnings
 
 import pytest
@@ -262,9 +263,9 @@ class UncountedRunner:
             torch.cuda.set_sync_debug_mode("warn")
 
 
-def round_syncs(decoder, states, monkeypatch) -> tuple[int, dict]:
-    """(host syncs of one round, outside the model passes; those inside each device-side step), counted by torch's
-    sync debug mode, which warns at every synchronising CUDA call."""
+def round_syncs(decoder, states, monkeypatch) -> tuple[list, dict]:
+    """(where each host sync of one round was made, outside the model passes, as "file:line"; the count inside each
+    device-side step), seen by torch's sync debug mode, which warns at every synchronising CUDA call."""
     decoder._target_runner = UncountedRunner(decoder._target_runner)
     decoder._draft_runner = UncountedRunner(decoder._draft_runner)
     spans = []
@@ -283,8 +284,11 @@ def round_syncs(decoder, states, monkeypatch) -> tuple[int, dict]:
             decoder.step_batch(states)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    syncs = ["synchroniz" in str(warning.message) for warning in caught]
-    return sum(syncs), {name: sum(syncs[start:end]) for name, start, end in spans}
+    # The words of torch's warning at a synchronising call (not those of its one-time notice that the debug mode is a
+    # prototype, which the first set_sync_debug_mode of a process gives).
+    syncs = ["called a synchronizing CUDA operation" in str(warning.message) for warning in caught]
+    places = [f"{os.path.basename(warning.filename)}:{warning.lineno}" for warning, sync in zip(caught, syncs) if sync]
+    return places, {name: sum(syncs[start:end]) for name, start, end in spans}
 
 
 @requires_cuda
@@ -300,7 +304,7 @@ def test_a_cuda_round_waits_once_per_draft_pass_and_once_for_its_results(wide_pa
                            temperature, max_draft=4)
     states = [decoder.start(prompt, max_new_tokens=40, seed=index) for index, prompt in enumerate(PROMPTS[:3])]
     decoder.step_batch(states)  # the first round reads the prompts and allocates
-    total, inside = round_syncs(decoder, states, monkeypatch)
+    places, inside = round_syncs(decoder, states, monkeypatch)
     assert inside == {name: 0 for name in DEVICE_SIDE_STEPS}
     assert [stats.drafted for stats in states[0].rounds] == [4, 4]
-    assert total == 4 + 1  # the drafted tokens of each of the 4 draft passes, then the verifier's results
+    assert len(places) == 4 + 1, places  # the drafted tokens of each of the 4 draft passes, then the verifier's results
