@@ -364,8 +364,8 @@ def parse_args(argv=None):
     parser.add_argument("--dtype", nargs="+", default=list(DTYPES), choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--quick", action="store_true", help="three representative shapes instead of the full grid")
-    parser.add_argument("--cuda-kernels", choices=CUDA_KERNEL_FAMILIES, default="block",
-                        help="the CUDA verify kernels to run (diversed_ext.set_cuda_kernels; default block)")
+    parser.add_argument("--cuda-kernels", choices=CUDA_KERNEL_FAMILIES, default="auto",
+                        help="the CUDA verify kernels to run (diversed_ext.set_cuda_kernels; default auto)")
     parser.add_argument("--fly-window", type=int, default=0,
                         help="FLy's window in the fused, checked and reference verify calls (default 0: off)")
     parser.add_argument("--fly-threshold", type=float, default=0.3, help="FLy's entropy threshold (default 0.3)")

@@ -28,7 +28,7 @@
 #include "common/kernel_family.h"
 
 namespace diversed {
-std::atomic<int> cuda_kernel_family{kBlockKernels};
+std::atomic<int> cuda_kernel_family{kAutoKernels};
 }  // namespace diversed
 
 namespace {
@@ -37,7 +37,7 @@ namespace {
 PyObject* set_cuda_kernel_family(PyObject*, PyObject* family) {
   const long value = PyLong_AsLong(family);
   if (value == -1 && PyErr_Occurred()) return nullptr;
-  if (value != diversed::kBlockKernels && value != diversed::kSplitKernels) {
+  if (value != diversed::kBlockKernels && value != diversed::kSplitKernels && value != diversed::kAutoKernels) {
     PyErr_Format(PyExc_ValueError, "unknown CUDA kernel family %ld", value);
     return nullptr;
   }
@@ -50,8 +50,8 @@ PyObject* get_cuda_kernel_family(PyObject*, PyObject*) {
 }
 
 PyMethodDef module_methods[] = {
-    {"set_cuda_kernel_family", set_cuda_kernel_family, METH_O, "Sets the CUDA verify kernels (0 block, 1 split)."},
-    {"cuda_kernel_family", get_cuda_kernel_family, METH_NOARGS, "The CUDA verify kernels (0 block, 1 split)."},
+    {"set_cuda_kernel_family", set_cuda_kernel_family, METH_O, "Sets the CUDA verify kernels (0 block, 1 split, 2 auto)."},
+    {"cuda_kernel_family", get_cuda_kernel_family, METH_NOARGS, "The CUDA verify kernels (0 block, 1 split, 2 auto)."},
     {nullptr, nullptr, 0, nullptr}};
 
 }  // namespace

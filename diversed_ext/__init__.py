@@ -11,7 +11,8 @@ Public names:
     philox_uniforms          the counter-based uniforms the kernels draw for a seed and offset
     cuda_kernels_registered  whether this build carries the CUDA kernels
     set_cuda_kernels, cuda_kernels
-                             which CUDA verify kernels run ("block", the default, or "split"), process-wide
+                             which CUDA verify kernels run ("auto", the default, "split" or "block"),
+                             process-wide
 
 Layout, one floor per folder, imports pointing down only:
     ops/        the custom-op library (the names above)

@@ -61,9 +61,10 @@ def experiment_pair():
 @pytest.fixture(params=["block", "split"])
 def cuda_kernels(request):
     """Runs a CUDA test once per family of verify kernels (diversed_ext.set_cuda_kernels: "block" gives a request one
-    thread block, "split" spreads its vocabulary over many), the default restored after; the CPU kernels ignore it."""
+    thread block, "split" spreads its vocabulary over many), the default ("auto") restored after; the CPU kernels
+    ignore it."""
     import diversed_ext
 
     diversed_ext.set_cuda_kernels(request.param)
     yield request.param
-    diversed_ext.set_cuda_kernels("block")
+    diversed_ext.set_cuda_kernels("auto")

@@ -61,9 +61,24 @@ void check_grid_rows(const char* op, int64_t rows) {
 }
 
 // ------------------------------------------------------------------------------------------------ verify helpers
+// The split kernels decide each request's accepted length in every block of the request from gathered values alone,
+// before any block has read a whole row; FLy's entropy needs the whole target row at a rejected position, which
+// only the block kernels (one block per request) read. Refused rather than run with other kernels than the ones
+// diversed_ext.set_cuda_kernels asked for (the default, "auto", runs such a call with the block kernels).
+void check_split_without_fly(const char* op, const VerifyProblem& problem) {
+  TORCH_CHECK(!problem.fly.may_defer(), op, ": FLy (fly_window) is not supported by the split CUDA kernels; use "
+              "diversed_ext.set_cuda_kernels('auto') (the default) or 'block'");
+}
+
 // The verify kernels a call runs: the process-wide family of common/kernel_family.h (diversed_ext.set_cuda_kernels:
-// "block", one block per request, the default; or "split", each request's vocabulary over many blocks).
-bool use_split_kernels() { return cuda_kernel_family.load(std::memory_order_relaxed) == kSplitKernels; }
+// "block", one block per request; "split", each request's vocabulary over many blocks, faster at every shape
+// measured on an H100; or "auto", the default: split, and block for a call that asks for FLy, which only the block
+// kernels run). A call asking the split family for FLy is refused (check_split_without_fly).
+bool use_split_kernels(const char* op, const VerifyProblem& problem) {
+  const int family = cuda_kernel_family.load(std::memory_order_relaxed);
+  if (family == kSplitKernels) check_split_without_fly(op, problem);
+  return family == kSplitKernels || (family == kAutoKernels && !problem.fly.may_defer());
+}
 
 // A seedless call draws its seed inside the kernel from torch's CUDA generator (seed_from_generator), which hands each
 // call its own offset: no launch of its own, and under graph capture the state is read from device memory, so every
@@ -151,15 +166,6 @@ void check_verify_devices(const char* op, const at::Tensor& draft_tokens, const 
   check_grid_rows(op, shape.batch);
 }
 
-// The split kernels decide each request's accepted length in every block of the request from gathered values alone,
-// before any block has read a whole row; FLy's entropy needs the whole target row at a rejected position, which
-// only the block kernels (one block per request) read. Refused rather than run with other kernels than the ones
-// diversed_ext.set_cuda_kernels asked for.
-void check_split_without_fly(const char* op, const VerifyProblem& problem) {
-  TORCH_CHECK(!problem.fly.may_defer(), op, ": FLy (fly_window) is not supported by the split CUDA kernels; use "
-              "the block kernels (diversed_ext.set_cuda_kernels('block'), the default)");
-}
-
 VerifyTuple verify_probs_cuda(const at::Tensor& draft_tokens, const OptionalTensor& draft_probs,
                               const at::Tensor& target_probs, const OptionalTensor& weight,
                               const OptionalTensor& num_draft, const OptionalTensor& greedy,
@@ -180,8 +186,7 @@ VerifyTuple verify_probs_cuda(const at::Tensor& draft_tokens, const OptionalTens
   if (call.empty()) return call.result();
   const VerifyProblem& problem = call.problem;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const bool split = use_split_kernels();
-  if (split) check_split_without_fly(kVerifyProbsOp, problem);
+  const bool split = use_split_kernels(kVerifyProbsOp, problem);
   const SplitLaunch launch =
       split ? prepare_split(kVerifyProbsOp, problem, target_probs, false, stream) : SplitLaunch{};
   dispatch_verify_types(kVerifyProbsOp, draft_probs, target_probs, [&](auto draft_tag, auto target_tag) {
@@ -219,8 +224,7 @@ VerifyTuple verify_logits_cuda(const at::Tensor& draft_tokens, const OptionalTen
   if (call.empty()) return call.result();
   const VerifyProblem& problem = call.problem;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const bool split = use_split_kernels();
-  if (split) check_split_without_fly(kVerifyLogitsOp, problem);
+  const bool split = use_split_kernels(kVerifyLogitsOp, problem);
   const SplitLaunch launch =
       split ? prepare_split(kVerifyLogitsOp, problem, target_logits, true, stream) : SplitLaunch{};
   // The block kernels' scratch: the softmax normalisers of the rows each request reads, written and read back by its

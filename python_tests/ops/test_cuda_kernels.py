@@ -3,6 +3,8 @@ their seed inside the kernel from torch's CUDA generator, and CUDA graphs. Skipp
 split family cuts rows is checked on the CPU by test_vocab_split.py, and its results against the CPU kernels by
 test_cuda_vs_cpu.py."""
 
+import re
+
 import pytest
 import torch
 
@@ -17,16 +19,50 @@ def cuda_problem(batch, num_positions, vocab, seed=0):
     return tuple(t.to(CUDA) for t in random_problem(batch, num_positions, vocab, seed=seed))
 
 
-def test_the_kernel_family_is_block_by_default_and_set_by_name():
-    assert dx.cuda_kernels() == "block"
+def test_the_kernel_family_is_auto_by_default_and_set_by_name():
+    assert dx.cuda_kernels() == "auto"
     try:
-        dx.set_cuda_kernels("split")
-        assert dx.cuda_kernels() == "split"
+        for family in ("split", "block"):
+            dx.set_cuda_kernels(family)
+            assert dx.cuda_kernels() == family
     finally:
-        dx.set_cuda_kernels("block")
-    with pytest.raises(ValueError, match="CUDA kernel family must be one of block, split, got 'warp'"):
+        dx.set_cuda_kernels("auto")
+    with pytest.raises(ValueError, match="CUDA kernel family must be one of block, split, auto, got 'warp'"):
         dx.set_cuda_kernels("warp")
-    assert dx.cuda_kernels() == "block"
+    assert dx.cuda_kernels() == "auto"
+
+
+def verify_kernel_names(call) -> set:
+    """The names of the verify kernels that ``call()`` launched, as CUDA's profiler saw them."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+        call()
+        torch.cuda.synchronize()
+    return {found.group(0) for event in profile.events() if (found := re.search(r"\w*verify_kernel", event.name))}
+
+
+@requires_cuda
+@pytest.mark.parametrize("from_logits", [False, True])
+def test_auto_runs_the_split_kernels_and_the_block_kernels_for_fly(from_logits):
+    """"auto" launches the split kernels for a call without FLy and the block kernels for one that may defer, with
+    the bits of the family it ran."""
+    tokens, draft, target = cuda_problem(16, 4, 40000, seed=8)
+    if from_logits:
+        draft, target = draft.log(), target.log()
+    verify = dx.verify_logits if from_logits else dx.verify
+
+    def run(family, **fly):
+        dx.set_cuda_kernels(family)
+        try:
+            return verify(tokens, draft, target, 0.6, seed=4, check_inputs=False, **fly)
+        finally:
+            dx.set_cuda_kernels("auto")
+
+    for fly, family, kernels in (({}, "split", {"split_verify_kernel"}),
+                                 (dict(fly_window=1, fly_threshold=0.5), "block", {"verify_kernel"})):
+        assert verify_kernel_names(lambda: run("auto", **fly)) == kernels
+        auto, expected = run("auto", **fly), run(family, **fly)
+        for name in ("tokens", "num_accepted", "accept_prob"):
+            assert torch.equal(getattr(auto, name), getattr(expected, name)), (fly, name)
 
 
 @requires_cuda
