@@ -50,7 +50,8 @@ PyObject* get_cuda_kernel_family(PyObject*, PyObject*) {
 }
 
 PyMethodDef module_methods[] = {
-    {"set_cuda_kernel_family", set_cuda_kernel_family, METH_O, "Sets the CUDA verify kernels (0 block, 1 split, 2 auto)."},
+    {"set_cuda_kernel_family", set_cuda_kernel_family, METH_O,
+     "Sets the CUDA verify kernels (0 block, 1 split, 2 auto)."},
     {"cuda_kernel_family", get_cuda_kernel_family, METH_NOARGS, "The CUDA verify kernels (0 block, 1 split, 2 auto)."},
     {nullptr, nullptr, 0, nullptr}};
 
