@@ -12,12 +12,14 @@ import argparse
 import os
 from pathlib import Path
 
-from .common import (UsageError, _add_model_arguments, _non_negative_float, _non_negative_int, _positive_float,
-                     _positive_int, _weight_of_untrained_head, library_defaults)
+from .common import (EAGLE_DRAFTERS, UsageError, _add_model_arguments, _non_negative_float, _non_negative_int,
+                     _positive_float, _positive_int, _weight_of_untrained_head, library_defaults)
 from .experiments import _add_task_arguments, _experiment_setup
 
-# Options of a run that do not change the head it trains, so a recipe leaves them out.
-NOT_IN_RECIPE = ("command", "recipe", "resume", "output_dir", "checkpoint_every", "data_from_recipe", "device")
+# Options of a run that do not change the head it trains, so a recipe leaves them out; and a folder of this machine
+# (--drafter-path: the head records that drafter's folder name as its pair's draft).
+NOT_IN_RECIPE = ("command", "recipe", "resume", "output_dir", "checkpoint_every", "data_from_recipe", "device",
+                 "drafter_path")
 
 
 def add_train_command(commands) -> None:
@@ -111,8 +113,19 @@ def with_recipe(parser: argparse.ArgumentParser, argv: list, args):
     return merged
 
 
-def run_train(args) -> int:
+def _default_pair(args) -> dict:
+    """The pair a head trained on the default pair records: its draft model, or the EAGLE-3 head's folder name."""
     from ..models import DEFAULT_PAIR
+    from ..models.eagle3 import default_drafter_path
+
+    if args.drafter_path is not None:
+        return {**DEFAULT_PAIR, "draft": os.path.basename(os.path.normpath(args.drafter_path))}
+    if args.drafter in EAGLE_DRAFTERS:
+        return {**DEFAULT_PAIR, "draft": default_drafter_path().name}
+    return dict(DEFAULT_PAIR)
+
+
+def run_train(args) -> int:
     from ..research.checkpoints import CheckpointError
     from ..research.recipes import build_trainer
     from ..research.trainer import TrainerConfig, distributed_session
@@ -122,6 +135,10 @@ def run_train(args) -> int:
     if getattr(args, "data_from_recipe", False) and not os.path.isfile(args.data):
         raise UsageError(f"--recipe {args.recipe} trained on {args.data}, which is not here: pass --data PATH to "
                          "your copy of that file")
+    eagle = args.drafter in EAGLE_DRAFTERS or args.drafter_path is not None
+    if eagle and args.rollout == "mixture":
+        raise UsageError("--rollout mixture: an EAGLE-3 drafter's q depends on the step of its round it drafts at, so "
+                         "it rolls out through the speculative loop only (--rollout speculative)")
     args.output_dir = args.output_dir or "runs/head"
     task, examples, target, draft, tokenizer, eos = _experiment_setup(args)
     config = TrainerConfig(output_dir=args.output_dir, steps=args.steps, batch_size=args.batch_size,
@@ -135,7 +152,7 @@ def run_train(args) -> int:
         trainer = build_trainer(task, examples, target, draft, tokenizer, config, head_hidden=args.head_hidden,
                                 init_weight=args.init_weight, head_inputs=args.head_inputs, max_draft=args.max_draft,
                                 max_new_tokens=args.max_new_tokens, rollout=args.rollout, eos_token_id=eos,
-                                pair=None if args.target else DEFAULT_PAIR, chat=not args.no_chat_template,
+                                pair=None if args.target else _default_pair(args), chat=not args.no_chat_template,
                                 recipe=recipe_of(args))
         try:
             history = trainer.train(resume=args.resume)

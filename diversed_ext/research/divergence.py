@@ -196,22 +196,25 @@ def head_position_weights(head, draft_hidden: torch.Tensor, target_hidden: torch
 
 @torch.no_grad()
 def position_divergences(target, draft, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
-                         law: RuleLaw, temperature: float = 1.0,
-                         score_temperature: Optional[float] = None) -> list[tuple[float, float]]:
+                         law: RuleLaw, temperature: float = 1.0, score_temperature: Optional[float] = None,
+                         draft_steps: Optional[Sequence[Optional[Sequence[int]]]] = None) -> list[tuple[float, float]]:
     """(mean KL(out || p), mean TV(out, p)) over each completion's positions, the rule's per-position law taken at the
     contexts the completion visited (one teacher-forced pass of each model, through the runners the loop uses);
     (NaN, NaN) for an empty completion. The law is the rule's at its decoding ``temperature``, p the target's at
-    ``score_temperature`` (default: the same), so sd run colder (the temperature family) has KL(p_T' || p_T)."""
-    from .teacher_forcing import _completion_outputs
+    ``score_temperature`` (default: the same), so sd run colder (the temperature family) has KL(p_T' || p_T). With an
+    EAGLE-3 head for the draft, q at each token is the head's at the draft step the loop drafted it at
+    (``draft_steps``, from :func:`.rollouts.draft_steps`; None: step 0 everywhere)."""
+    from .teacher_forcing import pair_outputs
 
     filled = [index for index, completion in enumerate(completions) if completion]
     results = [(float("nan"), float("nan"))] * len(completions)
     if not filled:
         return results
     pairs = ([list(prompts[index]) for index in filled], [list(completions[index]) for index in filled])
-    target_outputs = _completion_outputs(target, *pairs)
+    steps = None if draft_steps is None else [draft_steps[index] for index in filled]
+    target_outputs, draft_outputs = pair_outputs(target, draft, *pairs, steps)
     # exact sampling's law is p itself: no draft needed (ar, or sd run at another temperature)
-    draft_outputs = target_outputs if law.kind == "exact" and draft is None else _completion_outputs(draft, *pairs)
+    draft_outputs = target_outputs if draft_outputs is None else draft_outputs
     for index, (target_hidden, target_logits), (draft_hidden, draft_logits) in zip(filled, target_outputs,
                                                                                   draft_outputs):
         target_logits, draft_logits = target_logits.cpu(), draft_logits.cpu()

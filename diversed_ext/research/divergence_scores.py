@@ -14,8 +14,9 @@ from .fly_divergence import fly_divergences
 
 NOT_MEASURED = (math.nan, math.nan)
 
-# (prompt ids, completion ids, prompt index) -> (mean KL(out || p), mean TV(out, p)) over the completion's positions
-Scorer = Callable[[Sequence[int], Sequence[int], int], tuple]
+# (prompt ids, completion ids, prompt index, the draft step of each completion token (.rollouts.draft_steps))
+#   -> (mean KL(out || p), mean TV(out, p)) over the completion's positions
+Scorer = Callable[[Sequence[int], Sequence[int], int, Sequence[int]], tuple]
 
 
 def divergence_scorer(target, draft, decoder, score_temperature: float, seed: int = 0,
@@ -24,29 +25,27 @@ def divergence_scorer(target, draft, decoder, score_temperature: float, seed: in
     have law p at the decoding temperature (KL 0 when it is the scoring one; the temperature family's
     KL(p_T' || p_T) otherwise); static, heads, the gate and typical acceptance their closed forms; FLy with a static
     weight (sd's 1 included) its TV from ``fly_samples`` Monte Carlo estimates per position, seeded by ``seed`` + the
-    prompt's index (its KL is NaN: not linear in what is estimated). NaN, NaN where nothing applies: greedy decoding
-    (no law to compare), a callable drafter (no model q), a head with FLy (its weight on the branches is not read),
-    and any law that reads q with an EAGLE-3 head for the draft (its q depends on a draft's place in its round: the
-    first reads the target's states, later ones the head's own, so no per-position law reads it)."""
+    prompt's index (its KL is NaN: not linear in what is estimated). With an EAGLE-3 head for the draft, whose q
+    depends on a draft's place in its round, a closed form reads its q at the draft step of each token. NaN, NaN where
+    nothing applies: greedy decoding (no law to compare), a callable drafter (no model q), a head with FLy (its weight
+    on the branches is not read), and FLy with an EAGLE-3 head (its branches are drafted within the round)."""
     temperature = decoder.temperature
     if is_greedy_temperature(temperature):
-        return lambda prompt, completion, index: NOT_MEASURED
+        return lambda prompt, completion, index, steps: NOT_MEASURED
     draft_model = None if is_eagle_head(draft) else draft
     law = RuleLaw("exact") if decoder.method == "ar" else rule_law(decoder)
     if law is not None:
-        if law.kind != "exact" and draft_model is None:
-            return lambda prompt, completion, index: NOT_MEASURED
-        model = None if law.kind == "exact" else draft_model
+        model = None if law.kind == "exact" else draft
 
-        def closed_form(prompt, completion, index):
+        def closed_form(prompt, completion, index, steps):
             return position_divergences(target, model, [prompt], [completion], law, temperature,
-                                        score_temperature)[0]
+                                        score_temperature, [steps])[0]
         return closed_form
     if (decoder.fly is not None and draft_model is not None and decoder.drafter is None and decoder.head is None
             and decoder.gate is None):
         tokens_only = decoder.draft_mode != "distributions"
 
-        def monte_carlo(prompt, completion, index):
+        def monte_carlo(prompt, completion, index, steps):
             if not math.isclose(temperature, score_temperature):
                 return NOT_MEASURED  # FLy's TV identity holds against the target it verifies with
             deferral, tv = fly_divergences(target, draft_model, [prompt], [completion], decoder.fly,
@@ -54,4 +53,4 @@ def divergence_scorer(target, draft, decoder, score_temperature: float, seed: in
                                            tokens_only=tokens_only, samples=fly_samples, seed=seed + index)[0]
             return math.nan, tv
         return monte_carlo
-    return lambda prompt, completion, index: NOT_MEASURED
+    return lambda prompt, completion, index, steps: NOT_MEASURED

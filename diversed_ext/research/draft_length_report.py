@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-from .report import MethodResult, cell, markdown_rows, standard_error, with_error
+from .report import MethodResult, cell, markdown_rows, with_error
 
 SEPARATOR = " / "  # between a method's label and its draft length's
 

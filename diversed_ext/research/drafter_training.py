@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 import os
 import random
 import time
@@ -28,6 +27,7 @@ from typing import Optional, Sequence
 import torch
 
 from ..models.eagle3 import Eagle3Head
+from .eagle_unrolled import unrolled_logits
 from .trainer import warmup_cosine
 
 LOG_FILE = "train_log.jsonl"
@@ -100,43 +100,6 @@ def collate(examples: Sequence[dict], extra: int, continuation_only: bool = Fals
             e["draft"][sl], e["target"][sl], e["prob"][sl]
         first = min(first, begin)
     return {"tokens": tokens, "aux": aux, "draft": draft, "target": target, "prob": prob, "first_label": first}
-
-
-def _attend(q, keys0, values0, causal, diagonal):
-    """Attention of step-j queries [B, h, n, d] over the target-fed keys [B, h, S, d] (``causal`` [n, S] bool) and
-    the same anchor's earlier draft steps ``diagonal``: list of (k, v) [B, h, n, d]."""
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    scores = [torch.matmul(q, keys0.transpose(-1, -2)).mul(scale).masked_fill(~causal, float("-inf"))]
-    scores += [(q * k).sum(-1, keepdim=True).mul(scale) for k, _ in diagonal]
-    weights = torch.softmax(torch.cat(scores, dim=-1), dim=-1)
-    out = torch.matmul(weights[..., :keys0.shape[2]], values0)
-    for index, (_, v) in enumerate(diagonal):
-        out = out + weights[..., keys0.shape[2] + index:keys0.shape[2] + index + 1] * v
-    return out
-
-
-def unrolled_logits(head: Eagle3Head, batch: dict, steps: int) -> tuple:
-    """(logits per step, each [B, n, Vd] for the anchors ``start .. W - 2``, start): the training-time test."""
-    c = head.config
-    tokens, aux = batch["tokens"], batch["aux"]
-    anchors = aux.shape[1]                                   # positions 0 .. W - 2
-    start = max(0, min(batch["first_label"] - 1, anchors - 1))  # the first anchor any label needs
-    group = c.num_attention_heads // c.num_key_value_heads
-    fused = head.fuse(aux)
-    positions = torch.arange(anchors)
-    q0, k0, v0 = head.project(tokens[:, 1:anchors + 1], fused, positions)
-    keys0, values0 = k0.repeat_interleave(group, 1), v0.repeat_interleave(group, 1)
-    causal = positions.unsqueeze(0) <= positions[start:].unsqueeze(1)      # [n, S]
-    features, query, diagonal, outputs = fused[:, start:], q0[:, :, start:], [], []
-    n = anchors - start
-    for j in range(steps):
-        if j > 0:
-            query, k, v = head.project(tokens[:, start + j + 1:start + j + 1 + n], features,
-                                       torch.arange(start + j, start + j + n))
-            diagonal.append((k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)))
-        logits, features = head.finish(_attend(query, keys0, values0, causal, diagonal), features)
-        outputs.append(logits)
-    return outputs, start
 
 
 def _labels(batch, start, j, n):

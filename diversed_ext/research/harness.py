@@ -25,6 +25,7 @@ from .draft_length_report import draft_length_label
 from .head_usage import weight_usage
 from .divergence_scores import divergence_scorer
 from .report import MethodResult, _mean
+from .rollouts import draft_steps
 from .tasks import Task
 from .teacher_forcing import target_scores
 
@@ -287,7 +288,7 @@ def evaluate(task: Task, examples: Sequence[dict], target, draft, tokenizer, spe
         tokens = generation.tokens.tolist()
         quality = float(task.reward(examples[index], tokenizer.decode(tokens, skip_special_tokens=True)))
         return (quality, *target_scores(target, prompts[index], tokens, scoring),
-                *divergence[label](prompts[index], tokens, index))
+                *divergence[label](prompts[index], tokens, index, draft_steps(generation.rounds)))
 
     # (new tokens, decoding seconds) of each batch: the method's decoding time, and the unit of paired comparisons
     batch_work = {label: [] for label, _ in specs}

@@ -2,22 +2,45 @@
 
 :func:`speculative_rollout` samples through the speculative loop, as in deployment; :func:`mixture_rollout` samples
 the same distribution token by token with full forward passes (the tests' reference, and a fallback for models the
-loop does not support).
+loop does not support). A draft model's q at a position depends on the tokens before it alone, so both give the same
+law; an EAGLE-3 head's q also depends on how many steps into its round it drafts, so it rolls out through the loop
+only, and each completion says at which step every token was drafted (:func:`draft_steps`).
 """
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import torch
 
 from ..decoding import DEFAULT_MAX_DRAFT, SpeculativeDecoder
+from ..decoding.eagle_drafting import is_eagle_head
 from ..decoding.runners import model_device
 from ..head import EnsembleHead, distribution_features, wants_distributions
 from ..ops import distribution_temperature, is_greedy_temperature
 
-# (prompts' token ids, one rollout seed per prompt) -> one completion's token ids per prompt
-Rollout = Callable[[Sequence[Sequence[int]], Sequence[int]], list[Sequence[int]]]
+
+class Completion(NamedTuple):
+    """One rollout: its token ids, and for each the draft step (0-based) whose q the loop mixed in there, or None
+    where every token's q is the one a fresh round would draft it with (token-by-token sampling)."""
+
+    tokens: list[int]
+    draft_steps: Optional[list[int]] = None
+
+
+# (prompts' token ids, one rollout seed per prompt) -> one Completion per prompt
+Rollout = Callable[[Sequence[Sequence[int]], Sequence[int]], list[Completion]]
+
+
+def draft_steps(rounds) -> list[int]:
+    """The draft step (0-based) of every token a generation emitted, from its rounds
+    (:class:`~diversed_ext.decoding.RoundStats`): token m of a round that drafted d tokens was drafted at step m
+    when m < d. A token no draft covered (a round's bonus token, sampled from p alone, and the first round's) counts
+    as step 0: the q a fresh round would draft it with."""
+    steps = []
+    for round_stats in rounds:
+        steps += [m if m < round_stats.drafted else 0 for m in range(round_stats.emitted)]
+    return steps
 
 
 def speculative_rollout(target, draft, head, *, max_draft: int = DEFAULT_MAX_DRAFT, max_new_tokens: int, temperature: float = 1.0,
@@ -28,10 +51,11 @@ def speculative_rollout(target, draft, head, *, max_draft: int = DEFAULT_MAX_DRA
     decoder = SpeculativeDecoder(target, draft, method="diversed", head=head, max_draft=max_draft,
                                  temperature=temperature)
 
-    def rollout(prompts: Sequence[Sequence[int]], seeds: Sequence[int]) -> list[list[int]]:
+    def rollout(prompts: Sequence[Sequence[int]], seeds: Sequence[int]) -> list[Completion]:
         output = decoder.generate([list(prompt) for prompt in prompts], max_new_tokens=max_new_tokens,
                                   eos_token_id=eos_token_id, seed=list(seeds), batch_size=batch_size)
-        return [tokens.tolist() for tokens in output.sequences]
+        return [Completion(generation.tokens.tolist(), draft_steps(generation.rounds))
+                for generation in output.generations]
 
     return rollout
 
@@ -41,13 +65,17 @@ def mixture_rollout(target, draft, head: EnsembleHead, *, max_new_tokens: int, t
     """A rollout that samples nu = w p + (1 - w) q token by token with full forward passes.
 
     The same distribution as the speculative loop (which only makes it cheaper), so it is the reference rollout of
-    the tests and a fallback for models the speculative decoder does not support.
+    the tests and a fallback for models the speculative decoder does not support. Raises ValueError for an EAGLE-3
+    ``draft``, whose q exists only inside the loop's rounds.
     """
+    if is_eagle_head(draft):
+        raise ValueError("rollout: an EAGLE-3 draft's q depends on the step of its round it drafts at, so it rolls "
+                         "out through the speculative loop only (rollout='speculative')")
 
     target_device = model_device(target)  # where the head meets both models' outputs
 
-    def rollout(prompts: Sequence[Sequence[int]], seeds: Sequence[int]) -> list[list[int]]:
-        return [rollout_one(prompt, seed) for prompt, seed in zip(prompts, seeds)]
+    def rollout(prompts: Sequence[Sequence[int]], seeds: Sequence[int]) -> list[Completion]:
+        return [Completion(rollout_one(prompt, seed)) for prompt, seed in zip(prompts, seeds)]
 
     @torch.no_grad()
     def rollout_one(prompt: Sequence[int], seed: int) -> list[int]:

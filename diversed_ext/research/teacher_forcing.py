@@ -8,18 +8,25 @@ materialising probabilities; :func:`fidelity_gap` the expected-fidelity term's G
 (chunked, so small temporaries); and :func:`~diversed_ext.head.distribution_features` what a head that reads them sees
 at each position. For scoring decoded outputs, :func:`target_scores` gives a completion's fidelity and the target's
 entropy at the positions it visited (one pass of the target).
+
+An EAGLE-3 head as the draft reads the target's aux hidden states instead of the tokens alone, and its q at a position
+depends on the step of its round it drafts at (:mod:`.eagle_unrolled`): the target's pass also gives the aux states,
+and each token's q and state are the head's at the draft step the decoding loop used there (``draft_steps``, from
+:func:`.rollouts.draft_steps`), computed with its float products.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
 from ..head import DISTRIBUTION_FEATURES, distribution_features, wants_distributions
+from ..decoding.eagle_drafting import is_eagle_head
 from ..decoding.runners import make_runner, model_device
 from ..ops import distribution_temperature, token_stats
+from .eagle_unrolled import unrolled_steps
 
 
 @dataclass
@@ -65,43 +72,94 @@ def fidelity_gap(draft_logits: torch.Tensor, target_logits: torch.Tensor, temper
 SEQUENCES_PER_PASS = 8  # sequences per forward call: their [tokens, V] logits stay a few hundred MB
 
 
-def _completion_outputs(model, prompts: Sequence[list[int]], completions: Sequence[list[int]]):
+def _completion_outputs(model, prompts: Sequence[list[int]], completions: Sequence[list[int]], aux_layers=None):
     """(hidden [T_n, H], logits [T_n, V]) at the positions that predicted each token of every completion, through the
-    runner the decoding loop uses for this model. On the lean Llama forward several sequences share one call, and an
-    int8 draft quantises each sequence's rows as it does while decoding, so the head trains on the very hidden states
-    and distributions it sees when it runs."""
+    runner the decoding loop uses for this model; with ``aux_layers``, third, the aux hidden states of every position
+    read [P_n + T_n - 1, A]. On the lean Llama forward several sequences share one call, and an int8 draft quantises
+    each sequence's rows as it does while decoding, so the head trains on the very hidden states and distributions it
+    sees when it runs."""
     runner = make_runner(model, model_device(model), fast_forward=True)
     outputs = []
     for start in range(0, len(prompts), SEQUENCES_PER_PASS):
         chunk = range(start, min(start + SEQUENCES_PER_PASS, len(prompts)))
         lengths = [len(completions[index]) for index in chunk]
         feeds = [prompts[index] + completions[index][:-1] for index in chunk]
-        logits, hidden, _ = runner.run_rows(feeds, [None] * len(feeds), lengths, True)
-        outputs += zip(hidden.float().split(lengths), logits.float().split(lengths))
+        results = runner.run_rows(feeds, [None] * len(feeds), lengths, True, aux_layers)
+        parts = [results[1].float().split(lengths), results[0].float().split(lengths)]
+        if aux_layers is not None:
+            parts.append(results[3].split([len(feed) for feed in feeds]))
+        outputs += zip(*parts)
     return outputs
+
+
+def _eagle_outputs(head, prompt: list[int], completion: list[int], aux: torch.Tensor, steps) -> tuple:
+    """(pre-norm states [T, H], full-vocabulary logits [T, V]) with which the EAGLE-3 ``head`` drafts each token of
+    ``completion`` at its draft step (``steps[t]``, 0-based; None: every token at step 0), from the target's ``aux``
+    hidden states at positions 0 .. P + T - 2."""
+    steps = [0] * len(completion) if steps is None else [int(step) for step in steps]
+    if len(steps) != len(completion):
+        raise ValueError(f"draft_steps: {len(steps)} steps for a completion of {len(completion)} tokens")
+    if any(not 0 <= step <= index for index, step in enumerate(steps)):
+        raise ValueError("draft_steps: token t of a completion is drafted at a step in 0 .. t (its round starts "
+                         "inside the completion)")
+    if len(prompt) < 2:
+        raise ValueError("an EAGLE-3 draft needs prompts of at least 2 tokens: its first draft reads the target's "
+                         "features of the position before the prompt's last")
+    depth = max(steps) + 1
+    # Token P + t at step j is drafted from anchor P + t - j - 2: index t - j of the anchors from P - 2 on.
+    tokens = torch.tensor([prompt + completion + [0] * depth], device=aux.device)
+    logits, states, _ = unrolled_steps(head, {"tokens": tokens, "aux": aux.unsqueeze(0),
+                                              "first_label": len(prompt) - 1}, depth)
+    step = torch.tensor(steps, device=aux.device)
+    anchor = torch.arange(len(completion), device=aux.device) - step
+    chosen_logits = torch.stack([row[0] for row in logits])[step, anchor]
+    chosen_states = torch.stack([row[0] for row in states])[step, anchor]
+    return chosen_states.float(), head.full_vocab_logits(chosen_logits.float())
+
+
+def pair_outputs(target, draft, prompts: Sequence[list[int]], completions: Sequence[list[int]],
+                 draft_steps: Optional[Sequence[Optional[Sequence[int]]]] = None) -> tuple[list, Optional[list]]:
+    """(target's, draft's) (hidden [T_n, H], logits [T_n, V]) at the positions that predicted each token of every
+    (non-empty) completion: a draft model's over the same tokens; an EAGLE-3 head's at each token's draft step
+    (``draft_steps`` as :func:`teacher_forced_tokens` takes them), from the aux states of the target's same pass.
+    ``draft`` None: the target's alone (None for the draft's)."""
+    if draft is None:
+        return _completion_outputs(target, prompts, completions), None
+    if not is_eagle_head(draft):
+        return _completion_outputs(target, prompts, completions), _completion_outputs(draft, prompts, completions)
+    steps = [None] * len(completions) if draft_steps is None else draft_steps
+    target_outputs = _completion_outputs(target, prompts, completions, aux_layers=tuple(draft.config.aux_layer_ids))
+    draft_outputs = [_eagle_outputs(draft, prompt, completion, aux, row_steps) for prompt, completion, (_, _, aux),
+                     row_steps in zip(prompts, completions, target_outputs, steps)]
+    return [output[:2] for output in target_outputs], draft_outputs
 
 
 @torch.no_grad()
 def teacher_forced_tokens(target, draft, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
-                          temperature: float = 1.0) -> TokenBatch:
+                          temperature: float = 1.0,
+                          draft_steps: Optional[Sequence[Optional[Sequence[int]]]] = None) -> TokenBatch:
     """Hidden states and token statistics for every completion token (one forward pass of each model over every
     sequence).
 
     Args:
-        target, draft: Hugging Face causal LMs sharing a tokenizer.
-        prompts: N prompt token lists (non-empty).
+        target, draft: Hugging Face causal LMs sharing a tokenizer, or an EAGLE-3 head on the target as the draft.
+        prompts: N prompt token lists (non-empty; at least 2 tokens with an EAGLE-3 draft).
         completions: N completion token lists (possibly empty).
         temperature: the sampling temperature the completions were drawn at (0 counts as 1).
+        draft_steps: for an EAGLE-3 draft, each completion's draft step of every token (:func:`.rollouts.draft_steps`;
+            None, or a None entry: step 0 everywhere). A draft model's q does not depend on it.
     """
     if len(prompts) != len(completions):
         raise ValueError(f"prompts ({len(prompts)}) and completions ({len(completions)}) must pair up")
+    if draft_steps is not None and len(draft_steps) != len(completions):
+        raise ValueError(f"draft_steps ({len(draft_steps)}) and completions ({len(completions)}) must pair up")
     if any(len(prompt) == 0 for prompt in prompts):
         raise ValueError("every prompt needs at least one token")
     longest = max([len(completion) for completion in completions] + [1])
     filled = [index for index, completion in enumerate(completions) if completion]
     pairs = [[list(prompts[index]) for index in filled], [list(completions[index]) for index in filled]]
-    target_outputs = _completion_outputs(target, *pairs)
-    draft_outputs = _completion_outputs(draft, *pairs)
+    steps = None if draft_steps is None else [draft_steps[index] for index in filled]
+    target_outputs, draft_outputs = pair_outputs(target, draft, *pairs, steps)
     device = model_device(target)  # the batch's: a draft on another device hands its outputs over
     rows = [_empty_row(target, draft, device) for _ in completions]
     for index, (target_hidden, target_logits), (draft_hidden, draft_logits) in zip(filled, target_outputs,

@@ -147,9 +147,9 @@ class Trainer:
         examples: the task examples the prompts came from, passed to ``reward``.
         reward: (example, completion text) -> task reward.
         decode: completion token ids -> text (the tokenizer's decode).
-        rollout: (prompts' ids, seeds) -> one completion's ids per prompt, sampled with the current head: through the
-            speculative loop, all prompts of a step decoded together (:func:`.rollouts.speculative_rollout`), or
-            token by token (:func:`.rollouts.mixture_rollout`).
+        rollout: (prompts' ids, seeds) -> one :class:`.rollouts.Completion` per prompt, sampled with the current
+            head: through the speculative loop, all prompts of a step decoded together
+            (:func:`.rollouts.speculative_rollout`), or token by token (:func:`.rollouts.mixture_rollout`).
         config: :class:`TrainerConfig`.
 
     With ``config.epochs`` > 1 every batch of rollouts feeds that many optimiser updates (rollouts are the expensive
@@ -229,11 +229,11 @@ class Trainer:
         self.head.eval()
         with torch.no_grad():
             # One call for the whole batch: the speculative rollout decodes the prompts together.
-            completions = [list(tokens) for tokens in self.rollout([self.prompts[index] for index in indices],
-                                                                    [self._rollout_seed(slot)
-                                                                     for slot in range(len(indices))])]
+            rollouts = self.rollout([self.prompts[index] for index in indices],
+                                    [self._rollout_seed(slot) for slot in range(len(indices))])
+        completions = [list(rollout.tokens) for rollout in rollouts]
         tokens = teacher_forced_tokens(self.target, self.draft, [self.prompts[i] for i in indices], completions,
-                                       self.config.temperature)
+                                       self.config.temperature, [rollout.draft_steps for rollout in rollouts])
         task_rewards = torch.tensor([float(self.reward(self.examples[index], self.decode(completion)))
                                      for index, completion in zip(indices, completions)], dtype=torch.float64,
                                     device=tokens.mask.device)

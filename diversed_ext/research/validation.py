@@ -26,6 +26,7 @@ import torch
 from ..decoding import DEFAULT_MAX_DRAFT, SpeculativeDecoder
 from ..decoding.runners import model_device
 from .report import _mean, paired_difference, standard_error
+from .rollouts import draft_steps
 from .teacher_forcing import TokenBatch, teacher_forced_tokens
 
 
@@ -50,7 +51,7 @@ def sample_validation_tokens(target, draft, prompts: Sequence[Sequence[int]], *,
                               eos_token_id=eos_token_id, seed=seed, batch_size=batch_size, progress=True)
     # On the CPU: the closed forms are sums over a few thousand tokens, and a token file loads there.
     return teacher_forced_tokens(target, draft, prompts, [tokens.tolist() for tokens in output.sequences],
-                                 temperature).to("cpu")
+                                 temperature, [draft_steps(rounds) for rounds in output.rounds]).to("cpu")
 
 
 def save_tokens(tokens: TokenBatch, path: str) -> None:

@@ -63,6 +63,13 @@ def test_draft_length_mistakes_are_one_line_errors(capsys, no_models, argv, expe
     assert status == 2 and expected in error and "\n" not in error
 
 
+def test_an_eagle_drafter_refuses_token_by_token_rollouts(tmp_path, capsys, no_models):
+    path = write(tmp_path / "train.jsonl", GOOD_RECORD)
+    for drafter in (["--drafter", "eagle3"], ["--drafter", "eagle3-int8"], ["--drafter-path", str(tmp_path)]):
+        status, error = run_cli(["train", "--data", path, "--rollout", "mixture", *drafter], capsys)
+        assert status == 2 and "--rollout mixture: an EAGLE-3 drafter" in error and "\n" not in error
+
+
 @pytest.mark.parametrize("argv", [["generate", "--prompt", "hi", "--draft-length", "longest"],
                                   ["eval", "--draft-length"], ["demo", "--draft-cost", "-1"],
                                   ["eval", "--fixed-k", "0"]])

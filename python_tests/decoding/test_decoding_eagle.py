@@ -18,57 +18,18 @@ from diversed_ext.decoding import SpeculativeDecoder  # noqa: E402
 from diversed_ext.forward._native import forward_ops_built  # noqa: E402
 from diversed_ext.models.eagle3 import Eagle3Config, Eagle3Head  # noqa: E402
 from helpers import (P_VALUE_FLOOR, PROMPT, SMALL_VOCAB, WIDE_VOCAB, assert_prompts_decode_as_alone,  # noqa: E402
-                     chi_square_cells_p_value, exact_joint, sequences, small_pair_models, wide_pair_models)
+                     chi_square_cells_p_value, distilled_head, exact_joint, sequences, small_pair_models,
+                     one_torch_thread, target_features, wide_pair_models)
 
 PROMPTS = [PROMPT, [5], [7, 7, 8, 30, 2, 11], [4, 9, 4, 9, 4]]
 WIDE_DRAFT_IDS = [token for token in range(WIDE_VOCAB) if token % 8 != 7]  # 28 of the 32 ids
 SAMPLES = 2000
 
 
-def target_features(target, head, tokens):
-    """The target's aux hidden states (the head's aux layers) at every position of ``tokens``, and its logits."""
-    with torch.no_grad():
-        output = target(torch.tensor([tokens]), output_hidden_states=True)
-    aux = torch.cat([output.hidden_states[layer][0] for layer in head.config.aux_layer_ids], dim=-1)
-    return aux, output.logits[0]
-
-
-def distilled_head(target, draft_ids, aux_layers, seed, steps=120):
-    """An Eagle3Head for ``target`` trained for a few Adam steps to predict the target's next-token law, from the
-    target's own sampled continuations (teacher forcing: pair i = (feature i, token i + 1) predicts token i + 2)."""
-    config = Eagle3Config.from_target(target.config.to_dict(), len(draft_ids), aux_layer_ids=aux_layers)
-    torch.manual_seed(seed)
-    head = Eagle3Head(config, target.model.embed_tokens)
-    head.set_draft_vocabulary(torch.tensor(draft_ids))
-    vocab = target.config.vocab_size
-    with torch.no_grad():
-        starts = torch.randint(0, vocab, (6, 3), generator=torch.Generator().manual_seed(seed))
-        texts = target.generate(starts, max_new_tokens=20, do_sample=True, pad_token_id=0)
-    examples = []
-    for text in texts.tolist():
-        aux, logits = target_features(target, head, text)
-        law = logits[1:, draft_ids].softmax(-1)  # the target's law of token i + 2, on the draft vocabulary
-        examples.append((torch.tensor(text[1:-1]), aux[:-2], law[:-1]))
-    optimiser = torch.optim.Adam(head.parameters(), lr=2e-2)
-    for _ in range(steps):
-        optimiser.zero_grad()
-        loss = 0.0
-        for token_ids, aux, law in examples:
-            logits, _ = head.step(token_ids, head.fuse(aux), head.new_cache())
-            loss = loss - (law * logits.log_softmax(-1)).sum(-1).mean()
-        loss.backward()
-        optimiser.step()
-    return head.eval()
-
-
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
-    """The heads' steps are a dozen tiny ops per row: on a busy 2-core machine two threads fight over them (ten
-    times slower), so this module runs on one."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with one_torch_thread():
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -332,9 +293,9 @@ def test_drafter_eagle3_int8_loads_the_head_with_int8_products(tmp_path, tiny_pa
         tiny_pair_loader.load_models(None, "x", "cpu", drafter=drafter)
 
 
-def test_eval_scores_sd_with_an_eagle_head_and_leaves_lossy_rules_unmeasured(wide_eagle):
-    """The harness's divergence to the target: exact sd's is 0 with any drafter; a lossy rule's closed form would
-    need a per-position q, which an EAGLE-3 head does not have, so it is NaN rather than a crash or a made-up value."""
+def test_eval_scores_every_closed_form_rule_with_an_eagle_head(wide_eagle):
+    """The harness's divergence to the target with an EAGLE-3 drafter: exact sd's is 0; a lossy rule's closed form
+    reads the head's q at each token's draft step, so it is measured (finite, above 0)."""
     import math
 
     from diversed_ext.research.harness import evaluate, method_specs
@@ -346,4 +307,29 @@ def test_eval_scores_sd_with_an_eagle_head_and_leaves_lossy_rules_unmeasured(wid
                        method_specs(["sd", "gate"], []), max_new_tokens=6, progress=False, batch_size=1)
     by_label = {result.label: result for result in results}
     assert all(abs(value) < 1e-9 for value in by_label["sd"].kl_per_prompt + by_label["sd"].tv_per_prompt)
-    assert all(math.isnan(value) for value in by_label["gate"].kl_per_prompt + by_label["gate"].tv_per_prompt)
+    assert all(math.isfinite(value) and value > 0 for value in by_label["gate"].kl_per_prompt
+               + by_label["gate"].tv_per_prompt)
+
+
+def test_a_static_rules_tv_with_an_eagle_head_is_its_weight_times_the_heads_tv_at_each_draft_step(wide_eagle):
+    """Static w: out = w p + (1 - w) q at each position, so TV(out, p) = (1 - w) TV(q, p), q the head's at the step the
+    loop drafted each token at (teacher forcing's total_variation with the same steps); at step 0 everywhere the
+    figure differs, so the steps are read."""
+    from diversed_ext.research.divergence import RuleLaw, position_divergences
+    from diversed_ext.research.rollouts import draft_steps
+    from diversed_ext.research.teacher_forcing import teacher_forced_tokens
+
+    target, head = wide_eagle
+    prompts = [PROMPT, [7, 7, 8, 30, 2, 11], [4, 9, 4, 9, 4]]
+    output = SpeculativeDecoder(target, head, method="static", weight=0.3, max_draft=4).generate(
+        prompts, max_new_tokens=24, seed=3)
+    completions = [tokens.tolist() for tokens in output.sequences]
+    steps = [draft_steps(rounds) for rounds in output.rounds]
+    assert any(step > 0 for row in steps for step in row)
+    law = RuleLaw("static", 0.3)
+    measured = position_divergences(target, head, prompts, completions, law, draft_steps=steps)
+    batch = teacher_forced_tokens(target, head, prompts, completions, draft_steps=steps)
+    expected = [0.7 * float(tv[mask].double().mean()) for tv, mask in zip(batch.total_variation, batch.mask)]
+    assert [tv for _, tv in measured] == pytest.approx(expected, rel=1e-4)
+    at_step_zero = position_divergences(target, head, prompts, completions, law)
+    assert max(abs(a[1] - b[1]) for a, b in zip(at_step_zero, measured)) > 1e-3

@@ -8,8 +8,8 @@ import torch
 
 from diversed_ext.models.eagle3 import Eagle3Config, Eagle3Head
 from diversed_ext.research.drafter_data import coverage_curve, draft_vocabulary
-from diversed_ext.research.drafter_training import (DrafterTrainConfig, collate, evaluate, prepare, train_drafter,
-                                                    unrolled_logits)
+from diversed_ext.research.drafter_training import DrafterTrainConfig, collate, evaluate, prepare, train_drafter
+from diversed_ext.research.eagle_unrolled import unrolled_logits
 
 TARGET = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=64,
               rms_norm_eps=1e-5, rope_parameters={"rope_theta": 10000.0, "rope_type": "default"},
