@@ -6,8 +6,8 @@ with int8 products, ``Eagle3Head.use_int8_products``, with --int8-head; ``int8``
 
     sd        standard speculative decoding (w = 1: the output follows the target)
     gate      sd with the log-probability gate at its default margin (lossy)
-    diversed  the shipped default DIVERSED head (trained on the int8 draft's hidden states; with the EAGLE-3 head it
-              reads that head's output states in their place, so its row shows how far the head carries over)
+    diversed  the shipped default DIVERSED head of each drafter: with the int8 draft the default head, with the
+              EAGLE-3 head the same recipe trained on that head's output states (``smollm2-135m-eagle3-lambda4``)
 
 at every K of --k, plus ar. Prompts: held-out GSM8K test problems (--data, the first --prompts after --skip) in the
 chat format ``diversed eval --task gsm8k`` uses, T = --temperature (default 1), one request at a time, prompt i with
@@ -48,7 +48,7 @@ import torch
 from diversed_ext.decoding import Gate, SpeculativeDecoder, encode_prompt, eos_ids
 from diversed_ext.decoding.batch import sample_drafts
 from diversed_ext.forward.llama_runner import LlamaRunner
-from diversed_ext.head import load_head
+from diversed_ext.head import DEFAULT_EAGLE3_HEAD_NAME, load_head
 from diversed_ext.models import load_default_pair
 from diversed_ext.models.eagle3 import Eagle3Config, Eagle3Head, default_drafter_path
 from diversed_ext.research.harness import decoder_runner, run_interleaved
@@ -232,9 +232,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                         [[label, cell(ms, ".2f"), cell(ms / target_ms, ".3f")] for label, ms in costs.items()]))
     if args.costs_only:
         return 0
-    drafts = {"eagle3": (head, load_head("default", target=target, draft=head))}
+    eagle_head = load_head(DEFAULT_EAGLE3_HEAD_NAME, target=target, draft=head)
+    drafts = {"eagle3": (head, eagle_head)}
     if int8_head is not None:
-        drafts["eagle3-int8"] = (int8_head, load_head("default", target=target, draft=int8_head))
+        drafts["eagle3-int8"] = (int8_head, eagle_head)
     if not args.no_int8:
         drafts["int8"] = (draft, load_head("default", target=target, draft=draft))
     results = run_rows(target, drafts, prompts, eos, args)

@@ -314,6 +314,9 @@ SHIPPED_HEADS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "he
 # (docs/training.md, "Why the shipped heads are as they are").
 DEFAULT_HEAD_NAME = "smollm2-135m-lambda4"
 DEFAULT_HEAD_DIR = os.path.join(SHIPPED_HEADS_DIR, DEFAULT_HEAD_NAME)
+# The default head's recipe trained on the states of the EAGLE-3 drafter shipped for the same pair: what the commands'
+# `--head default` loads when that drafter drafts (docs/training.md, "Heads for the EAGLE-3 drafter").
+DEFAULT_EAGLE3_HEAD_NAME = "smollm2-135m-eagle3-lambda4"
 
 
 def shipped_heads() -> list[str]:

@@ -60,7 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--method", choices=METHODS, default="sd", help="default sd")
     generate.add_argument("--weight", type=_unit_float, help="weight w on the target, for --method static")
     generate.add_argument("--head", help="head folder for --method diversed, or a shipped head's name ('default': "
-                                         "the default SmolLM2-135M pair's default head)")
+                                         "the default SmolLM2-135M pair's default head, the one trained on the "
+                                         "EAGLE-3 drafter's states with --drafter eagle3)")
     _add_model_arguments(generate, library_defaults(SpeculativeDecoder.generate, SpeculativeDecoder))
     _add_draft_length_arguments(generate)
 

@@ -49,7 +49,8 @@ def add_experiment_commands(commands) -> None:
     evaluate.add_argument("--weight", type=_unit_float, nargs="+", default=[0.5],
                           help="w of each static ensemble (default 0.5)")
     evaluate.add_argument("--head", help="head folder for diversed, or the name of a head shipped in "
-                          "diversed_ext/heads/ ('default': the default pair's default head)")
+                          "diversed_ext/heads/ ('default': the default pair's default head; with --drafter eagle3, "
+                          "the one trained on that drafter's states)")
     _add_batch_argument(evaluate, run)
     _add_model_arguments(evaluate, run)
     _add_draft_length_arguments(evaluate, several=True)
@@ -61,7 +62,7 @@ def add_experiment_commands(commands) -> None:
     pareto.add_argument("--weights", type=_unit_float, nargs="+", default=list(PARETO_WEIGHTS),
                         help=f"static weights (default {' '.join(format(w, 'g') for w in PARETO_WEIGHTS)})")
     pareto.add_argument("--head", nargs="+", help="one or more head folders or shipped head names, one DIVERSED "
-                        "point each ('default' for the default head)")
+                        "point each ('default' for the default head, as for eval)")
     pareto.add_argument("--output-dir", default="runs/pareto",
                         help="where pareto.png, pareto.md, results.json (per-prompt values, for `diversed "
                         "report`) and, with heads, head_weights.png and lowest_w_tokens.md go")
@@ -95,7 +96,7 @@ def add_experiment_commands(commands) -> None:
                                    "(no decoding per head): acceptance, fidelity, distance above the static line")
     _add_task_arguments(validate)
     validate.add_argument("--head", nargs="*", default=[],
-                          help="head folders or shipped head names to place ('default': the default head)")
+                          help="head folders or shipped head names to place ('default': the default head, as for eval)")
     validate.add_argument("--acceptance-coef", type=_non_negative_float, nargs="*", default=[],
                           help="lambdas whose token-by-token loss minimiser to place (what a perfect head would do)")
     validate.add_argument("--expected-fidelity-coef", type=_non_negative_float, default=1.0,

@@ -333,3 +333,16 @@ def test_a_static_rules_tv_with_an_eagle_head_is_its_weight_times_the_heads_tv_a
     assert [tv for _, tv in measured] == pytest.approx(expected, rel=1e-4)
     at_step_zero = position_divergences(target, head, prompts, completions, law)
     assert max(abs(a[1] - b[1]) for a, b in zip(at_step_zero, measured)) > 1e-3
+
+
+def test_the_default_head_with_an_eagle_drafter_is_the_one_trained_on_its_states(wide_eagle):
+    """``--head default`` names the head for the drafter at hand: the shipped heads are the default pair's (hidden
+    size 576), so on the tiny pair the refusal shows which folder was picked."""
+    from diversed_ext.cli import common
+    from diversed_ext.head import DEFAULT_EAGLE3_HEAD_NAME, DEFAULT_HEAD_NAME
+
+    target, head = wide_eagle
+    _, draft = wide_pair_models()
+    for drafter, name in ((head, DEFAULT_EAGLE3_HEAD_NAME), (draft, DEFAULT_HEAD_NAME)):
+        with pytest.raises(common.UsageError, match=f"cannot load --head default: the head at .*/{name}' expects"):
+            common._load_head("default", target, drafter)
