@@ -314,8 +314,8 @@ SHIPPED_HEADS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "he
 # (docs/training.md, "Why the shipped heads are as they are").
 DEFAULT_HEAD_NAME = "smollm2-135m-lambda4"
 DEFAULT_HEAD_DIR = os.path.join(SHIPPED_HEADS_DIR, DEFAULT_HEAD_NAME)
-# The default head's recipe trained on the states of the EAGLE-3 drafter shipped for the same pair: what the commands'
-# `--head default` loads when that drafter drafts (docs/training.md, "Heads for the EAGLE-3 drafter").
+# The default head's recipe trained on the states of the EAGLE-3 drafter shipped for the same pair: what "default"
+# names when an EAGLE-3 head drafts (docs/training.md, "Heads for the EAGLE-3 drafter").
 DEFAULT_EAGLE3_HEAD_NAME = "smollm2-135m-eagle3-lambda4"
 
 
@@ -327,10 +327,12 @@ def shipped_heads() -> list[str]:
                   if os.path.isfile(os.path.join(SHIPPED_HEADS_DIR, name, CONFIG_NAME)))
 
 
-def resolve_head_path(path: str) -> str:
-    """The folder a head argument names: an existing path, ``"default"``, or the name of a shipped head."""
+def resolve_head_path(path: str, *, eagle3_drafter: bool = False) -> str:
+    """The folder a head argument names: an existing path, ``"default"``, or the name of a shipped head. With
+    ``eagle3_drafter`` (an EAGLE-3 head drafts), ``"default"`` is the default recipe trained on such a head's states
+    (:data:`DEFAULT_EAGLE3_HEAD_NAME`)."""
     if path == "default":
-        return DEFAULT_HEAD_DIR
+        return os.path.join(SHIPPED_HEADS_DIR, DEFAULT_EAGLE3_HEAD_NAME) if eagle3_drafter else DEFAULT_HEAD_DIR
     if not os.path.exists(path) and path in shipped_heads():
         return os.path.join(SHIPPED_HEADS_DIR, path)
     return path
@@ -346,16 +348,17 @@ def head_recipe(path: str) -> dict:
     return dict(_read_config(config_path).recipe)
 
 
-def load_head(path: str, *, target=None, draft=None, **checks) -> EnsembleHead:
+def load_head(path: str, *, target=None, draft=None, eagle3_drafter: bool = False, **checks) -> EnsembleHead:
     """A saved :class:`EnsembleHead` in eval mode: ``path`` is its folder (or a file inside it), ``"default"`` for
-    the head shipped with the package for the default SmolLM2-135M pair, or the name of another shipped head
-    (:func:`shipped_heads`). Nothing is unpickled.
+    the head shipped with the package for the default SmolLM2-135M pair (with ``eagle3_drafter``, the one for its
+    EAGLE-3 drafter: :func:`resolve_head_path`), or the name of another shipped head (:func:`shipped_heads`). Nothing
+    is unpickled.
 
     With ``target`` and ``draft`` given, a head built for other hidden sizes is refused; other ``checks`` go to
     :meth:`EnsembleHead.load`."""
     if target is not None and draft is not None:
         checks.update(draft_hidden=hidden_size(draft), target_hidden=hidden_size(target))
-    path = resolve_head_path(path)
+    path = resolve_head_path(path, eagle3_drafter=eagle3_drafter)
     if os.path.isfile(path):
         path = os.path.dirname(path) or "."
     return EnsembleHead.load(path, **checks).eval()

@@ -14,7 +14,7 @@ from typing import Iterator, Optional
 from .. import rules
 from ..decoding.eagle_drafting import is_eagle_head
 from ..decoding.runners import model_device
-from ..head import DEFAULT_EAGLE3_HEAD_NAME, load_head
+from ..head import load_head
 
 
 class UsageError(Exception):
@@ -298,9 +298,9 @@ def _load_pair(target: Optional[str], draft: Optional[str], device: str):
 def _load_head(path: str, target, draft):
     """The head at ``path`` for this pair, on the target's device, or a one-line error (exit 2) naming the folder and
     what is wrong. ``"default"`` with an EAGLE-3 head drafting is the default recipe trained on such a head's states."""
-    folder = DEFAULT_EAGLE3_HEAD_NAME if path == "default" and is_eagle_head(draft) else path
     try:
-        return load_head(folder, target=target, draft=draft).to(model_device(target))
+        return load_head(path, target=target, draft=draft, eagle3_drafter=is_eagle_head(draft)).to(
+            model_device(target))
     except (OSError, ValueError) as error:
         raise UsageError(f"cannot load --head {path}: {error}") from None
 

@@ -26,10 +26,12 @@ import torch
 from ..head import distribution_features, load_head
 
 
-def load_heads(head_paths, draft_hidden: int, target_hidden: int) -> dict:
+def load_heads(head_paths, draft_hidden: int, target_hidden: int, eagle3_drafter: bool = False) -> dict:
     """Each head loaded once, by the name the engine entry gave it, checked against the engine's hidden sizes (a head
-    for other sizes is refused)."""
-    return {path: load_head(path, draft_hidden=draft_hidden, target_hidden=target_hidden) for path in head_paths}
+    for other sizes is refused); ``"default"`` with an EAGLE-3 drafter (``eagle3_drafter``) is the default head
+    trained on such a drafter's states."""
+    return {path: load_head(path, draft_hidden=draft_hidden, target_hidden=target_hidden,
+                            eagle3_drafter=eagle3_drafter) for path in head_paths}
 
 
 class HiddenStateCapture:

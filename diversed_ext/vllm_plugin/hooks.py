@@ -31,8 +31,10 @@ _INSTALLED = "_diversed_hooked"
 def _load_heads(runner, settings: EngineSettings) -> dict:
     from .heads import load_heads
 
-    draft_config = runner.speculative_config.draft_model_config
-    return load_heads(settings.head_paths, draft_config.get_hidden_size(), runner.model_config.get_hidden_size())
+    speculative_config = runner.speculative_config
+    return load_heads(settings.head_paths, speculative_config.draft_model_config.get_hidden_size(),
+                      runner.model_config.get_hidden_size(),
+                      eagle3_drafter=getattr(speculative_config, "method", None) == "eagle3")
 
 
 def attach_to_v1_runner(runner, settings: EngineSettings) -> None:

@@ -4,6 +4,7 @@ Engine (``LLM(..., additional_config={"diversed": {...}})`` or ``vllm serve --ad
 
     {"weight": 0.5}                        every request verified against nu = 0.5 p + 0.5 q (the default is 1.0)
     {"head": "smollm2-135m-lambda4"}       a learned head (a shipped name, "default", or a folder) picks w per token
+                                           ("default" in an eagle3 engine: the head trained on EAGLE-3 states)
     {"heads": ["a", "path/to/b"], ...}     more heads loaded at start-up, for requests to pick by name
     {"fly": {"window": 2, "threshold": 0.3, "top_k": 3}}
                                            FLy's deferral on top of the weight (lossy): a draft the test rejects is

@@ -135,3 +135,21 @@ def test_the_plugin_package_imports_without_vllm():
 
     plugin.register()  # vLLM absent here: nothing to attach to, no error
     assert plugin.REQUEST_WEIGHT == "diversed_weight"
+
+
+@pytest.mark.parametrize("method, default_draft", [("eagle3", "smollm2-135m-eagle3"),
+                                                   ("draft_model", "SmolLM2-135M-Instruct-int8"),
+                                                   ("eagle", "SmolLM2-135M-Instruct-int8")])
+def test_the_default_head_of_an_engine_is_the_one_for_its_drafter(method, default_draft):
+    """A worker loads "default" as the default head, or in an eagle3 engine as the one trained on EAGLE-3 states
+    (each head's pair names the drafter it was trained with)."""
+    from types import SimpleNamespace
+
+    from diversed_ext.vllm_plugin.hooks import _load_heads
+
+    hidden = SimpleNamespace(get_hidden_size=lambda: 576)
+    runner = SimpleNamespace(speculative_config=SimpleNamespace(method=method, draft_model_config=hidden),
+                             model_config=hidden)
+    heads = _load_heads(runner, parse_engine_entry({"heads": ["default", "smollm2-135m-lambda4"]}))
+    assert heads["default"].config.pair["draft"] == default_draft
+    assert heads["smollm2-135m-lambda4"].config.pair["draft"] == "SmolLM2-135M-Instruct-int8"  # names stay names
