@@ -222,6 +222,11 @@ def _add_batch_argument(parser: argparse.ArgumentParser, defaults: dict) -> None
                              "tokens/s is then every token over the wall time of the batches")
 
 
+def eagle_drafter_asked(drafter: Optional[str], drafter_path: Optional[str]) -> bool:
+    """Whether --drafter / --drafter-path ask for an EAGLE-3 head to draft (a --drafter-path implies one)."""
+    return drafter in EAGLE_DRAFTERS or drafter_path is not None
+
+
 def load_models(target: Optional[str], draft: Optional[str], device: str = "cpu", *, drafter: Optional[str] = None,
                 drafter_path: Optional[str] = None):
     """(target, draft, tokenizer): the default pair, or the pair named on the command line, on ``device``. With
@@ -230,7 +235,7 @@ def load_models(target: Optional[str], draft: Optional[str], device: str = "cpu"
     steps' products in int8."""
     if drafter == "model" and drafter_path is not None:
         raise UsageError("--drafter-path names an EAGLE-3 head: it goes with --drafter eagle3, not --drafter model")
-    if drafter in EAGLE_DRAFTERS or drafter_path is not None:
+    if eagle_drafter_asked(drafter, drafter_path):
         if draft is not None:
             raise UsageError(f"--drafter {drafter or 'eagle3'} drafts in place of a draft model: drop --draft")
         flag, folder = _eagle_folder(drafter_path)  # before any model loads

@@ -13,7 +13,8 @@ import os
 from pathlib import Path
 
 from .common import (EAGLE_DRAFTERS, UsageError, _add_model_arguments, _non_negative_float, _non_negative_int,
-                     _positive_float, _positive_int, _weight_of_untrained_head, library_defaults)
+                     _positive_float, _positive_int, _weight_of_untrained_head, eagle_drafter_asked,
+                     library_defaults)
 from .experiments import _add_task_arguments, _experiment_setup
 
 # Options of a run that do not change the head it trains, so a recipe leaves them out; and a folder of this machine
@@ -135,8 +136,7 @@ def run_train(args) -> int:
     if getattr(args, "data_from_recipe", False) and not os.path.isfile(args.data):
         raise UsageError(f"--recipe {args.recipe} trained on {args.data}, which is not here: pass --data PATH to "
                          "your copy of that file")
-    eagle = args.drafter in EAGLE_DRAFTERS or args.drafter_path is not None
-    if eagle and args.rollout == "mixture":
+    if eagle_drafter_asked(args.drafter, args.drafter_path) and args.rollout == "mixture":
         raise UsageError("--rollout mixture: an EAGLE-3 drafter's q depends on the step of its round it drafts at, so "
                          "it rolls out through the speculative loop only (--rollout speculative)")
     args.output_dir = args.output_dir or "runs/head"

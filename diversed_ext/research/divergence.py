@@ -206,13 +206,10 @@ def position_divergences(target, draft, prompts: Sequence[Sequence[int]], comple
     (``draft_steps``, from :func:`.rollouts.draft_steps`; None: step 0 everywhere)."""
     from .teacher_forcing import pair_outputs
 
-    filled = [index for index, completion in enumerate(completions) if completion]
     results = [(float("nan"), float("nan"))] * len(completions)
-    if not filled:
+    if not any(completions):
         return results
-    pairs = ([list(prompts[index]) for index in filled], [list(completions[index]) for index in filled])
-    steps = None if draft_steps is None else [draft_steps[index] for index in filled]
-    target_outputs, draft_outputs = pair_outputs(target, draft, *pairs, steps)
+    filled, target_outputs, draft_outputs = pair_outputs(target, draft, prompts, completions, draft_steps)
     # exact sampling's law is p itself: no draft needed (ar, or sd run at another temperature)
     draft_outputs = target_outputs if draft_outputs is None else draft_outputs
     for index, (target_hidden, target_logits), (draft_hidden, draft_logits) in zip(filled, target_outputs,

@@ -117,21 +117,27 @@ def _eagle_outputs(head, prompt: list[int], completion: list[int], aux: torch.Te
     return chosen_states.float(), head.full_vocab_logits(chosen_logits.float())
 
 
-def pair_outputs(target, draft, prompts: Sequence[list[int]], completions: Sequence[list[int]],
-                 draft_steps: Optional[Sequence[Optional[Sequence[int]]]] = None) -> tuple[list, Optional[list]]:
-    """(target's, draft's) (hidden [T_n, H], logits [T_n, V]) at the positions that predicted each token of every
-    (non-empty) completion: a draft model's over the same tokens; an EAGLE-3 head's at each token's draft step
-    (``draft_steps`` as :func:`teacher_forced_tokens` takes them), from the aux states of the target's same pass.
-    ``draft`` None: the target's alone (None for the draft's)."""
+def pair_outputs(target, draft, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
+                 draft_steps: Optional[Sequence[Optional[Sequence[int]]]] = None) -> tuple[list, list, Optional[list]]:
+    """(filled, target's, draft's): the indices of the non-empty completions, and for each of them the (hidden
+    [T_n, H], logits [T_n, V]) at the positions that predicted its tokens: a draft model's over the same tokens; an
+    EAGLE-3 head's at each token's draft step (``draft_steps`` as :func:`teacher_forced_tokens` takes them), from the
+    aux states of the target's same pass. ``draft`` None: the target's alone (None for the draft's)."""
+    if draft_steps is not None and len(draft_steps) != len(completions):
+        raise ValueError(f"draft_steps ({len(draft_steps)}) and completions ({len(completions)}) must pair up")
+    filled = [index for index, completion in enumerate(completions) if completion]
+    prompts = [list(prompts[index]) for index in filled]
+    completions = [list(completions[index]) for index in filled]
     if draft is None:
-        return _completion_outputs(target, prompts, completions), None
+        return filled, _completion_outputs(target, prompts, completions), None
     if not is_eagle_head(draft):
-        return _completion_outputs(target, prompts, completions), _completion_outputs(draft, prompts, completions)
-    steps = [None] * len(completions) if draft_steps is None else draft_steps
+        return (filled, _completion_outputs(target, prompts, completions),
+                _completion_outputs(draft, prompts, completions))
+    steps = [None if draft_steps is None else draft_steps[index] for index in filled]
     target_outputs = _completion_outputs(target, prompts, completions, aux_layers=tuple(draft.config.aux_layer_ids))
     draft_outputs = [_eagle_outputs(draft, prompt, completion, aux, row_steps) for prompt, completion, (_, _, aux),
                      row_steps in zip(prompts, completions, target_outputs, steps)]
-    return [output[:2] for output in target_outputs], draft_outputs
+    return filled, [output[:2] for output in target_outputs], draft_outputs
 
 
 @torch.no_grad()
@@ -151,15 +157,10 @@ def teacher_forced_tokens(target, draft, prompts: Sequence[Sequence[int]], compl
     """
     if len(prompts) != len(completions):
         raise ValueError(f"prompts ({len(prompts)}) and completions ({len(completions)}) must pair up")
-    if draft_steps is not None and len(draft_steps) != len(completions):
-        raise ValueError(f"draft_steps ({len(draft_steps)}) and completions ({len(completions)}) must pair up")
     if any(len(prompt) == 0 for prompt in prompts):
         raise ValueError("every prompt needs at least one token")
     longest = max([len(completion) for completion in completions] + [1])
-    filled = [index for index, completion in enumerate(completions) if completion]
-    pairs = [[list(prompts[index]) for index in filled], [list(completions[index]) for index in filled]]
-    steps = None if draft_steps is None else [draft_steps[index] for index in filled]
-    target_outputs, draft_outputs = pair_outputs(target, draft, *pairs, steps)
+    filled, target_outputs, draft_outputs = pair_outputs(target, draft, prompts, completions, draft_steps)
     device = model_device(target)  # the batch's: a draft on another device hands its outputs over
     rows = [_empty_row(target, draft, device) for _ in completions]
     for index, (target_hidden, target_logits), (draft_hidden, draft_logits) in zip(filled, target_outputs,
