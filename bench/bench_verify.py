@@ -12,7 +12,8 @@ dx.verify with default arguments against the registered op alone.
 
 Ops: verify and verify_logits with draft distributions; verify_tokens and verify_logits_tokens for drafters that give
 tokens only (draft_probs / draft_logits = None), whose "one-hot" columns time what a caller must do without that
-option: materialise one-hot draft rows (and, from logits, softmax the target) and call the distribution API.
+option: materialise one-hot draft rows (and, from logits, softmax the target) and call the distribution API;
+token_stats, mix and distribution_features (what a DIVERSED head reads at each drafted position) from logits.
 
 Columns: fused (serving configuration, check_inputs=False), fused with checks, reference (the test oracle, which forms
 whole [B, K, V] mixtures), speed-up over it, a careful plain PyTorch verifier (bench/plain_verifiers.py: gathers p(x)
@@ -212,6 +213,15 @@ OPS = {
         reference=lambda pr: dx.mix_reference(pr.draft_logits, pr.target_logits, WEIGHT, from_logits=True,
                                               check_inputs=False),
         fused_checked=None,
+        bytes_read=_pair_bytes,
+        streaming=lambda pr: (torch.sum(pr.draft_logits), torch.sum(pr.target_logits[:, :-1])),
+    ),
+    "distribution_features": OpBench(
+        "distribution_features",
+        fused=lambda pr: dx.distribution_features(pr.draft_logits, pr.target_logits[:, :-1], check_inputs=False),
+        reference=lambda pr: dx.distribution_features_reference(pr.draft_logits, pr.target_logits[:, :-1],
+                                                                check_inputs=False),
+        fused_checked=lambda pr: dx.distribution_features(pr.draft_logits, pr.target_logits[:, :-1]),
         bytes_read=_pair_bytes,
         streaming=lambda pr: (torch.sum(pr.draft_logits), torch.sum(pr.target_logits[:, :-1])),
     ),

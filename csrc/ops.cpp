@@ -1,5 +1,5 @@
 // Schemas of the verify and stats ops of the `diversed` namespace, and the module init that lets Python import the
-// library. Each backend registers the four public kernels in one file: csrc/cpu/ops_cpu.cpp and csrc/cuda/ops_cuda.cu
+// library. Each backend registers the five public kernels in one file: csrc/cpu/ops_cpu.cpp and csrc/cuda/ops_cuda.cu
 // (the CPU-only ops below are registered by the CPU file alone); the fake (meta) kernels are registered from Python
 // (diversed_ext/ops/_fake.py). The lean forward's ops (products and Llama layers) are a floor of their own, with their
 // schemas in a fragment of this library (csrc/forward/ops_forward.cpp), left out of a verify-only build
@@ -86,6 +86,9 @@ TORCH_LIBRARY(diversed, m) {
       "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   // nu = w p + (1 - w) q as float32 [B, K, V]; target [B, K or more, V].
   m.def("mix(Tensor draft, Tensor target, Tensor weight, Tensor temperature, bool from_logits) -> Tensor");
+  // What a DIVERSED head reads of a pair of logit rows [B, T, V], as float32 [B, T, 5]: the entropies of q and p over
+  // log V, their largest probabilities and TV(p, q) (csrc/common/features_math.h).
+  m.def("distribution_features(Tensor draft, Tensor target, Tensor temperature) -> Tensor");
   // CPU only: what check_inputs=True needs of values [..., V] (probabilities, or logits with from_logits), in one
   // pass: int32 [...] flags per row, or-ed bits: 1 a NaN, 2 a negative entry, 4 a +inf entry, 8 no positive
   // probability (logits: no entry above -inf).

@@ -5,7 +5,9 @@ Public names:
     verify_logits            the same straight from logits, with temperature (0 = greedy row)
     token_stats              p(y), q(y), TV(p, q) and log-probabilities per position (what the trainer needs)
     mix                      nu materialised, from probabilities or logits
-    verify_reference, verify_logits_reference, token_stats_reference, mix_reference
+    distribution_features    entropies, largest probabilities and TV of both distributions per position (what a
+                             DIVERSED head reads beside the hidden states), in DISTRIBUTION_FEATURES' order
+    verify_reference, verify_logits_reference, token_stats_reference, mix_reference, distribution_features_reference
                              the same contracts in plain PyTorch (test oracles and benchmark baselines)
     VerifyResult, TokenStats result types
     philox_uniforms          the counter-based uniforms the kernels draw for a seed and offset
@@ -24,13 +26,15 @@ Layout, one floor per folder, imports pointing down only:
     cli/        the ``diversed`` command; nothing imports it
 """
 
-from .ops import (TokenStats, VerifyResult, cuda_kernels, cuda_kernels_registered, mix, mix_reference,
-                  philox_uniforms, set_cuda_kernels, token_stats, token_stats_reference, verify, verify_logits,
-                  verify_logits_reference, verify_reference)
+from .ops import (DISTRIBUTION_FEATURES, TokenStats, VerifyResult, cuda_kernels, cuda_kernels_registered,
+                  distribution_features, distribution_features_reference, mix, mix_reference, philox_uniforms,
+                  set_cuda_kernels, token_stats, token_stats_reference, verify, verify_logits, verify_logits_reference,
+                  verify_reference)
 
 __all__ = [
-    "verify", "verify_logits", "token_stats", "mix",
+    "verify", "verify_logits", "token_stats", "mix", "distribution_features",
     "verify_reference", "verify_logits_reference", "token_stats_reference", "mix_reference",
+    "distribution_features_reference", "DISTRIBUTION_FEATURES",
     "VerifyResult", "TokenStats", "philox_uniforms", "cuda_kernels_registered", "set_cuda_kernels", "cuda_kernels",
 ]
 __version__ = "0.1.0"

@@ -4,16 +4,17 @@ optionally, a few numbers describing the two next-token distributions.
     w_t = sigmoid(head([LayerNorm(h_draft_t) ; LayerNorm(h_target_t) ; f_t]))
 
 f_t (:func:`distribution_features`) holds, for the position t, the entropies of q_t and p_t (over log V), their largest
-probabilities and TV(p_t, q_t): all in [0, 1], all read from logits the loop computes anyway. They depend on the
-context only, never on the drafted token: the verifier's guarantee that tokens follow nu_t = w_t p_t + (1 - w_t) q_t
-needs w_t fixed before the draft is seen, so a feature such as q_t(x) of the drafted x is not offered.
+probabilities and TV(p_t, q_t): all in [0, 1], read by one fused native op from logits the loop computes anyway. They
+depend on the context only, never on the drafted token: the verifier's guarantee that tokens follow
+nu_t = w_t p_t + (1 - w_t) q_t needs w_t fixed before the draft is seen, so a feature such as q_t(x) of the drafted x
+is not offered.
 
 The output layer starts at zero with bias logit(init_weight), so an untrained head returns exactly ``init_weight``
 everywhere (0.5 is the midpoint of the static ensembles; 1.0 would be standard speculative decoding). Heads are saved
 as ``head.safetensors`` plus ``head.json`` (sizes, init weight, the names of the model pair they were trained for and
 the ``diversed train`` options that produced them), and loading one against another pair or other hidden sizes is an
-error. A server imports this module to run a head: it needs the ops' temperature rule and nothing of the models or
-the lean forward.
+error. A server imports this module to run a head: it needs the ops' distribution features and nothing of the models
+or the lean forward.
 """
 
 from __future__ import annotations
@@ -29,47 +30,36 @@ from torch import nn
 
 from . import rules
 from ._atomic import atomic_path
-from .ops import distribution_temperature
+from .ops import DISTRIBUTION_FEATURES
+from .ops import distribution_features as ops_distribution_features
 
 CONFIG_NAME = "head.json"
 WEIGHTS_NAME = "head.safetensors"
 FORMAT_NAME = "diversed_ext.EnsembleHead"
 FORMAT_VERSION = 1
 WEIGHT_EPSILON = 1e-6  # init_weight is kept inside (0, 1) so its logit is finite
-# What distribution_features returns, in its order; a head takes any subset by name.
-DISTRIBUTION_FEATURES = ("draft_entropy", "target_entropy", "draft_max_prob", "target_max_prob", "total_variation")
-FEATURE_CHUNK = 64  # positions per chunk: the [chunk, V] temporaries stay a few MB
+FEATURE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the fused op reads as it lies
 # What a head reads, by the name the train command takes: (features, use_hidden).
 HEAD_INPUTS = {"hidden": ((), True), "distributions": (DISTRIBUTION_FEATURES, False),
                "both": (DISTRIBUTION_FEATURES, True)}
-LOG_FLOOR = -1e4  # 0 * log 0 is taken as 0: a ruled-out token's -inf log probability is floored before the product
 
 
 def distribution_features(draft_logits: torch.Tensor, target_logits: torch.Tensor,
                           temperature: float = 1.0) -> torch.Tensor:
-    """The :data:`DISTRIBUTION_FEATURES` of q = softmax(draft_logits / T) and p = softmax(target_logits / T) at every
-    position: [..., V] logits (the same V) -> float32 [..., 5], each in [0, 1]. Entropies are divided by log V so a
-    head sees the same scale for any vocabulary; temperature 0 (greedy) counts as 1, as for the verifier."""
+    """The :data:`~diversed_ext.DISTRIBUTION_FEATURES` of every position, for logits of any leading shape: [..., V]
+    logits (the same shape) -> float32 [..., 5], each in [0, 1], by the fused op
+    :func:`diversed_ext.distribution_features` at a scalar temperature (0, greedy, counts as 1). The values are not
+    checked on the host, so a server's decoding step never waits on the device for them; a row without a finite logit
+    has entropy 0 and largest probability 0."""
     if draft_logits.shape != target_logits.shape:
         raise ValueError(f"draft_logits {tuple(draft_logits.shape)} and target_logits {tuple(target_logits.shape)} "
                          "must have the same shape")
+    if draft_logits.dtype != target_logits.dtype or target_logits.dtype not in FEATURE_DTYPES:
+        draft_logits, target_logits = draft_logits.float(), target_logits.float()
     vocab = target_logits.shape[-1]
-    scale = 1.0 / distribution_temperature(temperature)
-    entropy_scale = 1.0 / math.log(vocab) if vocab > 1 else 0.0
-    draft_rows = draft_logits.reshape(-1, vocab).float()
-    target_rows = target_logits.reshape(-1, vocab).float()
-    chunks = []
-    for draft_chunk, target_chunk in zip(draft_rows.split(FEATURE_CHUNK), target_rows.split(FEATURE_CHUNK)):
-        draft_log = (draft_chunk * scale).log_softmax(-1)
-        target_log = (target_chunk * scale).log_softmax(-1)
-        draft_probs, target_probs = draft_log.exp(), target_log.exp()
-        chunks.append(torch.stack([
-            -(draft_probs * draft_log.clamp_min(LOG_FLOOR)).sum(-1) * entropy_scale,
-            -(target_probs * target_log.clamp_min(LOG_FLOOR)).sum(-1) * entropy_scale,
-            draft_probs.amax(-1), target_probs.amax(-1),
-            0.5 * (target_probs - draft_probs).abs().sum(-1)], dim=-1))
-    features = torch.cat(chunks) if chunks else draft_rows.new_zeros(0, len(DISTRIBUTION_FEATURES))
-    return features.clamp(0.0, 1.0).reshape(*target_logits.shape[:-1], len(DISTRIBUTION_FEATURES))
+    features = ops_distribution_features(draft_logits.reshape(1, -1, vocab), target_logits.reshape(1, -1, vocab),
+                                         temperature=temperature, check_inputs=False)
+    return features.reshape(*target_logits.shape[:-1], len(DISTRIBUTION_FEATURES))
 
 
 def wants_distributions(head) -> bool:

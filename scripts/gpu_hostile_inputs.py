@@ -1,4 +1,5 @@
-"""Every verify, token_stats and mix kernel on hostile unchecked inputs, for the compute-sanitizer tools.
+"""Every verify, token_stats, mix and distribution_features kernel on hostile unchecked inputs, for the
+compute-sanitizer tools.
 
 Each call runs with check_inputs=False on inputs the checks would refuse: NaN, negative and infinite mass, rows
 without mass, token ids outside [0, V), num_draft outside [0, K], uniforms outside [0, 1), greedy and sampled rows,
@@ -83,6 +84,9 @@ def exercise(device, batch, num_positions, vocab, generator):
         if num_positions:
             dx.token_stats(q, p[:, :num_positions], tokens.clamp(0, vocab - 1), check_inputs=False)
             dx.mix(q, p[:, :num_positions], 0.3, check_inputs=False)
+            features = dx.distribution_features(q.log(), p[:, :num_positions].log(), temperature=temperature,
+                                                check_inputs=False)
+            assert bool(((features >= 0) & (features <= 1)).all()), f"features outside [0, 1] at {what}"
 
 
 def main(argv=None) -> int:

@@ -17,6 +17,7 @@ constexpr const char* kVerifyProbsOp = "diversed::verify_probs";
 constexpr const char* kVerifyLogitsOp = "diversed::verify_logits";
 constexpr const char* kTokenStatsOp = "diversed::token_stats";
 constexpr const char* kMixOp = "diversed::mix";
+constexpr const char* kDistributionFeaturesOp = "diversed::distribution_features";
 
 inline void check_int64_vector(const at::Tensor& tensor, int64_t size, const char* op, const char* what) {
   check_layout(tensor, at::kLong, {size}, op, what);
@@ -171,6 +172,15 @@ inline void check_mix_args(const at::Tensor& draft, const at::Tensor& target, co
   TORCH_CHECK(target.size(1) >= K, op, ": target must have at least K positions");
   check_layout(weight, at::kFloat, {B, K}, op, "weight");
   check_float_vector(temperature, B, op, "temperature");
+}
+
+// distribution_features: draft and target logits [B, T, V], temperature float32 [B].
+inline void check_distribution_features_args(const at::Tensor& draft, const at::Tensor& target,
+                                             const at::Tensor& temperature) {
+  constexpr const char* op = kDistributionFeaturesOp;
+  check_pair(draft, target, op);
+  TORCH_CHECK(target.size(1) == draft.size(1), op, ": draft and target must both be [B, T, V]");
+  check_float_vector(temperature, draft.size(0), op, "temperature");
 }
 
 }  // namespace diversed

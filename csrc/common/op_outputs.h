@@ -12,6 +12,7 @@
 #include <tuple>
 #include <type_traits>
 
+#include "features_math.h"
 #include "op_checks.h"
 #include "poison.h"
 #include "problems.h"
@@ -207,6 +208,14 @@ inline TokenStatsCall start_token_stats(const at::Tensor& draft, const at::Tenso
                            call.draft_prob.data_ptr<float>(), call.total_variation.data_ptr<float>(),
                            call.target_logprob.data_ptr<float>(), call.draft_logprob.data_ptr<float>()};
   return call;
+}
+
+// distribution_features: float32 [B, T, 5] (features_math.h).
+inline at::Tensor allocate_features(const at::Tensor& draft) {
+  at::Tensor features =
+      at::empty({draft.size(0), draft.size(1), kNumDistributionFeatures}, draft.options().dtype(at::kFloat));
+  if (features.numel() > 0) poison_outputs(features);
+  return features;
 }
 
 // mix: nu float32 [B, K, V].

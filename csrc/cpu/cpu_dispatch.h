@@ -25,6 +25,8 @@ namespace cpu {
   template <typename T>                                                                                               \
   void mix(const PairProblem<T>& pair, const float* weight, float* mixture, const ParallelFor& parallel_for);         \
   template <typename T>                                                                                               \
+  void distribution_features(const PairProblem<T>& pair, float* features, const ParallelFor& parallel_for);         \
+  template <typename T>                                                                                               \
   void value_flags(const T* values, int64_t rows, int64_t vocab, bool from_logits, int32_t* flags,                    \
                    const ParallelFor& parallel_for);                                                                  \
   }

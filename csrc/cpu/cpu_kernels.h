@@ -23,6 +23,7 @@ namespace DIVERSED_CPU_CAPABILITY {
   DIVERSED_INSTANTIATE_VERIFY_KERNELS(T, T)                                                                           \
   template void token_stats<T>(const PairProblem<T>&, const TokenStatsOut&, const ParallelFor&);                      \
   template void mix<T>(const PairProblem<T>&, const float*, float*, const ParallelFor&);                             \
+  template void distribution_features<T>(const PairProblem<T>&, float*, const ParallelFor&);                        \
   template void value_flags<T>(const T*, int64_t, int64_t, bool, int32_t*, const ParallelFor&);
 
 DIVERSED_INSTANTIATE_CPU_KERNELS(float)

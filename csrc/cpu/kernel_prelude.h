@@ -11,6 +11,7 @@
 
 #include "../cpu_base/kernel_base.h"  // first: its diagnostic setting must precede the vector templates of ../common
 #include "../common/problems.h"
+#include "../common/features_math.h"
 #include "../common/verify_math.h"
 
 namespace diversed {

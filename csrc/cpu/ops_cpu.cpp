@@ -109,6 +109,19 @@ at::Tensor mix_cpu(const at::Tensor& draft, const at::Tensor& target, const at::
   return mixture;
 }
 
+// Logits [B, T, V] pairs -> float32 [B, T, 5]: entropies, largest probabilities and TV (features_math.h).
+at::Tensor distribution_features_cpu(const at::Tensor& draft, const at::Tensor& target, const at::Tensor& temperature) {
+  check_distribution_features_args(draft, target, temperature);
+  at::Tensor features = allocate_features(draft);
+  if (features.numel() == 0) return features;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, draft.scalar_type(), "distribution_features_cpu", [&] {
+    using T = CpuElement<scalar_t>;
+    DIVERSED_CPU_CALL(distribution_features<T>, pair_problem<T, scalar_t>(draft, target, temperature, true),
+                      features.data_ptr<float>(), kParallelFor);
+  });
+  return features;
+}
+
 // values [..., V] -> int32 [...]: each row's flags (check_kernels.h), for the value checks of check_inputs=True.
 at::Tensor value_flags_cpu(const at::Tensor& values, bool from_logits) {
   constexpr const char* op = "diversed::value_flags";
@@ -161,6 +174,7 @@ TORCH_LIBRARY_IMPL(diversed, CPU, m) {
   m.impl("verify_logits", &cpu::verify_logits_cpu);
   m.impl("token_stats", &cpu::token_stats_cpu);
   m.impl("mix", &cpu::mix_cpu);
+  m.impl("distribution_features", &cpu::distribution_features_cpu);
   m.impl("philox_uniforms", &cpu::philox_uniforms_cpu);
   m.impl("value_flags", &cpu::value_flags_cpu);
 }

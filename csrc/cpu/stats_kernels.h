@@ -1,6 +1,7 @@
-// The CPU kernels of token_stats and mix: torch-free, over a PairProblem (csrc/common/problems.h), compiled once per
-// instruction set (see cpu_kernels.h). One task per (row, position) pair of distributions, in parallel; from logits,
-// each pair first gets its two softmax normalisers and then reads probabilities on the fly.
+// The CPU kernels of token_stats, mix and distribution_features: torch-free, over a PairProblem
+// (csrc/common/problems.h), compiled once per instruction set (see cpu_kernels.h). One task per (row, position) pair of
+// distributions, in parallel; from logits, each pair first gets its two softmax normalisers and then reads
+// probabilities on the fly.
 #pragma once
 
 #include "kernel_prelude.h"
@@ -73,6 +74,48 @@ void mix_row(const Row& target, const Row& draft, float weight, int64_t vocab, f
   for (; v < vocab; ++v) out[v] = mix_mass(weight, target.mass(v), draft.mass(v));
 }
 
+// One logit row's shifted logits s - m and masses at elements v .. v + kLanes - 1.
+template <typename T>
+void shifted_lanes(const LogitRow<T>& row, int64_t v, FloatLanes& shifted, FloatLanes& mass) {
+  shifted = map_lanes(load_lanes(row.values, v),
+                      [&](FloatVector x) { return x * row.inverse_temperature - row.stats.max; });
+  mass = map_lanes(shifted, [&](FloatVector x) { return shifted_mass(x, row.stats); });
+}
+
+// The sums of features_math.h over a pair of logit rows (their stats already through features_stats), in one pass:
+// five float64 accumulators of kLanes lanes, then the tail element by element.
+template <typename T>
+FeatureSums feature_sums(const LogitRow<T>& target, const LogitRow<T>& draft, int64_t vocab) {
+  DoubleLanes draft_mass = {}, draft_terms = {}, target_mass = {}, target_terms = {}, difference = {};
+  int64_t v = 0;
+  for (; v + kLanes <= vocab; v += kLanes) {
+    FloatLanes p_shifted, p, q_shifted, q;
+    shifted_lanes(target, v, p_shifted, p);
+    shifted_lanes(draft, v, q_shifted, q);
+    accumulate(target_mass, p);
+    accumulate(draft_mass, q);
+    accumulate(target_terms, zip_lanes(p, p_shifted, [](FloatVector m, FloatVector x) { return entropy_term(m, x); }));
+    accumulate(draft_terms, zip_lanes(q, q_shifted, [](FloatVector m, FloatVector x) { return entropy_term(m, x); }));
+    accumulate(difference, zip_lanes(p, q, [](FloatVector a, FloatVector b) {
+                 const FloatVector d = a - b;
+                 return d > 0.0f ? d : -d;
+               }));
+  }
+  FeatureSums sums{reduce_lanes(draft_mass), reduce_lanes(draft_terms), reduce_lanes(target_mass),
+                   reduce_lanes(target_terms), reduce_lanes(difference)};
+  for (; v < vocab; ++v) {
+    const float p_shifted = load_float(target.values, v) * target.inverse_temperature - target.stats.max;
+    const float q_shifted = load_float(draft.values, v) * draft.inverse_temperature - draft.stats.max;
+    const float p = shifted_mass(p_shifted, target.stats), q = shifted_mass(q_shifted, draft.stats);
+    sums.target_mass += p;
+    sums.draft_mass += q;
+    sums.target_terms += entropy_term(p, p_shifted);
+    sums.draft_terms += entropy_term(q, q_shifted);
+    sums.absolute_difference += std::fabs(p - q);
+  }
+  return sums;
+}
+
 // ------------------------------------------------------------------------------------------ entry points
 // Called by the binding (ops_cpu.cpp, through cpu_dispatch.h) after the checks and the allocation of the outputs.
 
@@ -102,6 +145,26 @@ void mix(const PairProblem<T>& pair, const float* weight, float* mixture, const 
       with_rows(pair, index, [&](const auto& target, const auto& draft) {
         mix_row(target, draft, w, pair.vocab, mixture + index * pair.vocab);
       });
+    }
+  });
+}
+
+// distribution_features: draft and target logits [B, T, V]; features float32 [B, T, kNumDistributionFeatures]. Each
+// pair gets its two softmax normalisers (one pass per row) and then one pass over both rows.
+template <typename T>
+void distribution_features(const PairProblem<T>& pair, float* features, const ParallelFor& parallel_for) {
+  const double entropy_scale = inverse_log_vocab(pair.vocab);
+  parallel_for(0, pair.rows(), grain_for(2 * pair.vocab), [&](int64_t begin, int64_t end) {
+    for (int64_t index = begin; index < end; ++index) {
+      const float inverse_t = pair.inverse_temperature(index);
+      const T* target_values = pair.target_values(index);
+      const T* draft_values = pair.draft_values(index);
+      const LogitRow<T> target{target_values, inverse_t,
+                               features_stats(softmax_stats(target_values, pair.vocab, inverse_t))};
+      const LogitRow<T> draft{draft_values, inverse_t,
+                              features_stats(softmax_stats(draft_values, pair.vocab, inverse_t))};
+      write_features(feature_sums(target, draft, pair.vocab), draft.stats, target.stats, entropy_scale,
+                     features + index * kNumDistributionFeatures);
     }
   });
 }

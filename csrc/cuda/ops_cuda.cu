@@ -1,8 +1,8 @@
-// CUDA bindings of the four `diversed` ops: argument and device checks, output allocation, the kernel launches.
+// CUDA bindings of the five `diversed` ops: argument and device checks, output allocation, the kernel launches.
 // Nothing here reads device memory, so a call never syncs with the host (CUDA graphs can capture it). The kernels are
 // torch-free headers: verify_kernels.cuh and split_kernels.cuh (verify_probs, verify_logits: two families, picked by
 // diversed_ext.set_cuda_kernels, common/kernel_family.h; compiled in translation units of their own, see
-// verify_instances.cuh) and stats_kernels.cuh (token_stats, mix).
+// verify_instances.cuh) and stats_kernels.cuh (token_stats, mix, distribution_features).
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/cuda/CUDAGeneratorImpl.h>
@@ -286,6 +286,24 @@ at::Tensor mix_cuda(const at::Tensor& draft, const at::Tensor& target, const at:
   return mixture;
 }
 
+// Logits [B, T, V] pairs -> float32 [B, T, 5]: entropies, largest probabilities and TV (features_math.h).
+at::Tensor distribution_features_cuda(const at::Tensor& draft, const at::Tensor& target,
+                                      const at::Tensor& temperature) {
+  check_distribution_features_args(draft, target, temperature);
+  check_cuda_device(kDistributionFeaturesOp, draft, target, temperature);
+  check_grid_rows(kDistributionFeaturesOp, draft.size(0) * draft.size(1));
+  const c10::cuda::CUDAGuard guard(draft.device());
+  at::Tensor features = allocate_features(draft);
+  if (features.numel() == 0) return features;
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, draft.scalar_type(), "distribution_features_cuda", [&] {
+    launch_distribution_features(pair_problem<CudaElement<scalar_t>, scalar_t>(draft, target, temperature, true),
+                                 features.data_ptr<float>(), stream);
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return features;
+}
+
 }  // namespace
 }  // namespace gpu
 
@@ -294,6 +312,7 @@ TORCH_LIBRARY_IMPL(diversed, CUDA, m) {
   m.impl("verify_logits", &gpu::verify_logits_cuda);
   m.impl("token_stats", &gpu::token_stats_cuda);
   m.impl("mix", &gpu::mix_cuda);
+  m.impl("distribution_features", &gpu::distribution_features_cuda);
 }
 
 }  // namespace diversed

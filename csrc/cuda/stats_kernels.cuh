@@ -1,5 +1,5 @@
-// The kernels of token_stats and mix: one thread block per (row, position) pair of distributions, one launch per
-// call. Torch-free: a PairProblem (csrc/common/problems.h) and raw outputs in, a stream to launch on.
+// The kernels of token_stats, mix and distribution_features: one thread block per (row, position) pair of
+// distributions, one launch per call. Torch-free: a PairProblem (csrc/common/problems.h) and raw outputs in, a stream to launch on.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "../common/features_math.h"
 #include "../common/problems.h"
 #include "block_ops.cuh"
 
@@ -110,6 +111,48 @@ __global__ void __launch_bounds__(kThreads)
   });
 }
 
+// One pair of logit rows' features: both normalisers, then one pass over both rows adding features_math.h's sums, per
+// thread in float64 and across the block in float64.
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    distribution_features_kernel(const PairProblem<T> params, float* features) {
+  __shared__ BlockStorage storage;
+  const int64_t index = blockIdx.x;
+  const int64_t vocab = params.vocab;
+  const float inverse_t = params.inverse_temperature(index);
+  const T* target = params.target_values(index);
+  const T* draft = params.draft_values(index);
+  const SoftmaxStats target_stats = features_stats(block_softmax_stats(target, vocab, inverse_t, storage));
+  const SoftmaxStats draft_stats = features_stats(block_softmax_stats(draft, vocab, inverse_t, storage));
+  const TileLayout layout = tile_layout(target, draft);
+  FeatureSums thread_sums{};
+  for (int64_t tile = 0; tile < vocab; tile += kTileElements) {
+    const int64_t first = thread_first(tile);
+    float p_logit[kItemsPerThread], q_logit[kItemsPerThread];
+    load_items(target, first, Span{0, vocab}, layout.vectorised, p_logit);
+    load_items(draft, first, Span{0, vocab}, layout.second_vectorised, q_logit);
+#pragma unroll
+    for (int k = 0; k < kItemsPerThread; ++k) {
+      if (!in_row(first + k, vocab)) continue;
+      const float p_shifted = p_logit[k] * inverse_t - target_stats.max;
+      const float q_shifted = q_logit[k] * inverse_t - draft_stats.max;
+      const float p = shifted_mass(p_shifted, target_stats), q = shifted_mass(q_shifted, draft_stats);
+      thread_sums.target_mass += p;
+      thread_sums.draft_mass += q;
+      thread_sums.target_terms += entropy_term(p, p_shifted);
+      thread_sums.draft_terms += entropy_term(q, q_shifted);
+      thread_sums.absolute_difference += fabsf(p - q);
+    }
+  }
+  // Each block_sum ends in a barrier, so the storage is free again for the next.
+  const FeatureSums sums{block_sum(thread_sums.draft_mass, storage), block_sum(thread_sums.draft_terms, storage),
+                         block_sum(thread_sums.target_mass, storage), block_sum(thread_sums.target_terms, storage),
+                         block_sum(thread_sums.absolute_difference, storage)};
+  if (threadIdx.x == 0)
+    write_features(sums, draft_stats, target_stats, inverse_log_vocab(vocab),
+                   features + index * kNumDistributionFeatures);
+}
+
 template <typename T>
 void launch_token_stats(const PairProblem<T>& params, const TokenStatsOut& out, cudaStream_t stream) {
   const int64_t rows = params.rows();
@@ -122,6 +165,13 @@ void launch_mix(const PairProblem<T>& params, const float* weight, float* mixtur
   const int64_t rows = params.rows();
   if (rows == 0) return;
   mix_kernel<<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(params, weight, mixture);
+}
+
+template <typename T>
+void launch_distribution_features(const PairProblem<T>& params, float* features, cudaStream_t stream) {
+  const int64_t rows = params.rows();
+  if (rows == 0) return;
+  distribution_features_kernel<<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(params, features);
 }
 
 }  // namespace gpu

@@ -1,4 +1,4 @@
-"""Loads the native library and registers the fake (meta) kernels of the verify ops.
+"""Loads the native library and registers the fake (meta) kernels of its ops, whose output layouts it states.
 
 The fake kernels give output shapes and dtypes without data, which is what ``torch.compile`` and
 ``torch.library.opcheck`` need. The lean forward's ops register theirs in :mod:`diversed_ext.forward`.
@@ -11,11 +11,14 @@ import torch
 from .. import _C  # noqa: F401  (loading the library registers the schemas and the CPU/CUDA kernels)
 
 
-OP_NAMES = ("verify_probs", "verify_logits", "token_stats", "mix")
+OP_NAMES = ("verify_probs", "verify_logits", "token_stats", "mix", "distribution_features")
+# What distribution_features returns per position, in its order (csrc/common/features_math.h); a head takes any
+# subset by name.
+DISTRIBUTION_FEATURES = ("draft_entropy", "target_entropy", "draft_max_prob", "target_max_prob", "total_variation")
 
 
 def cuda_kernels_registered() -> bool:
-    """True when this build registered a CUDA kernel for every ``diversed`` op (a CUDA build registers all four)."""
+    """True when this build registered a CUDA kernel for every ``diversed`` op (a CUDA build registers all five)."""
     return all(torch._C._dispatch_has_kernel_for_dispatch_key(f"diversed::{name}", "CUDA") for name in OP_NAMES)
 
 
@@ -49,6 +52,12 @@ def _token_stats_fake(draft, target, tokens, temperature, from_logits):
 @torch.library.register_fake("diversed::mix")
 def _mix_fake(draft, target, weight, temperature, from_logits):
     return draft.new_empty(draft.shape, dtype=torch.float32)
+
+
+@torch.library.register_fake("diversed::distribution_features")
+def _distribution_features_fake(draft, target, temperature):
+    batch, length, _ = draft.shape
+    return draft.new_empty((batch, length, len(DISTRIBUTION_FEATURES)), dtype=torch.float32)
 
 
 @torch.library.register_fake("diversed::value_flags")

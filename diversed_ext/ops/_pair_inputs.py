@@ -1,4 +1,5 @@
-"""Validation of the draft/target pairs of token_stats and mix (the verify ops' arguments are in ``_inputs``)."""
+"""Validation of the draft/target pairs of token_stats, mix and distribution_features (the verify ops' arguments are
+in ``_inputs``)."""
 
 from __future__ import annotations
 
@@ -26,25 +27,28 @@ def normalize_stat_tokens(tokens, batch: int, length: int, vocab: int, device: t
     return tokens
 
 
-def prepare_pair(draft, target, *, from_logits, temperature, check_inputs, same_positions):
-    """Checks of token_stats and mix: (B, K, V, temperature [B]) of a draft/target pair."""
+def prepare_pair(draft, target, *, from_logits, temperature, check_inputs, same_positions,
+                 names=("draft", "target")):
+    """Checks of token_stats, mix and distribution_features: (B, K, V, temperature [B]) of a draft/target pair, which
+    errors call by ``names``."""
     kind = "logits" if from_logits else "probabilities"
-    batch, draft_positions, vocab = _check_pair_shapes(draft, target, kind, same_positions)
+    batch, draft_positions, vocab = _check_pair_shapes(draft, target, kind, same_positions, names)
     temperature_t = temperature_tensor(temperature, batch, draft.device, check_inputs)
     if check_inputs:
-        check_values(draft, "draft", from_logits)
-        check_values(target, "target", from_logits)
+        check_values(draft, names[0], from_logits)
+        check_values(target, names[1], from_logits)
     return batch, draft_positions, vocab, temperature_t
 
 
-def _check_pair_shapes(draft, target, kind, same_positions):
+def _check_pair_shapes(draft, target, kind, same_positions, names):
     """The pair's layout (check_pair_layout); the target has K positions (same_positions) or at least K. Returns
     (B, K, V)."""
-    batch, num_positions, vocab, target_positions = check_pair_layout(draft, target, "draft", "target", kind)
+    draft_name, target_name = names
+    batch, num_positions, vocab, target_positions = check_pair_layout(draft, target, draft_name, target_name, kind)
     if same_positions and target_positions != num_positions:
-        raise ValueError(f"target must have the same number of positions as draft ({num_positions}), "
+        raise ValueError(f"{target_name} must have the same number of positions as {draft_name} ({num_positions}), "
                          f"got {target_positions}")
     if not same_positions and target_positions < num_positions:
-        raise ValueError(f"target must have at least as many positions as draft ({num_positions}), "
+        raise ValueError(f"{target_name} must have at least as many positions as {draft_name} ({num_positions}), "
                          f"got {target_positions}")
     return batch, num_positions, vocab

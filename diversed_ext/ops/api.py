@@ -1,4 +1,4 @@
-"""The four public ops: one fused native call each, after one pass of argument checks (ops/_inputs.py).
+"""The five public ops: one fused native call each, after one pass of argument checks (ops/_inputs.py).
 
 verify / verify_logits: DIVERSED verification of a batch of draft blocks. For row b with drafts x_1..x_n
 (n = num_draft[b]) sampled from q_i, target distributions p_1..p_{n+1} and weights w_i on the target:
@@ -19,6 +19,7 @@ speculative sampling (Leviathan, Kalman and Matias, ICML 2023, arXiv:2211.17192;
 verified against DIVERSED's ensemble (Wang et al., AISTATS 2026, arXiv:2604.07622).
 
 token_stats / mix: what the trainer and the analyses need: p(y), q(y), TV(p, q) per position, and nu materialised.
+distribution_features: what a DIVERSED head reads of the two distributions at a position (DISTRIBUTION_FEATURES).
 Logits path, per-token statistics and the materialised mixture, as fused native ops.
 
 Servers hold logits, not probabilities; the trainer needs p(y), q(y) and TV(p, q) over whole sequences. These ops
@@ -251,6 +252,27 @@ def token_stats(draft, target, tokens, *, from_logits=False, temperature=1.0, ch
     fields = torch.ops.diversed.token_stats(draft.contiguous(), target.contiguous(), tokens_t, temperature_t,
                                             bool(from_logits))
     return TokenStats(*fields)
+
+
+def distribution_features(draft_logits, target_logits, *, temperature=1.0, check_inputs=True) -> torch.Tensor:
+    """The :data:`~diversed_ext.DISTRIBUTION_FEATURES` of q = softmax(draft_logits / T) and p = softmax(target_logits /
+    T) at every position, each in [0, 1], in two passes over each row: the entropies of q and p divided by log V (so a
+    head sees the same scale for any vocabulary; 0 for V = 1), their largest probabilities and TV(p, q).
+
+    Args:
+        draft_logits: [B, T, V] draft logits; -inf rules a token out.
+        target_logits: [B, T, V] target logits (same shape, dtype and device).
+        temperature: float or [B]; 0 counts as 1, as for the verifier.
+        check_inputs: check the values too (NaN, +inf, a row without a finite logit); this reads them on the host.
+            Unchecked, a row without a finite logit has entropy 0 and largest probability 0, and every output stays in
+            [0, 1].
+    Returns float32 [B, T, len(DISTRIBUTION_FEATURES)].
+    """
+    *_, temperature_t = prepare_pair(draft_logits, target_logits, from_logits=True, temperature=temperature,
+                                     check_inputs=check_inputs, same_positions=True,
+                                     names=("draft_logits", "target_logits"))
+    return torch.ops.diversed.distribution_features(draft_logits.contiguous(), target_logits.contiguous(),
+                                                    temperature_t)
 
 
 def mix(draft, target, weight, *, from_logits=False, temperature=1.0, check_inputs=True) -> torch.Tensor:

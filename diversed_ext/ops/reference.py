@@ -8,6 +8,8 @@ MIN_TARGET_MASS counts as zero, and a drafted token the target forbids verifies 
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ._fly import fly_arguments, fly_deferred, fly_entropy, fly_tensors
@@ -20,6 +22,7 @@ from ._temperature import distribution_temperature, is_greedy_temperature, tempe
 from .api import TokenStats, VerifyResult
 
 FLOAT32_MAX = torch.finfo(torch.float32).max
+LOG_FLOOR = -1e4  # 0 * log 0 is taken as 0: a ruled-out token's -inf log probability is floored before the product
 
 # The target's support (csrc/common/verify_math.h: kMinTargetMass, which says why this value): a target probability
 # below it counts as zero in the verify ops. A hard constraint of a server (bad words, allowed token ids, a -inf or
@@ -232,6 +235,26 @@ def token_stats_reference(draft, target, tokens, *, from_logits=False, temperatu
     total_variation = 0.5 * (target_probs.double() - draft_probs.double()).abs().sum(-1)
     return TokenStats(target_probs.gather(-1, tokens_t).squeeze(-1), draft_probs.gather(-1, tokens_t).squeeze(-1),
                       total_variation.float(), target_logprob, draft_logprob)
+
+
+def distribution_features_reference(draft_logits, target_logits, *, temperature=1.0, check_inputs=True):
+    """Reference of :func:`diversed_ext.distribution_features` (materialises the log-probabilities)."""
+    _, _, vocab, temperature_t = prepare_pair(draft_logits, target_logits, from_logits=True, temperature=temperature,
+                                              check_inputs=check_inputs, same_positions=True,
+                                              names=("draft_logits", "target_logits"))
+    entropy_scale = 1.0 / math.log(vocab) if vocab > 1 else 0.0
+    effective = distribution_temperature(temperature_t).view(-1, 1, 1)
+    # A row without a finite logit has no mass (the softmax's NaN counts as 0) and so no entropy.
+    draft_log = (draft_logits.float() / effective).log_softmax(-1).nan_to_num(nan=LOG_FLOOR)
+    target_log = (target_logits.float() / effective).log_softmax(-1).nan_to_num(nan=LOG_FLOOR)
+    draft_probs = _tempered_softmax(draft_logits, temperature_t)
+    target_probs = _tempered_softmax(target_logits, temperature_t)
+    features = torch.stack([
+        -(draft_probs * draft_log.clamp_min(LOG_FLOOR)).sum(-1) * entropy_scale,
+        -(target_probs * target_log.clamp_min(LOG_FLOOR)).sum(-1) * entropy_scale,
+        draft_probs.amax(-1), target_probs.amax(-1),
+        0.5 * (target_probs.double() - draft_probs.double()).abs().sum(-1).float()], dim=-1)
+    return features.nan_to_num(0.0).clamp(0.0, 1.0)
 
 
 def mix_reference(draft, target, weight, *, from_logits=False, temperature=1.0, check_inputs=True) -> torch.Tensor:

@@ -22,10 +22,10 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..head import DISTRIBUTION_FEATURES, distribution_features, wants_distributions
+from ..head import distribution_features, wants_distributions
 from ..decoding.eagle_drafting import is_eagle_head
 from ..decoding.runners import make_runner, model_device
-from ..ops import distribution_temperature, token_stats
+from ..ops import DISTRIBUTION_FEATURES, distribution_temperature, token_stats
 from .eagle_unrolled import unrolled_steps
 
 

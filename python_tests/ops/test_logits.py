@@ -225,7 +225,8 @@ def test_cpu_builds_agree_bit_for_bit(dtype, vocab, monkeypatch):
                 dx.verify(tokens, draft.float().softmax(-1).to(dtype), target.float().softmax(-1).to(dtype), weight,
                           seed=2),
                 dx.token_stats(draft, target[:, :3], tokens, from_logits=True),
-                dx.mix(draft, target, weight, from_logits=True))
+                dx.mix(draft, target, weight, from_logits=True),
+                dx.distribution_features(draft, target[:, :3], temperature=0.8))
 
     results = {}
     for capability in ("baseline", "avx2", "avx512"):

@@ -199,7 +199,7 @@ def test_out_of_range_ids_count_as_rejected_without_checks(device):
 # ------------------------------------------------------------------------------------------- custom op machinery
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_opcheck(dtype, device):
-    """torch.library.opcheck on all four ops: schema, fake kernel, and dispatch agree with the real kernel."""
+    """torch.library.opcheck on all five ops: schema, fake kernel, and dispatch agree with the real kernel."""
     batch, num_positions, vocab = 4, 3, 20
     tokens, draft, target = (t.to(device) for t in random_problem(batch, num_positions, vocab, seed=3, dtype=dtype))
     weight = torch.full((batch, num_positions), 0.5, device=device)
@@ -218,6 +218,8 @@ def test_opcheck(dtype, device):
         torch.library.opcheck(torch.ops.diversed.token_stats.default,
                               (draft, target[:, :num_positions].contiguous(), tokens, temperature, from_logits))
         torch.library.opcheck(torch.ops.diversed.mix.default, (draft, target, weight, temperature, from_logits))
+    torch.library.opcheck(torch.ops.diversed.distribution_features.default,
+                          (draft, target[:, :num_positions].contiguous(), temperature))
 
 
 def test_torch_compile_fullgraph_traces_verify():
