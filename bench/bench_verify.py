@@ -192,39 +192,33 @@ def _verify_bench(name: str, from_logits: bool, tokens_only: bool) -> OpBench:
     )
 
 
+def _pair_bench(name: str, fused, reference, fused_checked=None) -> OpBench:
+    """An op over the draft logits and the target's first K positions, which it reads whole."""
+    return OpBench(name, fused=fused, reference=reference, fused_checked=fused_checked, bytes_read=_pair_bytes,
+                   streaming=lambda pr: (torch.sum(pr.draft_logits), torch.sum(pr.target_logits[:, :-1])))
+
+
 OPS = {
     "verify": _verify_bench("verify", from_logits=False, tokens_only=False),
     "verify_tokens": _verify_bench("verify_tokens", from_logits=False, tokens_only=True),
     "verify_logits": _verify_bench("verify_logits", from_logits=True, tokens_only=False),
     "verify_logits_tokens": _verify_bench("verify_logits_tokens", from_logits=True, tokens_only=True),
-    "token_stats": OpBench(
+    "token_stats": _pair_bench(
         "token_stats",
         fused=lambda pr: dx.token_stats(pr.draft_logits, pr.target_logits[:, :-1], pr.draft_tokens, from_logits=True,
                                         check_inputs=False),
         reference=lambda pr: dx.token_stats_reference(pr.draft_logits, pr.target_logits[:, :-1], pr.draft_tokens,
-                                                      from_logits=True, check_inputs=False),
-        fused_checked=None,
-        bytes_read=_pair_bytes,
-        streaming=lambda pr: (torch.sum(pr.draft_logits), torch.sum(pr.target_logits[:, :-1])),
-    ),
-    "mix": OpBench(
-        "mix",
-        fused=lambda pr: dx.mix(pr.draft_logits, pr.target_logits, WEIGHT, from_logits=True, check_inputs=False),
+                                                      from_logits=True, check_inputs=False)),
+    "mix": _pair_bench(
+        "mix", fused=lambda pr: dx.mix(pr.draft_logits, pr.target_logits, WEIGHT, from_logits=True, check_inputs=False),
         reference=lambda pr: dx.mix_reference(pr.draft_logits, pr.target_logits, WEIGHT, from_logits=True,
-                                              check_inputs=False),
-        fused_checked=None,
-        bytes_read=_pair_bytes,
-        streaming=lambda pr: (torch.sum(pr.draft_logits), torch.sum(pr.target_logits[:, :-1])),
-    ),
-    "distribution_features": OpBench(
+                                              check_inputs=False)),
+    "distribution_features": _pair_bench(
         "distribution_features",
         fused=lambda pr: dx.distribution_features(pr.draft_logits, pr.target_logits[:, :-1], check_inputs=False),
         reference=lambda pr: dx.distribution_features_reference(pr.draft_logits, pr.target_logits[:, :-1],
                                                                 check_inputs=False),
-        fused_checked=lambda pr: dx.distribution_features(pr.draft_logits, pr.target_logits[:, :-1]),
-        bytes_read=_pair_bytes,
-        streaming=lambda pr: (torch.sum(pr.draft_logits), torch.sum(pr.target_logits[:, :-1])),
-    ),
+        fused_checked=lambda pr: dx.distribution_features(pr.draft_logits, pr.target_logits[:, :-1])),
 }
 # token_stats is meant for whole sequences: its own configuration, T = 256 positions, joins the quick grid.
 STATS_CONFIG = (8, 256, 49152)
