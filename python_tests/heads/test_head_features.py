@@ -56,6 +56,22 @@ def test_feature_edges():
         distribution_features(torch.zeros(2, 3), torch.zeros(2, 4))
 
 
+def test_features_of_any_leading_shape_and_dtype():
+    """The head's call of the fused op: [..., V] of any leading shape, each dtype as it lies, and a draft and a
+    target of different dtypes (a server's bfloat16 draft beside its float32 target rows) widened to float32."""
+    generator = torch.Generator().manual_seed(3)
+    draft, target = torch.randn(2, 3, 4, 50, generator=generator), torch.randn(2, 3, 4, 50, generator=generator)
+    features = distribution_features(draft, target, 0.8)
+    assert features.shape == (2, 3, 4, 5)
+    torch.testing.assert_close(features.double(), expected_features(draft, target, 0.8), atol=2e-6, rtol=0)
+    bf16_draft = draft.bfloat16()
+    torch.testing.assert_close(distribution_features(bf16_draft, target, 0.8),
+                               distribution_features(bf16_draft.float(), target, 0.8), atol=0, rtol=0)
+    torch.testing.assert_close(distribution_features(bf16_draft, target.bfloat16(), 0.8).double(),
+                               expected_features(bf16_draft, target.bfloat16(), 0.8), atol=2e-6, rtol=0)
+    torch.testing.assert_close(distribution_features(draft.double(), target.double(), 0.8), features, atol=0, rtol=0)
+
+
 def random_output(head, seed, scale=3.0):
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
