@@ -30,7 +30,7 @@ from torch import nn
 
 from . import rules
 from ._atomic import atomic_path
-from .ops import DISTRIBUTION_FEATURES
+from .ops import DISTRIBUTION_FEATURES, PROB_DTYPES
 from .ops import distribution_features as ops_distribution_features
 
 CONFIG_NAME = "head.json"
@@ -38,7 +38,6 @@ WEIGHTS_NAME = "head.safetensors"
 FORMAT_NAME = "diversed_ext.EnsembleHead"
 FORMAT_VERSION = 1
 WEIGHT_EPSILON = 1e-6  # init_weight is kept inside (0, 1) so its logit is finite
-FEATURE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the fused op reads as it lies
 # What a head reads, by the name the train command takes: (features, use_hidden).
 HEAD_INPUTS = {"hidden": ((), True), "distributions": (DISTRIBUTION_FEATURES, False),
                "both": (DISTRIBUTION_FEATURES, True)}
@@ -54,7 +53,7 @@ def distribution_features(draft_logits: torch.Tensor, target_logits: torch.Tenso
     if draft_logits.shape != target_logits.shape:
         raise ValueError(f"draft_logits {tuple(draft_logits.shape)} and target_logits {tuple(target_logits.shape)} "
                          "must have the same shape")
-    if draft_logits.dtype != target_logits.dtype or target_logits.dtype not in FEATURE_DTYPES:
+    if draft_logits.dtype != target_logits.dtype or target_logits.dtype not in PROB_DTYPES:
         draft_logits, target_logits = draft_logits.float(), target_logits.float()
     vocab = target_logits.shape[-1]
     features = ops_distribution_features(draft_logits.reshape(1, -1, vocab), target_logits.reshape(1, -1, vocab),

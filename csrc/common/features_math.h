@@ -63,6 +63,20 @@ struct FeatureSums {
   double draft_mass, draft_terms, target_mass, target_terms, absolute_difference;
 };
 
+// Adds one element of each row (raw logits, scaled by inverse_temperature and shifted by their row's max) to the
+// sums: the scalar form of the CPU kernel's lanes, and the CUDA kernel's per-thread step.
+DX_HD void add_feature_element(FeatureSums& sums, float target_logit, float draft_logit, float inverse_temperature,
+                               SoftmaxStats target, SoftmaxStats draft) {
+  const float p_shifted = target_logit * inverse_temperature - target.max;
+  const float q_shifted = draft_logit * inverse_temperature - draft.max;
+  const float p = shifted_mass(p_shifted, target), q = shifted_mass(q_shifted, draft);
+  sums.target_mass += p;
+  sums.draft_mass += q;
+  sums.target_terms += entropy_term(p, p_shifted);
+  sums.draft_terms += entropy_term(q, q_shifted);
+  sums.absolute_difference += p > q ? p - q : q - p;
+}
+
 // The five features of a position into out[0, kNumDistributionFeatures).
 DX_HD void write_features(const FeatureSums& sums, SoftmaxStats draft, SoftmaxStats target, double entropy_scale,
                           float* out) {

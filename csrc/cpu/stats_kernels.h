@@ -103,16 +103,9 @@ FeatureSums feature_sums(const LogitRow<T>& target, const LogitRow<T>& draft, in
   }
   FeatureSums sums{reduce_lanes(draft_mass), reduce_lanes(draft_terms), reduce_lanes(target_mass),
                    reduce_lanes(target_terms), reduce_lanes(difference)};
-  for (; v < vocab; ++v) {
-    const float p_shifted = load_float(target.values, v) * target.inverse_temperature - target.stats.max;
-    const float q_shifted = load_float(draft.values, v) * draft.inverse_temperature - draft.stats.max;
-    const float p = shifted_mass(p_shifted, target.stats), q = shifted_mass(q_shifted, draft.stats);
-    sums.target_mass += p;
-    sums.draft_mass += q;
-    sums.target_terms += entropy_term(p, p_shifted);
-    sums.draft_terms += entropy_term(q, q_shifted);
-    sums.absolute_difference += std::fabs(p - q);
-  }
+  for (; v < vocab; ++v)
+    add_feature_element(sums, load_float(target.values, v), load_float(draft.values, v), target.inverse_temperature,
+                        target.stats, draft.stats);
   return sums;
 }
 

@@ -132,17 +132,9 @@ __global__ void __launch_bounds__(kThreads)
     load_items(target, first, Span{0, vocab}, layout.vectorised, p_logit);
     load_items(draft, first, Span{0, vocab}, layout.second_vectorised, q_logit);
 #pragma unroll
-    for (int k = 0; k < kItemsPerThread; ++k) {
-      if (!in_row(first + k, vocab)) continue;
-      const float p_shifted = p_logit[k] * inverse_t - target_stats.max;
-      const float q_shifted = q_logit[k] * inverse_t - draft_stats.max;
-      const float p = shifted_mass(p_shifted, target_stats), q = shifted_mass(q_shifted, draft_stats);
-      thread_sums.target_mass += p;
-      thread_sums.draft_mass += q;
-      thread_sums.target_terms += entropy_term(p, p_shifted);
-      thread_sums.draft_terms += entropy_term(q, q_shifted);
-      thread_sums.absolute_difference += fabsf(p - q);
-    }
+    for (int k = 0; k < kItemsPerThread; ++k)
+      if (in_row(first + k, vocab))
+        add_feature_element(thread_sums, p_logit[k], q_logit[k], inverse_t, target_stats, draft_stats);
   }
   // Each block_sum ends in a barrier, so the storage is free again for the next.
   const FeatureSums sums{block_sum(thread_sums.draft_mass, storage), block_sum(thread_sums.draft_terms, storage),

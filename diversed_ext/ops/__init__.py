@@ -14,6 +14,7 @@ whatever the weight). Nothing here imports the rest of the package.
 
 from ._cuda_family import CUDA_KERNEL_FAMILIES, cuda_kernels, set_cuda_kernels
 from ._fake import DISTRIBUTION_FEATURES, cuda_kernels_registered
+from ._inputs import PROB_DTYPES
 from .gate import gate_keeps
 from ._temperature import MIN_TEMPERATURE, distribution_temperature, is_greedy_temperature
 from ._philox import philox_uniforms
@@ -26,5 +27,5 @@ __all__ = [
     "verify_reference", "verify_logits_reference", "token_stats_reference", "mix_reference",
     "distribution_features_reference", "DISTRIBUTION_FEATURES", "VerifyResult", "TokenStats", "philox_uniforms",
     "cuda_kernels_registered", "set_cuda_kernels", "cuda_kernels", "CUDA_KERNEL_FAMILIES", "gate_keeps",
-    "MIN_TARGET_MASS", "target_forbids",
+    "MIN_TARGET_MASS", "target_forbids", "PROB_DTYPES",
 ]

@@ -237,6 +237,13 @@ def token_stats_reference(draft, target, tokens, *, from_logits=False, temperatu
                       total_variation.float(), target_logprob, draft_logprob)
 
 
+def _log_and_mass(logits: torch.Tensor, effective: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """log softmax(logits / T) and its probabilities in float32. A row without a finite logit has no mass (the
+    softmax's NaN counts as 0) and so no entropy (its log probabilities floored)."""
+    log_probs = (logits.float() / effective).log_softmax(-1)
+    return log_probs.nan_to_num(nan=LOG_FLOOR), log_probs.exp().nan_to_num(nan=0.0)
+
+
 def distribution_features_reference(draft_logits, target_logits, *, temperature=1.0, check_inputs=True):
     """Reference of :func:`diversed_ext.distribution_features` (materialises the log-probabilities)."""
     _, _, vocab, temperature_t = prepare_pair(draft_logits, target_logits, from_logits=True, temperature=temperature,
@@ -244,11 +251,8 @@ def distribution_features_reference(draft_logits, target_logits, *, temperature=
                                               names=("draft_logits", "target_logits"))
     entropy_scale = 1.0 / math.log(vocab) if vocab > 1 else 0.0
     effective = distribution_temperature(temperature_t).view(-1, 1, 1)
-    # A row without a finite logit has no mass (the softmax's NaN counts as 0) and so no entropy.
-    draft_log = (draft_logits.float() / effective).log_softmax(-1).nan_to_num(nan=LOG_FLOOR)
-    target_log = (target_logits.float() / effective).log_softmax(-1).nan_to_num(nan=LOG_FLOOR)
-    draft_probs = _tempered_softmax(draft_logits, temperature_t)
-    target_probs = _tempered_softmax(target_logits, temperature_t)
+    draft_log, draft_probs = _log_and_mass(draft_logits, effective)
+    target_log, target_probs = _log_and_mass(target_logits, effective)
     features = torch.stack([
         -(draft_probs * draft_log.clamp_min(LOG_FLOOR)).sum(-1) * entropy_scale,
         -(target_probs * target_log.clamp_min(LOG_FLOOR)).sum(-1) * entropy_scale,
