@@ -86,9 +86,13 @@ TORCH_LIBRARY(diversed, m) {
       "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   // nu = w p + (1 - w) q as float32 [B, K, V]; target [B, K or more, V].
   m.def("mix(Tensor draft, Tensor target, Tensor weight, Tensor temperature, bool from_logits) -> Tensor");
-  // What a DIVERSED head reads of a pair of logit rows [B, T, V], as float32 [B, T, 5]: the entropies of q and p over
-  // log V, their largest probabilities and TV(p, q) (csrc/common/features_math.h).
-  m.def("distribution_features(Tensor draft, Tensor target, Tensor temperature) -> Tensor");
+  // What a DIVERSED head reads of pairs of logit rows, as float32 [B, T, 5]: the entropies of q and p over log V,
+  // their largest probabilities and TV(p, q) (csrc/common/features_math.h). draft and target [B, T, V], or [R, V] read
+  // through target_rows / draft_rows int64 [B, T]; temperature float32 [B], and target_temperature float32 [B] for
+  // target rows at a temperature of their own.
+  m.def(
+      "distribution_features(Tensor draft, Tensor target, Tensor temperature, Tensor? target_rows=None, "
+      "Tensor? draft_rows=None, Tensor? target_temperature=None) -> Tensor");
   // CPU only: what check_inputs=True needs of values [..., V] (probabilities, or logits with from_logits), in one
   // pass: int32 [...] flags per row, or-ed bits: 1 a NaN, 2 a negative entry, 4 a +inf entry, 8 no positive
   // probability (logits: no entry above -inf).

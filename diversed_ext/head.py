@@ -53,8 +53,11 @@ def distribution_features(draft_logits: torch.Tensor, target_logits: torch.Tenso
     if draft_logits.shape != target_logits.shape:
         raise ValueError(f"draft_logits {tuple(draft_logits.shape)} and target_logits {tuple(target_logits.shape)} "
                          "must have the same shape")
-    if draft_logits.dtype != target_logits.dtype or target_logits.dtype not in PROB_DTYPES:
-        draft_logits, target_logits = draft_logits.float(), target_logits.float()
+    # each read as it lies when the op takes it (float32, bfloat16, float16, mixed or not)
+    if draft_logits.dtype not in PROB_DTYPES:
+        draft_logits = draft_logits.float()
+    if target_logits.dtype not in PROB_DTYPES:
+        target_logits = target_logits.float()
     vocab = target_logits.shape[-1]
     features = ops_distribution_features(draft_logits.reshape(1, -1, vocab), target_logits.reshape(1, -1, vocab),
                                          temperature=temperature, check_inputs=False)

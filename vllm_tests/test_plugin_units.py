@@ -274,3 +274,23 @@ def test_the_v1_capture_keeps_only_the_rows_it_is_told_and_their_logits_only_whe
     capture.plan = lambda request_ids: ([0, 2], True)
     drafter.propose()
     assert capture.row_of == {"a": 0, "c": 1} and calls == [2, 2] and capture.logits.shape == (2, 2, 5)
+
+
+def test_drafted_features_read_the_captured_rows_in_place():
+    """What a head reads in the sampler step: the draft's captured raw logits (bfloat16, rows of a [S, Kd, V] table,
+    Kd above the step's K) at each request's temperature, beside vLLM's float32 target rows already divided by it;
+    the same features as those rows gathered, divided and widened first (0, greedy, counts as 1)."""
+    from diversed_ext.head import distribution_features
+    from diversed_ext.vllm_plugin.heads import drafted_features
+
+    generator = torch.Generator().manual_seed(4)
+    table = (torch.randn(5, 4, 301, generator=generator) * 3).bfloat16()
+    table_rows = torch.tensor([3, 0, 3])
+    temperature = torch.tensor([0.7, 0.0, 1.6])
+    scale = torch.where(temperature > 0, temperature, torch.ones_like(temperature))[:, None, None]
+    target_logits = torch.randn(11, 301, generator=generator) * 3
+    target_rows = torch.tensor([[9, 1, 4], [0, 2, 2], [10, 5, 7]])
+    features = drafted_features(table, table_rows, target_logits, target_rows, temperature)
+    gathered = distribution_features(table[table_rows, :3].float() / scale, target_logits[target_rows])
+    assert features.shape == (3, 3, len(ops.DISTRIBUTION_FEATURES))
+    torch.testing.assert_close(features, gathered, atol=2e-6, rtol=0)

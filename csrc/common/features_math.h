@@ -63,12 +63,12 @@ struct FeatureSums {
   double draft_mass, draft_terms, target_mass, target_terms, absolute_difference;
 };
 
-// Adds one element of each row (raw logits, scaled by inverse_temperature and shifted by their row's max) to the
+// Adds one element of each row (raw logits, scaled by their row's inverse temperature and shifted by its max) to the
 // sums: the scalar form of the CPU kernel's lanes, and the CUDA kernel's per-thread step.
-DX_HD void add_feature_element(FeatureSums& sums, float target_logit, float draft_logit, float inverse_temperature,
-                               SoftmaxStats target, SoftmaxStats draft) {
-  const float p_shifted = target_logit * inverse_temperature - target.max;
-  const float q_shifted = draft_logit * inverse_temperature - draft.max;
+DX_HD void add_feature_element(FeatureSums& sums, float target_logit, float draft_logit, float target_inverse_t,
+                               float draft_inverse_t, SoftmaxStats target, SoftmaxStats draft) {
+  const float p_shifted = target_logit * target_inverse_t - target.max;
+  const float q_shifted = draft_logit * draft_inverse_t - draft.max;
   const float p = shifted_mass(p_shifted, target), q = shifted_mass(q_shifted, draft);
   sums.target_mass += p;
   sums.draft_mass += q;

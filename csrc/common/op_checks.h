@@ -174,13 +174,36 @@ inline void check_mix_args(const at::Tensor& draft, const at::Tensor& target, co
   check_float_vector(temperature, B, op, "temperature");
 }
 
-// distribution_features: draft and target logits [B, T, V], temperature float32 [B].
-inline void check_distribution_features_args(const at::Tensor& draft, const at::Tensor& target,
-                                             const at::Tensor& temperature) {
+// distribution_features: draft and target logits [B, T, V], or [R, V] rows read through target_rows / draft_rows (int64
+// [B, T]; B and T from a 3-D tensor, else from target_rows), of verify's dtypes (is_verify_dtype: each float32,
+// bfloat16 or float16, or both float64); temperature and target_temperature float32 [B]. Returns (B, T, V).
+struct FeaturesShape {
+  int64_t batch, positions, vocab;
+};
+
+inline FeaturesShape check_distribution_features_args(const at::Tensor& draft, const at::Tensor& target,
+                                                      const at::Tensor& temperature,
+                                                      const c10::optional<at::Tensor>& target_rows,
+                                                      const c10::optional<at::Tensor>& draft_rows,
+                                                      const c10::optional<at::Tensor>& target_temperature) {
   constexpr const char* op = kDistributionFeaturesOp;
-  check_pair(draft, target, op);
-  TORCH_CHECK(target.size(1) == draft.size(1), op, ": draft and target must both be [B, T, V]");
-  check_float_vector(temperature, draft.size(0), op, "temperature");
+  TORCH_CHECK(draft.dim() >= 2 && target.dim() >= 2, op, ": draft and target must be [B, T, V] or [R, V]");
+  const bool target_indexed = target_rows.has_value(), draft_indexed = draft_rows.has_value();
+  const at::Tensor& shaped = !draft_indexed ? draft : (!target_indexed ? target : *target_rows);
+  TORCH_CHECK(shaped.dim() == (draft_indexed && target_indexed ? 2 : 3), op, ": draft and target must be [B, T, V] "
+              "or, read through target_rows / draft_rows, [R, V] with those indices [B, T]");
+  const int64_t B = shaped.size(0), T = shaped.size(1), V = target.size(-1);
+  TORCH_CHECK(V > 0 && draft.size(-1) == V, op, ": vocabulary sizes differ or are zero");
+  check_verify_values(target, target_rows, B, T, V, op, "target", "target_rows");
+  check_verify_values(draft, draft_rows, B, T, V, op, "draft", "draft_rows");
+  const at::ScalarType draft_type = draft.scalar_type(), target_type = target.scalar_type();
+  const bool mixable = is_verify_dtype(draft_type, false) && is_verify_dtype(target_type, false);
+  TORCH_CHECK(mixable || (draft_type == target_type && is_verify_dtype(target_type, true)), op,
+              ": draft and target must each be float32, bfloat16 or float16, or both float64, got ", draft_type,
+              " and ", target_type);
+  check_float_vector(temperature, B, op, "temperature");
+  if (target_temperature.has_value()) check_float_vector(*target_temperature, B, op, "target_temperature");
+  return FeaturesShape{B, T, V};
 }
 
 }  // namespace diversed

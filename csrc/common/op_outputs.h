@@ -210,12 +210,28 @@ inline TokenStatsCall start_token_stats(const at::Tensor& draft, const at::Tenso
   return call;
 }
 
-// distribution_features: float32 [B, T, 5] (features_math.h).
-inline at::Tensor allocate_features(const at::Tensor& draft) {
+// distribution_features: float32 [B, T, 5] (features_math.h), and the FeaturesProblem that reads the rows.
+inline at::Tensor allocate_features(const FeaturesShape& shape, const at::Tensor& like) {
   at::Tensor features =
-      at::empty({draft.size(0), draft.size(1), kNumDistributionFeatures}, draft.options().dtype(at::kFloat));
+      at::empty({shape.batch, shape.positions, kNumDistributionFeatures}, like.options().dtype(at::kFloat));
   if (features.numel() > 0) poison_outputs(features);
   return features;
+}
+
+inline FeaturesProblem features_problem(const FeaturesShape& shape, const at::Tensor& draft, const at::Tensor& target,
+                                        const at::Tensor& temperature,
+                                        const c10::optional<at::Tensor>& target_rows,
+                                        const c10::optional<at::Tensor>& draft_rows,
+                                        const c10::optional<at::Tensor>& target_temperature) {
+  return FeaturesProblem{shape.batch,
+                         shape.positions,
+                         shape.vocab,
+                         temperature.data_ptr<float>(),
+                         target_temperature.has_value() ? target_temperature->data_ptr<float>() : nullptr,
+                         target_rows.has_value() ? target_rows->data_ptr<int64_t>() : nullptr,
+                         target.size(0),
+                         draft_rows.has_value() ? draft_rows->data_ptr<int64_t>() : nullptr,
+                         draft.size(0)};
 }
 
 // mix: nu float32 [B, K, V].

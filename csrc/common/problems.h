@@ -123,6 +123,30 @@ struct PairProblem {
   DX_HD float inverse_temperature(int64_t index) const { return inverse_temperature_of(temperature[row_of(index)]); }
 };
 
+// distribution_features: pairs of logit rows, one per slot (= request * positions + position) of [B, T]; each row is
+// the slot's own in a [B, T, V] tensor, or read in place through an index (indexed_row). The draft rows are taken at
+// `temperature`, the target rows at `target_temperature` when given (a server's rows already divided by theirs).
+struct FeaturesProblem {
+  int64_t batch, positions, vocab;  // B, T, V
+  const float* temperature;         // [B]
+  const float* target_temperature;  // [B], or nullptr: the target rows use `temperature` too
+  const int64_t* target_rows;       // [B, T] into target_row_count rows, or nullptr: the target is [B, T, V]
+  int64_t target_row_count;
+  const int64_t* draft_rows;        // [B, T] into draft_row_count rows, or nullptr: the draft is [B, T, V]
+  int64_t draft_row_count;
+
+  DX_HD int64_t slots() const { return batch * positions; }
+  DX_HD int64_t target_row(int64_t slot) const { return indexed_row(target_rows, target_row_count, slot); }
+  DX_HD int64_t draft_row(int64_t slot) const { return indexed_row(draft_rows, draft_row_count, slot); }
+  DX_HD float draft_inverse_temperature(int64_t slot) const {
+    return inverse_temperature_of(temperature[slot / positions]);
+  }
+  DX_HD float target_inverse_temperature(int64_t slot) const {
+    const float* rows_temperature = target_temperature ? target_temperature : temperature;
+    return inverse_temperature_of(rows_temperature[slot / positions]);
+  }
+};
+
 // token_stats: the tokens y and the five outputs, each [B, T].
 struct TokenStatsOut {
   const int64_t* tokens;

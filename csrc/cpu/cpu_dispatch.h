@@ -11,7 +11,8 @@ namespace diversed {
 namespace cpu {
 
 // T is float, double, HalfBits or BFloat16Bits (the instantiations in cpu_kernels.h). The verify kernels take the
-// draft's element type TD and the target's TT: equal, or two different ones of float, HalfBits and BFloat16Bits.
+// draft's element type TD and the target's TT: equal, or two different ones of float, HalfBits and BFloat16Bits; so
+// do distribution_features'.
 #define DIVERSED_DECLARE_CPU_KERNELS(capability)                                                                      \
   namespace capability {                                                                                              \
   template <typename TD, typename TT>                                                                                 \
@@ -24,8 +25,9 @@ namespace cpu {
   void token_stats(const PairProblem<T>& pair, const TokenStatsOut& out, const ParallelFor& parallel_for);            \
   template <typename T>                                                                                               \
   void mix(const PairProblem<T>& pair, const float* weight, float* mixture, const ParallelFor& parallel_for);         \
-  template <typename T>                                                                                               \
-  void distribution_features(const PairProblem<T>& pair, float* features, const ParallelFor& parallel_for);         \
+  template <typename TD, typename TT>                                                                                 \
+  void distribution_features(const FeaturesProblem& problem, const TD* draft_logits, const TT* target_logits,        \
+                             float* features, const ParallelFor& parallel_for);                                       \
   template <typename T>                                                                                               \
   void value_flags(const T* values, int64_t rows, int64_t vocab, bool from_logits, int32_t* flags,                    \
                    const ParallelFor& parallel_for);                                                                  \

@@ -16,14 +16,15 @@ namespace diversed {
 namespace cpu {
 namespace DIVERSED_CPU_CAPABILITY {
 
-#define DIVERSED_INSTANTIATE_VERIFY_KERNELS(TD, TT)                                                                   \
+#define DIVERSED_INSTANTIATE_PAIR_KERNELS(TD, TT)                                                                      \
   template void verify_probs<TD, TT>(const VerifyProblem&, const TD*, const TT*, const ParallelFor&);                 \
-  template void verify_logits<TD, TT>(const VerifyProblem&, const TD*, const TT*, const ParallelFor&);
+  template void verify_logits<TD, TT>(const VerifyProblem&, const TD*, const TT*, const ParallelFor&);                \
+  template void distribution_features<TD, TT>(const FeaturesProblem&, const TD*, const TT*, float*,                   \
+                                              const ParallelFor&);
 #define DIVERSED_INSTANTIATE_CPU_KERNELS(T)                                                                           \
-  DIVERSED_INSTANTIATE_VERIFY_KERNELS(T, T)                                                                           \
+  DIVERSED_INSTANTIATE_PAIR_KERNELS(T, T)                                                                              \
   template void token_stats<T>(const PairProblem<T>&, const TokenStatsOut&, const ParallelFor&);                      \
   template void mix<T>(const PairProblem<T>&, const float*, float*, const ParallelFor&);                             \
-  template void distribution_features<T>(const PairProblem<T>&, float*, const ParallelFor&);                        \
   template void value_flags<T>(const T*, int64_t, int64_t, bool, int32_t*, const ParallelFor&);
 
 DIVERSED_INSTANTIATE_CPU_KERNELS(float)
@@ -31,15 +32,15 @@ DIVERSED_INSTANTIATE_CPU_KERNELS(double)
 DIVERSED_INSTANTIATE_CPU_KERNELS(HalfBits)
 DIVERSED_INSTANTIATE_CPU_KERNELS(BFloat16Bits)
 // Draft and target of different types (a server's bfloat16 or float16 draft beside its float32 target rows, read
-// without a copy), the pairs the binding's dispatch (ops_cpu.cpp) reaches.
-DIVERSED_INSTANTIATE_VERIFY_KERNELS(HalfBits, float)
-DIVERSED_INSTANTIATE_VERIFY_KERNELS(BFloat16Bits, float)
-DIVERSED_INSTANTIATE_VERIFY_KERNELS(float, HalfBits)
-DIVERSED_INSTANTIATE_VERIFY_KERNELS(float, BFloat16Bits)
-DIVERSED_INSTANTIATE_VERIFY_KERNELS(HalfBits, BFloat16Bits)
-DIVERSED_INSTANTIATE_VERIFY_KERNELS(BFloat16Bits, HalfBits)
+// without a copy) for verify and distribution_features, the pairs the binding's dispatch (ops_cpu.cpp) reaches.
+DIVERSED_INSTANTIATE_PAIR_KERNELS(HalfBits, float)
+DIVERSED_INSTANTIATE_PAIR_KERNELS(BFloat16Bits, float)
+DIVERSED_INSTANTIATE_PAIR_KERNELS(float, HalfBits)
+DIVERSED_INSTANTIATE_PAIR_KERNELS(float, BFloat16Bits)
+DIVERSED_INSTANTIATE_PAIR_KERNELS(HalfBits, BFloat16Bits)
+DIVERSED_INSTANTIATE_PAIR_KERNELS(BFloat16Bits, HalfBits)
 #undef DIVERSED_INSTANTIATE_CPU_KERNELS
-#undef DIVERSED_INSTANTIATE_VERIFY_KERNELS
+#undef DIVERSED_INSTANTIATE_PAIR_KERNELS
 
 }  // namespace DIVERSED_CPU_CAPABILITY
 }  // namespace cpu

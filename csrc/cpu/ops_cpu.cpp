@@ -109,15 +109,23 @@ at::Tensor mix_cpu(const at::Tensor& draft, const at::Tensor& target, const at::
   return mixture;
 }
 
-// Logits [B, T, V] pairs -> float32 [B, T, 5]: entropies, largest probabilities and TV (features_math.h).
-at::Tensor distribution_features_cpu(const at::Tensor& draft, const at::Tensor& target, const at::Tensor& temperature) {
-  check_distribution_features_args(draft, target, temperature);
-  at::Tensor features = allocate_features(draft);
+// Pairs of logit rows ([B, T, V], or [R, V] read through an index) -> float32 [B, T, 5]: entropies, largest
+// probabilities and TV (features_math.h).
+at::Tensor distribution_features_cpu(const at::Tensor& draft, const at::Tensor& target, const at::Tensor& temperature,
+                                     const OptionalTensor& target_rows, const OptionalTensor& draft_rows,
+                                     const OptionalTensor& target_temperature) {
+  const FeaturesShape shape =
+      check_distribution_features_args(draft, target, temperature, target_rows, draft_rows, target_temperature);
+  at::Tensor features = allocate_features(shape, target);
   if (features.numel() == 0) return features;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, draft.scalar_type(), "distribution_features_cpu", [&] {
-    using T = CpuElement<scalar_t>;
-    DIVERSED_CPU_CALL(distribution_features<T>, pair_problem<T, scalar_t>(draft, target, temperature, true),
-                      features.data_ptr<float>(), kParallelFor);
+  const FeaturesProblem problem =
+      features_problem(shape, draft, target, temperature, target_rows, draft_rows, target_temperature);
+  dispatch_verify_types(kDistributionFeaturesOp, draft, target, [&](auto draft_tag, auto target_tag) {
+    using DraftScalar = typename decltype(draft_tag)::type;
+    using TargetScalar = typename decltype(target_tag)::type;
+    DIVERSED_CPU_CALL(distribution_features, problem, kernel_data<CpuElement<DraftScalar>, DraftScalar>(draft),
+                      kernel_data<CpuElement<TargetScalar>, TargetScalar>(target), features.data_ptr<float>(),
+                      kParallelFor);
   });
   return features;
 }

@@ -286,18 +286,28 @@ at::Tensor mix_cuda(const at::Tensor& draft, const at::Tensor& target, const at:
   return mixture;
 }
 
-// Logits [B, T, V] pairs -> float32 [B, T, 5]: entropies, largest probabilities and TV (features_math.h).
+// Pairs of logit rows ([B, T, V], or [R, V] read through an index) -> float32 [B, T, 5]: entropies, largest
+// probabilities and TV (features_math.h).
 at::Tensor distribution_features_cuda(const at::Tensor& draft, const at::Tensor& target,
-                                      const at::Tensor& temperature) {
-  check_distribution_features_args(draft, target, temperature);
-  check_cuda_device(kDistributionFeaturesOp, draft, target, temperature);
-  check_grid_rows(kDistributionFeaturesOp, draft.size(0) * draft.size(1));
-  const c10::cuda::CUDAGuard guard(draft.device());
-  at::Tensor features = allocate_features(draft);
+                                      const at::Tensor& temperature, const OptionalTensor& target_rows,
+                                      const OptionalTensor& draft_rows, const OptionalTensor& target_temperature) {
+  const FeaturesShape shape =
+      check_distribution_features_args(draft, target, temperature, target_rows, draft_rows, target_temperature);
+  check_cuda_device(kDistributionFeaturesOp, target, draft, temperature);
+  for (const auto* tensor : {&target_rows, &draft_rows, &target_temperature})
+    if (tensor->has_value()) check_same_device(kDistributionFeaturesOp, target.device(), **tensor);
+  check_grid_rows(kDistributionFeaturesOp, shape.batch * shape.positions);
+  const c10::cuda::CUDAGuard guard(target.device());
+  at::Tensor features = allocate_features(shape, target);
   if (features.numel() == 0) return features;
+  const FeaturesProblem problem =
+      features_problem(shape, draft, target, temperature, target_rows, draft_rows, target_temperature);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, draft.scalar_type(), "distribution_features_cuda", [&] {
-    launch_distribution_features(pair_problem<CudaElement<scalar_t>, scalar_t>(draft, target, temperature, true),
+  dispatch_verify_types(kDistributionFeaturesOp, draft, target, [&](auto draft_tag, auto target_tag) {
+    using DraftScalar = typename decltype(draft_tag)::type;
+    using TargetScalar = typename decltype(target_tag)::type;
+    launch_distribution_features(problem, kernel_data<CudaElement<DraftScalar>, DraftScalar>(draft),
+                                 kernel_data<CudaElement<TargetScalar>, TargetScalar>(target),
                                  features.data_ptr<float>(), stream);
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();

@@ -1,5 +1,6 @@
 // The kernels of token_stats, mix and distribution_features: one thread block per (row, position) pair of
-// distributions, one launch per call. Torch-free: a PairProblem (csrc/common/problems.h) and raw outputs in, a stream to launch on.
+// distributions, one launch per call. Torch-free: a PairProblem or FeaturesProblem (csrc/common/problems.h) and raw
+// outputs in, a stream to launch on.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -111,19 +112,21 @@ __global__ void __launch_bounds__(kThreads)
   });
 }
 
-// One pair of logit rows' features: both normalisers, then one pass over both rows adding features_math.h's sums, per
-// thread in float64 and across the block in float64.
-template <typename T>
-__global__ void __launch_bounds__(kThreads)
-    distribution_features_kernel(const PairProblem<T> params, float* features) {
+// One pair of logit rows' features (FeaturesProblem: the slot's own rows or rows read in place): both normalisers,
+// then one pass over both rows adding features_math.h's sums, per thread in float64 and across the block in float64.
+template <typename TD, typename TT>
+__global__ void __launch_bounds__(kThreads) distribution_features_kernel(const FeaturesProblem problem,
+                                                                         const TD* draft_logits,
+                                                                         const TT* target_logits, float* features) {
   __shared__ BlockStorage storage;
-  const int64_t index = blockIdx.x;
-  const int64_t vocab = params.vocab;
-  const float inverse_t = params.inverse_temperature(index);
-  const T* target = params.target_values(index);
-  const T* draft = params.draft_values(index);
-  const SoftmaxStats target_stats = features_stats(block_softmax_stats(target, vocab, inverse_t, storage));
-  const SoftmaxStats draft_stats = features_stats(block_softmax_stats(draft, vocab, inverse_t, storage));
+  const int64_t slot = blockIdx.x;
+  const int64_t vocab = problem.vocab;
+  const float target_inverse_t = problem.target_inverse_temperature(slot);
+  const float draft_inverse_t = problem.draft_inverse_temperature(slot);
+  const TT* target = target_logits + problem.target_row(slot) * vocab;
+  const TD* draft = draft_logits + problem.draft_row(slot) * vocab;
+  const SoftmaxStats target_stats = features_stats(block_softmax_stats(target, vocab, target_inverse_t, storage));
+  const SoftmaxStats draft_stats = features_stats(block_softmax_stats(draft, vocab, draft_inverse_t, storage));
   const TileLayout layout = tile_layout(target, draft);
   FeatureSums thread_sums{};
   for (int64_t tile = 0; tile < vocab; tile += kTileElements) {
@@ -134,7 +137,8 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int k = 0; k < kItemsPerThread; ++k)
       if (in_row(first + k, vocab))
-        add_feature_element(thread_sums, p_logit[k], q_logit[k], inverse_t, target_stats, draft_stats);
+        add_feature_element(thread_sums, p_logit[k], q_logit[k], target_inverse_t, draft_inverse_t, target_stats,
+                            draft_stats);
   }
   // Each block_sum ends in a barrier, so the storage is free again for the next.
   const FeatureSums sums{block_sum(thread_sums.draft_mass, storage), block_sum(thread_sums.draft_terms, storage),
@@ -142,7 +146,7 @@ __global__ void __launch_bounds__(kThreads)
                          block_sum(thread_sums.absolute_difference, storage)};
   if (threadIdx.x == 0)
     write_features(sums, draft_stats, target_stats, inverse_log_vocab(vocab),
-                   features + index * kNumDistributionFeatures);
+                   features + slot * kNumDistributionFeatures);
 }
 
 template <typename T>
@@ -159,11 +163,13 @@ void launch_mix(const PairProblem<T>& params, const float* weight, float* mixtur
   mix_kernel<<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(params, weight, mixture);
 }
 
-template <typename T>
-void launch_distribution_features(const PairProblem<T>& params, float* features, cudaStream_t stream) {
-  const int64_t rows = params.rows();
-  if (rows == 0) return;
-  distribution_features_kernel<<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(params, features);
+template <typename TD, typename TT>
+void launch_distribution_features(const FeaturesProblem& problem, const TD* draft_logits, const TT* target_logits,
+                                  float* features, cudaStream_t stream) {
+  const int64_t slots = problem.slots();
+  if (slots == 0) return;
+  distribution_features_kernel<<<static_cast<unsigned>(slots), kThreads, 0, stream>>>(problem, draft_logits,
+                                                                                      target_logits, features);
 }
 
 }  // namespace gpu

@@ -55,9 +55,12 @@ def _mix_fake(draft, target, weight, temperature, from_logits):
 
 
 @torch.library.register_fake("diversed::distribution_features")
-def _distribution_features_fake(draft, target, temperature):
-    batch, length, _ = draft.shape
-    return draft.new_empty((batch, length, len(DISTRIBUTION_FEATURES)), dtype=torch.float32)
+def _distribution_features_fake(draft, target, temperature, target_rows=None, draft_rows=None,
+                                target_temperature=None):
+    # B and T from a 3-D tensor, or from the indices when both tensors are rows [R, V] read in place.
+    shaped = draft if draft_rows is None else (target if target_rows is None else target_rows)
+    batch, length = shaped.shape[:2]
+    return target.new_empty((batch, length, len(DISTRIBUTION_FEATURES)), dtype=torch.float32)
 
 
 @torch.library.register_fake("diversed::value_flags")

@@ -1,13 +1,18 @@
 """Validation of the draft/target pairs of token_stats, mix and distribution_features (the verify ops' arguments are
-in ``_inputs``)."""
+in ``_inputs``; rows read in place follow ``_rows``' rule)."""
 
 from __future__ import annotations
 
 import torch
 
-from ._inputs import TOKEN_DTYPES, check_pair_layout, require_device, require_tensor
+from typing import NamedTuple, Optional
+
+from ._inputs import TOKEN_DTYPES, check_pair_layout, check_value_dtype, require_device, require_rank, require_tensor
+from ._rows import check_indexed_values, check_row_indices, normalize_rows
 from ._temperature import temperature_tensor
 from ._values import check_values
+
+FEATURES_NAMES = ("draft_logits", "target_logits")
 
 
 def normalize_stat_tokens(tokens, batch: int, length: int, vocab: int, device: torch.device,
@@ -52,3 +57,69 @@ def _check_pair_shapes(draft, target, kind, same_positions, names):
         raise ValueError(f"{target_name} must have at least as many positions as {draft_name} ({num_positions}), "
                          f"got {target_positions}")
     return batch, num_positions, vocab
+
+
+class FeaturesArgs(NamedTuple):
+    """distribution_features' tensors after the checks: the op's arguments after the two logit tensors."""
+    vocab: int
+    temperature: torch.Tensor  # float32 [B]
+    target_rows: Optional[torch.Tensor]  # int64 [B, T] or None
+    draft_rows: Optional[torch.Tensor]
+    target_temperature: Optional[torch.Tensor]  # float32 [B] or None: the target rows at ``temperature`` too
+
+
+def prepare_features(draft_logits, target_logits, *, temperature, target_temperature, target_rows, draft_rows,
+                     check_inputs: bool) -> FeaturesArgs:
+    """Checks of distribution_features: logits [B, T, V] each, or [R, V] read through target_rows / draft_rows
+    ([B, T]; B and T from a 3-D tensor, or from target_rows when both are row tensors); dtypes each float32, bfloat16
+    or float16; the temperatures float or [B]. With ``check_inputs`` every index in [0, R) and the rows read finite
+    logits with one above -inf."""
+    batch, positions, vocab = _features_layout(draft_logits, target_logits, target_rows, draft_rows)
+    device = target_logits.device
+    temperature_t = temperature_tensor(temperature, batch, device, check_inputs)
+    target_temperature_t = (None if target_temperature is None else
+                            temperature_tensor(target_temperature, batch, device, check_inputs, "target_temperature"))
+    rows = [normalize_rows(indices, f"{kind}_rows", values, f"{kind}_logits", batch, positions, "[B, T]", device)
+            for indices, values, kind in ((target_rows, target_logits, "target"), (draft_rows, draft_logits, "draft"))]
+    if check_inputs:
+        read = torch.ones((batch, positions), dtype=torch.bool, device=device)
+        checked = ((draft_logits, rows[1], "draft_logits"), (target_logits, rows[0], "target_logits"))
+        for values, indices, name in checked:
+            if indices is None:
+                check_values(values, name, from_logits=True)
+            else:
+                check_row_indices(indices, name.replace("logits", "rows"), values.shape[0], name, read)
+                check_indexed_values(values, indices, read, name, from_logits=True)
+    return FeaturesArgs(vocab, temperature_t, rows[0], rows[1], target_temperature_t)
+
+
+def _features_layout(draft, target, target_rows, draft_rows) -> tuple[int, int, int]:
+    """(B, T, V) of distribution_features' logits (prepare_features)."""
+    if target_rows is None and draft_rows is None:
+        batch, positions, vocab, target_positions = check_pair_layout(draft, target, *FEATURES_NAMES, "logits",
+                                                                      same_dtype=False)
+        if target_positions != positions:
+            raise ValueError(f"target_logits must have the same number of positions as draft_logits ({positions}), "
+                             f"got {target_positions}")
+        return batch, positions, vocab
+    for values, indices, name in ((draft, draft_rows, "draft_logits"), (target, target_rows, "target_logits")):
+        require_tensor(values, name)
+        check_value_dtype(values.dtype, name, "logits")
+        if indices is not None:
+            require_rank(values, 2, name, f"[R, V] (rows read through {name.replace('logits', 'rows')})")
+        else:
+            require_rank(values, 3, name, "[B, T, V]")
+    require_device(draft, target.device, "draft_logits")
+    if draft_rows is None or target_rows is None:
+        shaped = draft if draft_rows is None else target
+        batch, positions = shaped.shape[:2]
+    else:
+        require_tensor(target_rows, "target_rows")
+        require_rank(target_rows, 2, "target_rows", "[B, T]")
+        batch, positions = target_rows.shape
+    vocab = target.shape[-1]
+    if vocab == 0:
+        raise ValueError(f"vocabulary size V must be positive, got target_logits shape {tuple(target.shape)}")
+    if draft.shape[-1] != vocab:
+        raise ValueError(f"draft_logits has vocabulary size {draft.shape[-1]} but target_logits has {vocab}")
+    return batch, positions, vocab

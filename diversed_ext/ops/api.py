@@ -37,7 +37,7 @@ import torch
 from . import _fake  # noqa: F401  (registers the native ops and their fake kernels)
 from ._fly import fly_arguments, fly_as_given
 from ._inputs import weight_tensor
-from ._pair_inputs import normalize_stat_tokens, prepare_pair
+from ._pair_inputs import normalize_stat_tokens, prepare_features, prepare_pair
 from ._prepare import prepare_verify
 from ._temperature import temperature_argument
 from ._unchecked import (greedy_as_given, rows_as_given, target_temperature_as_given, temperature_as_given,
@@ -47,6 +47,7 @@ from ._unchecked import (greedy_as_given, rows_as_given, target_temperature_as_g
 # on every call, which the serving path (one call per decoding step) should not pay.
 _VERIFY_PROBS = torch.ops.diversed.verify_probs.default
 _VERIFY_LOGITS = torch.ops.diversed.verify_logits.default
+_DISTRIBUTION_FEATURES = torch.ops.diversed.distribution_features.default  # a head's call in every decoding step
 
 
 class VerifyResult(NamedTuple):
@@ -254,25 +255,34 @@ def token_stats(draft, target, tokens, *, from_logits=False, temperature=1.0, ch
     return TokenStats(*fields)
 
 
-def distribution_features(draft_logits, target_logits, *, temperature=1.0, check_inputs=True) -> torch.Tensor:
+def distribution_features(draft_logits, target_logits, *, temperature=1.0, target_temperature=None, target_rows=None,
+                          draft_rows=None, check_inputs=True) -> torch.Tensor:
     """The :data:`~diversed_ext.DISTRIBUTION_FEATURES` of q = softmax(draft_logits / T) and p = softmax(target_logits /
     T) at every position, each in [0, 1], in two passes over each row: the entropies of q and p divided by log V (so a
     head sees the same scale for any vocabulary; 0 for V = 1), their largest probabilities and TV(p, q).
 
     Args:
-        draft_logits: [B, T, V] draft logits; -inf rules a token out.
-        target_logits: [B, T, V] target logits (same shape, dtype and device).
+        draft_logits: [B, T, V] draft logits; -inf rules a token out. [Rd, V] with ``draft_rows``.
+        target_logits: [B, T, V] target logits on the same device ([R, V] with ``target_rows``). Each tensor float32,
+            bfloat16 or float16, read as it lies (a bfloat16 draft beside float32 target rows needs no copy).
         temperature: float or [B]; 0 counts as 1, as for the verifier.
-        check_inputs: check the values too (NaN, +inf, a row without a finite logit); this reads them on the host.
-            Unchecked, a row without a finite logit has entropy 0 and largest probability 0, and every output stays in
-            [0, 1].
+        target_temperature: None (the target logits are divided by ``temperature`` too), or a float or [B] that
+            divides the target logits instead: 1.0 for a server's target rows already divided by the request's
+            temperature beside draft logits that are not.
+        target_rows, draft_rows: int [B, T]: position t of request b reads row ``target_rows[b, t]`` of
+            ``target_logits`` [R, V] (``draft_rows``: of ``draft_logits``), in place, with no gather copy; B and T come
+            from the other, 3-D tensor, or from ``target_rows`` when both are given. Unchecked, an index outside
+            [0, R) is clamped into it.
+        check_inputs: check the values too (NaN, +inf, a row without a finite logit, indices in range); this reads
+            them on the host. Unchecked, a row without a finite logit has entropy 0 and largest probability 0, and
+            every output stays in [0, 1].
     Returns float32 [B, T, len(DISTRIBUTION_FEATURES)].
     """
-    *_, temperature_t = prepare_pair(draft_logits, target_logits, from_logits=True, temperature=temperature,
-                                     check_inputs=check_inputs, same_positions=True,
-                                     names=("draft_logits", "target_logits"))
-    return torch.ops.diversed.distribution_features(draft_logits.contiguous(), target_logits.contiguous(),
-                                                    temperature_t)
+    args = prepare_features(draft_logits, target_logits, temperature=temperature,
+                            target_temperature=target_temperature, target_rows=target_rows, draft_rows=draft_rows,
+                            check_inputs=check_inputs)
+    return _DISTRIBUTION_FEATURES(draft_logits.contiguous(), target_logits.contiguous(), args.temperature,
+                                  args.target_rows, args.draft_rows, args.target_temperature)
 
 
 def mix(draft, target, weight, *, from_logits=False, temperature=1.0, check_inputs=True) -> torch.Tensor:

@@ -14,7 +14,7 @@ import torch
 
 from ._fly import fly_arguments, fly_deferred, fly_entropy, fly_tensors
 from ._inputs import VerifyArgs, weight_tensor
-from ._pair_inputs import normalize_stat_tokens, prepare_pair
+from ._pair_inputs import normalize_stat_tokens, prepare_features, prepare_pair
 from ._philox import philox_uniforms
 from ._prepare import prepare_verify
 from ._rows import gather_rows
@@ -244,15 +244,19 @@ def _log_and_mass(logits: torch.Tensor, effective: torch.Tensor) -> tuple[torch.
     return log_probs.nan_to_num(nan=LOG_FLOOR), log_probs.exp().nan_to_num(nan=0.0)
 
 
-def distribution_features_reference(draft_logits, target_logits, *, temperature=1.0, check_inputs=True):
-    """Reference of :func:`diversed_ext.distribution_features` (materialises the log-probabilities)."""
-    _, _, vocab, temperature_t = prepare_pair(draft_logits, target_logits, from_logits=True, temperature=temperature,
-                                              check_inputs=check_inputs, same_positions=True,
-                                              names=("draft_logits", "target_logits"))
-    entropy_scale = 1.0 / math.log(vocab) if vocab > 1 else 0.0
-    effective = distribution_temperature(temperature_t).view(-1, 1, 1)
-    draft_log, draft_probs = _log_and_mass(draft_logits, effective)
-    target_log, target_probs = _log_and_mass(target_logits, effective)
+def distribution_features_reference(draft_logits, target_logits, *, temperature=1.0, target_temperature=None,
+                                    target_rows=None, draft_rows=None, check_inputs=True):
+    """Reference of :func:`diversed_ext.distribution_features` (gathers the rows read through an index, materialises
+    the log-probabilities)."""
+    args = prepare_features(draft_logits, target_logits, temperature=temperature,
+                            target_temperature=target_temperature, target_rows=target_rows, draft_rows=draft_rows,
+                            check_inputs=check_inputs)
+    entropy_scale = 1.0 / math.log(args.vocab) if args.vocab > 1 else 0.0
+    draft_effective = distribution_temperature(args.temperature).view(-1, 1, 1)
+    target_effective = (draft_effective if args.target_temperature is None
+                        else distribution_temperature(args.target_temperature).view(-1, 1, 1))
+    draft_log, draft_probs = _log_and_mass(gather_rows(draft_logits, args.draft_rows), draft_effective)
+    target_log, target_probs = _log_and_mass(gather_rows(target_logits, args.target_rows), target_effective)
     features = torch.stack([
         -(draft_probs * draft_log.clamp_min(LOG_FLOOR)).sum(-1) * entropy_scale,
         -(target_probs * target_log.clamp_min(LOG_FLOOR)).sum(-1) * entropy_scale,

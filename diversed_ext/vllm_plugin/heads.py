@@ -23,7 +23,8 @@ from typing import Optional
 
 import torch
 
-from ..head import distribution_features, load_head
+from ..head import load_head
+from ..ops import distribution_features
 
 
 def load_heads(head_paths, draft_hidden: int, target_hidden: int, eagle3_drafter: bool = False) -> dict:
@@ -114,8 +115,20 @@ def head_weights(head, capture: HiddenStateCapture, proposal_rows: torch.Tensor,
     target_hidden = capture.target_hidden[logits_rows[target_index]].to(draft_hidden.dtype)
     inputs = [draft_hidden, target_hidden]
     if head.wants_distributions:
-        scale = torch.where(temperature > 0, temperature, torch.ones_like(temperature)).to(torch.float32)
-        scaled_draft = capture.logits[proposal_rows, :width].float() / scale[:, None, None]
-        inputs.append(distribution_features(scaled_draft, target_logits[target_index].float()))
+        inputs.append(drafted_features(capture.logits, proposal_rows, target_logits, target_index, temperature))
     with torch.no_grad():
         return head(*inputs).reshape(target_index.shape).float()
+
+
+def drafted_features(draft_table: torch.Tensor, table_rows: torch.Tensor, target_logits: torch.Tensor,
+                     target_rows: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """The distribution features [M, K, 5] of M requests' K drafted positions, every row read where it lies (no
+    gather, no copy, no host sync): the draft's raw logits at rows ``table_rows`` [M] of ``draft_table`` [S, Kd, V]
+    (Kd >= K), taken at the requests' ``temperature`` [M] (0: greedy, taken at 1), beside the target's rows
+    ``target_rows`` [M, K] of ``target_logits`` [N, V], which vLLM has divided by that temperature already."""
+    width = target_rows.shape[1]
+    positions = torch.arange(width, device=table_rows.device)
+    draft_rows = table_rows[:, None].to(torch.int64) * draft_table.shape[1] + positions
+    return distribution_features(draft_table.flatten(0, 1), target_logits, temperature=temperature,
+                                 target_temperature=1.0, target_rows=target_rows, draft_rows=draft_rows,
+                                 check_inputs=False)

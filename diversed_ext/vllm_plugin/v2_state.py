@@ -32,8 +32,7 @@ import math
 import numpy as np
 import torch
 
-from ..head import distribution_features
-from ..ops import distribution_temperature
+from .heads import drafted_features
 from .settings import EngineSettings, parse_request, request_settings
 
 NO_HEAD = -1
@@ -211,7 +210,6 @@ class StateWeights:
         inputs = [draft_hidden, self.target_hidden[target_hidden_rows].to(draft_hidden.dtype)]
         if head.wants_distributions:
             drafts = self.capture.logits if self.capture.logits is not None else draft_logits
-            scale = distribution_temperature(temperature)[:, None, None]
-            inputs.append(distribution_features(drafts[states].float() / scale, target_logits[target_rows].float()))
+            inputs.append(drafted_features(drafts, states, target_logits, target_rows, temperature))
         with torch.no_grad():
             return head(*inputs).reshape(target_rows.shape).float()

@@ -58,7 +58,7 @@ def test_feature_edges():
 
 def test_features_of_any_leading_shape_and_dtype():
     """The head's call of the fused op: [..., V] of any leading shape, each dtype as it lies, and a draft and a
-    target of different dtypes (a server's bfloat16 draft beside its float32 target rows) widened to float32."""
+    target of different dtypes (a server's bfloat16 draft beside its float32 target rows) each read as it lies."""
     generator = torch.Generator().manual_seed(3)
     draft, target = torch.randn(2, 3, 4, 50, generator=generator), torch.randn(2, 3, 4, 50, generator=generator)
     features = distribution_features(draft, target, 0.8)

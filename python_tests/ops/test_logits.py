@@ -219,6 +219,7 @@ def test_cpu_builds_agree_bit_for_bit(dtype, vocab, monkeypatch):
     batch = 5 if vocab < 10_000 else 1
     tokens, draft, target = random_logits(batch, 3, vocab, seed=12, dtype=dtype)
     weight = torch.rand(batch, 3, generator=torch.Generator().manual_seed(1))
+    rows = torch.arange(batch * 3).reshape(batch, 3).flip(1).contiguous()
 
     def run_all():
         return (dx.verify_logits(tokens, draft, target, weight, temperature=0.8, seed=2),
@@ -226,7 +227,9 @@ def test_cpu_builds_agree_bit_for_bit(dtype, vocab, monkeypatch):
                           seed=2),
                 dx.token_stats(draft, target[:, :3], tokens, from_logits=True),
                 dx.mix(draft, target, weight, from_logits=True),
-                dx.distribution_features(draft, target[:, :3], temperature=0.8))
+                dx.distribution_features(draft, target[:, :3], temperature=0.8),
+                dx.distribution_features(draft.reshape(-1, vocab), target[:, :3].float(), temperature=0.8,
+                                         target_temperature=1.3, draft_rows=rows))
 
     results = {}
     for capability in ("baseline", "avx2", "avx512"):

@@ -220,6 +220,12 @@ def test_opcheck(dtype, device):
         torch.library.opcheck(torch.ops.diversed.mix.default, (draft, target, weight, temperature, from_logits))
     torch.library.opcheck(torch.ops.diversed.distribution_features.default,
                           (draft, target[:, :num_positions].contiguous(), temperature))
+    # the draft read through an index beside a target of another dtype, at a temperature of its own
+    rows = torch.arange(batch * num_positions, device=device).reshape(batch, num_positions).flip(0).contiguous()
+    other_dtype = torch.float32 if draft.dtype == torch.bfloat16 else torch.bfloat16
+    torch.library.opcheck(torch.ops.diversed.distribution_features.default,
+                          (draft.reshape(-1, draft.shape[-1]), target[:, :num_positions].to(other_dtype).contiguous(),
+                           temperature, None, rows, torch.ones(batch, device=device)))
 
 
 def test_torch_compile_fullgraph_traces_verify():
