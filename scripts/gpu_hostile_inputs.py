@@ -3,10 +3,10 @@ compute-sanitizer tools.
 
 Each call runs with check_inputs=False on inputs the checks would refuse: NaN, negative and infinite mass, rows
 without mass, token ids outside [0, V), num_draft outside [0, K], uniforms outside [0, 1), greedy and sampled rows,
-tokens-only drafts, seedless calls, rows read in place through indices outside [0, R), vocabularies that leave rows
-misaligned and rows cut into many chunks; for both
-kernel families (diversed_ext.set_cuda_kernels: block and split) and the three element types. Every emitted token must stay
-in [-1, V). Run it under `compute-sanitizer --tool memcheck|racecheck|synccheck|initcheck` (scripts/gpu_check.sh
+tokens-only drafts, seedless calls, rows read in place through indices outside [0, R) (verify and
+distribution_features), a draft and a target of different dtypes, vocabularies that leave rows misaligned and rows cut
+into many chunks; for both kernel families (diversed_ext.set_cuda_kernels: block and split) and the three element
+types. Every emitted token must stay in [-1, V), every feature in [0, 1]. Run it under `compute-sanitizer --tool memcheck|racecheck|synccheck|initcheck` (scripts/gpu_check.sh
 does); with --device cpu it runs the same calls on the CPU kernels, which checks the script itself anywhere.
 
     python scripts/gpu_hostile_inputs.py [--device cuda|cpu] [--quick]
@@ -87,6 +87,12 @@ def exercise(device, batch, num_positions, vocab, generator):
             features = dx.distribution_features(q.log(), p[:, :num_positions].log(), temperature=temperature,
                                                 check_inputs=False)
             assert bool(((features >= 0) & (features <= 1)).all()), f"features outside [0, 1] at {what}"
+            # rows read in place through hostile indices, the target in float32 beside the draft's dtype
+            features = dx.distribution_features(flat_q.log(), flat_p.float().log(), temperature=temperature,
+                                                target_temperature=temperature.flip(0),
+                                                target_rows=hostile_rows(batch, num_positions, device, generator),
+                                                draft_rows=draft_rows, check_inputs=False)
+            assert bool(((features >= 0) & (features <= 1)).all()), f"features outside [0, 1] at {what} rows"
 
 
 def main(argv=None) -> int:
