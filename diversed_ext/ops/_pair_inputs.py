@@ -3,9 +3,9 @@ in ``_inputs``; rows read in place follow ``_rows``' rule)."""
 
 from __future__ import annotations
 
-import torch
-
 from typing import NamedTuple, Optional
+
+import torch
 
 from ._inputs import TOKEN_DTYPES, check_pair_layout, check_value_dtype, require_device, require_rank, require_tensor
 from ._rows import check_indexed_values, check_row_indices, normalize_rows
@@ -34,8 +34,8 @@ def normalize_stat_tokens(tokens, batch: int, length: int, vocab: int, device: t
 
 def prepare_pair(draft, target, *, from_logits, temperature, check_inputs, same_positions,
                  names=("draft", "target")):
-    """Checks of token_stats, mix and distribution_features: (B, K, V, temperature [B]) of a draft/target pair, which
-    errors call by ``names``."""
+    """Checks of token_stats and mix: (B, K, V, temperature [B]) of a draft/target pair, which errors call by
+    ``names``."""
     kind = "logits" if from_logits else "probabilities"
     batch, draft_positions, vocab = _check_pair_shapes(draft, target, kind, same_positions, names)
     temperature_t = temperature_tensor(temperature, batch, draft.device, check_inputs)
@@ -45,11 +45,12 @@ def prepare_pair(draft, target, *, from_logits, temperature, check_inputs, same_
     return batch, draft_positions, vocab, temperature_t
 
 
-def _check_pair_shapes(draft, target, kind, same_positions, names):
+def _check_pair_shapes(draft, target, kind, same_positions, names, same_dtype=True):
     """The pair's layout (check_pair_layout); the target has K positions (same_positions) or at least K. Returns
     (B, K, V)."""
     draft_name, target_name = names
-    batch, num_positions, vocab, target_positions = check_pair_layout(draft, target, draft_name, target_name, kind)
+    batch, num_positions, vocab, target_positions = check_pair_layout(draft, target, draft_name, target_name, kind,
+                                                                      same_dtype)
     if same_positions and target_positions != num_positions:
         raise ValueError(f"{target_name} must have the same number of positions as {draft_name} ({num_positions}), "
                          f"got {target_positions}")
@@ -96,12 +97,7 @@ def prepare_features(draft_logits, target_logits, *, temperature, target_tempera
 def _features_layout(draft, target, target_rows, draft_rows) -> tuple[int, int, int]:
     """(B, T, V) of distribution_features' logits (prepare_features)."""
     if target_rows is None and draft_rows is None:
-        batch, positions, vocab, target_positions = check_pair_layout(draft, target, *FEATURES_NAMES, "logits",
-                                                                      same_dtype=False)
-        if target_positions != positions:
-            raise ValueError(f"target_logits must have the same number of positions as draft_logits ({positions}), "
-                             f"got {target_positions}")
-        return batch, positions, vocab
+        return _check_pair_shapes(draft, target, "logits", True, FEATURES_NAMES, same_dtype=False)
     for values, indices, name in ((draft, draft_rows, "draft_logits"), (target, target_rows, "target_logits")):
         require_tensor(values, name)
         check_value_dtype(values.dtype, name, "logits")
