@@ -64,7 +64,8 @@ struct FeatureSums {
 };
 
 // Adds one element of each row (raw logits, scaled by their row's inverse temperature and shifted by its max) to the
-// sums: the scalar form of the CPU kernel's lanes, and the CUDA kernel's per-thread step.
+// sums: the CUDA kernel's per-thread step (the CPU kernel sums its rows' exps as it takes them, csrc/cpu/
+// features_kernels.h).
 DX_HD void add_feature_element(FeatureSums& sums, float target_logit, float draft_logit, float target_inverse_t,
                                float draft_inverse_t, SoftmaxStats target, SoftmaxStats draft) {
   const float p_shifted = target_logit * target_inverse_t - target.max;

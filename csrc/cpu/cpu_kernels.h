@@ -8,6 +8,7 @@
 #endif
 
 #include "check_kernels.h"
+#include "features_kernels.h"
 #include "kernel_prelude.h"
 #include "stats_kernels.h"
 #include "verify_kernels.h"

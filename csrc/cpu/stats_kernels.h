@@ -1,4 +1,4 @@
-// The CPU kernels of token_stats, mix and distribution_features: torch-free, over a PairProblem or a FeaturesProblem
+// The CPU kernels of token_stats and mix (distribution_features': features_kernels.h): torch-free, over a PairProblem
 // (csrc/common/problems.h), compiled once per instruction set (see cpu_kernels.h). One task per (row, position) pair of
 // distributions, in parallel; from logits, each pair first gets its two softmax normalisers and then reads
 // probabilities on the fly.
@@ -74,74 +74,6 @@ void mix_row(const Row& target, const Row& draft, float weight, int64_t vocab, f
   for (; v < vocab; ++v) out[v] = mix_mass(weight, target.mass(v), draft.mass(v));
 }
 
-// One logit row's shifted logits s - m and masses at elements v .. v + kLanes - 1: features_math.h's shifted_mass,
-// with exp_shifted (the same values, fewer instructions on AVX-512).
-template <typename T>
-void shifted_lanes(const LogitRow<T>& row, int64_t v, FloatLanes& shifted, FloatLanes& mass) {
-  shifted = map_lanes(load_lanes(row.values, v),
-                      [&](FloatVector x) { return x * row.inverse_temperature - row.stats.max; });
-  mass = map_lanes(shifted, [&](FloatVector x) { return sanitize_mass(exp_shifted(x) * row.stats.inverse_sum); });
-}
-
-// One block of whole lane groups' sums of features_math.h, in float lanes: the sums a features pass adds.
-struct FeatureLanes {
-  FloatLanes draft_mass, draft_terms, target_mass, target_terms, difference;
-};
-
-template <typename TT, typename TD>
-void add_feature_block(const LogitRow<TT>& target, const LogitRow<TD>& draft, int64_t begin, int64_t end,
-                       FeatureLanes& lanes) {
-  const auto add = [](FloatVector sum, FloatVector x) { return sum + x; };
-  for (int64_t v = begin; v < end; v += kLanes) {
-    FloatLanes p_shifted, p, q_shifted, q;
-    shifted_lanes(target, v, p_shifted, p);
-    shifted_lanes(draft, v, q_shifted, q);
-    lanes.target_mass = zip_lanes(lanes.target_mass, p, add);
-    lanes.draft_mass = zip_lanes(lanes.draft_mass, q, add);
-    lanes.target_terms = zip_lanes(lanes.target_terms, zip_lanes(p, p_shifted, [](FloatVector m, FloatVector x) {
-                                     return entropy_term(m, x);
-                                   }), add);
-    lanes.draft_terms = zip_lanes(lanes.draft_terms, zip_lanes(q, q_shifted, [](FloatVector m, FloatVector x) {
-                                    return entropy_term(m, x);
-                                  }), add);
-    lanes.difference = zip_lanes(lanes.difference, zip_lanes(p, q, [](FloatVector a, FloatVector b) {
-                                   const FloatVector d = a - b;
-                                   return d > 0.0f ? d : -d;
-                                 }), add);
-  }
-}
-
-// The sums of features_math.h over a pair of logit rows (their stats already through features_stats), in one pass:
-// whole lane groups block by block in float lanes (every term is of one sign, so a block's float sums lose no
-// digits to cancellation), each block's lanes flushed into float64 in order, as the softmax's normaliser sums; then
-// the tail element by element. Converting to float64 once per block rather than per group keeps the pass bound by
-// its exps.
-template <typename TT, typename TD>
-FeatureSums feature_sums(const LogitRow<TT>& target, const LogitRow<TD>& draft, int64_t vocab) {
-  FeatureSums sums{};
-  const int64_t whole = vocab - vocab % kLanes;
-  for (int64_t block = 0; block < whole; block += kSoftmaxBlock) {
-    const FloatLanes zero = splat_lanes(0.0f);
-    FeatureLanes lanes{zero, zero, zero, zero, zero};
-    add_feature_block(target, draft, block, std::min(whole, block + kSoftmaxBlock), lanes);
-    sums.draft_mass = sum_float_lanes_in_order(lanes.draft_mass, sums.draft_mass);
-    sums.draft_terms = sum_float_lanes_in_order(lanes.draft_terms, sums.draft_terms);
-    sums.target_mass = sum_float_lanes_in_order(lanes.target_mass, sums.target_mass);
-    sums.target_terms = sum_float_lanes_in_order(lanes.target_terms, sums.target_terms);
-    sums.absolute_difference = sum_float_lanes_in_order(lanes.difference, sums.absolute_difference);
-  }
-  for (int64_t v = whole; v < vocab; ++v)
-    add_feature_element(sums, load_float(target.values, v), load_float(draft.values, v), target.inverse_temperature,
-                        draft.inverse_temperature, target.stats, draft.stats);
-  return sums;
-}
-
-// A logit row taken at inverse temperature inverse_t, with the normaliser a features pass shifts by.
-template <typename T>
-LogitRow<T> features_row(const T* values, int64_t vocab, float inverse_t) {
-  return LogitRow<T>{values, inverse_t, features_stats(softmax_stats(values, vocab, inverse_t))};
-}
-
 // ------------------------------------------------------------------------------------------ entry points
 // Called by the binding (ops_cpu.cpp, through cpu_dispatch.h) after the checks and the allocation of the outputs.
 
@@ -171,26 +103,6 @@ void mix(const PairProblem<T>& pair, const float* weight, float* mixture, const 
       with_rows(pair, index, [&](const auto& target, const auto& draft) {
         mix_row(target, draft, w, pair.vocab, mixture + index * pair.vocab);
       });
-    }
-  });
-}
-
-// distribution_features: the problem's pairs of logit rows (FeaturesProblem: [B, T, V] tensors or rows read in place);
-// features float32 [B, T, kNumDistributionFeatures]. Each pair gets its two softmax normalisers (one pass per row)
-// and then one pass over both rows.
-template <typename TD, typename TT>
-void distribution_features(const FeaturesProblem& problem, const TD* draft, const TT* target, float* features,
-                           const ParallelFor& parallel_for) {
-  const int64_t vocab = problem.vocab;
-  const double entropy_scale = inverse_log_vocab(vocab);
-  parallel_for(0, problem.slots(), grain_for(2 * vocab), [&](int64_t begin, int64_t end) {
-    for (int64_t slot = begin; slot < end; ++slot) {
-      const LogitRow<TT> target_row =
-          features_row(target + problem.target_row(slot) * vocab, vocab, problem.target_inverse_temperature(slot));
-      const LogitRow<TD> draft_row =
-          features_row(draft + problem.draft_row(slot) * vocab, vocab, problem.draft_inverse_temperature(slot));
-      write_features(feature_sums(target_row, draft_row, vocab), draft_row.stats, target_row.stats, entropy_scale,
-                     features + slot * kNumDistributionFeatures);
     }
   });
 }

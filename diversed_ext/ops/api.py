@@ -258,8 +258,9 @@ def token_stats(draft, target, tokens, *, from_logits=False, temperature=1.0, ch
 def distribution_features(draft_logits, target_logits, *, temperature=1.0, target_temperature=None, target_rows=None,
                           draft_rows=None, check_inputs=True) -> torch.Tensor:
     """The :data:`~diversed_ext.DISTRIBUTION_FEATURES` of q = softmax(draft_logits / T) and p = softmax(target_logits /
-    T) at every position, each in [0, 1], in two passes over each row: the entropies of q and p divided by log V (so a
-    head sees the same scale for any vocabulary; 0 for V = 1), their largest probabilities and TV(p, q).
+    T) at every position, each in [0, 1], fused (one exp per element on the CPU, two on CUDA): the entropies of q and
+    p divided by log V (so a head sees the same scale for any vocabulary; 0 for V = 1), their largest probabilities
+    and TV(p, q).
 
     Args:
         draft_logits: [B, T, V] draft logits; -inf rules a token out. [Rd, V] with ``draft_rows``.
