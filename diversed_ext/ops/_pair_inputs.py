@@ -32,16 +32,14 @@ def normalize_stat_tokens(tokens, batch: int, length: int, vocab: int, device: t
     return tokens
 
 
-def prepare_pair(draft, target, *, from_logits, temperature, check_inputs, same_positions,
-                 names=("draft", "target")):
-    """Checks of token_stats and mix: (B, K, V, temperature [B]) of a draft/target pair, which errors call by
-    ``names``."""
+def prepare_pair(draft, target, *, from_logits, temperature, check_inputs, same_positions):
+    """Checks of token_stats and mix: (B, K, V, temperature [B]) of a draft/target pair."""
     kind = "logits" if from_logits else "probabilities"
-    batch, draft_positions, vocab = _check_pair_shapes(draft, target, kind, same_positions, names)
+    batch, draft_positions, vocab = _check_pair_shapes(draft, target, kind, same_positions, ("draft", "target"))
     temperature_t = temperature_tensor(temperature, batch, draft.device, check_inputs)
     if check_inputs:
-        check_values(draft, names[0], from_logits)
-        check_values(target, names[1], from_logits)
+        check_values(draft, "draft", from_logits)
+        check_values(target, "target", from_logits)
     return batch, draft_positions, vocab, temperature_t
 
 

@@ -40,6 +40,7 @@ from vllm.v1.worker.gpu.spec_decode.rejection_sampler import RejectionSampler
 
 from .. import ops as dx_ops
 from .counts import VerifyCounts
+from .heads import table_rows
 from .sampler import gate_keeps_rows, gated, with_bonus
 
 # Mixes a request's seed with the position of its first row into the seed of this step's draws: an odd multiplier
@@ -136,7 +137,7 @@ class DiversedV2RejectionSampler(RejectionSampler):
                                                  target_rows[:, :num_positions], states, temperature, num_draft))
         draft_rows = None
         if draft_logits is not None:
-            draft_logits, draft_rows = draft_rows_of(draft_logits, states)
+            draft_logits, draft_rows = table_rows(draft_logits, states)
         result = verify_rows(draft_tokens, draft_logits, draft_rows, target_logits, target_rows, weight,
                              temperature, num_draft, step_seeds(sampling.seeds.gpu[states], pos[first]),
                              self.weight_source.fly(states))
@@ -187,15 +188,6 @@ def bonus_tokens(target_logits, bonus_rows, last_rows: bool, num_positions: int,
     every_row = gumbel_sample(target_logits, expanded_idx_mapping, sampling.temperature.gpu, sampling.seeds.gpu, pos,
                               apply_temperature=False, is_drafting=False, use_fp64=use_fp64)
     return every_row[bonus_rows]
-
-
-def draft_rows_of(draft_logits: torch.Tensor, states: torch.Tensor):
-    """The drafter's [max_num_reqs, K, V] logits as [max_num_reqs * K, V] rows and each request's K row indices, read
-    where they lie in the drafter's dtype (the ops take a draft dtype other than the target's: V2's sampling
-    parameters make the target rows float32 while the drafter keeps the model's dtype)."""
-    num_positions = draft_logits.shape[1]
-    positions = torch.arange(num_positions, dtype=torch.int64, device=states.device)
-    return draft_logits.reshape(-1, draft_logits.shape[-1]), states[:, None] * num_positions + positions[None, :]
 
 
 def verify_rows(draft_tokens, draft_logits, draft_rows, target_logits, target_rows, weight, temperature, num_draft,
