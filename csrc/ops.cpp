@@ -1,5 +1,5 @@
 // Schemas of the verify and stats ops of the `diversed` namespace, and the module init that lets Python import the
-// library. Each backend registers the five public kernels in one file: csrc/cpu/ops_cpu.cpp and csrc/cuda/ops_cuda.cu
+// library. Each backend registers the six public kernels in one file: csrc/cpu/ops_cpu.cpp and csrc/cuda/ops_cuda.cu
 // (the CPU-only ops below are registered by the CPU file alone); the fake (meta) kernels are registered from Python
 // (diversed_ext/ops/_fake.py). The lean forward's ops (products and Llama layers) are a floor of their own, with their
 // schemas in a fragment of this library (csrc/forward/ops_forward.cpp), left out of a verify-only build
@@ -93,6 +93,12 @@ TORCH_LIBRARY(diversed, m) {
   m.def(
       "distribution_features(Tensor draft, Tensor target, Tensor temperature, Tensor? target_rows=None, "
       "Tensor? draft_rows=None, Tensor? target_temperature=None) -> Tensor");
+  // What the log-probability gate compares for each drafted token x, as float32 [B, T] each: log p(x) and the
+  // expected log p of a rejection's residual sample, +inf without residual (csrc/common/gate_math.h). draft_tokens
+  // int64 [B, T]; target and draft logits as distribution_features reads them, or no draft (q one-hot at x).
+  m.def(
+      "gate_statistics(Tensor draft_tokens, Tensor? draft, Tensor target, Tensor temperature, "
+      "Tensor? target_rows=None, Tensor? draft_rows=None, Tensor? target_temperature=None) -> (Tensor, Tensor)");
   // CPU only: what check_inputs=True needs of values [..., V] (probabilities, or logits with from_logits), in one
   // pass: int32 [...] flags per row, or-ed bits: 1 a NaN, 2 a negative entry, 4 a +inf entry, 8 no positive
   // probability (logits: no entry above -inf).

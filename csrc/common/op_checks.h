@@ -18,6 +18,7 @@ constexpr const char* kVerifyLogitsOp = "diversed::verify_logits";
 constexpr const char* kTokenStatsOp = "diversed::token_stats";
 constexpr const char* kMixOp = "diversed::mix";
 constexpr const char* kDistributionFeaturesOp = "diversed::distribution_features";
+constexpr const char* kGateStatisticsOp = "diversed::gate_statistics";
 
 inline void check_int64_vector(const at::Tensor& tensor, int64_t size, const char* op, const char* what) {
   check_layout(tensor, at::kLong, {size}, op, what);
@@ -181,12 +182,11 @@ struct FeaturesShape {
   int64_t batch, positions, vocab;
 };
 
-inline FeaturesShape check_distribution_features_args(const at::Tensor& draft, const at::Tensor& target,
-                                                      const at::Tensor& temperature,
-                                                      const c10::optional<at::Tensor>& target_rows,
-                                                      const c10::optional<at::Tensor>& draft_rows,
-                                                      const c10::optional<at::Tensor>& target_temperature) {
-  constexpr const char* op = kDistributionFeaturesOp;
+// The checks of a pair of logit rows that distribution_features and gate_statistics read, for `op`.
+inline FeaturesShape check_logit_rows(const char* op, const at::Tensor& draft, const at::Tensor& target,
+                                      const at::Tensor& temperature, const c10::optional<at::Tensor>& target_rows,
+                                      const c10::optional<at::Tensor>& draft_rows,
+                                      const c10::optional<at::Tensor>& target_temperature) {
   TORCH_CHECK(draft.dim() >= 2 && target.dim() >= 2, op, ": draft and target must be [B, T, V] or [R, V]");
   const bool target_indexed = target_rows.has_value(), draft_indexed = draft_rows.has_value();
   const at::Tensor& shaped = !draft_indexed ? draft : (!target_indexed ? target : *target_rows);
@@ -204,6 +204,31 @@ inline FeaturesShape check_distribution_features_args(const at::Tensor& draft, c
   check_float_vector(temperature, B, op, "temperature");
   if (target_temperature.has_value()) check_float_vector(*target_temperature, B, op, "target_temperature");
   return FeaturesShape{B, T, V};
+}
+
+inline FeaturesShape check_distribution_features_args(const at::Tensor& draft, const at::Tensor& target,
+                                                      const at::Tensor& temperature,
+                                                      const c10::optional<at::Tensor>& target_rows,
+                                                      const c10::optional<at::Tensor>& draft_rows,
+                                                      const c10::optional<at::Tensor>& target_temperature) {
+  return check_logit_rows(kDistributionFeaturesOp, draft, target, temperature, target_rows, draft_rows,
+                          target_temperature);
+}
+
+// gate_statistics: draft_tokens int64 [B, T] beside distribution_features' rows; without a draft (tokens only) the
+// target alone, and no draft_rows.
+inline FeaturesShape check_gate_statistics_args(const at::Tensor& draft_tokens, const c10::optional<at::Tensor>& draft,
+                                                const at::Tensor& target, const at::Tensor& temperature,
+                                                const c10::optional<at::Tensor>& target_rows,
+                                                const c10::optional<at::Tensor>& draft_rows,
+                                                const c10::optional<at::Tensor>& target_temperature) {
+  constexpr const char* op = kGateStatisticsOp;
+  TORCH_CHECK(draft.has_value() || !draft_rows.has_value(), op, ": draft_rows needs a draft");
+  const FeaturesShape shape = check_logit_rows(op, draft.has_value() ? *draft : target, target, temperature,
+                                               target_rows, draft.has_value() ? draft_rows : target_rows,
+                                               target_temperature);
+  check_layout(draft_tokens, at::kLong, {shape.batch, shape.positions}, op, "draft_tokens");
+  return shape;
 }
 
 }  // namespace diversed

@@ -234,6 +234,16 @@ inline FeaturesProblem features_problem(const FeaturesShape& shape, const at::Te
                          draft.size(0)};
 }
 
+// gate_statistics: log p(x) and E_r[log p], float32 [B, T] each (gate_math.h).
+inline std::tuple<at::Tensor, at::Tensor> allocate_gate_statistics(const FeaturesShape& shape,
+                                                                   const at::Tensor& like) {
+  const auto options = like.options().dtype(at::kFloat);
+  at::Tensor drafted = at::empty({shape.batch, shape.positions}, options);
+  at::Tensor rejected = at::empty({shape.batch, shape.positions}, options);
+  if (drafted.numel() > 0) poison_outputs(drafted, rejected);
+  return {drafted, rejected};
+}
+
 // mix: nu float32 [B, K, V].
 inline at::Tensor allocate_mixture(const at::Tensor& draft) {
   at::Tensor mixture = at::empty(draft.sizes(), draft.options().dtype(at::kFloat));

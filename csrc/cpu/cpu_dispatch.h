@@ -12,7 +12,7 @@ namespace cpu {
 
 // T is float, double, HalfBits or BFloat16Bits (the instantiations in cpu_kernels.h). The verify kernels take the
 // draft's element type TD and the target's TT: equal, or two different ones of float, HalfBits and BFloat16Bits; so
-// do distribution_features'.
+// do distribution_features' and gate_statistics'.
 #define DIVERSED_DECLARE_CPU_KERNELS(capability)                                                                      \
   namespace capability {                                                                                              \
   template <typename TD, typename TT>                                                                                 \
@@ -28,6 +28,9 @@ namespace cpu {
   template <typename TD, typename TT>                                                                                 \
   void distribution_features(const FeaturesProblem& problem, const TD* draft_logits, const TT* target_logits,        \
                              float* features, const ParallelFor& parallel_for);                                       \
+  template <typename TD, typename TT>                                                                                 \
+  void gate_statistics(const FeaturesProblem& problem, const int64_t* draft_tokens, const TD* draft_logits,          \
+                       const TT* target_logits, float* drafted, float* rejected, const ParallelFor& parallel_for);    \
   template <typename T>                                                                                               \
   void value_flags(const T* values, int64_t rows, int64_t vocab, bool from_logits, int32_t* flags,                    \
                    const ParallelFor& parallel_for);                                                                  \

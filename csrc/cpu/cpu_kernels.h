@@ -9,6 +9,7 @@
 
 #include "check_kernels.h"
 #include "features_kernels.h"
+#include "gate_kernels.h"
 #include "kernel_prelude.h"
 #include "stats_kernels.h"
 #include "verify_kernels.h"
@@ -21,7 +22,9 @@ namespace DIVERSED_CPU_CAPABILITY {
   template void verify_probs<TD, TT>(const VerifyProblem&, const TD*, const TT*, const ParallelFor&);                 \
   template void verify_logits<TD, TT>(const VerifyProblem&, const TD*, const TT*, const ParallelFor&);                \
   template void distribution_features<TD, TT>(const FeaturesProblem&, const TD*, const TT*, float*,                   \
-                                              const ParallelFor&);
+                                              const ParallelFor&);                                                     \
+  template void gate_statistics<TD, TT>(const FeaturesProblem&, const int64_t*, const TD*, const TT*, float*, float*, \
+                                        const ParallelFor&);
 #define DIVERSED_INSTANTIATE_CPU_KERNELS(T)                                                                           \
   DIVERSED_INSTANTIATE_PAIR_KERNELS(T, T)                                                                              \
   template void token_stats<T>(const PairProblem<T>&, const TokenStatsOut&, const ParallelFor&);                      \
@@ -33,7 +36,8 @@ DIVERSED_INSTANTIATE_CPU_KERNELS(double)
 DIVERSED_INSTANTIATE_CPU_KERNELS(HalfBits)
 DIVERSED_INSTANTIATE_CPU_KERNELS(BFloat16Bits)
 // Draft and target of different types (a server's bfloat16 or float16 draft beside its float32 target rows, read
-// without a copy) for verify and distribution_features, the pairs the binding's dispatch (ops_cpu.cpp) reaches.
+// without a copy) for verify, distribution_features and gate_statistics, the pairs the binding's dispatch
+// (ops_cpu.cpp) reaches.
 DIVERSED_INSTANTIATE_PAIR_KERNELS(HalfBits, float)
 DIVERSED_INSTANTIATE_PAIR_KERNELS(BFloat16Bits, float)
 DIVERSED_INSTANTIATE_PAIR_KERNELS(float, HalfBits)

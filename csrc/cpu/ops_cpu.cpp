@@ -130,6 +130,30 @@ at::Tensor distribution_features_cpu(const at::Tensor& draft, const at::Tensor& 
   return features;
 }
 
+// Drafted tokens [B, T] and their pairs of logit rows (no draft: tokens only) -> (log p(x), E_r[log p]), float32
+// [B, T] each: what the log-probability gate compares (gate_math.h).
+std::tuple<at::Tensor, at::Tensor> gate_statistics_cpu(const at::Tensor& draft_tokens, const OptionalTensor& draft,
+                                                       const at::Tensor& target, const at::Tensor& temperature,
+                                                       const OptionalTensor& target_rows,
+                                                       const OptionalTensor& draft_rows,
+                                                       const OptionalTensor& target_temperature) {
+  const FeaturesShape shape = check_gate_statistics_args(draft_tokens, draft, target, temperature, target_rows,
+                                                         draft_rows, target_temperature);
+  auto [drafted, rejected] = allocate_gate_statistics(shape, target);
+  if (drafted.numel() == 0) return {drafted, rejected};
+  const FeaturesProblem problem = features_problem(shape, draft.has_value() ? *draft : target, target, temperature,
+                                                   target_rows, draft_rows, target_temperature);
+  dispatch_verify_types(kGateStatisticsOp, draft, target, [&](auto draft_tag, auto target_tag) {
+    using DraftScalar = typename decltype(draft_tag)::type;
+    using TargetScalar = typename decltype(target_tag)::type;
+    DIVERSED_CPU_CALL(gate_statistics, problem, draft_tokens.data_ptr<int64_t>(),
+                      kernel_data<CpuElement<DraftScalar>, DraftScalar>(draft),
+                      kernel_data<CpuElement<TargetScalar>, TargetScalar>(target), drafted.data_ptr<float>(),
+                      rejected.data_ptr<float>(), kParallelFor);
+  });
+  return {drafted, rejected};
+}
+
 // values [..., V] -> int32 [...]: each row's flags (check_kernels.h), for the value checks of check_inputs=True.
 at::Tensor value_flags_cpu(const at::Tensor& values, bool from_logits) {
   constexpr const char* op = "diversed::value_flags";
@@ -183,6 +207,7 @@ TORCH_LIBRARY_IMPL(diversed, CPU, m) {
   m.impl("token_stats", &cpu::token_stats_cpu);
   m.impl("mix", &cpu::mix_cpu);
   m.impl("distribution_features", &cpu::distribution_features_cpu);
+  m.impl("gate_statistics", &cpu::gate_statistics_cpu);
   m.impl("philox_uniforms", &cpu::philox_uniforms_cpu);
   m.impl("value_flags", &cpu::value_flags_cpu);
 }

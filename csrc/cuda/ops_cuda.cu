@@ -1,8 +1,8 @@
-// CUDA bindings of the five `diversed` ops: argument and device checks, output allocation, the kernel launches.
+// CUDA bindings of the six `diversed` ops: argument and device checks, output allocation, the kernel launches.
 // Nothing here reads device memory, so a call never syncs with the host (CUDA graphs can capture it). The kernels are
 // torch-free headers: verify_kernels.cuh and split_kernels.cuh (verify_probs, verify_logits: two families, picked by
 // diversed_ext.set_cuda_kernels, common/kernel_family.h; compiled in translation units of their own, see
-// verify_instances.cuh) and stats_kernels.cuh (token_stats, mix, distribution_features).
+// verify_instances.cuh) and stats_kernels.cuh (token_stats, mix, distribution_features, gate_statistics).
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/cuda/CUDAGeneratorImpl.h>
@@ -314,6 +314,37 @@ at::Tensor distribution_features_cuda(const at::Tensor& draft, const at::Tensor&
   return features;
 }
 
+// Drafted tokens [B, T] and their pairs of logit rows (no draft: tokens only) -> (log p(x), E_r[log p]), float32
+// [B, T] each: what the log-probability gate compares (gate_math.h).
+std::tuple<at::Tensor, at::Tensor> gate_statistics_cuda(const at::Tensor& draft_tokens, const OptionalTensor& draft,
+                                                        const at::Tensor& target, const at::Tensor& temperature,
+                                                        const OptionalTensor& target_rows,
+                                                        const OptionalTensor& draft_rows,
+                                                        const OptionalTensor& target_temperature) {
+  const FeaturesShape shape = check_gate_statistics_args(draft_tokens, draft, target, temperature, target_rows,
+                                                         draft_rows, target_temperature);
+  check_cuda_device(kGateStatisticsOp, target, draft_tokens, temperature);
+  for (const auto* tensor : {&draft, &target_rows, &draft_rows, &target_temperature})
+    if (tensor->has_value()) check_same_device(kGateStatisticsOp, target.device(), **tensor);
+  check_grid_rows(kGateStatisticsOp, shape.batch * shape.positions);
+  const c10::cuda::CUDAGuard guard(target.device());
+  auto [drafted, rejected] = allocate_gate_statistics(shape, target);
+  if (drafted.numel() == 0) return {drafted, rejected};
+  const FeaturesProblem problem = features_problem(shape, draft.has_value() ? *draft : target, target, temperature,
+                                                   target_rows, draft_rows, target_temperature);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  dispatch_verify_types(kGateStatisticsOp, draft, target, [&](auto draft_tag, auto target_tag) {
+    using DraftScalar = typename decltype(draft_tag)::type;
+    using TargetScalar = typename decltype(target_tag)::type;
+    launch_gate_statistics(problem, draft_tokens.data_ptr<int64_t>(),
+                           kernel_data<CudaElement<DraftScalar>, DraftScalar>(draft),
+                           kernel_data<CudaElement<TargetScalar>, TargetScalar>(target), drafted.data_ptr<float>(),
+                           rejected.data_ptr<float>(), stream);
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {drafted, rejected};
+}
+
 }  // namespace
 }  // namespace gpu
 
@@ -323,6 +354,7 @@ TORCH_LIBRARY_IMPL(diversed, CUDA, m) {
   m.impl("token_stats", &gpu::token_stats_cuda);
   m.impl("mix", &gpu::mix_cuda);
   m.impl("distribution_features", &gpu::distribution_features_cuda);
+  m.impl("gate_statistics", &gpu::gate_statistics_cuda);
 }
 
 }  // namespace diversed

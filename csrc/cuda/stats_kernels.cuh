@@ -1,6 +1,6 @@
-// The kernels of token_stats, mix and distribution_features: one thread block per (row, position) pair of
-// distributions, one launch per call. Torch-free: a PairProblem or FeaturesProblem (csrc/common/problems.h) and raw
-// outputs in, a stream to launch on.
+// The kernels of token_stats, mix, distribution_features and gate_statistics: one thread block per (row, position)
+// pair of distributions, one launch per call. Torch-free: a PairProblem or FeaturesProblem (csrc/common/problems.h)
+// and raw outputs in, a stream to launch on.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "../common/features_math.h"
+#include "../common/gate_math.h"
 #include "../common/problems.h"
 #include "block_ops.cuh"
 
@@ -149,6 +150,50 @@ __global__ void __launch_bounds__(kThreads) distribution_features_kernel(const F
                    features + slot * kNumDistributionFeatures);
 }
 
+// One drafted position's gate statistics (gate_math.h): the target's normaliser (and the draft's), then one pass over
+// the rows adding the residual's sums, per thread in float64 and across the block in float64. Without a draft q is
+// one-hot at the drafted token.
+template <typename TD, typename TT>
+__global__ void __launch_bounds__(kThreads) gate_statistics_kernel(const FeaturesProblem problem,
+                                                                   const int64_t* draft_tokens, const TD* draft_logits,
+                                                                   const TT* target_logits, float* drafted,
+                                                                   float* rejected) {
+  __shared__ BlockStorage storage;
+  const int64_t slot = blockIdx.x;
+  const int64_t vocab = problem.vocab;
+  const float target_inverse_t = problem.target_inverse_temperature(slot);
+  const TT* target = target_logits + problem.target_row(slot) * vocab;
+  const SoftmaxStats target_stats = features_stats(block_softmax_stats(target, vocab, target_inverse_t, storage));
+  const int64_t token = draft_tokens[slot];
+  const TD* draft = draft_logits != nullptr ? draft_logits + problem.draft_row(slot) * vocab : nullptr;
+  const float draft_inverse_t = problem.draft_inverse_temperature(slot);
+  const SoftmaxStats draft_stats =
+      draft != nullptr ? features_stats(block_softmax_stats(draft, vocab, draft_inverse_t, storage)) : SoftmaxStats{};
+  const TileLayout layout = tile_layout(target, draft);
+  ResidualSums thread_sums{0.0, 0.0};
+  for (int64_t tile = 0; tile < vocab; tile += kTileElements) {
+    const int64_t first = thread_first(tile);
+    float p_logit[kItemsPerThread], q_logit[kItemsPerThread];
+    load_items(target, first, Span{0, vocab}, layout.vectorised, p_logit);
+    if (draft != nullptr) load_items(draft, first, Span{0, vocab}, layout.second_vectorised, q_logit);
+#pragma unroll
+    for (int k = 0; k < kItemsPerThread; ++k) {
+      if (!in_row(first + k, vocab)) continue;
+      const float q = draft != nullptr ? shifted_mass(q_logit[k] * draft_inverse_t - draft_stats.max, draft_stats)
+                                       : (first + k == token ? 1.0f : 0.0f);
+      add_residual_element(thread_sums, p_logit[k] * target_inverse_t - target_stats.max, target_stats, q);
+    }
+  }
+  // Each block_sum ends in a barrier, so the storage is free again for the next.
+  const ResidualSums sums{block_sum(thread_sums.mass, storage), block_sum(thread_sums.weighted, storage)};
+  if (threadIdx.x == 0) {
+    const bool valid = in_row(token, vocab);
+    drafted[slot] =
+        drafted_logprob(valid, valid ? load_element(target, token) * target_inverse_t : 0.0f, target_stats);
+    rejected[slot] = rejected_logprob(sums, target_stats);
+  }
+}
+
 template <typename T>
 void launch_token_stats(const PairProblem<T>& params, const TokenStatsOut& out, cudaStream_t stream) {
   const int64_t rows = params.rows();
@@ -170,6 +215,15 @@ void launch_distribution_features(const FeaturesProblem& problem, const TD* draf
   if (slots == 0) return;
   distribution_features_kernel<<<static_cast<unsigned>(slots), kThreads, 0, stream>>>(problem, draft_logits,
                                                                                       target_logits, features);
+}
+
+template <typename TD, typename TT>
+void launch_gate_statistics(const FeaturesProblem& problem, const int64_t* draft_tokens, const TD* draft_logits,
+                            const TT* target_logits, float* drafted, float* rejected, cudaStream_t stream) {
+  const int64_t slots = problem.slots();
+  if (slots == 0) return;
+  gate_statistics_kernel<<<static_cast<unsigned>(slots), kThreads, 0, stream>>>(problem, draft_tokens, draft_logits,
+                                                                                target_logits, drafted, rejected);
 }
 
 }  // namespace gpu

@@ -25,7 +25,7 @@ from typing import Optional, Union
 import torch
 
 from .. import rules
-from ..ops import gate_keeps, is_greedy_temperature
+from ..ops import gate_keeps_logits, is_greedy_temperature
 
 
 @dataclass(frozen=True)
@@ -54,12 +54,15 @@ def gated_weights(gate: Gate, weight: Union[float, torch.Tensor], draft_tokens: 
                   temperature: float) -> torch.Tensor:
     """The weights [B, K] the verifier gets: 0 where the gate keeps the drafted token, ``weight`` (a float or [B, K])
     elsewhere. ``draft_tokens`` [B, K]; ``draft_logits`` [B, K, V] or None (q one-hot at the drafts);
-    ``target_logits`` [B, K + 1, V]; ``temperature`` > 0. The rule row by row is :func:`diversed_ext.ops.gate_keeps`,
-    which servers call on their own rows."""
+    ``target_logits`` [B, K + 1, V]; ``temperature`` > 0. The test is :func:`diversed_ext.ops.gate_keeps_logits`' (one
+    fused call), which servers call on their own rows."""
     batch, width = draft_tokens.shape
-    log_p = torch.log_softmax(target_logits[:, :width].float() / temperature, dim=-1).flatten(0, 1)
-    q = None if draft_logits is None else torch.softmax(draft_logits.float() / temperature, dim=-1).flatten(0, 1)
-    keep = gate_keeps(gate.margin, draft_tokens.reshape(-1), q, log_p).view(batch, width)
+    positions, vocab = target_logits.shape[1:]
+    device = draft_tokens.device
+    # The drafted positions' target rows, read in place in the [B (K + 1), V] view (no copy of the first K positions).
+    target_rows = (torch.arange(batch, device=device) * positions)[:, None] + torch.arange(width, device=device)
+    keep = gate_keeps_logits(gate.margin, draft_tokens, target_logits.reshape(-1, vocab), draft_logits,
+                             temperature=temperature, target_rows=target_rows, check_inputs=False)
     if torch.is_tensor(weight):
         base = weight.to(device=draft_tokens.device, dtype=torch.float32).expand(draft_tokens.shape)
     else:  # filled on the device: a tensor made from a Python float would be a waiting host copy on CUDA

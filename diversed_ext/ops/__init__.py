@@ -1,5 +1,5 @@
-"""The custom-op library: fused DIVERSED verification, token statistics, the mixture and the distribution features
-of a DIVERSED head, CPU and CUDA.
+"""The custom-op library: fused DIVERSED verification, token statistics, the mixture, the distribution features
+of a DIVERSED head and the log-probability gate's statistics, CPU and CUDA.
 
 ``api`` holds the five ops and their result types; ``_inputs`` every argument check and normalisation, one
 function per argument (the temperature's is in ``_temperature``, with the greedy threshold; the row indices' in
@@ -7,15 +7,16 @@ function per argument (the temperature's is in ``_temperature``, with the greedy
 go to the op as given; ``_fake`` loads the native library and registers the shape-only kernels that
 ``torch.compile`` and ``opcheck`` need (and the ops' output layouts, DISTRIBUTION_FEATURES); ``_cuda_family`` which
 CUDA verify kernels run; ``_philox`` reproduces the kernels' random numbers; ``gate`` is the log-probability gate's
-test row by row; ``reference`` states the same contracts in plain PyTorch (the test oracle and a benchmark baseline)
-and the target's support (MIN_TARGET_MASS, target_forbids: the constraints a server's logits processing sets are kept
-whatever the weight). Nothing here imports the rest of the package.
+test (its fused statistics op, gate_statistics, and the same test in plain PyTorch); ``reference`` states the same
+contracts in plain PyTorch (the test oracle and a benchmark baseline) and the target's support (MIN_TARGET_MASS,
+target_forbids: the constraints a server's logits processing sets are kept whatever the weight). Nothing here
+imports the rest of the package.
 """
 
 from ._cuda_family import CUDA_KERNEL_FAMILIES, cuda_kernels, set_cuda_kernels
 from ._fake import DISTRIBUTION_FEATURES, cuda_kernels_registered
 from ._inputs import PROB_DTYPES
-from .gate import gate_keeps
+from .gate import GateStatistics, gate_keeps, gate_keeps_logits, gate_statistics, gate_statistics_reference
 from ._temperature import MIN_TEMPERATURE, distribution_temperature, is_greedy_temperature
 from ._philox import philox_uniforms
 from .api import TokenStats, VerifyResult, distribution_features, mix, token_stats, verify, verify_logits
@@ -27,5 +28,6 @@ __all__ = [
     "verify_reference", "verify_logits_reference", "token_stats_reference", "mix_reference",
     "distribution_features_reference", "DISTRIBUTION_FEATURES", "VerifyResult", "TokenStats", "philox_uniforms",
     "cuda_kernels_registered", "set_cuda_kernels", "cuda_kernels", "CUDA_KERNEL_FAMILIES", "gate_keeps",
+    "gate_keeps_logits", "gate_statistics", "gate_statistics_reference", "GateStatistics",
     "MIN_TARGET_MASS", "target_forbids", "PROB_DTYPES",
 ]

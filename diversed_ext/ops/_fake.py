@@ -11,14 +11,14 @@ import torch
 from .. import _C  # noqa: F401  (loading the library registers the schemas and the CPU/CUDA kernels)
 
 
-OP_NAMES = ("verify_probs", "verify_logits", "token_stats", "mix", "distribution_features")
+OP_NAMES = ("verify_probs", "verify_logits", "token_stats", "mix", "distribution_features", "gate_statistics")
 # What distribution_features returns per position, in its order (csrc/common/features_math.h); a head takes any
 # subset by name.
 DISTRIBUTION_FEATURES = ("draft_entropy", "target_entropy", "draft_max_prob", "target_max_prob", "total_variation")
 
 
 def cuda_kernels_registered() -> bool:
-    """True when this build registered a CUDA kernel for every ``diversed`` op (a CUDA build registers all five)."""
+    """True when this build registered a CUDA kernel for every ``diversed`` op (a CUDA build registers all six)."""
     return all(torch._C._dispatch_has_kernel_for_dispatch_key(f"diversed::{name}", "CUDA") for name in OP_NAMES)
 
 
@@ -61,6 +61,12 @@ def _distribution_features_fake(draft, target, temperature, target_rows=None, dr
     shaped = draft if draft_rows is None else (target if target_rows is None else target_rows)
     batch, length = shaped.shape[:2]
     return target.new_empty((batch, length, len(DISTRIBUTION_FEATURES)), dtype=torch.float32)
+
+
+@torch.library.register_fake("diversed::gate_statistics")
+def _gate_statistics_fake(draft_tokens, draft, target, temperature, target_rows=None, draft_rows=None,
+                          target_temperature=None):
+    return tuple(target.new_empty(draft_tokens.shape, dtype=torch.float32) for _ in range(2))
 
 
 @torch.library.register_fake("diversed::value_flags")

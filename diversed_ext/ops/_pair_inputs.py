@@ -1,5 +1,5 @@
-"""Validation of the draft/target pairs of token_stats, mix and distribution_features (the verify ops' arguments are
-in ``_inputs``; rows read in place follow ``_rows``' rule)."""
+"""Validation of the draft/target pairs of token_stats, mix, distribution_features and gate_keeps_logits (the verify
+ops' arguments are in ``_inputs``; rows read in place follow ``_rows``' rule)."""
 
 from __future__ import annotations
 
@@ -59,54 +59,69 @@ def _check_pair_shapes(draft, target, kind, same_positions, names, same_dtype=Tr
 
 
 class FeaturesArgs(NamedTuple):
-    """distribution_features' tensors after the checks: the op's arguments after the two logit tensors."""
+    """distribution_features' (and the gate's) tensors after the checks: the op's arguments after the two logit
+    tensors, and the shape they read."""
     vocab: int
     temperature: torch.Tensor  # float32 [B]
     target_rows: Optional[torch.Tensor]  # int64 [B, T] or None
     draft_rows: Optional[torch.Tensor]
     target_temperature: Optional[torch.Tensor]  # float32 [B] or None: the target rows at ``temperature`` too
+    batch: int  # B and T of the positions read
+    positions: int
 
 
 def prepare_features(draft_logits, target_logits, *, temperature, target_temperature, target_rows, draft_rows,
                      check_inputs: bool) -> FeaturesArgs:
-    """Checks of distribution_features: logits [B, T, V] each, or [R, V] read through target_rows / draft_rows
-    ([B, T]; B and T from a 3-D tensor, or from target_rows when both are row tensors); dtypes each float32, bfloat16
-    or float16; the temperatures float or [B]. With ``check_inputs`` every index in [0, R) and the rows read finite
-    logits with one above -inf."""
+    """Checks of distribution_features and gate_keeps_logits: logits [B, T, V] each, or [R, V] read through
+    target_rows / draft_rows ([B, T]; B and T from a 3-D tensor, or from target_rows when both are row tensors); dtypes
+    each float32, bfloat16 or float16; the temperatures float or [B]. ``draft_logits`` None (the gate's tokens-only
+    drafts): the target alone. With ``check_inputs`` every index in [0, R) and the rows read finite logits with one
+    above -inf."""
     batch, positions, vocab = _features_layout(draft_logits, target_logits, target_rows, draft_rows)
     device = target_logits.device
     temperature_t = temperature_tensor(temperature, batch, device, check_inputs)
     target_temperature_t = (None if target_temperature is None else
                             temperature_tensor(target_temperature, batch, device, check_inputs, "target_temperature"))
-    rows = [normalize_rows(indices, f"{kind}_rows", values, f"{kind}_logits", batch, positions, "[B, T]", device)
-            for indices, values, kind in ((target_rows, target_logits, "target"), (draft_rows, draft_logits, "draft"))]
+    read_tensors = ((target_rows, target_logits, "target"), (draft_rows, draft_logits, "draft"))
+    rows = [None if values is None else
+            normalize_rows(indices, f"{kind}_rows", values, f"{kind}_logits", batch, positions, "[B, T]", device)
+            for indices, values, kind in read_tensors]
     if check_inputs:
         read = torch.ones((batch, positions), dtype=torch.bool, device=device)
         checked = ((draft_logits, rows[1], "draft_logits"), (target_logits, rows[0], "target_logits"))
         for values, indices, name in checked:
+            if values is None:
+                continue
             if indices is None:
                 check_values(values, name, from_logits=True)
             else:
                 check_row_indices(indices, name.replace("logits", "rows"), values.shape[0], name, read)
                 check_indexed_values(values, indices, read, name, from_logits=True)
-    return FeaturesArgs(vocab, temperature_t, rows[0], rows[1], target_temperature_t)
+    return FeaturesArgs(vocab, temperature_t, rows[0], rows[1], target_temperature_t, batch, positions)
 
 
 def _features_layout(draft, target, target_rows, draft_rows) -> tuple[int, int, int]:
-    """(B, T, V) of distribution_features' logits (prepare_features)."""
-    if target_rows is None and draft_rows is None:
+    """(B, T, V) of distribution_features' logits (prepare_features); ``draft`` None: the target's alone."""
+    if draft is None and draft_rows is not None:
+        raise ValueError("draft_rows needs draft_logits: without them the drafts are tokens only")
+    if target_rows is None and draft_rows is None and draft is not None:
         return _check_pair_shapes(draft, target, "logits", True, FEATURES_NAMES, same_dtype=False)
-    for values, indices, name in ((draft, draft_rows, "draft_logits"), (target, target_rows, "target_logits")):
+    read = ((draft, draft_rows, "draft_logits"), (target, target_rows, "target_logits"))
+    for values, indices, name in read:
+        if values is None:
+            continue
         require_tensor(values, name)
         check_value_dtype(values.dtype, name, "logits")
         if indices is not None:
             require_rank(values, 2, name, f"[R, V] (rows read through {name.replace('logits', 'rows')})")
         else:
             require_rank(values, 3, name, "[B, T, V]")
-    require_device(draft, target.device, "draft_logits")
-    if draft_rows is None or target_rows is None:
-        shaped = draft if draft_rows is None else target
-        batch, positions = shaped.shape[:2]
+    if draft is not None:
+        require_device(draft, target.device, "draft_logits")
+    if draft is not None and draft_rows is None:
+        batch, positions = draft.shape[:2]
+    elif target_rows is None:
+        batch, positions = target.shape[:2]
     else:
         require_tensor(target_rows, "target_rows")
         require_rank(target_rows, 2, "target_rows", "[B, T]")
@@ -114,6 +129,6 @@ def _features_layout(draft, target, target_rows, draft_rows) -> tuple[int, int, 
     vocab = target.shape[-1]
     if vocab == 0:
         raise ValueError(f"vocabulary size V must be positive, got target_logits shape {tuple(target.shape)}")
-    if draft.shape[-1] != vocab:
+    if draft is not None and draft.shape[-1] != vocab:
         raise ValueError(f"draft_logits has vocabulary size {draft.shape[-1]} but target_logits has {vocab}")
     return batch, positions, vocab

@@ -135,18 +135,23 @@ def verify_in_place(rows: PaddedRows, draft_token_ids: torch.Tensor, draft_probs
 
 
 def gate_keeps_rows(margin: torch.Tensor, draft_tokens: torch.Tensor, draft_probs: Optional[torch.Tensor],
-                    target_logits: torch.Tensor) -> torch.Tensor:
-    """[M] bool: the drafted tokens the log-probability gate keeps outright (:func:`diversed_ext.ops.gate_keeps`),
-    from M rows of tempered target logits [M, V] and the draft's probabilities [M, V] (None: tokens only). ``margin``
-    [M] is NaN on rows not gated; an id outside the vocabulary (vLLM's -1 for a draft that must be rejected) is never
-    kept, nor (by :func:`diversed_ext.ops.gate_keeps`) is a token the processed target forbids (a bad word, a token
+                    target_logits: torch.Tensor, index: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """[M] bool: the drafted tokens ``draft_tokens`` [M] the log-probability gate keeps outright
+    (:func:`diversed_ext.ops.gate_keeps_logits`, one fused call), at the rows ``index`` [M] of the [N, V] tempered
+    target logits, read where they lie (None: all N rows, M = N), with the draft's probabilities there (``draft_probs``
+    [N, V], or None: tokens only). ``margin`` [M] is NaN on rows not gated; an id outside the vocabulary (vLLM's -1 for
+    a draft that must be rejected) is never kept, nor is a token the processed target forbids (a bad word, a token
     outside allowed_token_ids, EOS before min_tokens), whatever the margin."""
-    vocab = target_logits.shape[-1]
-    tokens = draft_tokens.to(torch.int64)
-    in_vocab = (tokens >= 0) & (tokens < vocab)
-    keeps = dx_ops.gate_keeps(margin, tokens.clamp(0, max(vocab - 1, 0)), draft_probs,
-                              torch.log_softmax(target_logits.float(), dim=-1))
-    return keeps & in_vocab
+    draft_logits = None
+    if draft_probs is not None:  # probabilities as logits at temperature 1: softmax(log q) = q
+        draft_logits = (draft_probs if index is None else draft_probs[index]).float().log()[:, None]
+    if index is None:
+        target, target_rows = target_logits[:, None], None
+    else:
+        target, target_rows = target_logits, index[:, None]
+    keep = dx_ops.gate_keeps_logits(margin[:, None], draft_tokens.to(torch.int64)[:, None], target, draft_logits,
+                                    target_rows=target_rows, check_inputs=False)
+    return keep[:, 0]
 
 
 def gate_keeps_requests(rows: PaddedRows, requests: list, margin: torch.Tensor, greedy: torch.Tensor, metadata,
@@ -164,11 +169,10 @@ def gate_keeps_requests(rows: PaddedRows, requests: list, margin: torch.Tensor, 
         counts = torch.tensor([num_draft[request] for request in requests], dtype=torch.int64, device=device)
         margin = torch.repeat_interleave(torch.where(greedy[requests_t], math.nan, margin), counts,
                                          output_size=len(flat))
-        every_row = len(flat) == target_logits.shape[0]  # all rows gated: read them where they lie
+        every_row = len(flat) == target_logits.shape[0]  # all rows gated: no index
         index = None if every_row else torch.tensor(flat, dtype=torch.int64, device=device)
         keep_rows = gate_keeps_rows(margin, metadata.draft_token_ids if every_row else metadata.draft_token_ids[index],
-                                    draft_probs if every_row or draft_probs is None else draft_probs[index],
-                                    target_logits if every_row else target_logits[index])
+                                    draft_probs, target_logits, index)
         keep = keep_rows if every_row else keep.index_put_((index,), keep_rows)
     return rows.gather(keep, fill=False)
 

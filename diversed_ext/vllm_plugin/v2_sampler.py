@@ -27,7 +27,8 @@ and ``num_sampled``). The replacement is one diversed_ext verify call per chunk 
 - each request's weight, or its head's weight per drafted token, and its FLy window and threshold (FLy's deferral
   on top of the weight; a window of 0 leaves verification exact against nu) (:mod:`.v2_state`);
 - each gated request's margin: the weight is set to 0 where the log-probability gate keeps a draft outright
-  (:func:`diversed_ext.ops.gate_keeps`, lossy), before the verify call; only gated requests' rows are read.
+  (:func:`diversed_ext.ops.gate_keeps_logits`, lossy), before the verify call; only gated requests' rows are read,
+  in place.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from vllm.v1.worker.gpu.spec_decode.rejection_sampler import RejectionSampler
 from .. import ops as dx_ops
 from .counts import VerifyCounts
 from .heads import table_rows
-from .sampler import gate_keeps_rows, gated, with_bonus
+from .sampler import gated, with_bonus
 
 # Mixes a request's seed with the position of its first row into the seed of this step's draws: an odd multiplier
 # (2^64 / golden ratio) so that distinct (seed, position) pairs give distinct seeds, whatever the batch.
@@ -159,15 +160,15 @@ def gate_keeps_of(requests_np, margin, draft_tokens, draft_logits, target_logits
     temperature, num_draft = temperature[index], num_draft[index]
     positions = torch.arange(num_positions, device=num_draft.device)
     gated_rows = ~dx_ops.is_greedy_temperature(temperature)[:, None] & (positions[None, :] < num_draft[:, None])
-    margin = torch.where(gated_rows, margin[:, None], math.nan).reshape(-1)
-    draft_probs = None
+    margin = torch.where(gated_rows, margin[:, None], math.nan)
+    draft_rows = None
     if draft_logits is not None:
-        scale = dx_ops.distribution_temperature(temperature)[:, None, None]
-        draft_probs = torch.softmax(draft_logits[states[index]].float() / scale, dim=-1).flatten(0, 1)
-    keep_rows = gate_keeps_rows(margin, draft_tokens[index].reshape(-1), draft_probs,
-                                target_logits[target_rows[index].reshape(-1)])
+        draft_logits, draft_rows = table_rows(draft_logits, states[index], num_positions)
+    keep_rows = dx_ops.gate_keeps_logits(margin, draft_tokens[index], target_logits, draft_logits,
+                                         temperature=temperature, target_temperature=1.0,
+                                         target_rows=target_rows[index], draft_rows=draft_rows, check_inputs=False)
     keep = torch.zeros(requests, num_positions, dtype=torch.bool, device=target_rows.device)
-    return keep.index_put_((index,), keep_rows.view(-1, num_positions))
+    return keep.index_put_((index,), keep_rows)
 
 
 def bonus_tokens(target_logits, bonus_rows, last_rows: bool, num_positions: int, states, expanded_idx_mapping, pos,

@@ -257,3 +257,18 @@ def dispatched(call):
     with DispatchLog() as log:
         call()
     return log.ops
+
+
+def ruled_out_logits(batch, positions, vocab, dtype, seed, scale=3.0):
+    """Draft and target logits [B, T, V] (of `dtype`) with a quarter of every row's entries ruled out (-inf) but each
+    row's first, and per-row temperatures [B] with a greedy row (B <= 4): the distribution features' and the gate's
+    cases."""
+    generator = torch.Generator().manual_seed(seed)
+    draft = torch.randn(batch, positions, vocab, generator=generator) * scale
+    target = torch.randn(batch, positions, vocab, generator=generator) * scale
+    for logits in (draft, target):
+        ruled_out = torch.rand(logits.shape, generator=generator) < 0.25
+        ruled_out[..., 0] = False
+        logits[ruled_out] = float("-inf")
+    temperature = torch.tensor([1.0, 0.0, 0.6, 1.7])[:batch]
+    return draft.to(dtype), target.to(dtype), temperature

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import diversed_ext as dx
-from helpers import DTYPES, on_device
+from helpers import DTYPES, on_device, ruled_out_logits
 
 TOLERANCE = 3e-6  # every dtype alike: the logits are read exactly as they lie
 
@@ -34,25 +34,11 @@ def expected_features(draft_logits, target_logits, temperature, target_temperatu
     return torch.stack([entropy(q), entropy(p), q.amax(-1), p.amax(-1), 0.5 * (p - q).abs().sum(-1)], dim=-1)
 
 
-def feature_case(batch, positions, vocab, dtype, seed, scale=3.0):
-    """Logits [B, T, V] with a quarter of every row's entries ruled out (-inf) but each row's first, per-row
-    temperatures with a greedy row."""
-    generator = torch.Generator().manual_seed(seed)
-    draft = torch.randn(batch, positions, vocab, generator=generator) * scale
-    target = torch.randn(batch, positions, vocab, generator=generator) * scale
-    for logits in (draft, target):
-        ruled_out = torch.rand(logits.shape, generator=generator) < 0.25
-        ruled_out[..., 0] = False
-        logits[ruled_out] = float("-inf")
-    temperature = torch.tensor([1.0, 0.0, 0.6, 1.7])[:batch]
-    return draft.to(dtype), target.to(dtype), temperature
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("vocab", [1, 2, 7, 129, 4099, 49152])
 def test_matches_float64_and_reference(device, dtype, vocab):
     """V = 4099 leaves a tail after the last group of lanes and spans two softmax blocks; 49152 is SmolLM2's."""
-    draft, target, temperature = feature_case(4, 3, vocab, dtype, seed=vocab)
+    draft, target, temperature = ruled_out_logits(4, 3, vocab, dtype, seed=vocab)
     features = on_device(device, dx.distribution_features, draft, target, temperature=temperature)
     assert features.shape == (4, 3, len(dx.DISTRIBUTION_FEATURES)) and features.dtype == torch.float32
     expected = expected_features(draft, target, temperature)
@@ -64,14 +50,14 @@ def test_matches_float64_and_reference(device, dtype, vocab):
 def test_sharp_rows_against_float64(device):
     """Logits spread over hundreds of nats: most masses underflow to 0 (exp's flush below -87.3), which must cost the
     entropies nothing measurable."""
-    draft, target, temperature = feature_case(4, 3, 1000, torch.float32, seed=2, scale=60.0)
+    draft, target, temperature = ruled_out_logits(4, 3, 1000, torch.float32, seed=2, scale=60.0)
     features = on_device(device, dx.distribution_features, draft, target, temperature=temperature)
     torch.testing.assert_close(features.double(), expected_features(draft, target, temperature), atol=3e-6, rtol=0)
     assert float(features[..., 2:4].min()) > 0.5  # the rows are sharp indeed
 
 
 def test_scalar_temperature_is_every_rows(device):
-    draft, target, _ = feature_case(3, 2, 33, torch.float32, seed=1)
+    draft, target, _ = ruled_out_logits(3, 2, 33, torch.float32, seed=1)
     with_float = on_device(device, dx.distribution_features, draft, target, temperature=0.6)
     with_tensor = on_device(device, dx.distribution_features, draft, target, temperature=torch.full((3,), 0.6))
     assert torch.equal(with_float, with_tensor)
@@ -100,7 +86,7 @@ def test_edges(device):
 def test_unchecked_bad_values_stay_in_the_unit_interval(device):
     """NaN and +inf logits, which check_inputs=False lets through, give values in [0, 1] (a row they touch has no
     mass), as the reference does."""
-    draft, target, temperature = feature_case(4, 6, 37, torch.float32, seed=9)
+    draft, target, temperature = ruled_out_logits(4, 6, 37, torch.float32, seed=9)
     generator = torch.Generator().manual_seed(0)
     for logits in (draft, target):
         logits[torch.rand(logits.shape, generator=generator) < 0.02] = float("nan")
@@ -113,7 +99,7 @@ def test_unchecked_bad_values_stay_in_the_unit_interval(device):
 
 
 def bad_feature_cases():
-    draft, target, _ = feature_case(2, 3, 9, torch.float32, seed=4)
+    draft, target, _ = ruled_out_logits(2, 3, 9, torch.float32, seed=4)
     rows = torch.randn(6, 9, generator=torch.Generator().manual_seed(5))
     index = torch.tensor([[0, 1, 2], [3, 4, 5]])
     too_far = torch.tensor([[0, 1, 2], [3, 4, 6]])
@@ -168,7 +154,7 @@ def test_bad_inputs(case):
 
 def test_native_checks_back_the_python_layer():
     """The op's own checks (the last line of defence) refuse what the Python layer would."""
-    draft, target, temperature = feature_case(2, 3, 9, torch.float32, seed=4)
+    draft, target, temperature = ruled_out_logits(2, 3, 9, torch.float32, seed=4)
     op = torch.ops.diversed.distribution_features
     with pytest.raises(RuntimeError, match="distribution_features.*temperature"):
         op(draft, target, torch.ones(3))
@@ -188,7 +174,7 @@ def test_native_checks_back_the_python_layer():
 def row_tensors(batch, positions, vocab, dtypes, seed):
     """Target rows [R, V] and draft rows [Rd, V] of feature_case's logits, more rows than positions read, and the
     indices [B, T] that read them: shuffled, with repeats."""
-    draft, target, temperature = feature_case(batch, positions, vocab, torch.float32, seed=seed)
+    draft, target, temperature = ruled_out_logits(batch, positions, vocab, torch.float32, seed=seed)
     generator = torch.Generator().manual_seed(seed + 1)
     target_rows = torch.cat([target.reshape(-1, vocab), torch.randn(3, vocab, generator=generator)])
     draft_rows = torch.cat([torch.randn(2, vocab, generator=generator), draft.reshape(-1, vocab)])
@@ -224,7 +210,7 @@ def test_rows_read_in_place_are_the_gathered_rows(device, dtypes, vocab):
 
 def test_mixed_dtypes_read_as_they_lie(device):
     """A bfloat16 draft beside float32 target logits reads each exactly: the same features as the draft widened."""
-    draft, target, temperature = feature_case(4, 3, 129, torch.float32, seed=3)
+    draft, target, temperature = ruled_out_logits(4, 3, 129, torch.float32, seed=3)
     mixed = on_device(device, dx.distribution_features, draft.bfloat16(), target, temperature=temperature)
     widened = on_device(device, dx.distribution_features, draft.bfloat16().float(), target, temperature=temperature)
     assert torch.equal(mixed, widened)
@@ -233,7 +219,7 @@ def test_mixed_dtypes_read_as_they_lie(device):
 def test_target_temperature_divides_the_target_rows(device):
     """target_temperature takes the target rows at a temperature of their own (0 counts as 1), the draft rows staying
     at ``temperature``: a server's target rows already divided by the request's temperature, with 1.0."""
-    draft, target, temperature = feature_case(4, 3, 129, torch.float32, seed=6)
+    draft, target, temperature = ruled_out_logits(4, 3, 129, torch.float32, seed=6)
     target_temperature = torch.tensor([0.5, 2.0, 0.0, 1.0])
     features = on_device(device, dx.distribution_features, draft, target, temperature=temperature,
                          target_temperature=target_temperature)

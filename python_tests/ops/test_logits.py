@@ -229,7 +229,10 @@ def test_cpu_builds_agree_bit_for_bit(dtype, vocab, monkeypatch):
                 dx.mix(draft, target, weight, from_logits=True),
                 dx.distribution_features(draft, target[:, :3], temperature=0.8),
                 dx.distribution_features(draft.reshape(-1, vocab), target[:, :3].float(), temperature=0.8,
-                                         target_temperature=1.3, draft_rows=rows))
+                                         target_temperature=1.3, draft_rows=rows),
+                dx.ops.gate_statistics(tokens, target.reshape(-1, vocab), draft, temperature=0.8,
+                                       target_rows=rows + rows // 3),
+                dx.ops.gate_statistics(tokens, target[:, :3], temperature=0.8))
 
     results = {}
     for capability in ("baseline", "avx2", "avx512"):

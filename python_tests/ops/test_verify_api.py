@@ -226,6 +226,13 @@ def test_opcheck(dtype, device):
     torch.library.opcheck(torch.ops.diversed.distribution_features.default,
                           (draft.reshape(-1, draft.shape[-1]), target[:, :num_positions].to(other_dtype).contiguous(),
                            temperature, None, rows, torch.ones(batch, device=device)))
+    # the gate's statistics: tokens only on the target rows read in place, and with a draft of another dtype
+    target_rows = target.reshape(-1, target.shape[-1])
+    torch.library.opcheck(torch.ops.diversed.gate_statistics.default,
+                          (tokens, None, target_rows, temperature, rows.contiguous()))
+    torch.library.opcheck(torch.ops.diversed.gate_statistics.default,
+                          (tokens, draft, target[:, :num_positions].to(other_dtype).contiguous(), temperature, None,
+                           None, torch.ones(batch, device=device)))
 
 
 def test_torch_compile_fullgraph_traces_verify():
