@@ -95,10 +95,12 @@ TORCH_LIBRARY(diversed, m) {
       "Tensor? draft_rows=None, Tensor? target_temperature=None) -> Tensor");
   // What the log-probability gate compares for each drafted token x, as float32 [B, T] each: log p(x) and the
   // expected log p of a rejection's residual sample, +inf without residual (csrc/common/gate_math.h). draft_tokens
-  // int64 [B, T]; target and draft logits as distribution_features reads them, or no draft (q one-hot at x).
+  // int64 [B, T]; target logits and draft logits (or, with draft_probs, probabilities) as distribution_features reads
+  // them, or no draft (q one-hot at x).
   m.def(
       "gate_statistics(Tensor draft_tokens, Tensor? draft, Tensor target, Tensor temperature, "
-      "Tensor? target_rows=None, Tensor? draft_rows=None, Tensor? target_temperature=None) -> (Tensor, Tensor)");
+      "Tensor? target_rows=None, Tensor? draft_rows=None, Tensor? target_temperature=None, bool draft_probs=False) "
+      "-> (Tensor, Tensor)");
   // CPU only: what check_inputs=True needs of values [..., V] (probabilities, or logits with from_logits), in one
   // pass: int32 [...] flags per row, or-ed bits: 1 a NaN, 2 a negative entry, 4 a +inf entry, 8 no positive
   // probability (logits: no entry above -inf).

@@ -29,7 +29,7 @@ namespace cpu {
   void distribution_features(const FeaturesProblem& problem, const TD* draft_logits, const TT* target_logits,        \
                              float* features, const ParallelFor& parallel_for);                                       \
   template <typename TD, typename TT>                                                                                 \
-  void gate_statistics(const FeaturesProblem& problem, const int64_t* draft_tokens, const TD* draft_logits,          \
+  void gate_statistics(const FeaturesProblem& problem, const int64_t* draft_tokens, const TD* draft, bool draft_probs, \
                        const TT* target_logits, float* drafted, float* rejected, const ParallelFor& parallel_for);    \
   template <typename T>                                                                                               \
   void value_flags(const T* values, int64_t rows, int64_t vocab, bool from_logits, int32_t* flags,                    \

@@ -23,8 +23,8 @@ namespace DIVERSED_CPU_CAPABILITY {
   template void verify_logits<TD, TT>(const VerifyProblem&, const TD*, const TT*, const ParallelFor&);                \
   template void distribution_features<TD, TT>(const FeaturesProblem&, const TD*, const TT*, float*,                   \
                                               const ParallelFor&);                                                     \
-  template void gate_statistics<TD, TT>(const FeaturesProblem&, const int64_t*, const TD*, const TT*, float*, float*, \
-                                        const ParallelFor&);
+  template void gate_statistics<TD, TT>(const FeaturesProblem&, const int64_t*, const TD*, bool, const TT*, float*,   \
+                                        float*, const ParallelFor&);
 #define DIVERSED_INSTANTIATE_CPU_KERNELS(T)                                                                           \
   DIVERSED_INSTANTIATE_PAIR_KERNELS(T, T)                                                                              \
   template void token_stats<T>(const PairProblem<T>&, const TokenStatsOut&, const ParallelFor&);                      \

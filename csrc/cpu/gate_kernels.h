@@ -3,7 +3,8 @@
 //
 // As distribution_features' kernel (features_kernels.h) does, each element's exp is taken once: a row's max, one pass
 // storing its exps in a task's scratch row with their sum, then the residual pass of gate_math.h over the scratch
-// rows (in cache) and the target's logits, which give the shifted logits the expected log-probability weighs.
+// rows (in cache) and the target's logits, which give the shifted logits the expected log-probability weighs. A
+// draft given as probabilities is read as it lies in that last pass.
 #pragma once
 
 #include <vector>
@@ -16,17 +17,36 @@ namespace diversed {
 namespace cpu {
 namespace DIVERSED_CPU_CAPABILITY {
 
-// sum (p - q)+ and sum (p - q)+ (s - m) over a row: p from the target's exps and normaliser, q from the draft's (or 0
-// everywhere when q_exps is null: a one-hot draft whose element the caller zeroed in p_exps), s - m from the target's
-// logits at `inverse_t`. Float lanes block by block, flushed to float64 once a block (every term has one sign).
+// Where the residual pass reads q: nowhere (a one-hot draft, whose element the caller zeroed in p's scratch row), a
+// draft's exps in scratch with its normaliser, or a draft's probabilities as they lie. Each sanitises its masses.
+struct NoDraft {
+  FloatLanes lanes(int64_t) const { return splat_lanes(0.0f); }
+  float at(int64_t) const { return 0.0f; }
+};
+struct DraftExps {
+  const float* exps;
+  float inverse_sum;
+  FloatLanes lanes(int64_t v) const {
+    return map_lanes(load_lanes(exps, v), [&](FloatVector e) { return sanitize_mass(e * inverse_sum); });
+  }
+  float at(int64_t v) const { return sanitize_mass(exps[v] * inverse_sum); }
+};
 template <typename T>
+struct DraftProbs {
+  const T* values;
+  FloatLanes lanes(int64_t v) const {
+    return map_lanes(load_lanes(values, v), [](FloatVector q) { return sanitize_mass(q); });
+  }
+  float at(int64_t v) const { return sanitize_mass(load_float(values, v)); }
+};
+
+// sum (p - q)+ and sum (p - q)+ (s - m) over a row: p from the target's exps and normaliser, q from `draft` (above),
+// s - m from the target's logits at `inverse_t`. Float lanes block by block, flushed to float64 once a block (every
+// term has one sign).
+template <typename T, typename Draft>
 ResidualSums residual_sums(const T* target, float inverse_t, SoftmaxStats p_stats, const float* p_exps,
-                           const float* q_exps, float q_inverse_sum, int64_t vocab) {
+                           const Draft& draft, int64_t vocab) {
   const float shift = p_stats.max;  // exponentiate_row's: 0 for a row without a finite logit (and without mass)
-  const auto q_lanes = [&](int64_t v) {
-    if (q_exps == nullptr) return splat_lanes(0.0f);
-    return map_lanes(load_lanes(q_exps, v), [&](FloatVector e) { return sanitize_mass(e * q_inverse_sum); });
-  };
   const int64_t whole = vocab - vocab % kLanes;
   ResidualSums sums{0.0, 0.0};
   for (int64_t block = 0; block < whole; block += kSoftmaxBlock) {
@@ -35,7 +55,7 @@ ResidualSums residual_sums(const T* target, float inverse_t, SoftmaxStats p_stat
       const FloatLanes p = map_lanes(load_lanes(p_exps, v), [&](FloatVector e) {
         return sanitize_mass(e * p_stats.inverse_sum);
       });
-      const FloatLanes residual = zip_lanes(p, q_lanes(v), [](FloatVector a, FloatVector b) {
+      const FloatLanes residual = zip_lanes(p, draft.lanes(v), [](FloatVector a, FloatVector b) {
         return residual_mass(a, b);
       });
       const FloatLanes shifted = map_lanes(load_lanes(target, v), [&](FloatVector x) { return x * inverse_t - shift; });
@@ -48,9 +68,7 @@ ResidualSums residual_sums(const T* target, float inverse_t, SoftmaxStats p_stat
     sums.weighted = sum_float_lanes_in_order(block_weighted, sums.weighted);
   }
   for (int64_t v = whole; v < vocab; ++v) {
-    const float p = sanitize_mass(p_exps[v] * p_stats.inverse_sum);
-    const float q = q_exps == nullptr ? 0.0f : sanitize_mass(q_exps[v] * q_inverse_sum);
-    const float residual = residual_mass(p, q);
+    const float residual = residual_mass(sanitize_mass(p_exps[v] * p_stats.inverse_sum), draft.at(v));
     sums.mass += static_cast<double>(residual);
     sums.weighted += static_cast<double>(entropy_term(residual, load_float(target, v) * inverse_t - shift));
   }
@@ -61,31 +79,36 @@ ResidualSums residual_sums(const T* target, float inverse_t, SoftmaxStats p_stat
 // Called by the binding (ops_cpu.cpp, through cpu_dispatch.h) after the checks and the allocation of the outputs.
 
 // gate_statistics: the problem's target rows and draft rows (draft null: tokens only, q one-hot at each drafted
-// token), draft_tokens int64 [B, T]; drafted and rejected float32 [B, T] (gate_math.h). A task's scratch rows are
-// allocated once and reused for each of its positions.
+// token; draft_probs: the draft rows are probabilities, else logits), draft_tokens int64 [B, T]; drafted and rejected
+// float32 [B, T] (gate_math.h). A task's scratch rows are allocated once and reused for each of its positions.
 template <typename TD, typename TT>
-void gate_statistics(const FeaturesProblem& problem, const int64_t* draft_tokens, const TD* draft, const TT* target,
-                     float* drafted, float* rejected, const ParallelFor& parallel_for) {
+void gate_statistics(const FeaturesProblem& problem, const int64_t* draft_tokens, const TD* draft, bool draft_probs,
+                     const TT* target, float* drafted, float* rejected, const ParallelFor& parallel_for) {
   const int64_t vocab = problem.vocab;
+  const bool draft_exps_needed = draft != nullptr && !draft_probs;
   const int64_t rows_read = draft != nullptr ? 2 : 1;
   parallel_for(0, problem.slots(), grain_for(rows_read * vocab), [&](int64_t begin, int64_t end) {
-    std::vector<float> scratch(static_cast<size_t>(rows_read * vocab));
+    std::vector<float> scratch(static_cast<size_t>((draft_exps_needed ? 2 : 1) * vocab));
     float* const target_exps = scratch.data();
-    float* const draft_exps = draft != nullptr ? target_exps + vocab : nullptr;
+    float* const draft_exps = target_exps + vocab;
     for (int64_t slot = begin; slot < end; ++slot) {
       const TT* target_row = target + problem.target_row(slot) * vocab;
       const float inverse_t = problem.target_inverse_temperature(slot);
       const SoftmaxStats p = exponentiate_row(target_row, vocab, inverse_t, target_exps).stats;
       const int64_t token = draft_tokens[slot];
       const bool valid = token >= 0 && token < vocab;
-      float q_inverse_sum = 0.0f;
-      if (draft != nullptr) {
-        q_inverse_sum = exponentiate_row(draft + problem.draft_row(slot) * vocab, vocab,
-                                         problem.draft_inverse_temperature(slot), draft_exps).stats.inverse_sum;
-      } else if (valid) {
-        target_exps[token] = 0.0f;  // q one-hot at x: the residual is p off x
+      const TD* draft_row = draft != nullptr ? draft + problem.draft_row(slot) * vocab : nullptr;
+      ResidualSums sums;
+      if (draft_row == nullptr) {
+        if (valid) target_exps[token] = 0.0f;  // q one-hot at x: the residual is p off x
+        sums = residual_sums(target_row, inverse_t, p, target_exps, NoDraft{}, vocab);
+      } else if (draft_probs) {
+        sums = residual_sums(target_row, inverse_t, p, target_exps, DraftProbs<TD>{draft_row}, vocab);
+      } else {
+        const float q_inverse_sum = exponentiate_row(draft_row, vocab, problem.draft_inverse_temperature(slot),
+                                                     draft_exps).stats.inverse_sum;
+        sums = residual_sums(target_row, inverse_t, p, target_exps, DraftExps{draft_exps, q_inverse_sum}, vocab);
       }
-      const ResidualSums sums = residual_sums(target_row, inverse_t, p, target_exps, draft_exps, q_inverse_sum, vocab);
       drafted[slot] = drafted_logprob(valid, valid ? load_float(target_row, token) * inverse_t : 0.0f, p);
       rejected[slot] = rejected_logprob(sums, p);
     }

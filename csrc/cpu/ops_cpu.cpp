@@ -130,13 +130,13 @@ at::Tensor distribution_features_cpu(const at::Tensor& draft, const at::Tensor& 
   return features;
 }
 
-// Drafted tokens [B, T] and their pairs of logit rows (no draft: tokens only) -> (log p(x), E_r[log p]), float32
-// [B, T] each: what the log-probability gate compares (gate_math.h).
+// Drafted tokens [B, T] and their target logit rows beside draft logits or probabilities (no draft: tokens only) ->
+// (log p(x), E_r[log p]), float32 [B, T] each: what the log-probability gate compares (gate_math.h).
 std::tuple<at::Tensor, at::Tensor> gate_statistics_cpu(const at::Tensor& draft_tokens, const OptionalTensor& draft,
                                                        const at::Tensor& target, const at::Tensor& temperature,
                                                        const OptionalTensor& target_rows,
                                                        const OptionalTensor& draft_rows,
-                                                       const OptionalTensor& target_temperature) {
+                                                       const OptionalTensor& target_temperature, bool draft_probs) {
   const FeaturesShape shape = check_gate_statistics_args(draft_tokens, draft, target, temperature, target_rows,
                                                          draft_rows, target_temperature);
   auto [drafted, rejected] = allocate_gate_statistics(shape, target);
@@ -147,7 +147,7 @@ std::tuple<at::Tensor, at::Tensor> gate_statistics_cpu(const at::Tensor& draft_t
     using DraftScalar = typename decltype(draft_tag)::type;
     using TargetScalar = typename decltype(target_tag)::type;
     DIVERSED_CPU_CALL(gate_statistics, problem, draft_tokens.data_ptr<int64_t>(),
-                      kernel_data<CpuElement<DraftScalar>, DraftScalar>(draft),
+                      kernel_data<CpuElement<DraftScalar>, DraftScalar>(draft), draft_probs,
                       kernel_data<CpuElement<TargetScalar>, TargetScalar>(target), drafted.data_ptr<float>(),
                       rejected.data_ptr<float>(), kParallelFor);
   });

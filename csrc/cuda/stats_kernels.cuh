@@ -150,14 +150,14 @@ __global__ void __launch_bounds__(kThreads) distribution_features_kernel(const F
                    features + slot * kNumDistributionFeatures);
 }
 
-// One drafted position's gate statistics (gate_math.h): the target's normaliser (and the draft's), then one pass over
-// the rows adding the residual's sums, per thread in float64 and across the block in float64. Without a draft q is
-// one-hot at the drafted token.
+// One drafted position's gate statistics (gate_math.h): the target's normaliser (and a draft's from logits), then one
+// pass over the rows adding the residual's sums, per thread in float64 and across the block in float64. A draft of
+// probabilities is read as it lies; without a draft q is one-hot at the drafted token.
 template <typename TD, typename TT>
 __global__ void __launch_bounds__(kThreads) gate_statistics_kernel(const FeaturesProblem problem,
-                                                                   const int64_t* draft_tokens, const TD* draft_logits,
-                                                                   const TT* target_logits, float* drafted,
-                                                                   float* rejected) {
+                                                                   const int64_t* draft_tokens, const TD* draft_values,
+                                                                   bool draft_probs, const TT* target_logits,
+                                                                   float* drafted, float* rejected) {
   __shared__ BlockStorage storage;
   const int64_t slot = blockIdx.x;
   const int64_t vocab = problem.vocab;
@@ -165,10 +165,11 @@ __global__ void __launch_bounds__(kThreads) gate_statistics_kernel(const Feature
   const TT* target = target_logits + problem.target_row(slot) * vocab;
   const SoftmaxStats target_stats = features_stats(block_softmax_stats(target, vocab, target_inverse_t, storage));
   const int64_t token = draft_tokens[slot];
-  const TD* draft = draft_logits != nullptr ? draft_logits + problem.draft_row(slot) * vocab : nullptr;
+  const TD* draft = draft_values != nullptr ? draft_values + problem.draft_row(slot) * vocab : nullptr;
+  const bool draft_logits = draft != nullptr && !draft_probs;
   const float draft_inverse_t = problem.draft_inverse_temperature(slot);
   const SoftmaxStats draft_stats =
-      draft != nullptr ? features_stats(block_softmax_stats(draft, vocab, draft_inverse_t, storage)) : SoftmaxStats{};
+      draft_logits ? features_stats(block_softmax_stats(draft, vocab, draft_inverse_t, storage)) : SoftmaxStats{};
   const TileLayout layout = tile_layout(target, draft);
   ResidualSums thread_sums{0.0, 0.0};
   for (int64_t tile = 0; tile < vocab; tile += kTileElements) {
@@ -179,8 +180,9 @@ __global__ void __launch_bounds__(kThreads) gate_statistics_kernel(const Feature
 #pragma unroll
     for (int k = 0; k < kItemsPerThread; ++k) {
       if (!in_row(first + k, vocab)) continue;
-      const float q = draft != nullptr ? shifted_mass(q_logit[k] * draft_inverse_t - draft_stats.max, draft_stats)
-                                       : (first + k == token ? 1.0f : 0.0f);
+      float q = first + k == token ? 1.0f : 0.0f;  // no draft: one-hot at x
+      if (draft_logits) q = shifted_mass(q_logit[k] * draft_inverse_t - draft_stats.max, draft_stats);
+      if (draft_probs && draft != nullptr) q = sanitize_mass(q_logit[k]);
       add_residual_element(thread_sums, p_logit[k] * target_inverse_t - target_stats.max, target_stats, q);
     }
   }
@@ -218,12 +220,13 @@ void launch_distribution_features(const FeaturesProblem& problem, const TD* draf
 }
 
 template <typename TD, typename TT>
-void launch_gate_statistics(const FeaturesProblem& problem, const int64_t* draft_tokens, const TD* draft_logits,
-                            const TT* target_logits, float* drafted, float* rejected, cudaStream_t stream) {
+void launch_gate_statistics(const FeaturesProblem& problem, const int64_t* draft_tokens, const TD* draft,
+                            bool draft_probs, const TT* target_logits, float* drafted, float* rejected,
+                            cudaStream_t stream) {
   const int64_t slots = problem.slots();
   if (slots == 0) return;
-  gate_statistics_kernel<<<static_cast<unsigned>(slots), kThreads, 0, stream>>>(problem, draft_tokens, draft_logits,
-                                                                                target_logits, drafted, rejected);
+  gate_statistics_kernel<<<static_cast<unsigned>(slots), kThreads, 0, stream>>>(
+      problem, draft_tokens, draft, draft_probs, target_logits, drafted, rejected);
 }
 
 }  // namespace gpu

@@ -65,7 +65,7 @@ def _distribution_features_fake(draft, target, temperature, target_rows=None, dr
 
 @torch.library.register_fake("diversed::gate_statistics")
 def _gate_statistics_fake(draft_tokens, draft, target, temperature, target_rows=None, draft_rows=None,
-                          target_temperature=None):
+                          target_temperature=None, draft_probs=False):
     return tuple(target.new_empty(draft_tokens.shape, dtype=torch.float32) for _ in range(2))
 
 

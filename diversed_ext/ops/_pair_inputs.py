@@ -71,53 +71,57 @@ class FeaturesArgs(NamedTuple):
 
 
 def prepare_features(draft_logits, target_logits, *, temperature, target_temperature, target_rows, draft_rows,
-                     check_inputs: bool) -> FeaturesArgs:
-    """Checks of distribution_features and gate_keeps_logits: logits [B, T, V] each, or [R, V] read through
+                     check_inputs: bool, draft_from_logits: bool = True) -> FeaturesArgs:
+    """Checks of distribution_features and the gate's statistics: logits [B, T, V] each, or [R, V] read through
     target_rows / draft_rows ([B, T]; B and T from a 3-D tensor, or from target_rows when both are row tensors); dtypes
     each float32, bfloat16 or float16; the temperatures float or [B]. ``draft_logits`` None (the gate's tokens-only
-    drafts): the target alone. With ``check_inputs`` every index in [0, R) and the rows read finite logits with one
-    above -inf."""
-    batch, positions, vocab = _features_layout(draft_logits, target_logits, target_rows, draft_rows)
+    drafts): the target alone; probabilities (``draft_from_logits`` False, the gate's ``draft_probs``) in its place.
+    With ``check_inputs`` every index in [0, R) and the rows read finite logits with one above -inf (probabilities:
+    finite, non-negative, some mass)."""
+    draft_name = "draft_logits" if draft_from_logits else "draft_probs"
+    batch, positions, vocab = _features_layout(draft_logits, target_logits, target_rows, draft_rows, draft_name)
     device = target_logits.device
     temperature_t = temperature_tensor(temperature, batch, device, check_inputs)
     target_temperature_t = (None if target_temperature is None else
                             temperature_tensor(target_temperature, batch, device, check_inputs, "target_temperature"))
-    read_tensors = ((target_rows, target_logits, "target"), (draft_rows, draft_logits, "draft"))
+    read_tensors = ((target_rows, target_logits, "target_rows", "target_logits"),
+                    (draft_rows, draft_logits, "draft_rows", draft_name))
     rows = [None if values is None else
-            normalize_rows(indices, f"{kind}_rows", values, f"{kind}_logits", batch, positions, "[B, T]", device)
-            for indices, values, kind in read_tensors]
+            normalize_rows(indices, rows_name, values, name, batch, positions, "[B, T]", device)
+            for indices, values, rows_name, name in read_tensors]
     if check_inputs:
         read = torch.ones((batch, positions), dtype=torch.bool, device=device)
-        checked = ((draft_logits, rows[1], "draft_logits"), (target_logits, rows[0], "target_logits"))
-        for values, indices, name in checked:
+        checked = ((draft_logits, rows[1], "draft_rows", draft_name, draft_from_logits),
+                   (target_logits, rows[0], "target_rows", "target_logits", True))
+        for values, indices, rows_name, name, from_logits in checked:
             if values is None:
                 continue
             if indices is None:
-                check_values(values, name, from_logits=True)
+                check_values(values, name, from_logits=from_logits)
             else:
-                check_row_indices(indices, name.replace("logits", "rows"), values.shape[0], name, read)
-                check_indexed_values(values, indices, read, name, from_logits=True)
+                check_row_indices(indices, rows_name, values.shape[0], name, read)
+                check_indexed_values(values, indices, read, name, from_logits=from_logits)
     return FeaturesArgs(vocab, temperature_t, rows[0], rows[1], target_temperature_t, batch, positions)
 
 
-def _features_layout(draft, target, target_rows, draft_rows) -> tuple[int, int, int]:
+def _features_layout(draft, target, target_rows, draft_rows, draft_name) -> tuple[int, int, int]:
     """(B, T, V) of distribution_features' logits (prepare_features); ``draft`` None: the target's alone."""
     if draft is None and draft_rows is not None:
-        raise ValueError("draft_rows needs draft_logits: without them the drafts are tokens only")
+        raise ValueError("draft_rows needs draft_logits or draft_probs: without them the drafts are tokens only")
     if target_rows is None and draft_rows is None and draft is not None:
-        return _check_pair_shapes(draft, target, "logits", True, FEATURES_NAMES, same_dtype=False)
-    read = ((draft, draft_rows, "draft_logits"), (target, target_rows, "target_logits"))
-    for values, indices, name in read:
+        return _check_pair_shapes(draft, target, "logits", True, (draft_name, "target_logits"), same_dtype=False)
+    read = ((draft, draft_rows, draft_name, "draft_rows"), (target, target_rows, "target_logits", "target_rows"))
+    for values, indices, name, rows_name in read:
         if values is None:
             continue
         require_tensor(values, name)
-        check_value_dtype(values.dtype, name, "logits")
+        check_value_dtype(values.dtype, name, "logits" if name.endswith("logits") else "probabilities")
         if indices is not None:
-            require_rank(values, 2, name, f"[R, V] (rows read through {name.replace('logits', 'rows')})")
+            require_rank(values, 2, name, f"[R, V] (rows read through {rows_name})")
         else:
             require_rank(values, 3, name, "[B, T, V]")
     if draft is not None:
-        require_device(draft, target.device, "draft_logits")
+        require_device(draft, target.device, draft_name)
     if draft is not None and draft_rows is None:
         batch, positions = draft.shape[:2]
     elif target_rows is None:
@@ -130,5 +134,5 @@ def _features_layout(draft, target, target_rows, draft_rows) -> tuple[int, int, 
     if vocab == 0:
         raise ValueError(f"vocabulary size V must be positive, got target_logits shape {tuple(target.shape)}")
     if draft is not None and draft.shape[-1] != vocab:
-        raise ValueError(f"draft_logits has vocabulary size {draft.shape[-1]} but target_logits has {vocab}")
+        raise ValueError(f"{draft_name} has vocabulary size {draft.shape[-1]} but target_logits has {vocab}")
     return batch, positions, vocab

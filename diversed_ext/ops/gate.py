@@ -50,7 +50,8 @@ def keeps(margin: Union[float, torch.Tensor], statistics: GateStatistics) -> tor
 
 
 def gate_statistics(draft_tokens: torch.Tensor, target_logits: torch.Tensor,
-                    draft_logits: Optional[torch.Tensor] = None, *, temperature=1.0, target_temperature=None, target_rows=None, draft_rows=None,
+                    draft_logits: Optional[torch.Tensor] = None, *, draft_probs: Optional[torch.Tensor] = None,
+                    temperature=1.0, target_temperature=None, target_rows=None, draft_rows=None,
                     check_inputs: bool = True) -> GateStatistics:
     """log p(x) and E_r[log p] at every drafted position, from logits, in one fused native call.
 
@@ -59,18 +60,22 @@ def gate_statistics(draft_tokens: torch.Tensor, target_logits: torch.Tensor,
         target_logits: [B, T, V] target logits ([R, V] with ``target_rows``), float32, bfloat16 or float16.
         draft_logits: [B, T, V] draft logits ([Rd, V] with ``draft_rows``), of any of those dtypes, or None: the
             drafts are tokens only, q one-hot at x.
+        draft_probs: the draft's probabilities in place of ``draft_logits`` (laid out alike), read as they lie (a
+            server that holds the draft's distributions, as vLLM's draft_probs); ``temperature`` then divides only
+            the target.
         temperature, target_temperature, target_rows, draft_rows, check_inputs: as for
             :func:`diversed_ext.distribution_features` (the draft at ``temperature``, the target at
             ``target_temperature`` when given; rows read in place; 0 counts as 1).
     Returns :class:`GateStatistics`.
     """
-    args = prepare_features(draft_logits, target_logits, temperature=temperature,
-                            target_temperature=target_temperature, target_rows=target_rows, draft_rows=draft_rows,
-                            check_inputs=check_inputs)
-    tokens = _tokens(draft_tokens, args, target_logits.device, draft_logits is not None)
-    draft = None if draft_logits is None else draft_logits.contiguous()
-    return GateStatistics(*_GATE_STATISTICS(tokens, draft, target_logits.contiguous(), args.temperature,
-                                            args.target_rows, args.draft_rows, args.target_temperature))
+    draft = _one_draft(draft_logits, draft_probs)
+    args = prepare_features(draft, target_logits, temperature=temperature, target_temperature=target_temperature,
+                            target_rows=target_rows, draft_rows=draft_rows, check_inputs=check_inputs,
+                            draft_from_logits=draft_probs is None)
+    tokens = _tokens(draft_tokens, args, target_logits.device, draft)
+    return GateStatistics(*_GATE_STATISTICS(tokens, None if draft is None else draft.contiguous(),
+                                            target_logits.contiguous(), args.temperature, args.target_rows,
+                                            args.draft_rows, args.target_temperature, draft_probs is not None))
 
 
 def gate_keeps_logits(margin: Union[float, torch.Tensor], draft_tokens: torch.Tensor, target_logits: torch.Tensor,
@@ -111,28 +116,39 @@ def residual_statistics(draft_tokens: torch.Tensor, draft_probs: Optional[torch.
 
 
 def gate_statistics_reference(draft_tokens: torch.Tensor, target_logits: torch.Tensor,
-                              draft_logits: Optional[torch.Tensor] = None, *, temperature=1.0, target_temperature=None,
-                              target_rows=None, draft_rows=None, check_inputs: bool = True) -> GateStatistics:
+                              draft_logits: Optional[torch.Tensor] = None, *, draft_probs: Optional[torch.Tensor] = None,
+                              temperature=1.0, target_temperature=None, target_rows=None, draft_rows=None,
+                              check_inputs: bool = True) -> GateStatistics:
     """Reference of :func:`gate_statistics`: gathers the rows, materialises both distributions in float64."""
-    args = prepare_features(draft_logits, target_logits, temperature=temperature,
-                            target_temperature=target_temperature, target_rows=target_rows, draft_rows=draft_rows,
-                            check_inputs=check_inputs)
-    tokens = _tokens(draft_tokens, args, target_logits.device, draft_logits is not None)
+    draft = _one_draft(draft_logits, draft_probs)
+    args = prepare_features(draft, target_logits, temperature=temperature, target_temperature=target_temperature,
+                            target_rows=target_rows, draft_rows=draft_rows, check_inputs=check_inputs,
+                            draft_from_logits=draft_probs is None)
+    tokens = _tokens(draft_tokens, args, target_logits.device, draft)
     draft_scale = distribution_temperature(args.temperature).view(-1, 1, 1).double()
     target_scale = (draft_scale if args.target_temperature is None
                     else distribution_temperature(args.target_temperature).view(-1, 1, 1).double())
     log_p = (gather_rows(target_logits, args.target_rows).double() / target_scale).log_softmax(-1)
     log_p = log_p.nan_to_num(nan=-torch.inf)  # a row without a finite logit has no mass
-    q = None
+    q = None if draft is None else gather_rows(draft, args.draft_rows).double()
     if draft_logits is not None:
-        q = (gather_rows(draft_logits, args.draft_rows).double() / draft_scale).softmax(-1).nan_to_num(nan=0.0)
-        q = q.flatten(0, 1)
-    drafted, rejected = residual_statistics(tokens.flatten(), q, log_p.flatten(0, 1))
+        q = (q / draft_scale).softmax(-1).nan_to_num(nan=0.0)
+    elif q is not None:  # probabilities count as the kernels read them: NaN, negative or infinite mass is none
+        q = torch.where((q >= 0) & (q < torch.inf), q, torch.zeros_like(q))
+    drafted, rejected = residual_statistics(tokens.flatten(), None if q is None else q.flatten(0, 1),
+                                            log_p.flatten(0, 1))
     shape = tokens.shape
     return GateStatistics(drafted.view(shape), rejected.view(shape))
 
 
-def _tokens(draft_tokens, args, device, with_draft: bool) -> torch.Tensor:
+def _one_draft(draft_logits, draft_probs) -> Optional[torch.Tensor]:
+    """The draft tensor of a call: its logits, its probabilities or neither (tokens only), never both."""
+    if draft_logits is not None and draft_probs is not None:
+        raise ValueError("give draft_logits or draft_probs, not both")
+    return draft_probs if draft_logits is None else draft_logits
+
+
+def _tokens(draft_tokens, args, device, draft) -> torch.Tensor:
     """The drafted ids as int64 [B, T]; B and T from the logits (prepare_features)."""
     return normalize_tokens(draft_tokens, args.batch, args.positions, device,
-                            "draft_logits" if with_draft else "target_logits", "target_logits")
+                            "target_logits" if draft is None else "the draft", "target_logits")

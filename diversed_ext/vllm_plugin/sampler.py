@@ -142,15 +142,12 @@ def gate_keeps_rows(margin: torch.Tensor, draft_tokens: torch.Tensor, draft_prob
     [N, V], or None: tokens only). ``margin`` [M] is NaN on rows not gated; an id outside the vocabulary (vLLM's -1 for
     a draft that must be rejected) is never kept, nor is a token the processed target forbids (a bad word, a token
     outside allowed_token_ids, EOS before min_tokens), whatever the margin."""
-    draft_logits = None
-    if draft_probs is not None:  # probabilities as logits at temperature 1: softmax(log q) = q
-        draft_logits = (draft_probs if index is None else draft_probs[index]).float().log()[:, None]
     if index is None:
-        target, target_rows = target_logits[:, None], None
+        target, draft, rows = target_logits[:, None], None if draft_probs is None else draft_probs[:, None], None
     else:
-        target, target_rows = target_logits, index[:, None]
-    keep = dx_ops.gate_keeps_logits(margin[:, None], draft_tokens.to(torch.int64)[:, None], target, draft_logits,
-                                    target_rows=target_rows, check_inputs=False)
+        target, draft, rows = target_logits, draft_probs, index[:, None]
+    keep = dx_ops.gate_keeps_logits(margin[:, None], draft_tokens.to(torch.int64)[:, None], target, draft_probs=draft,
+                                    target_rows=rows, draft_rows=None if draft is None else rows, check_inputs=False)
     return keep[:, 0]
 
 

@@ -67,6 +67,37 @@ def test_the_keeps_equal_the_plain_pytorch_test(device, tokens_only):
     assert 0 < kept_any < 6 * fused.numel()  # the margins cover both outcomes
 
 
+@pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                    (torch.float16, torch.bfloat16)])
+def test_draft_probabilities_read_as_they_lie(device, dtypes):
+    """draft_probs (a server's draft distributions, vLLM's draft_probs) against the reference and against the plain
+    test on the same rows, read in place or as [B, T, V]; the temperature then divides the target alone."""
+    tokens, draft, target, temperature = gate_case(4, 3, 4099, torch.float32, seed=8)
+    scale = torch.where(temperature > 0, temperature, torch.ones_like(temperature)).view(-1, 1, 1)
+    probs, target = (draft / scale).softmax(-1).to(dtypes[0]), target.to(dtypes[1])
+    statistics = on_device(device, ops.gate_statistics, tokens, target, draft_probs=probs, temperature=temperature)
+    reference = ops.gate_statistics_reference(tokens, target, draft_probs=probs, temperature=temperature)
+    assert_statistics_close(statistics, reference)
+    rows, flat = torch.arange(12).reshape(4, 3).flip(0), probs.reshape(12, -1)
+    in_place = on_device(device, ops.gate_statistics, tokens, target, temperature=temperature, draft_probs=flat,
+                         draft_rows=rows)
+    gathered = on_device(device, ops.gate_statistics, tokens, target, temperature=temperature, draft_probs=flat[rows])
+    assert torch.equal(in_place.rejected_logprob, gathered.rejected_logprob)
+    log_p = (target.float() / scale).log_softmax(-1).flatten(0, 1)
+    plain = ops.gate.residual_statistics(tokens.flatten(), probs.flatten(0, 1), log_p)
+    torch.testing.assert_close(statistics.rejected_logprob.flatten(), plain.rejected_logprob, atol=REJECTED_TOLERANCE,
+                               rtol=REJECTED_TOLERANCE)
+
+
+def test_unchecked_bad_probabilities_count_as_no_mass(device):
+    tokens, draft, target, _ = gate_case(2, 3, 33, torch.float32, seed=12)
+    probs = draft.softmax(-1)
+    probs[0, 0, :5] = torch.tensor([float("nan"), -0.5, float("inf"), 2.0, 0.0])
+    statistics = on_device(device, ops.gate_statistics, tokens, target, draft_probs=probs, check_inputs=False)
+    assert_statistics_close(statistics, ops.gate_statistics_reference(tokens, target, draft_probs=probs,
+                                                                      check_inputs=False))
+
+
 def test_margin_per_position_and_nan_ungated(device):
     tokens, draft, target, temperature = gate_case(3, 4, 64, torch.float32, seed=5)
     margin = torch.rand(3, 4, generator=torch.Generator().manual_seed(1)) * 6
@@ -199,10 +230,17 @@ def bad_gate_cases():
     nan_target[1, 0, 2] = float("nan")
     return {
         "draft_rows without a draft": (lambda: ops.gate_statistics(tokens, rows, draft_rows=index, target_rows=index),
-                                       ValueError, "draft_rows needs draft_logits"),
+                                       ValueError, "draft_rows needs draft_logits or draft_probs"),
         "tokens shape": (lambda: ops.gate_statistics(tokens[:, :2], target), ValueError,
                          "draft_tokens must be \\[B, K\\] = \\[2, 3\\]"),
         "float tokens": (lambda: ops.gate_statistics(tokens.float(), target), TypeError, "draft_tokens"),
+        "both draft kinds": (lambda: ops.gate_statistics(tokens, target, draft, draft_probs=draft.softmax(-1)),
+                             ValueError, "draft_logits or draft_probs, not both"),
+        "negative probabilities": (lambda: ops.gate_statistics(tokens, target, draft_probs=-draft.softmax(-1)),
+                                   ValueError, "draft_probs.*negative"),
+        "probability rows without an index": (lambda: ops.gate_statistics(tokens, target, draft_probs=rows,
+                                                                          draft_rows=index[:, :2]), ValueError,
+                                              "draft_rows"),
         "NaN target": (lambda: ops.gate_statistics(tokens, nan_target), ValueError, "target_logits.*NaN"),
         "index out of range": (lambda: ops.gate_statistics(tokens, rows, target_rows=index + 1), ValueError,
                                "target_rows\\[1, 2\\] = 6 is outside"),

@@ -233,6 +233,9 @@ def test_opcheck(dtype, device):
     torch.library.opcheck(torch.ops.diversed.gate_statistics.default,
                           (tokens, draft, target[:, :num_positions].to(other_dtype).contiguous(), temperature, None,
                            None, torch.ones(batch, device=device)))
+    torch.library.opcheck(torch.ops.diversed.gate_statistics.default,
+                          (tokens, draft.reshape(-1, draft.shape[-1]).softmax(-1), target_rows, temperature,
+                           rows.contiguous(), rows.contiguous(), None, True))
 
 
 def test_torch_compile_fullgraph_traces_verify():
