@@ -13,7 +13,10 @@ dx.verify with default arguments against the registered op alone.
 Ops: verify and verify_logits with draft distributions; verify_tokens and verify_logits_tokens for drafters that give
 tokens only (draft_probs / draft_logits = None), whose "one-hot" columns time what a caller must do without that
 option: materialise one-hot draft rows (and, from logits, softmax the target) and call the distribution API;
-token_stats, mix and distribution_features (what a DIVERSED head reads at each drafted position) from logits.
+token_stats, mix and distribution_features (what a DIVERSED head reads at each drafted position) from logits; gate and
+gate_tokens, the log-probability gate's statistics (diversed_ext.ops.gate_statistics) with the draft's logits or its
+tokens only, whose plain column is the PyTorch gate a server ran before (a log-softmax of the drafted rows, the
+residual's sums, the test at margin 4).
 
 Columns: fused (serving configuration, check_inputs=False), fused with checks, reference (the test oracle, which forms
 whole [B, K, V] mixtures), speed-up over it, a careful plain PyTorch verifier (bench/plain_verifiers.py: gathers p(x)
@@ -35,15 +38,17 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
 from tqdm import tqdm
 
 import diversed_ext as dx
-from diversed_ext.ops import CUDA_KERNEL_FAMILIES
+from diversed_ext.ops import CUDA_KERNEL_FAMILIES, gate_keeps, gate_statistics, gate_statistics_reference
+from diversed_ext.ops.gate import keeps
 from plain_verifiers import plain_verify, plain_verify_logits
+from verify_problems import (OpBench, Problem, all_rows_bytes, make_problem, pair_bytes, stream_logits,
+                             stream_two_rows, target_row_bytes, target_rows_bytes, verify_bytes)
 
 BATCHES = (1, 8, 64)
 DRAFT_LENGTHS = (1, 4, 8)
@@ -54,83 +59,15 @@ WARMUP_CALLS = 3
 MIN_REPEATS = 5
 MAX_REPEATS = 50
 TIME_BUDGET_S = 1.5  # per implementation and configuration, after warm-up
-DRAFT_TARGET_AGREEMENT = 1.0  # scale of the noise between draft and target logits: about half the drafts pass at w=1
 WEIGHT = 0.5
 STREAM_BUFFER_BYTES = 512 * 2**20  # for the DRAM floor: far beyond any last-level cache
 STREAM_REPEATS = 10
-
-
-@dataclass
-class Problem:
-    draft_tokens: torch.Tensor
-    draft_logits: torch.Tensor
-    target_logits: torch.Tensor
-    draft_probs: torch.Tensor
-    target_probs: torch.Tensor
-
-
-@dataclass
-class OpBench:
-    name: str
-    fused: Callable[[Problem], object]
-    reference: Callable[[Problem], object]
-    fused_checked: Callable[[Problem], object] | None
-    bytes_read: Callable[[int, int, int, int], int]  # (B, K, V, element size) -> bytes the fused kernel must read
-    streaming: Callable[[Problem], object]  # torch.sum over exactly the bytes the fused kernel must read
-    plain: Callable[[Problem, torch.Tensor], object] | None = None  # careful plain PyTorch, on explicit uniforms
-    reference_on: Callable[[Problem, torch.Tensor], object] | None = None  # the reference on the same uniforms
-    one_hot: Callable[[Problem], object] | None = None  # tokens only: the fused call on materialised one-hot rows
-
-
-def make_problem(batch, num_positions, vocab, dtype, device, seed=0) -> Problem:
-    generator = torch.Generator(device="cpu").manual_seed(seed)
-    draft_logits = torch.randn(batch, num_positions + 1, vocab, generator=generator) * 2.0
-    target_logits = draft_logits + torch.randn(draft_logits.shape, generator=generator) * DRAFT_TARGET_AGREEMENT
-    draft_logits = draft_logits[:, :num_positions].contiguous()
-    draft_probs = draft_logits.softmax(-1)
-    tokens = torch.multinomial(draft_probs.reshape(-1, vocab), 1, generator=generator).reshape(batch, num_positions)
-    return Problem(tokens.to(device), draft_logits.to(device=device, dtype=dtype),
-                   target_logits.to(device=device, dtype=dtype), draft_probs.to(device=device, dtype=dtype),
-                   target_logits.softmax(-1).to(device=device, dtype=dtype))
-
-
-def _verify_bytes(batch, num_positions, vocab, element_size):
-    # Gathered values are negligible; the correction row needs p and q at one position per request.
-    return batch * 2 * vocab * element_size
-
-
-def _all_rows_bytes(batch, num_positions, vocab, element_size):
-    # Logits need every row's normaliser: draft [B, K, V] and target [B, K+1, V] are read whole.
-    return batch * (2 * num_positions + 1) * vocab * element_size
-
-
-def _pair_bytes(batch, num_positions, vocab, element_size):
-    return batch * 2 * num_positions * vocab * element_size
-
-
-def _stream_logits(pr: Problem):
-    return torch.sum(pr.draft_logits), torch.sum(pr.target_logits)
-
-
-def _target_row_bytes(batch, num_positions, vocab, element_size):
-    # Tokens only: no draft row; the gathers are a few values and the final token reads one target row per request.
-    return batch * vocab * element_size
-
-
-def _target_rows_bytes(batch, num_positions, vocab, element_size):
-    # Tokens only, from logits: every target row the request reads needs its normaliser.
-    return batch * (num_positions + 1) * vocab * element_size
 
 
 def _one_hot(pr: Problem) -> torch.Tensor:
     """What a caller of the draft-distribution API must build for a drafter that gives tokens only."""
     vocab = pr.target_probs.shape[-1]
     return torch.nn.functional.one_hot(pr.draft_tokens, vocab).to(pr.target_probs.dtype)
-
-
-def _stream_two_rows(pr: Problem):
-    # The two rows per request that verify reads whole: p and q at one position (the gathers are a few values).
-    return torch.sum(pr.target_probs[:, 0]), torch.sum(pr.draft_probs[:, 0])
 
 
 def _stats_tokens(pr: Problem):
@@ -152,10 +89,10 @@ def _one_hot_call(pr: Problem, from_logits: bool):
 
 # (bytes_read, streaming) per (from_logits, tokens_only): what each verify call must read.
 _VERIFY_FLOORS = {
-    (False, False): (_verify_bytes, _stream_two_rows),
-    (False, True): (_target_row_bytes, lambda pr: torch.sum(pr.target_probs[:, 0])),
-    (True, False): (_all_rows_bytes, _stream_logits),
-    (True, True): (_target_rows_bytes, lambda pr: torch.sum(pr.target_logits)),
+    (False, False): (verify_bytes, stream_two_rows),
+    (False, True): (target_row_bytes, lambda pr: torch.sum(pr.target_probs[:, 0])),
+    (True, False): (all_rows_bytes, stream_logits),
+    (True, True): (target_rows_bytes, lambda pr: torch.sum(pr.target_logits)),
 }
 
 
@@ -194,7 +131,7 @@ def _verify_bench(name: str, from_logits: bool, tokens_only: bool) -> OpBench:
 
 def _pair_bench(name: str, fused, reference, fused_checked=None) -> OpBench:
     """An op over the draft logits and the target's first K positions, which it reads whole."""
-    return OpBench(name, fused=fused, reference=reference, fused_checked=fused_checked, bytes_read=_pair_bytes,
+    return OpBench(name, fused=fused, reference=reference, fused_checked=fused_checked, bytes_read=pair_bytes,
                    streaming=lambda pr: (torch.sum(pr.draft_logits), torch.sum(pr.target_logits[:, :-1])))
 
 
@@ -220,6 +157,48 @@ OPS = {
                                                                 check_inputs=False),
         fused_checked=lambda pr: dx.distribution_features(pr.draft_logits, pr.target_logits[:, :-1])),
 }
+GATE_MARGIN = 4.0  # the decoding loop's default
+
+
+def _gate_statistics(pr: Problem, tokens_only: bool, fused: bool):
+    """The gate's statistics of every drafted position: fused, reading the first K target positions in place in the
+    [B (K + 1), V] view, or the float64 reference on the sliced logits."""
+    draft = None if tokens_only else pr.draft_logits
+    if not fused:
+        return gate_statistics_reference(pr.draft_tokens, pr.target_logits[:, :-1], draft, check_inputs=False)
+    batch, width = pr.draft_tokens.shape
+    device = pr.draft_tokens.device
+    rows = (torch.arange(batch, device=device) * (width + 1))[:, None] + torch.arange(width, device=device)
+    return gate_statistics(pr.draft_tokens, pr.target_logits.flatten(0, 1), draft, target_rows=rows,
+                           check_inputs=False)
+
+
+def _plain_gate(pr: Problem, tokens_only: bool) -> tuple:
+    """What a server gated with before the fused op: a log-softmax of the drafted target rows (and a softmax of the
+    draft's), the residual's sums in PyTorch, the test at GATE_MARGIN: (keeps [B K],)."""
+    log_p = pr.target_logits[:, :-1].float().log_softmax(-1).flatten(0, 1)
+    q = None if tokens_only else pr.draft_logits.float().softmax(-1).flatten(0, 1)
+    return (gate_keeps(GATE_MARGIN, pr.draft_tokens.flatten(), q, log_p),)
+
+
+def _gate_bench(name: str, tokens_only: bool) -> OpBench:
+    """The gate's statistics, with the draft's logits or its tokens only; the plain column is the PyTorch gate, checked
+    to keep the drafts the reference keeps."""
+    def bytes_read(batch, num_positions, vocab, element_size):  # the drafted positions' target rows, and draft rows
+        return (1 if tokens_only else 2) * batch * num_positions * vocab * element_size
+
+    def streaming(pr):
+        return torch.sum(pr.target_logits[:, :-1]), None if tokens_only else torch.sum(pr.draft_logits)
+
+    return OpBench(name, fused=lambda pr: _gate_statistics(pr, tokens_only, True),
+                   reference=lambda pr: _gate_statistics(pr, tokens_only, False),
+                   fused_checked=None, bytes_read=bytes_read, streaming=streaming,
+                   plain=lambda pr, u: _plain_gate(pr, tokens_only),
+                   reference_on=lambda pr, u: (keeps(GATE_MARGIN, _gate_statistics(pr, tokens_only, False)).flatten(),))
+
+
+OPS["gate"] = _gate_bench("gate", tokens_only=False)
+OPS["gate_tokens"] = _gate_bench("gate_tokens", tokens_only=True)
 # token_stats is meant for whole sequences: its own configuration, T = 256 positions, joins the quick grid.
 STATS_CONFIG = (8, 256, 49152)
 
