@@ -1,12 +1,12 @@
-"""Every verify, token_stats, mix and distribution_features kernel on hostile unchecked inputs, for the
-compute-sanitizer tools.
+"""Every verify, token_stats, mix, distribution_features and gate_statistics kernel on hostile unchecked inputs, for
+the compute-sanitizer tools.
 
 Each call runs with check_inputs=False on inputs the checks would refuse: NaN, negative and infinite mass, rows without
 mass, token ids outside [0, V), num_draft outside [0, K], uniforms outside [0, 1), greedy and sampled rows, tokens-only
-drafts, seedless calls, rows read in place through indices outside [0, R) (verify, and distribution_features with a
-float32 target beside each draft dtype), vocabularies that leave rows misaligned and rows cut into many chunks; for both
+drafts, seedless calls, rows read in place through indices outside [0, R) (verify, and distribution_features and
+gate_statistics with a float32 target beside each draft dtype), vocabularies that leave rows misaligned and rows cut into many chunks; for both
 kernel families (diversed_ext.set_cuda_kernels: block and split) and the three element types. Every emitted token must
-stay in [-1, V), every feature in [0, 1]. Run it under `compute-sanitizer --tool memcheck|racecheck|synccheck|initcheck`
+stay in [-1, V), every feature in [0, 1], every log p(x) at most 0. Run it under `compute-sanitizer --tool memcheck|racecheck|synccheck|initcheck`
 (scripts/gpu_check.sh does); with --device cpu it runs the same calls on the CPU kernels, which checks the script itself
 anywhere.
 
@@ -94,6 +94,14 @@ def exercise(device, batch, num_positions, vocab, generator):
                                                 target_rows=hostile_rows(batch, num_positions, device, generator),
                                                 draft_rows=draft_rows, check_inputs=False)
             assert bool(((features >= 0) & (features <= 1)).all()), f"features outside [0, 1] at {what} rows"
+            # the gate's statistics: hostile ids and rows, with draft logits, probabilities and tokens only
+            gate_rows = hostile_rows(batch, num_positions, device, generator)
+            for draft_kind in ({"draft_logits": flat_q.log()}, {"draft_probs": flat_q}, {}):
+                indexed = {"draft_rows": draft_rows} if draft_kind else {}
+                statistics = dx.ops.gate_statistics(tokens, flat_p.float().log(), temperature=temperature,
+                                                    target_temperature=temperature.flip(0), target_rows=gate_rows,
+                                                    check_inputs=False, **draft_kind, **indexed)
+                assert not bool((statistics.drafted_logprob > 0).any()), f"log p(x) above 0 at {what} gate"
 
 
 def main(argv=None) -> int:
