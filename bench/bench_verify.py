@@ -44,7 +44,8 @@ import torch
 from tqdm import tqdm
 
 import diversed_ext as dx
-from diversed_ext.ops import CUDA_KERNEL_FAMILIES, gate_keeps, gate_statistics, gate_statistics_reference
+from diversed_ext.ops import (CUDA_KERNEL_FAMILIES, gate_keeps, gate_statistics, gate_statistics_reference,
+                              position_rows)
 from diversed_ext.ops.gate import keeps
 from plain_verifiers import plain_verify, plain_verify_logits
 from verify_problems import (OpBench, Problem, all_rows_bytes, make_problem, pair_bytes, stream_logits,
@@ -166,11 +167,8 @@ def _gate_statistics(pr: Problem, tokens_only: bool, fused: bool):
     draft = None if tokens_only else pr.draft_logits
     if not fused:
         return gate_statistics_reference(pr.draft_tokens, pr.target_logits[:, :-1], draft, check_inputs=False)
-    batch, width = pr.draft_tokens.shape
-    device = pr.draft_tokens.device
-    rows = (torch.arange(batch, device=device) * (width + 1))[:, None] + torch.arange(width, device=device)
-    return gate_statistics(pr.draft_tokens, pr.target_logits.flatten(0, 1), draft, target_rows=rows,
-                           check_inputs=False)
+    target_rows, index = position_rows(pr.target_logits, pr.draft_tokens.shape[1])
+    return gate_statistics(pr.draft_tokens, target_rows, draft, target_rows=index, check_inputs=False)
 
 
 def _plain_gate(pr: Problem, tokens_only: bool) -> tuple:

@@ -25,7 +25,7 @@ from typing import Optional, Union
 import torch
 
 from .. import rules
-from ..ops import gate_keeps_logits, is_greedy_temperature
+from ..ops import gate_keeps_logits, is_greedy_temperature, position_rows
 
 
 @dataclass(frozen=True)
@@ -56,13 +56,10 @@ def gated_weights(gate: Gate, weight: Union[float, torch.Tensor], draft_tokens: 
     elsewhere. ``draft_tokens`` [B, K]; ``draft_logits`` [B, K, V] or None (q one-hot at the drafts);
     ``target_logits`` [B, K + 1, V]; ``temperature`` > 0. The test is :func:`diversed_ext.ops.gate_keeps_logits`' (one
     fused call), which servers call on their own rows."""
-    batch, width = draft_tokens.shape
-    positions, vocab = target_logits.shape[1:]
-    device = draft_tokens.device
     # The drafted positions' target rows, read in place in the [B (K + 1), V] view (no copy of the first K positions).
-    target_rows = (torch.arange(batch, device=device) * positions)[:, None] + torch.arange(width, device=device)
-    keep = gate_keeps_logits(gate.margin, draft_tokens, target_logits.reshape(-1, vocab), draft_logits,
-                             temperature=temperature, target_rows=target_rows, check_inputs=False)
+    target_rows, target_index = position_rows(target_logits, draft_tokens.shape[1])
+    keep = gate_keeps_logits(gate.margin, draft_tokens, target_rows, draft_logits, temperature=temperature,
+                             target_rows=target_index, check_inputs=False)
     if torch.is_tensor(weight):
         base = weight.to(device=draft_tokens.device, dtype=torch.float32).expand(draft_tokens.shape)
     else:  # filled on the device: a tensor made from a Python float would be a waiting host copy on CUDA

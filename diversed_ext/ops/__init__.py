@@ -3,7 +3,7 @@ of a DIVERSED head and the log-probability gate's statistics, CPU and CUDA.
 
 ``api`` holds the five ops and their result types; ``_inputs`` every argument check and normalisation, one
 function per argument (the temperature's is in ``_temperature``, with the greedy threshold; the row indices' in
-``_rows``), and ``_prepare`` applies them to a verify call; ``_unchecked`` decides whether an unchecked call's arguments
+``_rows``, with position_rows, which builds them), and ``_prepare`` applies them to a verify call; ``_unchecked`` decides whether an unchecked call's arguments
 go to the op as given; ``_fake`` loads the native library and registers the shape-only kernels that
 ``torch.compile`` and ``opcheck`` need (and the ops' output layouts, DISTRIBUTION_FEATURES); ``_cuda_family`` which
 CUDA verify kernels run; ``_philox`` reproduces the kernels' random numbers; ``gate`` is the log-probability gate's
@@ -19,6 +19,7 @@ from ._inputs import PROB_DTYPES
 from .gate import GateStatistics, gate_keeps, gate_keeps_logits, gate_statistics, gate_statistics_reference
 from ._temperature import MIN_TEMPERATURE, distribution_temperature, is_greedy_temperature
 from ._philox import philox_uniforms
+from ._rows import position_rows
 from .api import TokenStats, VerifyResult, distribution_features, mix, token_stats, verify, verify_logits
 from .reference import (MIN_TARGET_MASS, distribution_features_reference, mix_reference, target_forbids,
                         token_stats_reference, verify_logits_reference, verify_reference)
@@ -29,5 +30,5 @@ __all__ = [
     "distribution_features_reference", "DISTRIBUTION_FEATURES", "VerifyResult", "TokenStats", "philox_uniforms",
     "cuda_kernels_registered", "set_cuda_kernels", "cuda_kernels", "CUDA_KERNEL_FAMILIES", "gate_keeps",
     "gate_keeps_logits", "gate_statistics", "gate_statistics_reference", "GateStatistics",
-    "MIN_TARGET_MASS", "target_forbids", "PROB_DTYPES",
+    "MIN_TARGET_MASS", "target_forbids", "PROB_DTYPES", "position_rows",
 ]

@@ -9,6 +9,9 @@ does not read (draft positions >= num_draft[b], target positions > num_draft[b])
 values of the rows read are checked (a row tensor's other rows are not: they may belong to no request of the call).
 ``check_inputs=False``: the kernels clamp an index into [0, R) (csrc/common/problems.h: indexed_row), so no read leaves
 the tensor, and no host sync is added.
+
+:func:`position_rows` builds such an index for positions laid out [S, P, V] (a loop's [B, K + 1, V] target logits, a
+drafter's table of [slots, K, V] logits): the rows as [S P, V] and the indices of the first positions of some slots.
 """
 
 from __future__ import annotations
@@ -142,6 +145,18 @@ def check_row_values(draft: Optional[torch.Tensor], target: torch.Tensor, draft_
             check_values(values, name, from_logits=True)
         else:
             check_probability_positions(values, name, num_draft, num_positions, last_offset)
+
+
+def position_rows(values: torch.Tensor, width: Optional[int] = None,
+                  slots: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``values`` [S, P, V] as rows [S P, V] (a view when it is contiguous), and the int64 indices [M, width] of the
+    first ``width`` positions (all P by default) of the slots ``slots`` [M] (all S by default): what ``target_rows`` /
+    ``draft_rows`` take to read those positions in place, with no copy of them."""
+    count, positions = values.shape[:2]
+    device = values.device if slots is None else slots.device
+    slots = torch.arange(count, device=device) if slots is None else slots.to(torch.int64)
+    columns = torch.arange(positions if width is None else width, dtype=torch.int64, device=device)
+    return values.flatten(0, 1), slots[:, None] * positions + columns
 
 
 def gather_rows(values: Optional[torch.Tensor], rows: Optional[torch.Tensor]) -> Optional[torch.Tensor]:

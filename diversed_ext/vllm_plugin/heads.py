@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 
 from ..head import load_head
-from ..ops import distribution_features
+from ..ops import distribution_features, position_rows
 
 
 def load_heads(head_paths, draft_hidden: int, target_hidden: int, eagle3_drafter: bool = False) -> dict:
@@ -120,21 +120,13 @@ def head_weights(head, capture: HiddenStateCapture, proposal_rows: torch.Tensor,
         return head(*inputs).reshape(target_index.shape).float()
 
 
-def table_rows(table: torch.Tensor, slots: torch.Tensor, width: Optional[int] = None) -> tuple:
-    """A drafter's logits table [S, Kd, V] as rows [S Kd, V], and the row indices [M, width] (width <= Kd, all Kd by
-    default) of M requests' slots ``slots`` [M]: what the ops read in place, in the drafter's dtype (the ops take a
-    draft dtype other than the target's: vLLM's target rows are float32 while the drafter keeps the model's dtype)."""
-    positions = torch.arange(table.shape[1] if width is None else width, dtype=torch.int64, device=slots.device)
-    return table.flatten(0, 1), slots[:, None].to(torch.int64) * table.shape[1] + positions
-
-
 def drafted_features(draft_table: torch.Tensor, table_slots: torch.Tensor, target_logits: torch.Tensor,
                      target_rows: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
     """The distribution features [M, K, 5] of M requests' K drafted positions, every row read where it lies (no
     gather, no copy, no host sync): the draft's raw logits at slots ``table_slots`` [M] of ``draft_table`` [S, Kd, V]
-    (Kd >= K, :func:`table_rows`), taken at the requests' ``temperature`` [M] (0: greedy, taken at 1), beside the
+    (Kd >= K, read through :func:`diversed_ext.ops.position_rows`), taken at the requests' ``temperature`` [M] (0: greedy, taken at 1), beside the
     target's rows ``target_rows`` [M, K] of ``target_logits`` [N, V], which vLLM has divided by that temperature
     already."""
-    draft_logits, draft_rows = table_rows(draft_table, table_slots, target_rows.shape[1])
+    draft_logits, draft_rows = position_rows(draft_table, target_rows.shape[1], table_slots)
     return distribution_features(draft_logits, target_logits, temperature=temperature, target_temperature=1.0,
                                  target_rows=target_rows, draft_rows=draft_rows, check_inputs=False)

@@ -41,7 +41,6 @@ from vllm.v1.worker.gpu.spec_decode.rejection_sampler import RejectionSampler
 
 from .. import ops as dx_ops
 from .counts import VerifyCounts
-from .heads import table_rows
 from .sampler import gated, with_bonus
 
 # Mixes a request's seed with the position of its first row into the seed of this step's draws: an odd multiplier
@@ -138,7 +137,7 @@ class DiversedV2RejectionSampler(RejectionSampler):
                                                  target_rows[:, :num_positions], states, temperature, num_draft))
         draft_rows = None
         if draft_logits is not None:
-            draft_logits, draft_rows = table_rows(draft_logits, states)
+            draft_logits, draft_rows = dx_ops.position_rows(draft_logits, slots=states)
         result = verify_rows(draft_tokens, draft_logits, draft_rows, target_logits, target_rows, weight,
                              temperature, num_draft, step_seeds(sampling.seeds.gpu[states], pos[first]),
                              self.weight_source.fly(states))
@@ -163,7 +162,7 @@ def gate_keeps_of(requests_np, margin, draft_tokens, draft_logits, target_logits
     margin = torch.where(gated_rows, margin[:, None], math.nan)
     draft_rows = None
     if draft_logits is not None:
-        draft_logits, draft_rows = table_rows(draft_logits, states[index], num_positions)
+        draft_logits, draft_rows = dx_ops.position_rows(draft_logits, num_positions, states[index])
     keep_rows = dx_ops.gate_keeps_logits(margin, draft_tokens[index], target_logits, draft_logits,
                                          temperature=temperature, target_temperature=1.0,
                                          target_rows=target_rows[index], draft_rows=draft_rows, check_inputs=False)

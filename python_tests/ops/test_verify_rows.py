@@ -288,3 +288,12 @@ def test_target_temperature_is_checked():
                          target_temperature=torch.full((4,), float("nan")))
     with pytest.raises(ValueError, match=r"target_temperature must be a float or have shape \[B\]"):
         dx.verify_logits(tokens, draft, target, weight, **rows, **common, target_temperature=torch.ones(3))
+
+
+def test_position_rows_index_the_first_positions_of_slots_in_place():
+    values = torch.randn(3, 4, 5)
+    rows, index = dx.ops.position_rows(values, 2)
+    assert rows.data_ptr() == values.data_ptr() and rows.shape == (12, 5)
+    assert index.dtype == torch.int64 and index.tolist() == [[0, 1], [4, 5], [8, 9]]
+    rows, index = dx.ops.position_rows(values, slots=torch.tensor([2, 0], dtype=torch.int32))
+    assert index.dtype == torch.int64 and torch.equal(rows[index], values[[2, 0]])
