@@ -68,11 +68,8 @@ def gate_statistics(draft_tokens: torch.Tensor, target_logits: torch.Tensor,
             ``target_temperature`` when given; rows read in place; 0 counts as 1).
     Returns :class:`GateStatistics`.
     """
-    draft = _one_draft(draft_logits, draft_probs)
-    args = prepare_features(draft, target_logits, temperature=temperature, target_temperature=target_temperature,
-                            target_rows=target_rows, draft_rows=draft_rows, check_inputs=check_inputs,
-                            draft_from_logits=draft_probs is None)
-    tokens = _tokens(draft_tokens, args, target_logits.device, draft)
+    draft, args, tokens = _prepare(draft_tokens, target_logits, draft_logits, draft_probs, temperature,
+                                   target_temperature, target_rows, draft_rows, check_inputs)
     return GateStatistics(*_GATE_STATISTICS(tokens, None if draft is None else draft.contiguous(),
                                             target_logits.contiguous(), args.temperature, args.target_rows,
                                             args.draft_rows, args.target_temperature, draft_probs is not None))
@@ -120,11 +117,8 @@ def gate_statistics_reference(draft_tokens: torch.Tensor, target_logits: torch.T
                               temperature=1.0, target_temperature=None, target_rows=None, draft_rows=None,
                               check_inputs: bool = True) -> GateStatistics:
     """Reference of :func:`gate_statistics`: gathers the rows, materialises both distributions in float64."""
-    draft = _one_draft(draft_logits, draft_probs)
-    args = prepare_features(draft, target_logits, temperature=temperature, target_temperature=target_temperature,
-                            target_rows=target_rows, draft_rows=draft_rows, check_inputs=check_inputs,
-                            draft_from_logits=draft_probs is None)
-    tokens = _tokens(draft_tokens, args, target_logits.device, draft)
+    draft, args, tokens = _prepare(draft_tokens, target_logits, draft_logits, draft_probs, temperature,
+                                   target_temperature, target_rows, draft_rows, check_inputs)
     draft_scale = distribution_temperature(args.temperature).view(-1, 1, 1).double()
     target_scale = (draft_scale if args.target_temperature is None
                     else distribution_temperature(args.target_temperature).view(-1, 1, 1).double())
@@ -141,14 +135,16 @@ def gate_statistics_reference(draft_tokens: torch.Tensor, target_logits: torch.T
     return GateStatistics(drafted.view(shape), rejected.view(shape))
 
 
-def _one_draft(draft_logits, draft_probs) -> Optional[torch.Tensor]:
-    """The draft tensor of a call: its logits, its probabilities or neither (tokens only), never both."""
+def _prepare(draft_tokens, target_logits, draft_logits, draft_probs, temperature, target_temperature, target_rows,
+             draft_rows, check_inputs: bool) -> tuple:
+    """(the draft tensor or None, prepare_features' FeaturesArgs, the drafted ids int64 [B, T]) of a gate_statistics
+    call: the draft's logits, its probabilities or neither (tokens only), never both; B and T from the logits."""
     if draft_logits is not None and draft_probs is not None:
         raise ValueError("give draft_logits or draft_probs, not both")
-    return draft_probs if draft_logits is None else draft_logits
-
-
-def _tokens(draft_tokens, args, device, draft) -> torch.Tensor:
-    """The drafted ids as int64 [B, T]; B and T from the logits (prepare_features)."""
-    return normalize_tokens(draft_tokens, args.batch, args.positions, device,
-                            "target_logits" if draft is None else "the draft", "target_logits")
+    draft = draft_probs if draft_logits is None else draft_logits
+    args = prepare_features(draft, target_logits, temperature=temperature, target_temperature=target_temperature,
+                            target_rows=target_rows, draft_rows=draft_rows, check_inputs=check_inputs,
+                            draft_from_logits=draft_probs is None)
+    tokens = normalize_tokens(draft_tokens, args.batch, args.positions, target_logits.device,
+                              "target_logits" if draft is None else "the draft", "target_logits")
+    return draft, args, tokens
