@@ -59,30 +59,32 @@ FeatureRow exponentiate_row(const T* values, int64_t vocab, float inverse_t, flo
   return FeatureRow{SoftmaxStats{max, inverse_sum}, sum * inverse_sum, terms * inverse_sum};
 }
 
-// sum_v |p_v - q_v| over two rows' exps and normalisers, each mass sanitised as shifted_mass does.
-inline double absolute_difference(const float* p_exps, const float* q_exps, int64_t vocab, float p_inverse_sum,
-                                  float q_inverse_sum) {
+// The masses of a row whose exps sit in scratch: e_v * (1 / sum), each sanitised as shifted_mass does; lane groups
+// or single elements (the distribution features' TV pass and the gate's residual pass read them alike).
+struct ExpMasses {
+  const float* exps;
+  float inverse_sum;
+  FloatLanes lanes(int64_t v) const {
+    return map_lanes(load_lanes(exps, v), [&](FloatVector e) { return sanitize_mass(e * inverse_sum); });
+  }
+  float at(int64_t v) const { return sanitize_mass(exps[v] * inverse_sum); }
+};
+
+// sum_v |p_v - q_v| over two rows' masses.
+inline double absolute_difference(const ExpMasses& p, const ExpMasses& q, int64_t vocab) {
   const int64_t whole = vocab - vocab % kLanes;
   double total = 0.0;
   for (int64_t block = 0; block < whole; block += kSoftmaxBlock) {
     FloatLanes block_total = splat_lanes(0.0f);
     for (int64_t v = block; v < std::min(whole, block + kSoftmaxBlock); v += kLanes) {
-      const FloatLanes p = map_lanes(load_lanes(p_exps, v), [&](FloatVector e) {
-        return sanitize_mass(e * p_inverse_sum);
-      });
-      const FloatLanes q = map_lanes(load_lanes(q_exps, v), [&](FloatVector e) {
-        return sanitize_mass(e * q_inverse_sum);
-      });
-      block_total = zip_lanes(block_total, zip_lanes(p, q, [](FloatVector a, FloatVector b) {
+      block_total = zip_lanes(block_total, zip_lanes(p.lanes(v), q.lanes(v), [](FloatVector a, FloatVector b) {
                                 const FloatVector d = a - b;
                                 return d > 0.0f ? d : -d;
                               }), [](FloatVector total, FloatVector x) { return total + x; });
     }
     total = sum_float_lanes_in_order(block_total, total);
   }
-  for (int64_t v = whole; v < vocab; ++v)
-    total += static_cast<double>(std::fabs(sanitize_mass(p_exps[v] * p_inverse_sum) -
-                                           sanitize_mass(q_exps[v] * q_inverse_sum)));
+  for (int64_t v = whole; v < vocab; ++v) total += static_cast<double>(std::fabs(p.at(v) - q.at(v)));
   return total;
 }
 
@@ -106,8 +108,8 @@ void distribution_features(const FeaturesProblem& problem, const TD* draft, cons
       const FeatureRow q = exponentiate_row(draft + problem.draft_row(slot) * vocab, vocab,
                                             problem.draft_inverse_temperature(slot), draft_exps);
       const FeatureSums sums{q.mass_sum, q.term_sum, p.mass_sum, p.term_sum,
-                             absolute_difference(target_exps, draft_exps, vocab, p.stats.inverse_sum,
-                                                 q.stats.inverse_sum)};
+                             absolute_difference(ExpMasses{target_exps, p.stats.inverse_sum},
+                                                 ExpMasses{draft_exps, q.stats.inverse_sum}, vocab)};
       write_features(sums, q.stats, p.stats, entropy_scale, features + slot * kNumDistributionFeatures);
     }
   });

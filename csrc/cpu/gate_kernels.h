@@ -18,18 +18,11 @@ namespace cpu {
 namespace DIVERSED_CPU_CAPABILITY {
 
 // Where the residual pass reads q: nowhere (a one-hot draft, whose element the caller zeroed in p's scratch row), a
-// draft's exps in scratch with its normaliser, or a draft's probabilities as they lie. Each sanitises its masses.
+// draft's exps in scratch with its normaliser (features_kernels.h's ExpMasses), or a draft's probabilities as they
+// lie. Each sanitises its masses.
 struct NoDraft {
   FloatLanes lanes(int64_t) const { return splat_lanes(0.0f); }
   float at(int64_t) const { return 0.0f; }
-};
-struct DraftExps {
-  const float* exps;
-  float inverse_sum;
-  FloatLanes lanes(int64_t v) const {
-    return map_lanes(load_lanes(exps, v), [&](FloatVector e) { return sanitize_mass(e * inverse_sum); });
-  }
-  float at(int64_t v) const { return sanitize_mass(exps[v] * inverse_sum); }
 };
 template <typename T>
 struct DraftProbs {
@@ -47,15 +40,13 @@ template <typename T, typename Draft>
 ResidualSums residual_sums(const T* target, float inverse_t, SoftmaxStats p_stats, const float* p_exps,
                            const Draft& draft, int64_t vocab) {
   const float shift = p_stats.max;  // exponentiate_row's: 0 for a row without a finite logit (and without mass)
+  const ExpMasses p_masses{p_exps, p_stats.inverse_sum};
   const int64_t whole = vocab - vocab % kLanes;
   ResidualSums sums{0.0, 0.0};
   for (int64_t block = 0; block < whole; block += kSoftmaxBlock) {
     FloatLanes block_mass = splat_lanes(0.0f), block_weighted = splat_lanes(0.0f);
     for (int64_t v = block; v < std::min(whole, block + kSoftmaxBlock); v += kLanes) {
-      const FloatLanes p = map_lanes(load_lanes(p_exps, v), [&](FloatVector e) {
-        return sanitize_mass(e * p_stats.inverse_sum);
-      });
-      const FloatLanes residual = zip_lanes(p, draft.lanes(v), [](FloatVector a, FloatVector b) {
+      const FloatLanes residual = zip_lanes(p_masses.lanes(v), draft.lanes(v), [](FloatVector a, FloatVector b) {
         return residual_mass(a, b);
       });
       const FloatLanes shifted = map_lanes(load_lanes(target, v), [&](FloatVector x) { return x * inverse_t - shift; });
@@ -68,7 +59,7 @@ ResidualSums residual_sums(const T* target, float inverse_t, SoftmaxStats p_stat
     sums.weighted = sum_float_lanes_in_order(block_weighted, sums.weighted);
   }
   for (int64_t v = whole; v < vocab; ++v) {
-    const float residual = residual_mass(sanitize_mass(p_exps[v] * p_stats.inverse_sum), draft.at(v));
+    const float residual = residual_mass(p_masses.at(v), draft.at(v));
     sums.mass += static_cast<double>(residual);
     sums.weighted += static_cast<double>(entropy_term(residual, load_float(target, v) * inverse_t - shift));
   }
@@ -107,7 +98,7 @@ void gate_statistics(const FeaturesProblem& problem, const int64_t* draft_tokens
       } else {
         const float q_inverse_sum = exponentiate_row(draft_row, vocab, problem.draft_inverse_temperature(slot),
                                                      draft_exps).stats.inverse_sum;
-        sums = residual_sums(target_row, inverse_t, p, target_exps, DraftExps{draft_exps, q_inverse_sum}, vocab);
+        sums = residual_sums(target_row, inverse_t, p, target_exps, ExpMasses{draft_exps, q_inverse_sum}, vocab);
       }
       drafted[slot] = drafted_logprob(valid, valid ? load_float(target_row, token) * inverse_t : 0.0f, p);
       rejected[slot] = rejected_logprob(sums, p);

@@ -166,23 +166,23 @@ __global__ void __launch_bounds__(kThreads) gate_statistics_kernel(const Feature
   const SoftmaxStats target_stats = features_stats(block_softmax_stats(target, vocab, target_inverse_t, storage));
   const int64_t token = draft_tokens[slot];
   const TD* draft = draft_values != nullptr ? draft_values + problem.draft_row(slot) * vocab : nullptr;
-  const bool draft_logits = draft != nullptr && !draft_probs;
   const float draft_inverse_t = problem.draft_inverse_temperature(slot);
-  const SoftmaxStats draft_stats =
-      draft_logits ? features_stats(block_softmax_stats(draft, vocab, draft_inverse_t, storage)) : SoftmaxStats{};
+  const SoftmaxStats draft_stats = draft != nullptr && !draft_probs
+                                       ? features_stats(block_softmax_stats(draft, vocab, draft_inverse_t, storage))
+                                       : SoftmaxStats{};
   const TileLayout layout = tile_layout(target, draft);
   ResidualSums thread_sums{0.0, 0.0};
   for (int64_t tile = 0; tile < vocab; tile += kTileElements) {
     const int64_t first = thread_first(tile);
-    float p_logit[kItemsPerThread], q_logit[kItemsPerThread];
+    float p_logit[kItemsPerThread], q_value[kItemsPerThread];  // q_value: the draft's logit or probability
     load_items(target, first, Span{0, vocab}, layout.vectorised, p_logit);
-    if (draft != nullptr) load_items(draft, first, Span{0, vocab}, layout.second_vectorised, q_logit);
+    if (draft != nullptr) load_items(draft, first, Span{0, vocab}, layout.second_vectorised, q_value);
 #pragma unroll
     for (int k = 0; k < kItemsPerThread; ++k) {
       if (!in_row(first + k, vocab)) continue;
-      float q = first + k == token ? 1.0f : 0.0f;  // no draft: one-hot at x
-      if (draft_logits) q = shifted_mass(q_logit[k] * draft_inverse_t - draft_stats.max, draft_stats);
-      if (draft_probs && draft != nullptr) q = sanitize_mass(q_logit[k]);
+      const float q = draft == nullptr ? (first + k == token ? 1.0f : 0.0f)  // one-hot at x
+                      : draft_probs    ? sanitize_mass(q_value[k])
+                                       : shifted_mass(q_value[k] * draft_inverse_t - draft_stats.max, draft_stats);
       add_residual_element(thread_sums, p_logit[k] * target_inverse_t - target_stats.max, target_stats, q);
     }
   }
