@@ -111,6 +111,51 @@ def test_a_draft_the_target_forbids_goes_to_the_residual():
                                rtol=0)
 
 
+def _acceptance(target_logits, draft_logits, weights):
+    """sum_x q(x) a(x) at each position, a(x) the verifier's own accept_prob for a draft x at weight w (per
+    position, or [P, V] per drafted token)."""
+    positions = target_logits.shape[0]
+    weights = torch.as_tensor(weights, dtype=torch.float32).expand(positions, VOCAB).reshape(-1, 1)
+    result = verify_logits_reference(torch.arange(VOCAB).repeat(positions).unsqueeze(1),
+                                     draft_logits.float().repeat_interleave(VOCAB, 0).unsqueeze(1),
+                                     torch.stack([target_logits] * 2, 1).float().repeat_interleave(VOCAB, 0),
+                                     weights, seed=0)
+    return (draft_logits.softmax(-1) * result.accept_prob.double().view(positions, VOCAB)).sum(-1)
+
+
+def test_no_rule_beats_the_mixtures_line_on_acceptance_and_tv():
+    """TV(out, p) >= acceptance - (1 - TV(p, q)) at each position for any rule that keeps a draft x ~ q or emits
+    something else (couple the draft with the output: TV(q, out) <= 1 - acceptance), with equality for the mixture at
+    every w, static or per position, and for the gate, whose kept drafts leave the same residual. Seeing tokens only
+    costs TV at equal acceptance."""
+    target_logits, draft_logits = _logit_rows(7, count=6), _logit_rows(8, count=6)
+    line = 1 - 0.5 * (target_logits.softmax(-1) - draft_logits.softmax(-1)).abs().sum(-1)
+
+    def above_line(law, weights, position_weights=None):
+        _, tv = divergences(position_law(law, target_logits, draft_logits, weight=position_weights), target_logits)
+        return tv - (_acceptance(target_logits, draft_logits, weights) - line)
+
+    per_position = torch.tensor([0.0, 0.2, 0.45, 0.7, 0.9, 1.0], dtype=torch.float64)
+    for weight in [0.0, 0.3, 0.75, 1.0]:
+        torch.testing.assert_close(above_line(RuleLaw("static", weight), weight), torch.zeros_like(line),
+                                   atol=1e-6, rtol=0)
+    torch.testing.assert_close(above_line(RuleLaw("static", None, head=object()), per_position.view(-1, 1),
+                                          per_position), torch.zeros_like(line), atol=1e-6, rtol=0)
+    tokens = torch.arange(VOCAB).repeat(target_logits.shape[0]).unsqueeze(1)
+    draft_rows = draft_logits.float().repeat_interleave(VOCAB, 0).unsqueeze(1)
+    target_rows = torch.stack([target_logits] * 2, 1).float().repeat_interleave(VOCAB, 0)
+    for weight in [1.0, 0.5]:
+        gate = Gate(2.0)
+        gated = gated_weights(gate, weight, tokens, draft_rows, target_rows, 1.0).view(-1, VOCAB)
+        assert bool((gated == 0).any()) and bool((gated == weight).any())  # the gate keeps some drafts, not all
+        torch.testing.assert_close(above_line(RuleLaw("gate", weight, margin=gate.margin), gated),
+                                   torch.zeros_like(line), atol=1e-6, rtol=0)
+    tokens_only = position_law(RuleLaw("static", 0.5, tokens_only=True), target_logits, draft_logits)
+    one_hot_accept = (draft_logits.softmax(-1) * (0.5 * target_logits.softmax(-1) + 0.5)).sum(-1)
+    gap = divergences(tokens_only, target_logits)[1] - (one_hot_accept - line)
+    assert float(gap.min()) > -1e-9 and float(gap.max()) > 0.01
+
+
 def test_the_temperature_family_has_kl_between_two_temperatures():
     target_logits = _logit_rows(5)
     colder = position_law(RuleLaw("exact"), target_logits, _logit_rows(6), 0.7)
