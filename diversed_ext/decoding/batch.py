@@ -30,8 +30,8 @@ from typing import Callable, Optional, Union
 
 import torch
 
-from ..head import distribution_features, wants_distributions
-from ..ops import is_greedy_temperature, philox_uniforms, verify_logits
+from ..head import wants_distributions
+from ..ops import distribution_features, is_greedy_temperature, philox_uniforms, verify_logits
 from .checks import DrafterLike, HeadLike, check_drafted
 from .draft_lengths import DraftLengthPolicy, RoundOutcome
 from .eagle_drafting import EagleDrafter
@@ -325,15 +325,16 @@ def _weights(config: RoundConfig, drafts: _Drafts, target_hidden, draft_logits: 
     if config.head is None or not drafts.slots:
         return config.weight
     slots = drafts.flat_slots()
-    # Draft passes go position by position, the head row by row.
-    order = sorted(range(len(slots)), key=slots.__getitem__)
+    order = sorted(range(len(slots)), key=slots.__getitem__)  # drafts go position by position, the head row by row
     head_slots = sorted(slots)  # the drafted positions in the head's row-by-row order, in the [B, K] layout
     distributions = None
     if wants_distributions(config.head):
-        # The target's logits are K + 1 wide per row, so (row, position) has another flat index there.
-        target_rows = [row * target_logits.shape[1] + position for row, position in sorted(drafts.slots)]
-        distributions = distribution_features(_rows(draft_logits.flatten(0, 1), head_slots),
-                                              _rows(target_logits.flatten(0, 1), target_rows), config.temperature)
+        # The drafted rows read in place; (row, position) is row * (K + 1) + position of the target's logits.
+        rows = [head_slots, [row * target_logits.shape[1] + position for row, position in sorted(drafts.slots)]]
+        draft_rows, target_rows = device_tensor(rows, torch.int64, target_logits.device).unsqueeze(1)
+        distributions = distribution_features(draft_logits.flatten(0, 1), target_logits.flatten(0, 1),
+                                              temperature=config.temperature, draft_rows=draft_rows,
+                                              target_rows=target_rows, check_inputs=False)[0]
     weight = head_weights(config.head, _rows(torch.cat(drafts.hidden), order), target_hidden, config.device,
                           distributions)
     return _padded(weight.reshape(-1), head_slots, (len(drafts.tokens), drafts.width), fill=1.0)
