@@ -206,7 +206,9 @@ class Eagle3Head(torch.nn.Module):
     def use_int8_products(self, enabled: bool = True) -> "Eagle3Head":
         """Run the inference steps' products on int8 copies of the weights (CPU, float32 parameters; elsewhere
         ignored): a quarter of the bytes a float32 step reads. Drafts differ slightly from the float weights' (vLLM
-        runs those); training and the reference :meth:`step` stay float. Returns the head."""
+        runs those), and teacher forcing (:mod:`diversed_ext.research.eagle_unrolled` without gradients) reads the
+        same int8 products, so it gives the states and q the loop drafted with. Training stays float. Returns the
+        head."""
         self.__dict__["_int8_products"] = bool(enabled)
         return self
 
@@ -234,19 +236,28 @@ class Eagle3Head(torch.nn.Module):
         def heads(t, n):
             return t.unflatten(-1, (n, c.head_dim)).transpose(-2, -3)
 
-        q = heads(layer.self_attn.q_proj(x), c.num_attention_heads)
-        k = heads(layer.self_attn.k_proj(x), c.num_key_value_heads)
-        v = heads(layer.self_attn.v_proj(x), c.num_key_value_heads)
+        attention = layer.self_attn
+        q, k, v = self._products(x, "qkv", attention.q_proj, attention.k_proj, attention.v_proj)
+        q, k, v = heads(q, c.num_attention_heads), heads(k, c.num_key_value_heads), heads(v, c.num_key_value_heads)
         pos = positions.unsqueeze(-2)
         return rotate(q, pos, c.rope_theta), rotate(k, pos, c.rope_theta), v
 
     def finish(self, attended: torch.Tensor, features: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """From the attention output [..., heads, T, d] and the features (the residual) to draft logits
         [..., T, Vd] and the pre-norm state [..., T, H] fed back as the next step's feature."""
-        layer = self.midlayer
-        residual = features + layer.self_attn.o_proj(attended.transpose(-2, -3).flatten(-2))
-        prenorm = residual + layer.mlp(layer.post_attention_layernorm(residual))
-        return self.lm_head(self.norm(prenorm)), prenorm
+        layer, mlp = self.midlayer, self.midlayer.mlp
+        residual = features + self._products(attended.transpose(-2, -3).flatten(-2), "o", layer.self_attn.o_proj)[0]
+        gate, up = self._products(layer.post_attention_layernorm(residual), "gate_up", mlp.gate_proj, mlp.up_proj)
+        prenorm = residual + self._products(F.silu(gate) * up, "down", mlp.down_proj)[0]
+        return self._products(self.norm(prenorm), "lm_head", self.lm_head)[0], prenorm
+
+    def _products(self, x: torch.Tensor, group: str, *modules: torch.nn.Linear) -> tuple:
+        """``module(x)`` for each of ``modules``, the product group ``group`` of a drafting step: with int8 products
+        and no gradient to flow, through the step's int8 weights, so teacher forcing computes what drafting
+        computes; else through the modules themselves (float products equal the step's up to rounding)."""
+        if x.dtype == torch.float32 and self._inference() and group in step_weights(self).int8_groups:
+            return step_weights(self).linear(x, group).split([module.out_features for module in modules], dim=-1)
+        return tuple(module(x) for module in modules)
 
     def step(self, token_ids: torch.Tensor, features: torch.Tensor,
              cache: Eagle3Cache) -> Tuple[torch.Tensor, torch.Tensor]:

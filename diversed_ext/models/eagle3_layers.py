@@ -13,7 +13,7 @@ steps it in place, loading copies into it). The results equal the plain layer's 
 
 With int8 products (:meth:`~diversed_ext.models.eagle3.Eagle3Head.use_int8_products`, CPU, float32 parameters) each
 group of a draft step (:data:`INT8_GROUPS`) is one ``diversed::int8_linear`` call over the weights quantised as the
-int8 draft model's are (per tensor, symmetric): a quarter of the bytes. The drafts then differ slightly from the float
+int8 draft model's are (per tensor, symmetric), each row's input quantised alone: a quarter of the bytes. The drafts then differ slightly from the float
 checkpoint's (which vLLM runs); the loop stays exact, since the verifier reads the distribution the drafts were
 sampled from.
 """
@@ -133,16 +133,18 @@ class StepWeights:
         self.cos = self.sin = weight.new_empty(0, head.config.head_dim // 2)
 
     def linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        """The products of group ``name`` for ``x`` [T, K], concatenated: [T, sum of out features]."""
+        """The products of group ``name`` for ``x`` [..., K], concatenated: [..., sum of out features]. int8 products
+        quantise each row's input alone, so a position's result does not depend on the positions computed with it
+        (a round's first step feeds several; teacher forcing feeds whole sequences)."""
         product = self.products[name]
         if name in self.int8_groups:
             from ..forward.int8 import int8_linear
 
-            return int8_linear(x.contiguous(), product)
+            return int8_linear(x.contiguous(), product, row_groups=[1] * (x.numel() // x.shape[-1]))
         if self.native:
             from ..forward.float_linear import float_linear
 
-            return float_linear(x, product)
+            return float_linear(x.contiguous(), product)
         return F.linear(x, product)
 
     def rotary(self, start: int, count: int) -> Tuple[torch.Tensor, torch.Tensor]:

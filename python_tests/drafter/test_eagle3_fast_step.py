@@ -138,14 +138,39 @@ def test_float32_on_the_cpu_uses_the_packed_products_and_repacks_after_a_change(
     torch.testing.assert_close(got[1], want[1], **tolerances(torch.float32))
 
 
+class RowsAlone(torch.nn.Module):
+    """``layer`` applied to each row of its input alone: a dynamically quantised layer then quantises each row by
+    itself."""
+
+    def __init__(self, layer):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x):
+        rows = x.reshape(-1, x.shape[-1]).split(1)
+        return torch.cat([self.layer(row) for row in rows]).reshape(*x.shape[:-1], -1)
+
+
+def quantised_rows_alone(head):
+    """``head`` with every linear layer but ``fc`` quantised by ``quantize_dynamic`` (the int8 draft model's
+    quantisation) and applied row by row; ``fc`` the float one."""
+    quantized = torch.ao.quantization.quantize_dynamic(copy.deepcopy(head), {torch.nn.Linear}, torch.qint8)
+    for parent in (quantized.midlayer.self_attn, quantized.midlayer.mlp, quantized):
+        for name, child in list(parent.named_children()):
+            if name != "fc" and isinstance(child, torch.ao.nn.quantized.dynamic.Linear):
+                setattr(parent, name, RowsAlone(child))
+    quantized.fc = head.fc
+    return quantized
+
+
 @pytest.mark.skipif(not forward_ops_built(), reason="the native forward ops are not built")
 def test_int8_products_are_the_dynamically_quantised_layers_and_switch_back():
     """With int8 products the step computes what the plain layer computes with its linear layers quantised by
-    ``quantize_dynamic`` (the int8 draft model's quantisation), not the float layer; ``fc`` (the fusion, once per
-    verified position) stays float; switched off, the float step again."""
+    ``quantize_dynamic`` (the int8 draft model's quantisation), each row's input quantised alone (so a position's
+    result does not depend on the positions fed with it), not the float layer; ``fc`` (the fusion, once per verified
+    position) stays float; switched off, the float step again."""
     head = make_head(torch.float32, seed=3)
-    quantized = torch.ao.quantization.quantize_dynamic(copy.deepcopy(head), {torch.nn.Linear}, torch.qint8)
-    quantized.fc = head.fc
+    quantized = quantised_rows_alone(head)
     tokens, features = torch.tensor([3, 4, 5, 6]), torch.randn(4, head.config.hidden_size)
     with torch.no_grad():
         got = head.use_int8_products().step(tokens, features, head.new_cache())

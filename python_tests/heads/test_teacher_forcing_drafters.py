@@ -2,6 +2,7 @@
 a draft model, and with an EAGLE-3 head, whose q depends on the step of its round (the rollout's draft steps); and the
 trainer trains a head for an EAGLE-3 drafter."""
 
+import copy
 import math
 
 import pytest
@@ -28,9 +29,10 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def drafters():
-    """The wide target, its draft model and an EAGLE-3 head distilled on it."""
+    """The wide target, its draft model and an EAGLE-3 head distilled on it, with float and with int8 products."""
     target, draft = wide_pair_models()
-    return {"target": target, "model": draft, "eagle": distilled_head(target, WIDE_DRAFT_IDS, (0, 1, 1), seed=4)}
+    eagle = distilled_head(target, WIDE_DRAFT_IDS, (0, 1, 1), seed=4)
+    return {"target": target, "model": draft, "eagle": eagle, "eagle-int8": copy.deepcopy(eagle).use_int8_products()}
 
 
 def random_head(target, seed):
@@ -69,7 +71,7 @@ def loop_and_forced_weights(drafters, kind, steps_from_rounds=True):
     return torch.tensor(looped), torch.tensor(taught), torch.tensor(at_step)
 
 
-@pytest.mark.parametrize("kind", ["model", "eagle"])
+@pytest.mark.parametrize("kind", ["model", "eagle", "eagle-int8"])
 def test_teacher_forced_inputs_give_the_weights_the_loop_used(drafters, kind):
     looped, taught, at_step = loop_and_forced_weights(drafters, kind)
     assert len(looped) > 20 and (at_step > 0).sum() > 5  # later draft steps are covered
