@@ -13,9 +13,9 @@ steps it in place, loading copies into it). The results equal the plain layer's 
 
 With int8 products (:meth:`~diversed_ext.models.eagle3.Eagle3Head.use_int8_products`, CPU, float32 parameters) each
 group of a draft step (:data:`INT8_GROUPS`) is one ``diversed::int8_linear`` call over the weights quantised as the
-int8 draft model's are (per tensor, symmetric), each row's input quantised alone: a quarter of the bytes. The drafts then differ slightly from the float
-checkpoint's (which vLLM runs); the loop stays exact, since the verifier reads the distribution the drafts were
-sampled from.
+int8 draft model's are (per tensor, symmetric), each row's input quantised alone: a quarter of the bytes. The drafts
+then differ slightly from the float checkpoint's (which vLLM runs); the loop stays exact, since the verifier reads the
+distribution the drafts were sampled from.
 """
 
 from __future__ import annotations
@@ -144,7 +144,7 @@ class StepWeights:
         if self.native:
             from ..forward.float_linear import float_linear
 
-            return float_linear(x.contiguous(), product)
+            return float_linear(x, product)
         return F.linear(x, product)
 
     def rotary(self, start: int, count: int) -> Tuple[torch.Tensor, torch.Tensor]:
