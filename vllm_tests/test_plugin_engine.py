@@ -193,3 +193,19 @@ def test_logprobs_of_emitted_tokens(engine):
         assert token in entry and math.isfinite(entry[token].logprob) and entry[token].logprob <= 0.0
     assert torch.isfinite(torch.tensor([entry[token].logprob for token, entry in zip(output.token_ids,
                                                                                       output.logprobs)])).all()
+
+
+@pytest.mark.parametrize("extra_args", [{"diversed_weight": 0.3}, {"diversed_head": HEAD}])
+def test_parallel_samples_each_draw_their_own_and_a_seed_repeats_them(engine, extra_args):
+    """n > 1: vLLM forks the request into children; each is verified with the request's weight or head, draws its own
+    tokens, and the same seed gives the same children again."""
+    from vllm import SamplingParams
+
+    def children():
+        params = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=24, extra_args=extra_args)
+        return [list(child.token_ids) for child in engine.chat([chat(PROMPTS[0])], params, use_tqdm=False)[0].outputs]
+
+    first = children()
+    assert len(first) == 3 and all(len(tokens) == 24 for tokens in first)
+    assert len({tuple(tokens) for tokens in first}) == 3
+    assert children() == first
