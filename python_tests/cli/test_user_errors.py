@@ -187,7 +187,8 @@ def test_nan_weights_are_refused(saved_head):
         load_head(str(saved_head))
 
 
-def test_damaged_head_through_the_cli(saved_head, capsys):
+def test_damaged_head_through_the_cli(saved_head, experiment_pair, monkeypatch, capsys):
+    monkeypatch.setattr(cli.common, "load_models", lambda *names, **drafter: experiment_pair)  # a tiny pair
     (saved_head / "head.json").write_text("[]")
     data = saved_head.parent / "data.jsonl"
     data.write_bytes(GOOD_RECORD)
