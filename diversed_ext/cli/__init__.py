@@ -97,6 +97,7 @@ def _run_generate(args) -> int:
     if args.weight is not None and args.method != "static":
         raise UsageError("--weight applies to --method static")
     _check_draft_cost(args)
+    common.check_head_arguments([args.head] if args.head else [], args)
     target, draft, tokenizer = common.load_command_models(args)
     head = _load_head(args.head, target, draft) if args.head else None
     with _decoder_error():

@@ -14,7 +14,7 @@ from typing import Iterator, Optional
 from .. import rules
 from ..decoding.eagle_drafting import is_eagle_head
 from ..decoding.runners import model_device
-from ..head import load_head
+from ..head import load_head, resolve_head_path, shipped_heads
 
 
 class UsageError(Exception):
@@ -298,6 +298,20 @@ def _load_pair(target: Optional[str], draft: Optional[str], device: str):
         return load_pair(target, draft, device=device)
     except (OSError, ValueError) as error:
         raise UsageError(f"cannot load --target {target}: {error}") from None
+
+
+def check_head_arguments(paths, args) -> None:
+    """Each --head in ``paths`` read before any model loads (its folder, config and weights; its sizes are checked
+    against the pair once loaded), so a mistake in one costs no model load: a one-line error naming it."""
+    eagle3_drafter = eagle_drafter_asked(getattr(args, "drafter", None), getattr(args, "drafter_path", None))
+    for path in paths:
+        if not os.path.exists(resolve_head_path(path, eagle3_drafter=eagle3_drafter)):
+            raise UsageError(f"--head {path}: no such head folder, and no shipped head of that name "
+                             f"({', '.join(['default', *shipped_heads()])})")
+        try:
+            load_head(path, eagle3_drafter=eagle3_drafter)
+        except (OSError, ValueError) as error:
+            raise UsageError(f"cannot load --head {path}: {error}") from None
 
 
 def _load_head(path: str, target, draft):

@@ -126,7 +126,6 @@ def add_experiment_commands(commands) -> None:
 
 def _experiment_setup(args):
     """(task, examples, target, draft, tokenizer, eos) for the experiment commands."""
-    from ..head import resolve_head_path, shipped_heads
     from ..research.tasks import get_task, load_task_examples
 
     if args.threads:
@@ -136,10 +135,7 @@ def _experiment_setup(args):
         examples = load_task_examples(task, args.data, args.limit, args.skip)
     except (OSError, ValueError) as error:
         raise UsageError(f"--data: {error}") from None
-    for head in _head_paths(args):
-        if not os.path.isdir(resolve_head_path(head)):
-            raise UsageError(f"--head {head}: no such head folder, and no shipped head of that name "
-                             f"({', '.join(shipped_heads())})")
+    common.check_head_arguments(_head_paths(args), args)
     if getattr(args, "output_dir", None) is not None:
         _require_writable_folder("--output-dir", args.output_dir)
     target, draft, tokenizer = common.load_command_models(args)

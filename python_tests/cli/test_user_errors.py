@@ -187,13 +187,17 @@ def test_nan_weights_are_refused(saved_head):
         load_head(str(saved_head))
 
 
-def test_damaged_head_through_the_cli(saved_head, experiment_pair, monkeypatch, capsys):
-    monkeypatch.setattr(cli.common, "load_models", lambda *names, **drafter: experiment_pair)  # a tiny pair
+@pytest.mark.parametrize("command", [["eval", "--method", "diversed"], ["pareto", "--weights", "1"],
+                                     ["validate"], ["generate", "--prompt", "hi", "--method", "diversed"]])
+def test_a_damaged_or_missing_head_is_refused_before_any_model_loads(saved_head, command, no_models, capsys):
     (saved_head / "head.json").write_text("[]")
     data = saved_head.parent / "data.jsonl"
     data.write_bytes(GOOD_RECORD)
-    status, error = run_cli(["eval", "--data", str(data), "--method", "diversed", "--head", str(saved_head)], capsys)
+    argv = command + ([] if command[0] == "generate" else ["--data", str(data)])
+    status, error = run_cli(argv + ["--head", str(saved_head)], capsys)
     assert status == 2 and "cannot load --head" in error and "head.json" in error
+    status, error = run_cli(argv + ["--head", str(saved_head.parent / "nowhere")], capsys)
+    assert status == 2 and "no such head folder" in error and "default" in error
 
 
 def _edit_config(folder, change):
