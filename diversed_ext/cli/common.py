@@ -308,18 +308,20 @@ def check_head_arguments(paths, args) -> None:
         if not os.path.exists(resolve_head_path(path, eagle3_drafter=eagle3_drafter)):
             raise UsageError(f"--head {path}: no such head folder, and no shipped head of that name "
                              f"({', '.join(['default', *shipped_heads()])})")
-        try:
-            load_head(path, eagle3_drafter=eagle3_drafter)
-        except (OSError, ValueError) as error:
-            raise UsageError(f"cannot load --head {path}: {error}") from None
+        _read_head(path, eagle3_drafter=eagle3_drafter)
 
 
 def _load_head(path: str, target, draft):
     """The head at ``path`` for this pair, on the target's device, or a one-line error (exit 2) naming the folder and
     what is wrong. ``"default"`` with an EAGLE-3 head drafting is the default recipe trained on such a head's states."""
+    head = _read_head(path, target=target, draft=draft, eagle3_drafter=is_eagle_head(draft))
+    return head.to(model_device(target))
+
+
+def _read_head(path: str, **options):
+    """:func:`~diversed_ext.head.load_head` of ``path``, or a one-line error (exit 2) naming it and what is wrong."""
     try:
-        return load_head(path, target=target, draft=draft, eagle3_drafter=is_eagle_head(draft)).to(
-            model_device(target))
+        return load_head(path, **options)
     except (OSError, ValueError) as error:
         raise UsageError(f"cannot load --head {path}: {error}") from None
 
