@@ -46,4 +46,4 @@ fi
 # A clean build directory, so the CPU and CUDA flavours never share objects.
 rm -rf build
 DIVERSED_CUDA=$cuda_flag "$venv/bin/python" -m pip install -q --no-build-isolation --no-deps .
-"$venv/bin/python" -P -c "import diversed_ext as dx; print('diversed_ext', dx.__version__, 'CUDA kernels:', dx.cuda_kernels_registered())"
+"$venv/bin/python" -I -c "import diversed_ext as dx; print('diversed_ext', dx.__version__, 'CUDA kernels:', dx.cuda_kernels_registered())"
