@@ -27,3 +27,4 @@ from .eagle import *  # noqa: F401,F403
 
 TESTS_ROOT = Path(__file__).resolve().parents[1]  # python_tests/
 REPO_ROOT = TESTS_ROOT.parent
+DOCUMENTS = [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").glob("*.md"))]  # the user-facing documents

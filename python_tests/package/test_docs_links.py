@@ -6,8 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import REPO_ROOT as ROOT
-DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+from helpers import DOCUMENTS, REPO_ROOT as ROOT
 
 # [text](target) and ![alt](target); the target ends at the first space (an optional title follows) or ")".
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)[^)]*\)")

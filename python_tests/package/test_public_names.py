@@ -8,11 +8,11 @@ the name in code finds it in the docs, and a name added to ``__all__`` without a
 import importlib
 import inspect
 import re
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from helpers import DOCUMENTS
+
 PUBLIC_MODULES = ("diversed_ext", "diversed_ext.ops", "diversed_ext.decoding", "diversed_ext.models",
                   "diversed_ext.forward", "diversed_ext.vllm_plugin", "diversed_ext.research.sandbox",
                   "diversed_ext.cli")
@@ -28,8 +28,7 @@ def words_in_code_spans(text: str) -> set:
     return {word for code in [*blocks, *CODE_SPAN.findall(prose)] for word in IDENTIFIER.findall(code)}
 
 
-DOCUMENTED = set().union(*(words_in_code_spans(path.read_text())
-                           for path in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]))
+DOCUMENTED = set().union(*(words_in_code_spans(path.read_text(encoding="utf-8")) for path in DOCUMENTS))
 
 
 def _public(module_name: str) -> list:
