@@ -255,8 +255,10 @@ class Eagle3Head(torch.nn.Module):
         """``module(x)`` for each of ``modules``, the product group ``group`` of a drafting step: with int8 products
         and no gradient to flow, through the step's int8 weights, so teacher forcing computes what drafting
         computes; else through the modules themselves (float products equal the step's up to rounding)."""
-        if x.dtype == torch.float32 and self._inference() and group in step_weights(self).int8_groups:
-            return step_weights(self).linear(x, group).split([module.out_features for module in modules], dim=-1)
+        if x.dtype == torch.float32 and self._inference():
+            weights = step_weights(self)
+            if group in weights.int8_groups:
+                return weights.linear(x, group).split([module.out_features for module in modules], dim=-1)
         return tuple(module(x) for module in modules)
 
     def step(self, token_ids: torch.Tensor, features: torch.Tensor,

@@ -89,7 +89,7 @@ def _transformers():
         import transformers
     except ImportError as error:
         raise MissingPackage(f"Loading models needs transformers; install it with:  {RUNTIME_PIP}",
-                                  name="transformers") from error
+                             name="transformers") from error
     return transformers
 
 
@@ -97,7 +97,7 @@ def _require_gguf_support() -> None:
     missing = [name for name in ("gguf", "accelerate") if importlib.util.find_spec(name) is None]
     if missing:
         raise MissingPackage(f"Converting the GGUF needs {' and '.join(missing)}; install with:  "
-                                  f"pip install {' '.join(missing)}", name=missing[0])
+                             f"pip install {' '.join(missing)}", name=missing[0])
 
 
 def _file_stamp(path: Path) -> dict:
