@@ -58,11 +58,11 @@ def _forward_parameters(model: torch.nn.Module) -> frozenset:
         return frozenset()
 
 
-def cache_keyword(parameters: frozenset) -> str:
-    """The name a model's forward takes and returns its cache by: ``cache`` where the forward declares it
+def cache_keyword(model: torch.nn.Module) -> str:
+    """The name ``model``'s forward takes and returns its cache by: ``cache`` where the forward declares it
     (transformers 5.2x, which deprecates ``past_key_values`` and removes it in 5.40), else ``past_key_values``
     (earlier versions, and models whose forward does not say)."""
-    return "cache" if "cache" in parameters else "past_key_values"
+    return "cache" if "cache" in _forward_parameters(model) else "past_key_values"
 
 
 class HFRunner:
@@ -73,9 +73,8 @@ class HFRunner:
     def __init__(self, model: torch.nn.Module, device: torch.device):
         self.model = model
         self.device = device
-        parameters = _forward_parameters(model)
-        self.keeps_logits = "logits_to_keep" in parameters
-        self.cache_keyword = cache_keyword(parameters)
+        self.keeps_logits = "logits_to_keep" in _forward_parameters(model)
+        self.cache_keyword = cache_keyword(model)
 
     def __call__(self, feed: list[int], cache, num_logits: int, want_hidden: bool,
                  aux_layers: Optional[tuple] = None):

@@ -23,6 +23,7 @@ from typing import Iterator, Sequence
 
 import torch
 
+from ..decoding.runners import cache_keyword
 from ..models.eagle3 import aux_hidden_states
 
 META_FILE = "meta.json"
@@ -93,9 +94,10 @@ def sample_batch(target, prompts: Sequence[Sequence[int]], *, max_new_tokens: in
     ids, mask = _left_padded(prompts, pad_id=int(eos[0]) if eos.numel() else 0)
     width, batch, lm_head = ids.shape[1], len(prompts), target.get_output_embeddings()
     positions = (mask.cumsum(1) - 1).clamp(min=0)
+    cache_name = cache_keyword(target.model)
     out = target.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
                        output_hidden_states=True)
-    cache = out.past_key_values
+    cache = getattr(out, cache_name)
     aux_steps = [aux_hidden_states(out.hidden_states, aux_layer_ids).to(torch.bfloat16)]  # [B, Pmax, A]
     # prompt labels: from the column of position label_from in the longest row (shorter rows skip more)
     first = label_from
@@ -117,8 +119,8 @@ def sample_batch(target, prompts: Sequence[Sequence[int]], *, max_new_tokens: in
         mask = torch.cat([mask, torch.ones(batch, 1, dtype=torch.long)], dim=1)
         positions = positions[:, -1:] + 1
         out = target.model(input_ids=token.unsqueeze(1), attention_mask=mask, position_ids=positions,
-                           past_key_values=cache, use_cache=True, output_hidden_states=True)
-        cache = out.past_key_values
+                           use_cache=True, output_hidden_states=True, **{cache_name: cache})
+        cache = getattr(out, cache_name)
         aux_steps.append(aux_hidden_states(out.hidden_states, aux_layer_ids).to(torch.bfloat16))
         last = out.last_hidden_state[:, -1]
     aux = torch.cat(aux_steps, dim=1)

@@ -1,6 +1,8 @@
 """The drafter's training data: batched, left-padded sampling with the KV cache stores, for every prompt, the aux
 hidden states and the soft labels a single unpadded teacher-forced forward of its sequence gives; shards resume."""
 
+import warnings
+
 import torch
 
 from diversed_ext.models.eagle3 import aux_hidden_states
@@ -38,6 +40,17 @@ def test_records_equal_an_unpadded_teacher_forced_forward():
         torch.testing.assert_close(record["top_logp"].float(), logp.gather(-1, record["top_ids"].long()),
                                    rtol=1e-2, atol=1e-2)
         assert torch.equal(record["top_ids"][:, 0].long(), logp.argmax(-1))
+
+
+def test_sampling_passes_the_cache_by_the_name_the_model_takes():
+    """transformers 5.2x deprecates ``past_key_values`` where a forward declares ``cache`` (and removes it in 5.40);
+    the incremental passes must use whichever name the model declares."""
+    target = tiny_target()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        records = sample_batch(target, PROMPTS, max_new_tokens=4, aux_layer_ids=AUX, eos_ids=[39], top_k=K,
+                               generator=torch.Generator().manual_seed(0))
+    assert all(record["tokens"].numel() > len(prompt) for prompt, record in zip(PROMPTS, records))
 
 
 def test_sampling_stops_at_eos_and_follows_the_target():
