@@ -34,6 +34,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from .. import __version__, cuda_kernels_registered
 from ..decoding import METHODS, SpeculativeDecoder, encode_prompt, eos_ids
 from ..ops import is_greedy_temperature
 from ..models.export import export_default_pair
@@ -51,9 +52,16 @@ from .train import add_train_command, add_train_drafter_command, run_train, run_
 __all__ = ["build_parser", "main", "UsageError"]
 
 
+def _version_line() -> str:
+    kernels = "CPU and CUDA kernels" if cuda_kernels_registered() else "CPU kernels only"
+    return f"diversed {__version__} (torch {torch.__version__}; {kernels})"
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argparse parser of the ``diversed`` command."""
     parser = argparse.ArgumentParser(prog="diversed", description="DIVERSED relaxed speculative decoding")
+    parser.add_argument("--version", action="version", version=_version_line(),
+                        help="the package's version, the torch it runs on and whether its CUDA kernels are built")
     commands = parser.add_subparsers(dest="command", required=True)
 
     generate = commands.add_parser("generate", help="generate a continuation of one prompt")

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 pytest.importorskip("safetensors")
+import diversed_ext as dx  # noqa: E402
 from diversed_ext import cli  # noqa: E402
 from diversed_ext.head import EnsembleHead, load_head  # noqa: E402
 from diversed_ext.research.checkpoints import CheckpointError, TrainingLog, load_checkpoint  # noqa: E402
@@ -144,6 +145,14 @@ def test_compare_drafts_refuses_a_source_named_twice(tmp_path, capsys, no_models
 def test_method_diversed_without_head_names_the_default(capsys, no_models):
     status, error = run_cli(["generate", "--prompt", "hi", "--method", "diversed"], capsys)
     assert status == 2 and "--head default" in error
+
+
+def test_version_names_the_package_torch_and_the_kernels_built(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--version"])
+    assert exit_info.value.code == 0
+    kernels = "CPU and CUDA kernels" if dx.cuda_kernels_registered() else "CPU kernels only"
+    assert capsys.readouterr().out.strip() == f"diversed {dx.__version__} (torch {torch.__version__}; {kernels})"
 
 
 def test_help_shows_the_defaults_each_command_uses():
