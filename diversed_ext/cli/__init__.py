@@ -168,8 +168,10 @@ def _run_bench(args) -> int:
 def _run_export_pair(args) -> int:
     try:
         folders = export_default_pair(args.directory, overwrite=args.overwrite)
-    except (FileExistsError, PermissionError, NotADirectoryError) as error:
+    except FileExistsError as error:  # its message says how to overwrite
         raise UsageError(str(error)) from error
+    except OSError as error:
+        raise UsageError(f"cannot write to {args.directory}: {error.strerror or error}") from error
     print(f"target: {folders.target}\ndraft:  {folders.draft} (the int8 draft's weights, dequantised to float32)")
     return 0
 

@@ -63,7 +63,8 @@ def export_default_pair(out_dir: Union[str, Path], *, cache_dir: Optional[Union[
     """Write the default pair to ``out_dir/target`` and ``out_dir/draft`` (see the module docstring).
 
     Raises:
-        FileExistsError when a destination folder exists and is not empty, unless ``overwrite``.
+        FileExistsError when a destination folder exists and is not empty, unless ``overwrite``; OSError when
+        ``out_dir`` cannot be made (both before the pair loads).
     """
     from safetensors.torch import save_file
 
@@ -72,6 +73,7 @@ def export_default_pair(out_dir: Union[str, Path], *, cache_dir: Optional[Union[
     for folder in folders:
         if folder.exists() and any(folder.iterdir()) and not overwrite:
             raise FileExistsError(f"{folder} exists and is not empty; pass overwrite=True (--overwrite) to replace it")
+    out.mkdir(parents=True, exist_ok=True)  # a destination that cannot be made fails here, before the pair loads
     source = convert_default_checkpoint(cache_dir, progress=progress)
     target, draft, _ = load_default_pair(cache_dir=cache_dir, progress=False)  # the int8 draft from its cache
     for folder in folders:

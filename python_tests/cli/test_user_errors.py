@@ -12,6 +12,7 @@ pytest.importorskip("safetensors")
 import diversed_ext as dx  # noqa: E402
 from diversed_ext import cli  # noqa: E402
 from diversed_ext.head import EnsembleHead, load_head  # noqa: E402
+from diversed_ext.models import export  # noqa: E402
 from diversed_ext.research.checkpoints import CheckpointError, TrainingLog, load_checkpoint  # noqa: E402
 from diversed_ext.research.tasks import load_gsm8k  # noqa: E402
 
@@ -153,6 +154,17 @@ def test_version_names_the_package_torch_and_the_kernels_built(capsys):
     assert exit_info.value.code == 0
     kernels = "CPU and CUDA kernels" if dx.cuda_kernels_registered() else "CPU kernels only"
     assert capsys.readouterr().out.strip() == f"diversed {dx.__version__} (torch {torch.__version__}; {kernels})"
+
+
+@pytest.mark.parametrize("where", ["under a file", "in /proc"])
+def test_export_pair_refuses_a_destination_it_cannot_make_before_loading(where, tmp_path, capsys, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("the pair was loaded before the destination was made")
+    monkeypatch.setattr(export, "convert_default_checkpoint", refuse)
+    (tmp_path / "file").write_text("")
+    destination = str(tmp_path / "file" / "pair") if where == "under a file" else "/proc/diversed-export"
+    status, error = run_cli(["export-pair", destination], capsys)
+    assert status == 2 and error.startswith(f"diversed: cannot write to {destination}: ") and "\n" not in error
 
 
 def test_help_shows_the_defaults_each_command_uses():
