@@ -11,7 +11,8 @@ number of *real* entries in it, pair i = (fused target feature of position i, to
 draft_cached .. target_cached - 1, whose next tokens are known). A round:
 
 1. draft: the first step feeds the pending pairs (features, ``tokens[draft_cached + 1:]``); its last output predicts
-   d_1. Each further step feeds (the head's own output state of the previous step, the previous draft). The head's
+   d_1. Each further step feeds (the head's own output state of the previous step, the previous draft). Each step
+   runs for every row still drafting at once (:meth:`~diversed_ext.models.eagle3.Eagle3Head.step_rows`). The head's
    logits over its draft vocabulary give q (zero outside that vocabulary): drafts are sampled from q (argmax in
    ``"tokens"`` mode, or at temperature 0), and the verifier reads q in ``"distributions"`` mode;
 2. the target pass returns, besides its logits, the aux hidden states of every position it read;
@@ -35,9 +36,10 @@ from .transfers import device_tensor
 
 
 def is_eagle_head(draft) -> bool:
-    """Whether ``draft`` is an EAGLE-3 head (what :class:`~diversed_ext.models.eagle3.Eagle3Head` offers: ``step``,
+    """Whether ``draft`` is an EAGLE-3 head (what :class:`~diversed_ext.models.eagle3.Eagle3Head` offers: ``step_rows``,
     ``fuse``, ``new_cache``, ``full_vocab_logits`` and the aux layer ids in its config) rather than a causal LM."""
-    return (all(callable(getattr(draft, name, None)) for name in ("step", "fuse", "new_cache", "full_vocab_logits"))
+    offered = ("step_rows", "fuse", "new_cache", "full_vocab_logits")
+    return (all(callable(getattr(draft, name, None)) for name in offered)
             and hasattr(getattr(draft, "config", None), "aux_layer_ids"))
 
 
@@ -73,9 +75,9 @@ class EagleDrafter:
         return state.draft_features is not None
 
     def draft(self, config, states: list[DecodingState], budgets: list[int]):
-        """Up to ``budgets[r]`` drafts for each row (a :class:`~.batch._Drafts`), one head step per row and
-        position; a row stops after an EOS draft or where the draft-length policy stops it. The full-vocabulary
-        logits are kept where the verifier or the ``diversed`` head reads them."""
+        """Up to ``budgets[r]`` drafts for each row (a :class:`~.batch._Drafts`), one head step per position for
+        all the rows still drafting; a row stops after an EOS draft or where the draft-length policy stops it. The
+        full-vocabulary logits are kept where the verifier or the ``diversed`` head reads them."""
         from .batch import _Drafts, record_position, sample_drafts  # batch imports this module
 
         drafts = _Drafts(tokens=[[] for _ in states], logits=[], slots=[], hidden=[], seconds=0.0,
@@ -88,24 +90,25 @@ class EagleDrafter:
         position = 0
         while active:
             start = config.clock()
-            logits, hidden = [], []
+            fed_ids, fed_features = [], []
             for row in active:
                 state = states[row]
                 if position == 0:
                     if state.draft_cache is None:
                         state.draft_cache = head.new_cache()
-                    pending = state.draft_features
+                    fed_features.append(state.draft_features)
                     token_ids = state.tokens[state.draft_cached + 1:]
                     state.draft_cached += len(token_ids)
                     state.draft_features = None
                 else:
-                    pending, token_ids = features[row], drafts.tokens[row][-1:]
-                row_logits, row_hidden = head.step(device_tensor(token_ids, torch.int64, self.device), pending,
-                                                   state.draft_cache)
-                logits.append(row_logits[-1:])
-                hidden.append(row_hidden[-1:])
-                features[row] = row_hidden[-1:]
-            logits, hidden = torch.cat(logits), torch.cat(hidden)
+                    fed_features.append(features[row])
+                    token_ids = drafts.tokens[row][-1:]
+                fed_ids.append(device_tensor(token_ids, torch.int64, self.device))
+            # One step for every active row: the head's weights are read once for the whole batch.
+            row_logits, row_hidden = head.step_rows(fed_ids, fed_features, [states[row].draft_cache for row in active])
+            logits = torch.cat([values[-1:] for values in row_logits])
+            hidden = torch.cat([values[-1:] for values in row_hidden])
+            features = {row: hidden[index:index + 1] for index, row in enumerate(active)}
             # Drafts are drawn over the draft vocabulary and mapped to target ids: the same law as sampling the full
             # vocabulary with q zero outside it (the map is ascending, so even the inverse CDF picks the same token).
             temperature = 0.0 if config.draft_mode == "tokens" else config.temperature

@@ -22,12 +22,12 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence, Tuple, Union
+from typing import List, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
 
-from .eagle3_layers import Eagle3Cache, fast_step, rotary_inverse_frequencies, step_weights
+from .eagle3_layers import Eagle3Cache, fast_steps, rotary_inverse_frequencies, step_weights
 
 AUX_LAYERS_DEFAULT = (2, 15, 27)  # vLLM's default for a 30-layer Llama: (2, L // 2, L - 3)
 ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -266,13 +266,11 @@ class Eagle3Head(torch.nn.Module):
         """Feeds T new positions ``cache.length ..``: position ``i`` reads ``features[i]`` [T, H] and the embedding
         of ``token_ids[i]`` [T], and predicts the token after ``token_ids[i]``. Returns draft-vocabulary logits
         [T, Vd] and the pre-norm states [T, H] (the next step's features); appends to ``cache``. Where no gradient
-        can flow it runs :func:`~diversed_ext.models.eagle3_layers.fast_step` (the same outputs up to rounding)."""
-        if token_ids.dim() != 1 or features.dim() != 2 or features.shape[0] != token_ids.shape[0]:
-            raise ValueError(f"Eagle3Head.step: token_ids must be [T] and features [T, H]; got "
-                             f"{tuple(token_ids.shape)} and {tuple(features.shape)}")
-        features = features.to(self.fc.weight.dtype)
+        can flow it runs :func:`~diversed_ext.models.eagle3_layers.fast_steps` (the same outputs up to rounding)."""
+        features = self._step_features(token_ids, features)
         if self._inference():
-            return fast_step(self, token_ids, features, cache)
+            logits, hidden = fast_steps(self, [token_ids], [features], [cache])
+            return logits[0], hidden[0]
         # With gradients: the layer op by op (training itself runs project and finish with its own attention).
         start = cache.length
         positions = torch.arange(start, start + token_ids.shape[0], device=features.device)
@@ -286,6 +284,27 @@ class Eagle3Head(torch.nn.Module):
         attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible,
                                                   scale=1.0 / math.sqrt(self.config.head_dim))
         return self.finish(attended, features)
+
+    def step_rows(self, token_ids: Sequence[torch.Tensor], features: Sequence[torch.Tensor],
+                  caches: Sequence[Eagle3Cache]) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+        """:meth:`step` for several sequences, each with its own cache: sequence r feeds ``token_ids[r]`` [T_r] and
+        ``features[r]`` [T_r, H]. Returns the lists of their logits and pre-norm states. Where no gradient can flow
+        the sequences' products run together, reading the weights once for all of them (a batch of requests drafts
+        at about the cost of one per step); each sequence's outputs are what :meth:`step` gives it alone."""
+        if not len(token_ids) == len(features) == len(caches):
+            raise ValueError(f"Eagle3Head.step_rows: one token_ids, features and cache per sequence; got "
+                             f"{len(token_ids)}, {len(features)} and {len(caches)}")
+        features = [self._step_features(ids, rows) for ids, rows in zip(token_ids, features)]
+        if self._inference() and token_ids:
+            return fast_steps(self, token_ids, features, caches)
+        outputs = [self.step(ids, rows, cache) for ids, rows, cache in zip(token_ids, features, caches)]
+        return [logits for logits, _ in outputs], [hidden for _, hidden in outputs]
+
+    def _step_features(self, token_ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        if token_ids.dim() != 1 or features.dim() != 2 or features.shape[0] != token_ids.shape[0]:
+            raise ValueError(f"Eagle3Head.step: token_ids must be [T] and features [T, H]; got "
+                             f"{tuple(token_ids.shape)} and {tuple(features.shape)}")
+        return features.to(self.fc.weight.dtype)
 
     def full_vocab_logits(self, draft_logits: torch.Tensor) -> torch.Tensor:
         """Draft logits [..., Vd] placed in the target's vocabulary [..., V], ``-inf`` outside the draft vocabulary

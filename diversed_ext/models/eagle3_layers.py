@@ -1,15 +1,16 @@
 """The EAGLE-3 head's inference step: its key/value cache and one decoder-layer pass over the cached positions.
 
-Drafting calls the head one token at a time, so a step's cost is its weight reads plus a fixed count of small
-operations. Here both are kept down: the cache is preallocated and grows by doubling (a step writes its positions in
+Drafting calls the head one token at a time per sequence, so a step's cost is its weight reads plus a fixed count of
+small operations; a batch's sequences step together (:func:`fast_steps`), so the weights are read once per step for all
+of them. Here both costs are kept down: the cache is preallocated and grows by doubling (a step writes its positions in
 place; a rollback only moves the length), grouped-query attention reads the cached keys through views (no per-head
-copies), a single query needs no mask, rotary angles come from a table, and the products are grouped by the input
-they read (q/k/v, o, gate/up, down, the LM head, and ``fc``, which fuses the target's aux states). On the CPU in
-float32 each group is one ``diversed::float_linear`` call over weights packed once: it streams the weights once per
-call, where ``F.linear`` of one row runs well above that (the default pair's 16384-row LM head, one thread: about
-1.0 ms against 2.4 ms; bfloat16 weights through ``F.linear`` are no faster, about 1.0-1.3 ms). Elsewhere each group is
-one ``F.linear`` over the concatenated weights. The prepared weights are rebuilt when a parameter changes (training
-steps it in place, loading copies into it). The results equal the plain layer's up to float rounding.
+copies), a single query needs no mask, rotary angles come from a table, and the products are grouped by the input they
+read (q/k/v, o, gate/up, down, the LM head, and ``fc``, which fuses the target's aux states). On the CPU in float32 each
+group is one ``diversed::float_linear`` call over weights packed once: it streams the weights once per call, where
+``F.linear`` of one row runs well above that (the default pair's 16384-row LM head, one thread: about 1.0 ms against 2.4
+ms; bfloat16 weights through ``F.linear`` are no faster, about 1.0-1.3 ms). Elsewhere each group is one ``F.linear``
+over the concatenated weights. The prepared weights are rebuilt when a parameter changes (training steps it in place,
+loading copies into it). The results equal the plain layer's up to float rounding.
 
 With int8 products (:meth:`~diversed_ext.models.eagle3.Eagle3Head.use_int8_products`, CPU, float32 parameters) each
 group of a draft step (:data:`INT8_GROUPS`) is one ``diversed::int8_linear`` call over the weights quantised as the
@@ -20,7 +21,7 @@ distribution the drafts were sampled from.
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -188,18 +189,12 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return torch.cat([first * cos - second * sin, second * cos + first * sin], dim=-1)
 
 
-def fast_step(head, token_ids: torch.Tensor, features: torch.Tensor, cache: Eagle3Cache):
-    """:meth:`Eagle3Head.step` for inference (no gradients flow through the cache): logits [T, Vd] and the pre-norm
-    states [T, H]; appends the T positions to ``cache``."""
-    c, weights = head.config, step_weights(head)
-    T, start = token_ids.shape[0], cache.length
-    heads, kv_heads, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+def _attend(qkv: torch.Tensor, cache: Eagle3Cache, weights: StepWeights, config) -> torch.Tensor:
+    """One sequence's attention: its T new positions' q/k/v [T, heads + 2 kv_heads, d] rotated, the keys and values
+    appended to ``cache``, and the queries read against every cached position up to their own: [T, heads * d]."""
+    T, start = qkv.shape[0], cache.length
+    heads, kv_heads, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
     group = heads // kv_heads
-    eps = c.rms_norm_eps
-
-    embeds = head.embed_tokens(token_ids).to(features.dtype)
-    x = _rms_norm(torch.stack([embeds, features], dim=1), weights.input_norms, eps).flatten(1)  # [T, 2H]
-    qkv = weights.linear(x, "qkv").view(T, heads + 2 * kv_heads, d)
     cos, sin = weights.rotary(start, T)
     qk = _rotate(qkv[:, :heads + kv_heads], cos, sin)  # [T, heads + kv_heads, d]
     cache.append(qk[:, heads:].transpose(0, 1), qkv[:, heads + kv_heads:].transpose(0, 1))
@@ -213,10 +208,34 @@ def fast_step(head, token_ids: torch.Tensor, features: torch.Tensor, cache: Eagl
                                                                             device=q.device).unsqueeze(-1)
         scores = scores.masked_fill(hidden.repeat(group, 1), float("-inf"))
     attended = torch.bmm(torch.softmax(scores, dim=-1), values)  # [kv_heads, group * T, d]
-    attended = attended.view(kv_heads, group, T, d).permute(2, 0, 1, 3).reshape(T, heads * d)
+    return attended.view(kv_heads, group, T, d).permute(2, 0, 1, 3).reshape(T, heads * d)
+
+
+def fast_steps(head, token_ids: Sequence[torch.Tensor], features: Sequence[torch.Tensor],
+               caches: Sequence[Eagle3Cache]) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+    """:meth:`Eagle3Head.step` for inference (no gradients flow through the caches) of several sequences at once:
+    sequence r feeds ``token_ids[r]`` [T_r] and ``features[r]`` [T_r, H] after what ``caches[r]`` holds. Returns each
+    sequence's logits [T_r, Vd] and pre-norm states [T_r, H]; appends to each cache.
+
+    Every product group runs once over all the sequences' rows (a batch of drafting requests reads the weights once
+    per step, not once per request) and attention runs sequence by sequence on its own cache. A row's products do
+    not depend on the rows beside it (the packed float32 products sum each row in the same order whatever the row
+    count; int8 products quantise each row alone), so a sequence gets what it would get alone."""
+    c, weights = head.config, step_weights(head)
+    counts = [int(ids.shape[0]) for ids in token_ids]
+    total = sum(counts)
+    heads, kv_heads, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    eps = c.rms_norm_eps
+
+    features = torch.cat(list(features)) if len(counts) > 1 else features[0]
+    embeds = head.embed_tokens(torch.cat(list(token_ids)) if len(counts) > 1 else token_ids[0]).to(features.dtype)
+    x = _rms_norm(torch.stack([embeds, features], dim=1), weights.input_norms, eps).flatten(1)  # [N, 2H]
+    qkv = weights.linear(x, "qkv").view(total, heads + 2 * kv_heads, d)
+    attended = [_attend(rows, cache, weights, c) for rows, cache in zip(qkv.split(counts), caches)]
+    attended = torch.cat(attended) if len(counts) > 1 else attended[0]
     residual = features + weights.linear(attended, "o")
     gate_up = weights.linear(_rms_norm(residual, weights.post_attention_norm, eps), "gate_up")
     gate, up = gate_up.split(c.intermediate_size, dim=-1)
     prenorm = residual + weights.linear(F.silu(gate) * up, "down")
     logits = weights.linear(_rms_norm(prenorm, weights.final_norm, eps), "lm_head")
-    return logits, prenorm
+    return list(logits.split(counts)), list(prenorm.split(counts))

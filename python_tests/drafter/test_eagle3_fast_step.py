@@ -235,3 +235,54 @@ def test_a_cache_filled_in_inference_mode_carries_on_outside_it():
         want = reference_step(head, tokens[3:], features[3:], reference)
     torch.testing.assert_close(got[0], want[0], **tolerances(torch.float32))
     assert fast.length == 4
+
+
+STEP_ROWS_PRODUCTS = ["float64", "float32", pytest.param("int8", marks=pytest.mark.skipif(
+    not forward_ops_built(), reason="the native forward ops are not built"))]
+
+
+@pytest.mark.parametrize("products", STEP_ROWS_PRODUCTS)
+def test_sequences_stepped_together_get_what_each_gets_alone(products):
+    """step_rows over sequences with caches of different lengths (one empty), feeding several positions (a round's
+    first step) or one: each sequence's logits, states and cache equal stepping it alone, bit for bit where the
+    products are the packed float32 or int8 ones (a row's sums do not depend on the rows beside it)."""
+    dtype = torch.float64 if products == "float64" else torch.float32
+    head = make_head(dtype, seed=7).use_int8_products(products == "int8")
+    g = torch.Generator().manual_seed(11)
+
+    def inputs(count):
+        return (torch.randint(0, head.config.vocab_size, (count,), generator=g),
+                torch.randn(count, head.config.hidden_size, generator=g, dtype=torch.float64).to(dtype))
+
+    together, alone = [head.new_cache() for _ in range(3)], [head.new_cache() for _ in range(3)]
+    with torch.no_grad():
+        for length, cache_a, cache_b in zip((5, 0, 2), together, alone):
+            if length:
+                tokens, features = inputs(length)
+                head.step(tokens, features, cache_a)
+                head.step(tokens, features, cache_b)
+        for counts in ((3, 1, 4), (1, 1, 1)):
+            fed = [inputs(count) for count in counts]
+            got = head.step_rows([t for t, _ in fed], [f for _, f in fed], together)
+            for index, (tokens, features) in enumerate(fed):
+                want = head.step(tokens, features, alone[index])
+                exact = products != "float64" and step_weights(head).native
+                for mine, theirs in ((got[0][index], want[0]), (got[1][index], want[1]),
+                                     (together[index].keys, alone[index].keys)):
+                    if exact:
+                        assert torch.equal(mine, theirs)
+                    else:
+                        torch.testing.assert_close(mine, theirs, **tolerances(dtype))
+
+
+def test_step_rows_with_gradients_steps_each_sequence_and_checks_its_arguments():
+    head = make_head(torch.float64, seed=8).train()
+    tokens, features = torch.tensor([1, 2]), torch.randn(2, head.config.hidden_size, dtype=torch.float64)
+    logits, states = head.step_rows([tokens, tokens[:1]], [features, features[:1]],
+                                    [head.new_cache(), head.new_cache()])
+    (logits[0].sum() + logits[1].sum()).backward()
+    assert head.lm_head.weight.grad is not None and [s.shape[0] for s in states] == [2, 1]
+    with pytest.raises(ValueError, match="one token_ids, features and cache per sequence"):
+        head.step_rows([tokens], [features, features], [head.new_cache()])
+    with pytest.raises(ValueError, match="token_ids must be"):
+        head.step_rows([tokens], [features[:1]], [head.new_cache()])
