@@ -289,8 +289,8 @@ class Eagle3Head(torch.nn.Module):
                   caches: Sequence[Eagle3Cache]) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
         """:meth:`step` for several sequences, each with its own cache: sequence r feeds ``token_ids[r]`` [T_r] and
         ``features[r]`` [T_r, H]. Returns the lists of their logits and pre-norm states. Where no gradient can flow
-        the sequences' products run together, reading the weights once for all of them (a batch of requests drafts
-        at about the cost of one per step); each sequence's outputs are what :meth:`step` gives it alone."""
+        the sequences' products run together, reading the weights once for all of them, and attention runs sequence
+        by sequence; each sequence's outputs are what :meth:`step` gives it alone."""
         if not len(token_ids) == len(features) == len(caches):
             raise ValueError(f"Eagle3Head.step_rows: one token_ids, features and cache per sequence; got "
                              f"{len(token_ids)}, {len(features)} and {len(caches)}")
