@@ -6,6 +6,7 @@ several positions, after crops, across the cache's capacity growth, in float64 (
 
 import copy
 import math
+import warnings
 
 import pytest
 import torch
@@ -154,7 +155,9 @@ class RowsAlone(torch.nn.Module):
 def quantised_rows_alone(head):
     """``head`` with every linear layer but ``fc`` quantised by ``quantize_dynamic`` (the int8 draft model's
     quantisation) and applied row by row; ``fc`` the float one."""
-    quantized = torch.ao.quantization.quantize_dynamic(copy.deepcopy(head), {torch.nn.Linear}, torch.qint8)
+    with warnings.catch_warnings():  # torch.ao's quantisation announces its deprecation on every call
+        warnings.simplefilter("ignore")
+        quantized = torch.ao.quantization.quantize_dynamic(copy.deepcopy(head), {torch.nn.Linear}, torch.qint8)
     for parent in (quantized.midlayer.self_attn, quantized.midlayer.mlp, quantized):
         for name, child in list(parent.named_children()):
             if name != "fc" and isinstance(child, torch.ao.nn.quantized.dynamic.Linear):
