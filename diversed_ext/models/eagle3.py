@@ -267,23 +267,8 @@ class Eagle3Head(torch.nn.Module):
         of ``token_ids[i]`` [T], and predicts the token after ``token_ids[i]``. Returns draft-vocabulary logits
         [T, Vd] and the pre-norm states [T, H] (the next step's features); appends to ``cache``. Where no gradient
         can flow it runs :func:`~diversed_ext.models.eagle3_layers.fast_steps` (the same outputs up to rounding)."""
-        features = self._step_features(token_ids, features)
-        if self._inference():
-            logits, hidden = fast_steps(self, [token_ids], [features], [cache])
-            return logits[0], hidden[0]
-        # With gradients: the layer op by op (training itself runs project and finish with its own attention).
-        start = cache.length
-        positions = torch.arange(start, start + token_ids.shape[0], device=features.device)
-        q, k, v = self.project(token_ids, features, positions)
-        cache.append(k, v)
-        group = self.config.num_attention_heads // self.config.num_key_value_heads
-        keys = cache.keys.repeat_interleave(group, dim=0)
-        values = cache.values.repeat_interleave(group, dim=0)
-        # query t (position start + t) sees every cached position up to its own
-        visible = torch.arange(cache.length, device=q.device) <= positions.unsqueeze(-1)
-        attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible,
-                                                  scale=1.0 / math.sqrt(self.config.head_dim))
-        return self.finish(attended, features)
+        logits, hidden = self.step_rows([token_ids], [features], [cache])
+        return logits[0], hidden[0]
 
     def step_rows(self, token_ids: Sequence[torch.Tensor], features: Sequence[torch.Tensor],
                   caches: Sequence[Eagle3Cache]) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
@@ -297,8 +282,24 @@ class Eagle3Head(torch.nn.Module):
         features = [self._step_features(ids, rows) for ids, rows in zip(token_ids, features)]
         if self._inference() and token_ids:
             return fast_steps(self, token_ids, features, caches)
-        outputs = [self.step(ids, rows, cache) for ids, rows, cache in zip(token_ids, features, caches)]
+        outputs = [self._plain_step(ids, rows, cache) for ids, rows, cache in zip(token_ids, features, caches)]
         return [logits for logits, _ in outputs], [hidden for _, hidden in outputs]
+
+    def _plain_step(self, token_ids: torch.Tensor, features: torch.Tensor,
+                    cache: Eagle3Cache) -> Tuple[torch.Tensor, torch.Tensor]:
+        # With gradients: the layer op by op (training itself runs project and finish with its own attention).
+        start = cache.length
+        positions = torch.arange(start, start + token_ids.shape[0], device=features.device)
+        q, k, v = self.project(token_ids, features, positions)
+        cache.append(k, v)
+        group = self.config.num_attention_heads // self.config.num_key_value_heads
+        keys = cache.keys.repeat_interleave(group, dim=0)
+        values = cache.values.repeat_interleave(group, dim=0)
+        # query t (position start + t) sees every cached position up to its own
+        visible = torch.arange(cache.length, device=q.device) <= positions.unsqueeze(-1)
+        attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible,
+                                                  scale=1.0 / math.sqrt(self.config.head_dim))
+        return self.finish(attended, features)
 
     def _step_features(self, token_ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         if token_ids.dim() != 1 or features.dim() != 2 or features.shape[0] != token_ids.shape[0]:

@@ -211,6 +211,11 @@ def _attend(qkv: torch.Tensor, cache: Eagle3Cache, weights: StepWeights, config)
     return attended.view(kv_heads, group, T, d).permute(2, 0, 1, 3).reshape(T, heads * d)
 
 
+def _joined(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The sequences' rows one after another (one sequence's as they are: no copy)."""
+    return parts[0] if len(parts) == 1 else torch.cat(list(parts))
+
+
 def fast_steps(head, token_ids: Sequence[torch.Tensor], features: Sequence[torch.Tensor],
                caches: Sequence[Eagle3Cache]) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
     """:meth:`Eagle3Head.step` for inference (no gradients flow through the caches) of several sequences at once:
@@ -227,12 +232,11 @@ def fast_steps(head, token_ids: Sequence[torch.Tensor], features: Sequence[torch
     heads, kv_heads, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
     eps = c.rms_norm_eps
 
-    features = torch.cat(list(features)) if len(counts) > 1 else features[0]
-    embeds = head.embed_tokens(torch.cat(list(token_ids)) if len(counts) > 1 else token_ids[0]).to(features.dtype)
+    features = _joined(features)
+    embeds = head.embed_tokens(_joined(token_ids)).to(features.dtype)
     x = _rms_norm(torch.stack([embeds, features], dim=1), weights.input_norms, eps).flatten(1)  # [N, 2H]
     qkv = weights.linear(x, "qkv").view(total, heads + 2 * kv_heads, d)
-    attended = [_attend(rows, cache, weights, c) for rows, cache in zip(qkv.split(counts), caches)]
-    attended = torch.cat(attended) if len(counts) > 1 else attended[0]
+    attended = _joined([_attend(rows, cache, weights, c) for rows, cache in zip(qkv.split(counts), caches)])
     residual = features + weights.linear(attended, "o")
     gate_up = weights.linear(_rms_norm(residual, weights.post_attention_norm, eps), "gate_up")
     gate, up = gate_up.split(c.intermediate_size, dim=-1)
