@@ -47,7 +47,7 @@ def model_device(model: torch.nn.Module) -> torch.device:
         return tensor.device
     for tensor in model.buffers():
         return tensor.device
-    # int8 dynamically quantised models keep their weights in packed params: they run on the CPU
+    # a model without parameters or buffers computes nothing of its own; the CPU is as good as any device
     return torch.device("cpu")
 
 

@@ -3,12 +3,13 @@
 
 What it holds, from the bottom up:
     _native       the forward's native ops: whether this build carries them, their fake kernels, a clear error
-    int8          int8 products over weights packed once (``diversed::int8_pack`` / ``int8_linear``)
+    int8          int8 products over weights packed once (``diversed::int8_pack`` / ``int8_linear``), the
+                  :class:`Int8Linear` layer built on them, and :func:`quantize_weight`
     float_linear  float32 products over weights packed once (``diversed::float_pack`` / ``float_linear``)
     llama_layers  every decoder layer of a Llama in one native call
     projections   a Llama layer's products grouped by the input they read, packed from the model's own modules
     llama_runner  incremental passes of a ``LlamaForCausalLM`` over a preallocated cache (:class:`LlamaRunner`)
-    int8_draft    the int8 draft: a dynamically quantised copy of a float model, its weights cached as safetensors
+    int8_draft    the int8 draft: a copy of a float model with int8 linear layers, its weights cached as safetensors
 
 Why a floor: the verify ops (:mod:`diversed_ext.ops`) are what a server imports, and a verify-only build of the
 extension lacks these ops; nothing in ``ops`` imports this floor, and ``import diversed_ext`` does not load it.
@@ -18,15 +19,16 @@ the models' own forward) and the packing functions and :class:`LlamaRunner` rais
 
 from ._native import ForwardOpsMissing, forward_ops_built
 from .float_linear import FloatWeights, float_linear, pack_float
-from .int8 import Int8Weights, int8_linear, pack_int8
-from .int8_draft import Int8Packing, load_int8_draft, quantize_int8, save_int8_weights
+from .int8 import Int8Linear, Int8Weights, int8_linear, pack_int8, quantize_weight
+from .int8_draft import load_int8_draft, quantize_int8, save_int8_weights
 from .llama_layers import LlamaLayers, collect_llama_layers, llama_layers
 from .llama_runner import LlamaRunner, StaticKVCache, supports_fast_forward
 
 __all__ = [
     "ForwardOpsMissing", "forward_ops_built",
-    "Int8Weights", "pack_int8", "int8_linear", "FloatWeights", "pack_float", "float_linear",
+    "Int8Weights", "pack_int8", "int8_linear", "Int8Linear", "quantize_weight",
+    "FloatWeights", "pack_float", "float_linear",
     "LlamaLayers", "collect_llama_layers", "llama_layers",
     "LlamaRunner", "StaticKVCache", "supports_fast_forward",
-    "quantize_int8", "save_int8_weights", "load_int8_draft", "Int8Packing",
+    "quantize_int8", "save_int8_weights", "load_int8_draft",
 ]

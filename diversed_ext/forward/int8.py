@@ -1,19 +1,28 @@
-"""int8 products over weights packed once: ``diversed::int8_pack`` and ``diversed::int8_linear`` (CPU only).
+"""int8 products over weights packed once: ``diversed::int8_pack`` and ``diversed::int8_linear`` (CPU only), and
+:class:`Int8Linear`, the linear layer built on them.
 
 They compute what torch's dynamically quantised linear layer (``quantize_dynamic``, fbgemm) computes from the same
 int8 weights and scales: the input quantised per tensor to uint8 with the halved range fbgemm uses, int32 sums that
 are identical to the layer's, and the same float rescaling up to rounding (csrc/forward/int8_gemm.h). What they save is
 the layer's per-call work outside the sums, and several layers that read the same input (a Llama layer's q, k and v
 projections; gate and up) become one call: they share the input's quantisation anyway, so fusing them changes no sum.
+
+:func:`quantize_weight` quantises a float weight as ``quantize_dynamic`` does (per tensor, symmetric, bit for bit), so
+:class:`Int8Linear` is that layer without torch's quantised tensors, which torch deprecates.
 """
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple, Optional, Sequence
 
 import torch
 
-from ._native import require_forward_ops
+from ._native import forward_ops_built, require_forward_ops
+
+# The weight quantisation of quantize_dynamic's default observer: qint8, per tensor, symmetric.
+WEIGHT_HALF_RANGE = 127.5  # (127 - (-128)) / 2: the largest |weight| maps to 127.5 steps, then clamps to 127
+WEIGHT_MIN_SCALE = torch.finfo(torch.float32).eps  # the observer's floor on the scale (an all-zero weight)
 
 
 class Int8Weights(NamedTuple):
@@ -27,18 +36,19 @@ class Int8Weights(NamedTuple):
     in_features: int  # K
 
 
-def _check_part(index: int, weight, scale, bias, in_features: int) -> None:
+def _check_part(label: str, weight, scale, bias, in_features: int) -> None:
+    """Refuse a part that is not (int8 weight [N, K], positive finite scale, bias [N] or None), naming ``label``."""
     if not isinstance(weight, torch.Tensor) or weight.dtype != torch.int8 or weight.dim() != 2:
-        raise TypeError(f"weights[{index}]: the weight must be a 2-D int8 tensor")
+        raise TypeError(f"{label}: the weight must be a 2-D int8 tensor")
     if weight.device.type != "cpu":
-        raise ValueError(f"weights[{index}]: the weight must be on the CPU (int8_linear is CPU only)")
+        raise ValueError(f"{label}: the weight must be on the CPU (int8_linear is CPU only)")
     if weight.shape[1] != in_features or in_features < 1:
-        raise ValueError(f"weights[{index}]: every weight must have the same in_features >= 1 "
+        raise ValueError(f"{label}: every weight must have the same in_features >= 1 "
                          f"(got {weight.shape[1]}, expected {in_features})")
     if not (float(scale) > 0 and float(scale) < float("inf")):
-        raise ValueError(f"weights[{index}]: the scale must be positive and finite, got {scale}")
+        raise ValueError(f"{label}: the scale must be positive and finite, got {scale}")
     if bias is not None and (not isinstance(bias, torch.Tensor) or bias.shape != (weight.shape[0],)):
-        raise ValueError(f"weights[{index}]: the bias must be a tensor of shape ({weight.shape[0]},)")
+        raise ValueError(f"{label}: the bias must be a tensor of shape ({weight.shape[0]},)")
 
 
 def pack_int8(weights: Sequence[tuple]) -> Int8Weights:
@@ -49,7 +59,7 @@ def pack_int8(weights: Sequence[tuple]) -> Int8Weights:
         raise ValueError("weights must hold at least one (weight, scale, bias) part")
     in_features = weights[0][0].shape[-1] if isinstance(weights[0][0], torch.Tensor) else -1
     for index, (weight, scale, bias) in enumerate(weights):
-        _check_part(index, weight, scale, bias, in_features)
+        _check_part(f"weights[{index}]", weight, scale, bias, in_features)
     matrix = torch.cat([weight for weight, _, _ in weights]) if len(weights) > 1 else weights[0][0]
     packed, col_sums = torch.ops.diversed.int8_pack(matrix)
     w_scale = torch.cat([torch.full((weight.shape[0],), float(scale), dtype=torch.float32)
@@ -91,3 +101,102 @@ def int8_linear(input: torch.Tensor, weights: Int8Weights, *, row_groups: Option
     return torch.ops.diversed.int8_linear(input, weights.packed, weights.col_sums, weights.w_scale, weights.bias,
                                           groups)
 
+
+def quantize_weight(weight: torch.Tensor) -> tuple:
+    """``(int8 [N, K], scale)`` of a float weight [N, K], as ``quantize_dynamic`` quantises a linear layer's weight:
+    one symmetric scale per tensor (the largest |w| over 127.5, at least float32's eps), each element rounded half to
+    even after multiplying by the scale's float32 inverse (as fbgemm's quantiser does), clamped to [-128, 127]."""
+    weight = weight.detach().to(device="cpu", dtype=torch.float32)
+    largest = weight.abs().max() if weight.numel() else weight.new_zeros(())
+    scale = torch.clamp(largest / WEIGHT_HALF_RANGE, min=WEIGHT_MIN_SCALE)
+    quantised = torch.clamp(torch.round(weight * (1.0 / scale)), -128, 127).to(torch.int8)
+    return quantised, float(scale)
+
+
+class Int8Linear(torch.nn.Module):
+    """A linear layer with int8 weights (one symmetric scale per tensor) and its input quantised on the fly at every
+    call: the arithmetic of torch's dynamically quantised linear layer, through :func:`int8_linear` (CPU only, no
+    gradients). Without the native forward ops (a verify-only build) it computes the same integer sums in plain torch,
+    equal up to float rounding.
+
+    Buffers: ``weight`` (int8 [out_features, in_features]), ``scale`` (float32, 0-d) and ``bias`` (float32 or None).
+    Changing them in place is seen at the next call (the packed copy is remade when their versions move)."""
+
+    def __init__(self, weight: torch.Tensor, scale: float, bias: Optional[torch.Tensor] = None):
+        super().__init__()
+        in_features = weight.shape[-1] if isinstance(weight, torch.Tensor) and weight.dim() else -1
+        _check_part("Int8Linear", weight, scale, bias, in_features)
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("weight", weight.detach().contiguous())
+        self.register_buffer("scale", torch.tensor(float(scale), dtype=torch.float32))
+        self.register_buffer("bias", None if bias is None else bias.detach().float().cpu())
+        self._packed: Optional[tuple] = None  # (the buffers packed, their versions, Int8Weights)
+
+    @classmethod
+    def from_float(cls, linear: torch.nn.Linear) -> "Int8Linear":
+        """The int8 copy of ``linear`` (:func:`quantize_weight`; the bias kept in float32)."""
+        weight, scale = quantize_weight(linear.weight)
+        return cls(weight, scale, None if linear.bias is None else linear.bias.detach())
+
+    def parts(self) -> tuple:
+        """``(int8 weight, scale, bias)``, what :func:`pack_int8` takes."""
+        return self.weight, float(self.scale), self.bias
+
+    def packed(self) -> Int8Weights:
+        """The weights packed for :func:`int8_linear`, remade only when a buffer was replaced or changed in place
+        (the packed buffers are held, so a new tensor is never mistaken for an old one at the same address)."""
+        buffers = (self.weight, self.scale, self.bias)
+        versions = tuple(-1 if tensor is None else tensor._version for tensor in buffers)
+        if (self._packed is None or self._packed[1] != versions
+                or not all(old is new for old, new in zip(self._packed[0], buffers))):
+            self._packed = (buffers, versions, pack_int8([self.parts()]))
+        return self._packed[2]
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """The float32 weight the int8 one stands for: ``weight * scale``."""
+        return self.weight.float() * self.scale
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if forward_ops_built():
+            return int8_linear(input.contiguous(), self.packed())
+        return _integer_product(input, *self.parts())
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, scale={float(self.scale):.4g}, "
+                f"bias={self.bias is not None}")
+
+
+INPUT_LEVELS = 127  # inputs quantise to [0, 127]: fbgemm's reduce_range halves uint8's range
+INPUT_MIN_SCALE = 6.1e-5  # ChooseQuantizationParams' smallest input scale
+INPUT_FALLBACK_SCALE = 0.1  # its scale for an input of zeros
+
+
+def _input_params(low: float, high: float) -> tuple:
+    """The (scale, zero point) fbgemm's dynamic linear layer picks for an input spanning [low, high]
+    (csrc/forward/int8_gemm.h's choose_activation_params, in Python)."""
+    low, high = min(low, 0.0), max(high, 0.0)
+    scale = (high - low) / INPUT_LEVELS
+    if scale == 0.0 or math.isinf(1.0 / scale):
+        scale = INPUT_FALLBACK_SCALE
+    if scale < INPUT_MIN_SCALE:
+        low, high = low * INPUT_MIN_SCALE / scale, high * INPUT_MIN_SCALE / scale
+        scale = INPUT_MIN_SCALE
+    from_low, from_high = -low / scale, INPUT_LEVELS - high / scale
+    initial = from_low if -abs(low / scale) < INPUT_LEVELS - abs(high / scale) else from_high
+    zero_point = 0 if math.isnan(initial) else min(INPUT_LEVELS, max(0, round(initial)))
+    return scale, zero_point
+
+
+def _integer_product(input: torch.Tensor, weight: torch.Tensor, scale: float,
+                     bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """The int8 product in plain torch (no native ops): the input quantised as one tensor, the integer sums exact in
+    float64, then rescaled; what :func:`int8_linear` computes up to float rounding."""
+    if input.dtype != torch.float32:
+        raise TypeError(f"input must be a float32 tensor, got {input.dtype}")
+    if input.numel() == 0:
+        return input.new_zeros((*input.shape[:-1], weight.shape[0]))
+    x_scale, zero_point = _input_params(float(input.min()), float(input.max()))
+    quantised = torch.clamp(torch.round(input.double() * (1.0 / x_scale)) + zero_point, 0, 255) - zero_point
+    sums = quantised @ weight.double().t()  # integers below 2**53: exact
+    out = sums * (x_scale * scale)
+    return (out if bias is None else out + bias.double()).float()

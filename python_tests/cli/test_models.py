@@ -41,8 +41,8 @@ def test_default_pair_is_smollm2_and_its_int8_copy(default_pair, cache_dir):
     assert target.config.vocab_size == 49152
     assert len(tokenizer) == 49152
     assert (cache_dir / pairs.DEFAULT_CACHE_NAME / "model.safetensors").is_file()
-    quantized = [module for module in draft.modules() if isinstance(module, torch.ao.nn.quantized.dynamic.Linear)]
-    assert quantized, "the draft should hold int8 dynamically quantised Linear modules"
+    quantized = [module for module in draft.modules() if isinstance(module, forward.Int8Linear)]
+    assert quantized, "the draft should hold int8 linear modules"
     assert not any(type(module) is torch.nn.Linear for module in draft.modules())
     assert any(type(module) is torch.nn.Linear for module in target.modules()), "the target must stay float"
 
@@ -66,12 +66,13 @@ def test_cached_int8_draft_equals_a_fresh_quantisation(default_pair, cache_dir):
     ids = torch.tensor([[1, 504, 3287, 28, 253, 2185, 30]])
     with torch.no_grad():
         assert torch.equal(cached_draft(ids).logits, fresh_draft(ids).logits)
-    fresh_weights = {name: module.weight() for name, module in fresh_draft.named_modules()
-                     if isinstance(module, torch.ao.nn.quantized.dynamic.Linear)}
+    fresh_layers = {name: module for name, module in fresh_draft.named_modules()
+                    if isinstance(module, forward.Int8Linear)}
     for name, module in cached_draft.named_modules():
-        if isinstance(module, torch.ao.nn.quantized.dynamic.Linear):
-            assert torch.equal(module.weight().int_repr(), fresh_weights.pop(name).int_repr()), name
-    assert not fresh_weights, "every quantised Linear should come back from the cache"
+        if isinstance(module, forward.Int8Linear):
+            fresh = fresh_layers.pop(name)
+            assert torch.equal(module.weight, fresh.weight) and torch.equal(module.scale, fresh.scale), name
+    assert not fresh_layers, "every int8 linear layer should come back from the cache"
 
 
 def test_added_tokens_are_recorded_without_changing_the_tokenizer(default_pair, cache_dir, tmp_path):
@@ -125,6 +126,14 @@ def test_int8_cache_from_another_checkpoint_is_ignored(default_pair, cache_dir, 
     tensors[key] = tensors[key][:, :-1].contiguous()
     save_file(tensors, str(path))
     assert forward.load_int8_draft(target, path) is None
+    # So is one missing a layer's scale, or with a scale that is not positive.
+    forward.save_int8_weights(draft, path)
+    tensors = load_file(str(path))
+    scale_key = next(key for key in tensors if key.endswith("o_proj.scale"))
+    for damaged in ({key: value for key, value in tensors.items() if key != scale_key},
+                    {**tensors, scale_key: torch.zeros(1, dtype=torch.float64)}):
+        save_file(damaged, str(path))
+        assert forward.load_int8_draft(target, path) is None
 
 
 def test_greedy_sd_equals_greedy_ar_on_the_real_pair(default_pair):
@@ -247,10 +256,11 @@ def test_export_pair_writes_two_plain_checkpoints(default_pair, tmp_path, capsys
     with torch.no_grad():
         assert torch.equal(exported(ids).logits, target(ids).logits)
     weights = load_file(str(tmp_path / "draft" / "model.safetensors"))
-    int8_head = draft.lm_head.weight().dequantize()
+    int8_head = draft.lm_head.weight.float() * draft.lm_head.scale
     assert torch.equal(weights["lm_head.weight"], int8_head)
     assert not torch.equal(weights["lm_head.weight"], weights["model.embed_tokens.weight"])
-    projection = draft.model.layers[0].self_attn.q_proj.weight().dequantize()
+    q_proj = draft.model.layers[0].self_attn.q_proj
+    projection = q_proj.weight.float() * q_proj.scale
     assert torch.equal(weights["model.layers.0.self_attn.q_proj.weight"], projection)
 
 

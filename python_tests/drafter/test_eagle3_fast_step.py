@@ -6,12 +6,12 @@ several positions, after crops, across the cache's capacity growth, in float64 (
 
 import copy
 import math
-import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from diversed_ext.forward import Int8Linear, quantize_int8
 from diversed_ext.forward._native import forward_ops_built
 from diversed_ext.models.eagle3 import Eagle3Config, Eagle3Head, rotate
 from diversed_ext.models.eagle3_layers import INT8_GROUPS, Eagle3Cache, step_weights
@@ -153,23 +153,21 @@ class RowsAlone(torch.nn.Module):
 
 
 def quantised_rows_alone(head):
-    """``head`` with every linear layer but ``fc`` quantised by ``quantize_dynamic`` (the int8 draft model's
-    quantisation) and applied row by row; ``fc`` the float one."""
-    with warnings.catch_warnings():  # torch.ao's quantisation announces its deprecation on every call
-        warnings.simplefilter("ignore")
-        quantized = torch.ao.quantization.quantize_dynamic(copy.deepcopy(head), {torch.nn.Linear}, torch.qint8)
+    """``head`` with every linear layer but ``fc`` an :class:`Int8Linear` (the int8 draft model's quantisation, which
+    is ``quantize_dynamic``'s: python_tests/forward/test_int8_linear.py) applied row by row; ``fc`` the float one."""
+    quantized = quantize_int8(copy.deepcopy(head))
     for parent in (quantized.midlayer.self_attn, quantized.midlayer.mlp, quantized):
         for name, child in list(parent.named_children()):
-            if name != "fc" and isinstance(child, torch.ao.nn.quantized.dynamic.Linear):
+            if name != "fc" and isinstance(child, Int8Linear):
                 setattr(parent, name, RowsAlone(child))
     quantized.fc = head.fc
     return quantized
 
 
 @pytest.mark.skipif(not forward_ops_built(), reason="the native forward ops are not built")
-def test_int8_products_are_the_dynamically_quantised_layers_and_switch_back():
-    """With int8 products the step computes what the plain layer computes with its linear layers quantised by
-    ``quantize_dynamic`` (the int8 draft model's quantisation), each row's input quantised alone (so a position's
+def test_int8_products_are_the_int8_draft_layers_and_switch_back():
+    """With int8 products the step computes what the plain layer computes with its linear layers quantised as the
+    int8 draft model's are (:func:`quantize_int8`), each row's input quantised alone (so a position's
     result does not depend on the positions fed with it), not the float layer; ``fc`` (the fusion, once per verified
     position) stays float; switched off, the float step again."""
     head = make_head(torch.float32, seed=3)

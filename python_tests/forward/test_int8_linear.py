@@ -4,24 +4,42 @@ The op quantises its input as that layer does, so the int32 sums are the same an
 rounding in the rescaling: the comparisons below allow a few ulps of the output's magnitude, far below one step of
 the input's quantisation (which would move an output by x_scale * w_scale * |w|, i.e. about 1e-3 relative)."""
 
+import warnings
+
 import pytest
 import torch
 
-from diversed_ext.forward import quantize_int8
-from diversed_ext.forward.int8 import int8_linear, pack_int8
+from diversed_ext.forward.int8 import Int8Linear, int8_linear, pack_int8
 from helpers import requires_pinned_quantised_layer
 
 ROUNDING = 2e-6  # relative to the largest output: float rounding of the rescaling, nothing more
 
 
-def int8_layer(out_features, in_features, bias, seed):
+def float_layer(out_features, in_features, bias, seed):
     torch.manual_seed(seed)
-    return quantize_int8(torch.nn.Sequential(torch.nn.Linear(in_features, out_features, bias=bias)))[0]
+    return torch.nn.Linear(in_features, out_features, bias=bias)
+
+
+def int8_layer(out_features, in_features, bias, seed):
+    """torch's own dynamically quantised layer (the oracle) of a seeded float layer."""
+    with warnings.catch_warnings():  # torch.ao's quantisation announces its deprecation on every call
+        warnings.simplefilter("ignore")
+        return torch.ao.quantization.quantize_dynamic(
+            torch.nn.Sequential(float_layer(out_features, in_features, bias, seed)), {torch.nn.Linear},
+            torch.qint8)[0]
 
 
 def parts_of(layer):
-    weight, bias = layer._weight_bias()
-    return weight.int_repr(), weight.q_scale(), bias
+    """(int8 weight, scale, bias) of torch's quantised layer."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        weight, bias = layer._weight_bias()
+        return weight.int_repr(), weight.q_scale(), bias
+
+
+def our_parts(out_features, in_features, bias, seed):
+    """(int8 weight, scale, bias) of the package's own int8 layer, for the tests that need no oracle."""
+    return Int8Linear.from_float(float_layer(out_features, in_features, bias, seed)).parts()
 
 
 def assert_matches_layer(layer, x):
@@ -64,10 +82,10 @@ def test_leading_dimensions_and_zero_rows():
 
 def test_fused_parts_equal_separate_calls():
     """q/k/v read the same input, so one call over the three packed together gives each part's own output exactly."""
-    layers = [int8_layer(n, 24, bias, seed=n) for n, bias in ((32, False), (8, True), (8, False))]
+    parts = [our_parts(n, 24, bias, seed=n) for n, bias in ((32, False), (8, True), (8, False))]
     x = torch.randn(3, 24)
-    fused = int8_linear(x, pack_int8([parts_of(layer) for layer in layers]))
-    separate = [int8_linear(x, pack_int8([parts_of(layer)])) for layer in layers]
+    fused = int8_linear(x, pack_int8(parts))
+    separate = [int8_linear(x, pack_int8([part])) for part in parts]
     assert torch.equal(fused, torch.cat(separate, dim=-1))
 
 
@@ -86,8 +104,7 @@ def exact_integer_product(x, weight, scale, bias):
 def test_matches_the_exact_integer_arithmetic(rows, in_features):
     """Against the arithmetic itself, whatever torch version: equal up to one input rounding step at an exact .5
     (x / scale computed as x * (1 / scale) in the kernel) and the float epilogue."""
-    layer = int8_layer(48, in_features, True, seed=rows)
-    weight, scale, bias = parts_of(layer)
+    weight, scale, bias = our_parts(48, in_features, True, seed=rows)
     x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(11)) * 2.0 + 0.5
     got = int8_linear(x, pack_int8([(weight, scale, bias)])).double()
     expected = exact_integer_product(x, weight, scale, bias)
@@ -133,7 +150,7 @@ def test_row_groups_give_each_group_what_it_gets_alone(build, monkeypatch):
 
 
 def test_bad_row_groups_are_refused_by_both_checks():
-    packed = pack_int8([parts_of(int8_layer(8, 8, False, seed=10))])
+    packed = pack_int8([our_parts(8, 8, False, seed=10)])
     x = torch.randn(3, 8)
     for groups in ([1, 1], [2, 2], [3, 0], [-1, 4]):
         with pytest.raises(ValueError, match="row_groups"):
@@ -146,7 +163,7 @@ def test_bad_row_groups_are_refused_by_both_checks():
 @pytest.mark.parametrize("build", ["avx2", "baseline"])
 def test_every_build_equals_the_widest(build, rows, monkeypatch):
     """The widest build this CPU runs (VNNI on AVX-512 CPUs, else AVX2) against the narrower ones: identical bits."""
-    packed = pack_int8([parts_of(int8_layer(70, 45, True, seed=4))])
+    packed = pack_int8([our_parts(70, 45, True, seed=4)])
     x = torch.randn(rows, 45) * 3.0
     widest = int8_linear(x, packed)
     monkeypatch.setenv("DIVERSED_CPU_CAPABILITY", build)
@@ -155,7 +172,7 @@ def test_every_build_equals_the_widest(build, rows, monkeypatch):
 
 @pytest.mark.parametrize("in_features", [9, 40])  # the scalar loops only, and 16-lane vectors with a tail
 def test_non_finite_inputs_stay_memory_safe_and_agree_across_builds(in_features, monkeypatch):
-    packed = pack_int8([parts_of(int8_layer(20, in_features, False, seed=5))])
+    packed = pack_int8([our_parts(20, in_features, False, seed=5)])
     cases = [torch.randn(2, in_features) for _ in range(3)]
     cases[0][0, 3], cases[0][1, 0] = float("nan"), float("inf")
     cases[1][:, 5] = float("nan")
@@ -169,9 +186,8 @@ def test_non_finite_inputs_stay_memory_safe_and_agree_across_builds(in_features,
 
 
 def test_bad_arguments_name_the_argument():
-    layer = int8_layer(16, 8, True, seed=6)
-    packed = pack_int8([parts_of(layer)])
-    weight, scale, bias = parts_of(layer)
+    weight, scale, bias = our_parts(16, 8, True, seed=6)
+    packed = pack_int8([(weight, scale, bias)])
     with pytest.raises(ValueError, match="input"):
         int8_linear(torch.randn(2, 9), packed)
     with pytest.raises(TypeError, match="input"):
@@ -199,8 +215,7 @@ def test_bad_arguments_name_the_argument():
 
 
 def test_opcheck():
-    layer = int8_layer(21, 13, True, seed=7)
-    weight, scale, bias = parts_of(layer)
+    weight, scale, bias = our_parts(21, 13, True, seed=7)
     torch.library.opcheck(torch.ops.diversed.int8_pack.default, (weight,))
     packed = pack_int8([(weight, scale, bias)])
     for x in (torch.randn(1, 13), torch.randn(2, 3, 13)):

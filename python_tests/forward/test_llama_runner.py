@@ -11,6 +11,7 @@ from diversed_ext.decoding import SpeculativeDecoder  # noqa: E402
 from diversed_ext.decoding.runners import HFRunner  # noqa: E402
 from diversed_ext.forward.llama_runner import LlamaRunner, StaticKVCache, supports_fast_forward  # noqa: E402
 from diversed_ext.forward import quantize_int8  # noqa: E402
+from diversed_ext.forward import int8 as int8_module  # noqa: E402
 from helpers import FORWARD_CONFIGS, FORWARD_SCHEDULE, FORWARD_VOCAB, forward_llama  # noqa: E402
 
 @torch.inference_mode()
@@ -70,16 +71,18 @@ def test_runner_matches_an_int8_copy(name):
     run_schedule(draft, runner, seed=3, incremental=True)
 
 
-def test_int8_weights_are_packed_again_when_they_change():
-    """Runners share packed weights per module; new int8 weights (set_weight_bias) must not reuse the old packing."""
+def test_int8_weights_are_packed_again_when_they_change(monkeypatch):
+    """Runners share packed weights per module group; int8 weights changed in place (a single layer: the LM head; a
+    fused group: q/k/v) must not reuse the old packing. The expected logits come from the layers' plain-torch
+    arithmetic, which packs nothing."""
     draft = quantize_int8(forward_llama(2))
     feed = list(range(6))
     before, _, _ = LlamaRunner(draft)(feed, None, 6)
-    head = draft.lm_head
-    weight, bias = head._weight_bias()
-    negated = torch.quantize_per_tensor(-weight.dequantize(), weight.q_scale(), 0, torch.qint8)
-    head.set_weight_bias(negated, bias)
+    with torch.no_grad():
+        draft.lm_head.weight.copy_(-draft.lm_head.weight.clamp(min=-127))
+        draft.model.layers[0].self_attn.k_proj.scale.mul_(2.0)
     after, _, _ = LlamaRunner(draft)(feed, None, 6)
+    monkeypatch.setattr(int8_module, "forward_ops_built", lambda: False)
     with torch.inference_mode():
         expected = draft(torch.tensor([feed])).logits[0]
     torch.testing.assert_close(after, expected, rtol=1e-4, atol=1e-4)
