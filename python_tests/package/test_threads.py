@@ -6,6 +6,7 @@ helpers, and drafts without distributions must all give a lone thread's results.
 import multiprocessing
 import threading
 
+import pytest
 import torch
 
 import diversed_ext as dx
@@ -67,6 +68,8 @@ def _child_verify(connection, problem):
     connection.close()
 
 
+# CPython 3.12+ warns when a multi-threaded process forks: that fork is the case under test.
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded, use of fork:DeprecationWarning")
 def test_a_forked_child_finishes_and_agrees():
     """A child forked after the parent's helpers ran has none of them: its calls must not wait for them."""
     problem = _problem()
