@@ -2,14 +2,16 @@
 ``decoding`` and ``models``.
 
 What it holds, from the bottom up:
-    _native       the forward's native ops: whether this build carries them, their fake kernels, a clear error
-    int8          int8 products over weights packed once (``diversed::int8_pack`` / ``int8_linear``), the
-                  :class:`Int8Linear` layer built on them, and :func:`quantize_weight`
-    float_linear  float32 products over weights packed once (``diversed::float_pack`` / ``float_linear``)
-    llama_layers  every decoder layer of a Llama in one native call
-    projections   a Llama layer's products grouped by the input they read, packed from the model's own modules
-    llama_runner  incremental passes of a ``LlamaForCausalLM`` over a preallocated cache (:class:`LlamaRunner`)
-    int8_draft    the int8 draft: a copy of a float model with int8 linear layers, its weights cached as safetensors
+    _native          the forward's native ops: whether this build carries them, their fake kernels, a clear error
+    tensor_versions  when weights prepared once from a module's tensors must be prepared again
+    int8             int8 products over weights packed once (``diversed::int8_pack`` / ``int8_linear``), the
+                     :class:`Int8Linear` layer built on them, and :func:`quantize_weight`
+    float_linear     float32 products over weights packed once (``diversed::float_pack`` / ``float_linear``)
+    llama_layers     every decoder layer of a Llama in one native call
+    projections      a Llama layer's products grouped by the input they read, packed from the model's own modules
+    llama_runner     incremental passes of a ``LlamaForCausalLM`` over a preallocated cache (:class:`LlamaRunner`)
+    int8_draft       the int8 draft: a copy of a float model with int8 linear layers, its weights cached as
+                     safetensors
 
 Why a floor: the verify ops (:mod:`diversed_ext.ops`) are what a server imports, and a verify-only build of the
 extension lacks these ops; nothing in ``ops`` imports this floor, and ``import diversed_ext`` does not load it.

@@ -19,6 +19,7 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 
 from ._native import forward_ops_built, require_forward_ops
+from .tensor_versions import tensor_versions
 
 # The weight quantisation of quantize_dynamic's default observer: qint8, per tensor, symmetric.
 WEIGHT_HALF_RANGE = 127.5  # (127 - (-128)) / 2: the largest |weight| maps to 127.5 steps, then clamps to 127
@@ -146,7 +147,7 @@ class Int8Linear(torch.nn.Module):
         """The weights packed for :func:`int8_linear`, remade only when a buffer was replaced or changed in place
         (the packed buffers are held, so a new tensor is never mistaken for an old one at the same address)."""
         buffers = (self.weight, self.scale, self.bias)
-        versions = tuple(-1 if tensor is None else tensor._version for tensor in buffers)
+        versions = tensor_versions(buffers)
         if (self._packed is None or self._packed[1] != versions
                 or not all(old is new for old, new in zip(self._packed[0], buffers))):
             self._packed = (buffers, versions, pack_int8([self.parts()]))

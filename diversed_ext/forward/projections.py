@@ -26,6 +26,7 @@ import torch
 from .float_linear import FloatWeights, float_linear, pack_float
 from .int8 import Int8Linear, Int8Weights, int8_linear, pack_int8
 from .llama_layers import LlamaLayers, collect_llama_layers
+from .tensor_versions import tensor_versions
 
 # Packed weights per module group, kept while the first module lives: decoders made one after another over the same
 # models (the demo makes one per method) pack them once.
@@ -51,7 +52,7 @@ def _packed_int8(modules: Sequence[torch.nn.Module]) -> Optional[Int8Weights]:
         return modules[0].packed()
     tensors = tuple(tensor for module in modules for tensor in (module.weight, module.scale, module.bias)
                     if tensor is not None)
-    return _cached(modules, tensors, tuple(tensor._version for tensor in tensors),
+    return _cached(modules, tensors, tensor_versions(tensors),
                    lambda: pack_int8([module.parts() for module in modules]))
 
 
@@ -63,7 +64,7 @@ def _packed_float(modules: Sequence[torch.nn.Module]) -> Optional[FloatWeights]:
     if not all(packable(module) for module in modules):
         return None
     tensors = tuple(tensor for module in modules for tensor in (module.weight, module.bias) if tensor is not None)
-    return _cached(modules, tensors, tuple(tensor._version for tensor in tensors),
+    return _cached(modules, tensors, tensor_versions(tensors),
                    lambda: pack_float([(module.weight, module.bias) for module in modules]))
 
 

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from ..forward._native import forward_ops_built
+from ..forward.tensor_versions import tensor_version
 
 INITIAL_CAPACITY = 256  # cached positions a new cache has room for; it doubles when a step needs more
 # The products int8 products quantise: a draft step's. Not ``fc``, which runs once per verified position (no step
@@ -166,7 +167,8 @@ def int8_products(head) -> bool:
 def step_weights(head) -> StepWeights:
     """The head's :class:`StepWeights`, rebuilt when any parameter was changed, moved or cast since, or the choice of
     int8 products changed."""
-    key = (int8_products(head), *((p.data_ptr(), p._version, p.dtype, p.device) for p in head.parameters()))
+    parameters = head.parameters()
+    key = (int8_products(head), *((p.data_ptr(), tensor_version(p), p.dtype, p.device) for p in parameters))
     prepared = head.__dict__.get("_step_weights")
     if prepared is None or prepared.key != key:
         prepared = StepWeights(head, key)

@@ -238,6 +238,17 @@ def test_a_cache_filled_in_inference_mode_carries_on_outside_it():
     assert fast.length == 4
 
 
+def test_a_head_made_in_inference_mode_steps():
+    """A head built (loaded) under ``torch.inference_mode``: its parameters keep no version counter, which the
+    prepared weights' key must not ask for."""
+    with torch.inference_mode():
+        head = make_head(torch.float32, seed=7)
+        tokens, features = torch.tensor([2, 8]), torch.randn(2, head.config.hidden_size)
+        got = head.step(tokens, features, head.new_cache())
+        want = reference_step(head, tokens, features, ReferenceCache())
+    torch.testing.assert_close(got[0], want[0], **tolerances(torch.float32))
+
+
 STEP_ROWS_PRODUCTS = ["float64", "float32", pytest.param("int8", marks=pytest.mark.skipif(
     not forward_ops_built(), reason="the native forward ops are not built"))]
 

@@ -89,6 +89,28 @@ def test_int8_weights_are_packed_again_when_they_change(monkeypatch):
     assert not torch.allclose(before, after)
 
 
+@pytest.mark.parametrize("kind", ["float32", "int8"])
+def test_models_made_under_inference_mode_run(kind):
+    """Tensors made under torch.inference_mode() keep no version counter (asking raises): a model loaded or quantised
+    there must still run, and replacing one of its weights must still be seen."""
+    with torch.inference_mode():
+        model = forward_llama(2)
+        model = quantize_int8(model) if kind == "int8" else model
+    feed = list(range(6))
+    logits, _, _ = LlamaRunner(model)(feed, None, 6)
+    with torch.inference_mode():
+        expected = model(torch.tensor([feed])).logits[0]
+        torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
+        head = model.lm_head
+        if kind == "int8":
+            head.weight = -head.weight.clamp(min=-127)
+        else:
+            head.weight = torch.nn.Parameter(-head.weight)
+        replaced, _, _ = LlamaRunner(model)(feed, None, 6)
+        torch.testing.assert_close(replaced, model(torch.tensor([feed])).logits[0], rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(replaced, logits)
+
+
 @pytest.mark.parametrize("capacity", [1, 3, 8])
 def test_cache_grows_past_its_capacity_and_keeps_the_prefix(capacity):
     model = forward_llama(3)

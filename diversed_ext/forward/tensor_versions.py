@@ -1,0 +1,26 @@
+"""When weights prepared once from a module's tensors (packed, concatenated) must be prepared again.
+
+A tensor's ``_version`` counts its in-place changes, but an inference tensor (one made under
+``torch.inference_mode()``, as a model loaded or quantised there is) keeps no counter and raises when asked. Its
+in-place changes cannot be seen: such a tensor counts as never changed, and replacing it (a new tensor object) is
+what makes the weights prepared again.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+import torch
+
+UNVERSIONED = -1  # the version given to an inference tensor, and to a missing one (a bias of None)
+
+
+def tensor_version(tensor: Optional[torch.Tensor]) -> int:
+    """``tensor._version``, or :data:`UNVERSIONED` for None or an inference tensor."""
+    if tensor is None or tensor.is_inference():
+        return UNVERSIONED
+    return tensor._version
+
+
+def tensor_versions(tensors: Iterable[Optional[torch.Tensor]]) -> tuple:
+    return tuple(tensor_version(tensor) for tensor in tensors)
