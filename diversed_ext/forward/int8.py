@@ -19,7 +19,7 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 
 from ._native import forward_ops_built, require_forward_ops
-from .tensor_versions import tensor_versions
+from .tensor_versions import TensorStamp
 
 # The weight quantisation of quantize_dynamic's default observer: qint8, per tensor, symmetric.
 WEIGHT_HALF_RANGE = 127.5  # (127 - (-128)) / 2: the largest |weight| maps to 127.5 steps, then clamps to 127
@@ -131,7 +131,7 @@ class Int8Linear(torch.nn.Module):
         self.register_buffer("weight", weight.detach().contiguous())
         self.register_buffer("scale", torch.tensor(float(scale), dtype=torch.float32))
         self.register_buffer("bias", None if bias is None else bias.detach().float().cpu())
-        self._packed: Optional[tuple] = None  # (the buffers packed, their versions, Int8Weights)
+        self._packed: Optional[tuple] = None  # (TensorStamp of the buffers packed, Int8Weights)
 
     @classmethod
     def from_float(cls, linear: torch.nn.Linear) -> "Int8Linear":
@@ -147,11 +147,9 @@ class Int8Linear(torch.nn.Module):
         """The weights packed for :func:`int8_linear`, remade only when a buffer was replaced or changed in place
         (the packed buffers are held, so a new tensor is never mistaken for an old one at the same address)."""
         buffers = (self.weight, self.scale, self.bias)
-        versions = tensor_versions(buffers)
-        if (self._packed is None or self._packed[1] != versions
-                or not all(old is new for old, new in zip(self._packed[0], buffers))):
-            self._packed = (buffers, versions, pack_int8([self.parts()]))
-        return self._packed[2]
+        if self._packed is None or not self._packed[0].matches(buffers):
+            self._packed = (TensorStamp.of(buffers), pack_int8([self.parts()]))
+        return self._packed[1]
 
     def dequantized_weight(self) -> torch.Tensor:
         """The float32 weight the int8 one stands for: ``weight * scale``."""

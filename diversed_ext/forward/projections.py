@@ -26,22 +26,21 @@ import torch
 from .float_linear import FloatWeights, float_linear, pack_float
 from .int8 import Int8Linear, Int8Weights, int8_linear, pack_int8
 from .llama_layers import LlamaLayers, collect_llama_layers
-from .tensor_versions import tensor_versions
+from .tensor_versions import TensorStamp
 
 # Packed weights per module group, kept while the first module lives: decoders made one after another over the same
 # models (the demo makes one per method) pack them once.
 _PACKED: "weakref.WeakKeyDictionary[torch.nn.Module, list]" = weakref.WeakKeyDictionary()
 
 
-def _cached(modules: Sequence[torch.nn.Module], sources: tuple, versions: tuple, pack: Callable):
-    """``pack()`` once per module group: reused while the group keeps the same source objects (held by the cache
-    entry, so an old object's id cannot be mistaken for a new one) at the same versions (in-place changes)."""
-    for cached_sources, cached_versions, packed in _PACKED.get(modules[0], ()):
-        if cached_versions == versions and all(a is b for a, b in zip(cached_sources, sources)):
+def _cached(modules: Sequence[torch.nn.Module], sources: tuple, pack: Callable):
+    """``pack()`` once per module group: reused while the group keeps the same source tensors, unchanged."""
+    for stamp, packed in _PACKED.get(modules[0], ()):
+        if stamp.matches(sources):
             return packed
     packed = pack()
     if packed is not None:
-        _PACKED.setdefault(modules[0], []).append((sources, versions, packed))
+        _PACKED.setdefault(modules[0], []).append((TensorStamp.of(sources), packed))
     return packed
 
 
@@ -52,8 +51,7 @@ def _packed_int8(modules: Sequence[torch.nn.Module]) -> Optional[Int8Weights]:
         return modules[0].packed()
     tensors = tuple(tensor for module in modules for tensor in (module.weight, module.scale, module.bias)
                     if tensor is not None)
-    return _cached(modules, tensors, tensor_versions(tensors),
-                   lambda: pack_int8([module.parts() for module in modules]))
+    return _cached(modules, tensors, lambda: pack_int8([module.parts() for module in modules]))
 
 
 def _packed_float(modules: Sequence[torch.nn.Module]) -> Optional[FloatWeights]:
@@ -64,8 +62,7 @@ def _packed_float(modules: Sequence[torch.nn.Module]) -> Optional[FloatWeights]:
     if not all(packable(module) for module in modules):
         return None
     tensors = tuple(tensor for module in modules for tensor in (module.weight, module.bias) if tensor is not None)
-    return _cached(modules, tensors, tensor_versions(tensors),
-                   lambda: pack_float([(module.weight, module.bias) for module in modules]))
+    return _cached(modules, tensors, lambda: pack_float([(module.weight, module.bias) for module in modules]))
 
 
 class Projections:

@@ -8,7 +8,7 @@ what makes the weights prepared again.
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Iterable, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -24,3 +24,21 @@ def tensor_version(tensor: Optional[torch.Tensor]) -> int:
 
 def tensor_versions(tensors: Iterable[Optional[torch.Tensor]]) -> tuple:
     return tuple(tensor_version(tensor) for tensor in tensors)
+
+
+class TensorStamp(NamedTuple):
+    """The tensors something was prepared from, held (so a new tensor is never mistaken for a freed one at the same
+    address), and their versions then."""
+
+    tensors: tuple
+    versions: tuple
+
+    @classmethod
+    def of(cls, tensors: Iterable[Optional[torch.Tensor]]) -> "TensorStamp":
+        tensors = tuple(tensors)
+        return cls(tensors, tensor_versions(tensors))
+
+    def matches(self, tensors: Sequence[Optional[torch.Tensor]]) -> bool:
+        """Whether ``tensors`` are the same objects, unchanged in place since."""
+        return (len(tensors) == len(self.tensors) and all(a is b for a, b in zip(self.tensors, tensors))
+                and tensor_versions(tensors) == self.versions)

@@ -167,8 +167,8 @@ def int8_products(head) -> bool:
 def step_weights(head) -> StepWeights:
     """The head's :class:`StepWeights`, rebuilt when any parameter was changed, moved or cast since, or the choice of
     int8 products changed."""
-    parameters = head.parameters()
-    key = (int8_products(head), *((p.data_ptr(), tensor_version(p), p.dtype, p.device) for p in parameters))
+    key = (int8_products(head),
+           *((p.data_ptr(), tensor_version(p), p.dtype, p.device) for p in head.parameters()))
     prepared = head.__dict__.get("_step_weights")
     if prepared is None or prepared.key != key:
         prepared = StepWeights(head, key)
