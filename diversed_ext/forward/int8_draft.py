@@ -69,8 +69,9 @@ def save_int8_weights(draft: torch.nn.Module, path: Union[str, Path], *, source:
 
 
 def _read_layers(path: Union[str, Path], source: Optional[dict]) -> Optional[dict]:
-    """name -> (int8 weight, scale, bias) of every layer in a :func:`save_int8_weights` file; None when the file is
-    missing, unreadable, written from another ``source`` or holds a layer without an int8 weight and a scale."""
+    """name -> :class:`Int8Linear` of every layer in a :func:`save_int8_weights` file; None when the file is missing,
+    unreadable, written from another ``source`` or holds a layer that is not a valid Int8Linear (weight, scale,
+    bias)."""
     from safetensors import SafetensorError, safe_open
 
     try:
@@ -87,11 +88,12 @@ def _read_layers(path: Union[str, Path], source: Optional[dict]) -> Optional[dic
             continue
         name = key[:-len(INT8_SUFFIX)]
         scale = tensors.get(name + SCALE_SUFFIX)
-        if weight.dim() != 2 or weight.dtype != torch.int8 or scale is None or scale.numel() != 1:
+        if scale is None or scale.numel() != 1:
             return None
-        if not 0 < float(scale) < float("inf"):
+        try:
+            layers[name] = Int8Linear(weight, float(scale), tensors.get(name + BIAS_SUFFIX))
+        except (TypeError, ValueError):  # Int8Linear's own checks: the weight, the scale, the bias
             return None
-        layers[name] = (weight, float(scale), tensors.get(name + BIAS_SUFFIX))
     return layers
 
 
@@ -105,9 +107,7 @@ def load_int8_draft(target: torch.nn.Module, path: Union[str, Path], *,
         return None
     linears = [(name, module) for name, module in target.named_modules() if type(module) is torch.nn.Linear]
     for name, linear in linears:
-        weight, _, bias = layers.get(name, (None, None, None))
-        if weight is None or weight.shape != linear.weight.shape:
+        layer = layers.get(name)
+        if layer is None or layer.weight.shape != linear.weight.shape or (layer.bias is None) != (linear.bias is None):
             return None
-        if (bias is None) != (linear.bias is None) or (bias is not None and bias.shape != (weight.shape[0],)):
-            return None
-    return _swap_linears(_draft_shell(target, inplace=False), lambda name, linear: Int8Linear(*layers[name]))
+    return _swap_linears(_draft_shell(target, inplace=False), lambda name, linear: layers[name])
