@@ -4,11 +4,21 @@ session, and vLLM without speculation as the baseline every law test compares wi
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
 
 # vLLM's multiprocessing spawns its engine processes; they must not inherit a pytest-sized thread count.
 os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def engine_sockets():
+    """vLLM's engines talk over IPC sockets it names in the temporary folder and does not all remove when an engine
+    stops; here they go to a folder of the session's own, removed at its end, instead of piling up in /tmp."""
+    with tempfile.TemporaryDirectory(prefix="vllm-ipc-") as folder:
+        os.environ["VLLM_RPC_BASE_PATH"] = folder
+        yield folder
 
 
 @pytest.fixture(scope="session")
