@@ -21,18 +21,17 @@ import torch
 
 import diversed_ext as dx
 
-from helpers import REPO_ROOT
+from helpers import REPO_ROOT, fenced_blocks
 
 PAGE = REPO_ROOT / "docs" / "decoding.md"
 README = REPO_ROOT / "README.md"
-PYTHON_BLOCK = re.compile(r"^```python\n(.*?)^```", re.MULTILINE | re.DOTALL)
 NEW_TOKENS = 6
 # Decoders the page promises: the first example's, the shipped head's, both EAGLE-3 ones, a tokens-only drafter's.
 PROMISED = {"decoder", "diversed", "eagle_sd", "eagle_diversed", "ngram", "gate"}
 
 
 def python_blocks(document=PAGE) -> list[str]:
-    return PYTHON_BLOCK.findall(document.read_text(encoding="utf-8"))
+    return fenced_blocks(document, "python")
 
 
 def test_the_page_has_its_examples():

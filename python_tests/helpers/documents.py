@@ -1,0 +1,35 @@
+"""What the documents show, for the tests that hold them to the code: their fenced blocks, their command lines, and
+the command arguments a reader would type (README.md and docs/*.md are DOCUMENTS in helpers/__init__.py)."""
+
+import re
+import shlex
+
+__all__ = ["fenced_blocks", "command_lines", "typed_arguments"]
+
+FENCED_BLOCK = re.compile(r"^```(\w*)\n(.*?)^```", re.MULTILINE | re.DOTALL)
+INLINE_CODE = re.compile(r"`([^`]+)`")
+# A bare capital in a documented command stands for a value of its flag (`--steps N`): these are sample values.
+PLACEHOLDERS = {"N": "4", "K": "3", "M": "1", "W": "2", "T": "0.3"}
+
+
+def fenced_blocks(document, language: str) -> list:
+    """The bodies of the document's ```<language> blocks, in order."""
+    return [body for lang, body in FENCED_BLOCK.findall(document.read_text(encoding="utf-8")) if lang == language]
+
+
+def command_lines(document, *, inline: bool = False) -> list:
+    """Every command line of the document's bash blocks (continuation lines joined, whitespace collapsed) and, with
+    ``inline``, every inline code span of its prose (a span may run over a line break)."""
+    lines = [" ".join(line.split()) for block in fenced_blocks(document, "bash")
+             for line in block.replace("\\\n", " ").splitlines() if line.strip()]
+    if inline:
+        prose = FENCED_BLOCK.sub("", document.read_text(encoding="utf-8"))
+        lines += [" ".join(span.split()) for span in INLINE_CODE.findall(prose)]
+    return lines
+
+
+def typed_arguments(words: str) -> list:
+    """The arguments as a reader would type them: optional parts in brackets given, ``...`` left out, capital
+    placeholders filled with sample values, a trailing comment cut."""
+    split = shlex.split(words.replace("[", " ").replace("]", " "), comments=True)
+    return [PLACEHOLDERS.get(word, word) for word in split if word != "..."]

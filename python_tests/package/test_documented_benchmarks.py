@@ -1,0 +1,110 @@
+"""Every benchmark command the documents show (``python bench/<script>.py ...`` in a bash block or inline, and the
+arguments of ``diversed bench e2e|verify ...``) names a script of bench/ and parses with that script's own
+``parse_args``: the commands behind the figures of RESULTS.md and benchmarks.md stay commands that run. The scripts
+are imported, not run (each keeps its work under ``if __name__ == "__main__"`` and imports vLLM only when it runs).
+"""
+
+import argparse
+import contextlib
+import importlib.util
+import io
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers import DOCUMENTS, REPO_ROOT, command_lines, typed_arguments
+
+BENCH = REPO_ROOT / "bench"
+# `[VAR=value ...] [python] bench/<script>.py [arguments]`
+SCRIPT_COMMAND = re.compile(r"^((?:\w+=\S*\s+)*)(?:\S*python3?\s+)?bench/(\w+)\.py(?:\s+(.*))?$")
+CLI_BENCH = re.compile(r"^(?:\S*/)?diversed bench (e2e|verify)(?:\s+(.*))?$")
+CLI_SCRIPTS = {"e2e": "bench_e2e", "verify": "bench_verify"}  # what `diversed bench WHICH` runs
+
+
+def documented_benchmarks() -> list:
+    """(document name, the command as written, script name, its argument text, its environment assignments) of every
+    benchmark command."""
+    found = []
+    for document in DOCUMENTS:
+        for line in command_lines(document, inline=True):
+            script_command, cli_command = SCRIPT_COMMAND.match(line), CLI_BENCH.match(line)
+            if script_command:
+                environment, script, arguments = script_command.groups()
+                found.append((document.name, line, script, arguments or "", environment.strip()))
+            elif cli_command:
+                found.append((document.name, line, CLI_SCRIPTS[cli_command.group(1)], cli_command.group(2) or "", ""))
+    return sorted(set(found))
+
+
+BENCHMARKS = documented_benchmarks()
+
+
+def lay_out_inputs(arguments: list) -> None:
+    """Creates, in the working folder, the inputs a reader running the command would have, which a parser may check
+    exist: each data file (``*.jsonl``) and each ``--pair`` folder as ``diversed export-pair`` lays it out."""
+    for flag, value in zip(arguments, arguments[1:] + [""]):
+        if flag.endswith(".jsonl"):
+            Path(flag).parent.mkdir(parents=True, exist_ok=True)
+            Path(flag).touch()
+        elif flag == "--pair":
+            for model in ("target", "draft"):
+                (Path(value) / model).mkdir(parents=True, exist_ok=True)
+                (Path(value) / model / "config.json").write_text("{}")
+
+
+@pytest.fixture(scope="module")
+def bench_module():
+    """Imports a bench/ script by name, with bench/ on sys.path for its sibling modules (pass_costs, vllm_common)."""
+    sys.path.insert(0, str(BENCH))
+    loaded = {}
+
+    def load(name: str):
+        if name not in loaded:
+            spec = importlib.util.spec_from_file_location(f"documented_{name}", BENCH / f"{name}.py")
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[spec.name] = module  # its dataclasses look their module up while the script runs
+            spec.loader.exec_module(module)
+            loaded[name] = module
+        return loaded[name]
+
+    yield load
+    sys.path.remove(str(BENCH))
+    for name in loaded:
+        sys.modules.pop(f"documented_{name}", None)
+
+
+def test_the_documents_show_benchmarks():
+    assert len(BENCHMARKS) >= 10
+    assert {script for _, _, script, _, _ in BENCHMARKS} >= {"bench_e2e", "bench_verify", "bench_drafters",
+                                                              "bench_vllm"}
+
+
+@pytest.mark.parametrize("document, command, script, arguments, environment", BENCHMARKS,
+                         ids=[f"{name}:{command[:60]}" for name, command, *_ in BENCHMARKS])
+def test_the_documented_benchmark_parses(document, command, script, arguments, environment, bench_module, tmp_path,
+                                        monkeypatch):
+    assert (BENCH / f"{script}.py").is_file(), f"{document}: `{command}` names no script of bench/"
+    module = bench_module(script)
+    if not hasattr(module, "parse_args"):  # a script without options: the documents must give it none
+        assert not typed_arguments(arguments), f"{document}: `{command}` passes options to a script that takes none"
+        return
+    typed = typed_arguments(arguments)
+    for assignment in environment.split():
+        monkeypatch.setenv(*assignment.split("=", 1))
+    monkeypatch.chdir(tmp_path)
+    lay_out_inputs(typed)
+    errors = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(errors):
+            parsed = module.parse_args(typed)
+    except SystemExit as exit:
+        pytest.fail(f"{document}: `{command}` does not parse (exit {exit.code}): {errors.getvalue().strip()}")
+    assert isinstance(parsed, argparse.Namespace)
+
+
+def test_a_wrong_option_fails_the_check(bench_module):
+    with pytest.raises(SystemExit) as exit, contextlib.redirect_stderr(io.StringIO()):
+        bench_module("bench_e2e").parse_args(typed_arguments("--draft-length gain"))  # the flag is --draft-lengths
+    assert exit.value.code == 2
