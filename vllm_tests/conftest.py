@@ -13,11 +13,13 @@ os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
 
 
 @pytest.fixture(scope="session", autouse=True)
-def engine_sockets():
-    """vLLM's engines talk over IPC sockets it names in the temporary folder and does not all remove when an engine
-    stops; here they go to a folder of the session's own, removed at its end, instead of piling up in /tmp."""
-    with tempfile.TemporaryDirectory(prefix="vllm-ipc-") as folder:
-        os.environ["VLLM_RPC_BASE_PATH"] = folder
+def engine_files():
+    """vLLM's engines leave files in the temporary folder when they stop: the IPC sockets they talk over and the file
+    each worker's process group starts from. Here the sockets, and everything the processes vLLM starts put in their
+    temporary folder, go to a folder of the session's own, removed at its end, instead of piling up in /tmp."""
+    with tempfile.TemporaryDirectory(prefix="vllm-engines-") as folder, pytest.MonkeyPatch.context() as patch:
+        patch.setenv("VLLM_RPC_BASE_PATH", folder)
+        patch.setenv("TMPDIR", folder)  # read by each process vLLM spawns (this one has chosen its folder already)
         yield folder
 
 

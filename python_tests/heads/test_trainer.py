@@ -155,7 +155,8 @@ def test_two_process_ddp_on_cpu(tmp_path):
     result_path = str(tmp_path / "result")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", worker,
                str(tmp_path / "run"), result_path]
-    environment = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+    # TMPDIR: torchrun's agent leaves a folder of its own in the temporary folder; it goes to the test's.
+    environment = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", TMPDIR=str(tmp_path))
     run = run_process_tree(command, timeout=DDP_TIMEOUT_SECONDS, env=environment)
     assert run.seconds < DDP_TIMEOUT_SECONDS + KILL_GRACE_SECONDS
     assert not run.timed_out, f"torchrun did not finish within {DDP_TIMEOUT_SECONDS} s:\n{run.output[-4000:]}"
