@@ -16,8 +16,12 @@ os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
 def engine_files():
     """vLLM's engines leave files in the temporary folder when they stop: the IPC sockets they talk over and the file
     each worker's process group starts from. Here the sockets, and everything the processes vLLM starts put in their
-    temporary folder, go to a folder of the session's own, removed at its end, instead of piling up in /tmp."""
+    temporary folder, go to a folder of the session's own, removed at its end, instead of piling up in /tmp. The
+    compiled kernels torch caches there stay where torch keeps them, shared with later runs."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
     with tempfile.TemporaryDirectory(prefix="vllm-engines-") as folder, pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TORCHINDUCTOR_CACHE_DIR", cache_dir())  # what it is now, before the temporary folder moves
         patch.setenv("VLLM_RPC_BASE_PATH", folder)
         patch.setenv("TMPDIR", folder)  # read by each process vLLM spawns (this one has chosen its folder already)
         yield folder
