@@ -5,15 +5,12 @@ documented line becomes arguments (brackets, ``...``, placeholders) is helpers/d
 ``diversed bench e2e`` belong to the benchmark script's parser: package/test_documented_benchmarks.py parses them.
 """
 
-import argparse
-import contextlib
-import io
 import re
 
 import pytest
 
 from diversed_ext.cli import build_parser
-from helpers import DOCUMENTS, command_lines, typed_arguments
+from helpers import DOCUMENTS, command_lines, parse_outcome, typed_arguments
 
 COMMAND = re.compile(r"^(?:\S*/)?diversed\s")  # `diversed ...` or `.venv/bin/diversed ...`
 COMMANDS = [(document.name, line) for document in DOCUMENTS for line in command_lines(document) if COMMAND.match(line)]
@@ -26,17 +23,12 @@ def test_the_documents_show_commands():
 
 @pytest.mark.parametrize("document, command", COMMANDS, ids=[f"{name}:{command[:60]}" for name, command in COMMANDS])
 def test_the_documented_command_parses(document, command):
-    errors = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(errors), contextlib.redirect_stdout(io.StringIO()):
-            parsed = build_parser().parse_args(typed_arguments(command)[1:])
-    except SystemExit as exit:  # --version prints and exits 0; a parse error exits 2 after saying why
-        assert exit.code == 0, f"{document}: `{command}` does not parse: {errors.getvalue().strip()}"
-        return
-    assert isinstance(parsed, argparse.Namespace) and parsed.command
+    parsed, exit_code, errors = parse_outcome(build_parser().parse_args, typed_arguments(command)[1:])
+    # --version prints and exits 0; a parse error exits 2 after saying why
+    assert exit_code in (None, 0), f"{document}: `{command}` does not parse: {errors}"
+    assert exit_code == 0 or parsed.command
 
 
 def test_a_wrong_flag_fails_the_check():
-    with pytest.raises(SystemExit) as exit, contextlib.redirect_stderr(io.StringIO()):
-        build_parser().parse_args(typed_arguments("diversed eval --methods sd  # a flag that does not exist")[1:])
-    assert exit.value.code == 2
+    arguments = typed_arguments("diversed eval --methods sd  # a flag that does not exist")[1:]
+    assert parse_outcome(build_parser().parse_args, arguments)[1] == 2

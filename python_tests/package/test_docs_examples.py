@@ -57,22 +57,24 @@ def page_namespace(tmp_path_factory):
     return namespace
 
 
-def test_every_example_runs_and_builds_what_the_page_names(page_namespace):
+def built_decoders(namespace: dict) -> dict:
+    """name -> SpeculativeDecoder of every decoder the examples left in ``namespace``."""
     from diversed_ext.decoding import SpeculativeDecoder
 
-    built = {name for name, value in page_namespace.items() if isinstance(value, SpeculativeDecoder)}
+    return {name: value for name, value in namespace.items() if isinstance(value, SpeculativeDecoder)}
+
+
+def test_every_example_runs_and_builds_what_the_page_names(page_namespace):
+    built = built_decoders(page_namespace).keys()
     assert PROMISED <= built, f"the page no longer builds {sorted(PROMISED - built)}"
     assert page_namespace["s"].tokens_per_pass >= 1.0  # the first example's summary of its 64 tokens
     assert page_namespace["__printed__"].strip(), "the first example prints its decoded text"
 
 
 def test_every_decoder_the_page_builds_decodes(page_namespace):
-    from diversed_ext.decoding import SpeculativeDecoder
-
     ids = page_namespace["ids"]
     vocabulary = page_namespace["target"].config.vocab_size
-    decoders = {name: value for name, value in page_namespace.items() if isinstance(value, SpeculativeDecoder)}
-    for name, decoder in sorted(decoders.items()):
+    for name, decoder in sorted(built_decoders(page_namespace).items()):
         tokens = decoder.generate(ids, max_new_tokens=NEW_TOKENS, seed=0).sequences[0]
         assert len(tokens) == NEW_TOKENS, name  # no EOS given: every prompt runs to its budget
         assert 0 <= int(tokens.min()) and int(tokens.max()) < vocabulary, name

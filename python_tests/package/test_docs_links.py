@@ -6,23 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from helpers import DOCUMENTS, REPO_ROOT as ROOT
+from helpers import DOCUMENTS, REPO_ROOT as ROOT, prose_lines
 
 # [text](target) and ![alt](target); the target ends at the first space (an optional title follows) or ")".
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)[^)]*\)")
-FENCE = re.compile(r"^\s*(```|~~~)")
 HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
-
-
-def prose_lines(path: Path):
-    """The file's lines outside fenced code blocks, where a '#' starts a comment, not a heading."""
-    in_code = False
-    for line in path.read_text(encoding="utf-8").splitlines():
-        if FENCE.match(line):
-            in_code = not in_code
-            continue
-        if not in_code:
-            yield line
 
 
 def slug(heading: str) -> str:

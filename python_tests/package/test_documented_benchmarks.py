@@ -5,16 +5,14 @@ are imported, not run (each keeps its work under ``if __name__ == "__main__"`` a
 """
 
 import argparse
-import contextlib
 import importlib.util
-import io
 import re
 import sys
 from pathlib import Path
 
 import pytest
 
-from helpers import DOCUMENTS, REPO_ROOT, command_lines, typed_arguments
+from helpers import DOCUMENTS, REPO_ROOT, command_lines, parse_outcome, typed_arguments
 
 BENCH = REPO_ROOT / "bench"
 # `[VAR=value ...] [python] bench/<script>.py [arguments]`
@@ -44,14 +42,14 @@ BENCHMARKS = documented_benchmarks()
 def lay_out_inputs(arguments: list) -> None:
     """Creates, in the working folder, the inputs a reader running the command would have, which a parser may check
     exist: each data file (``*.jsonl``) and each ``--pair`` folder as ``diversed export-pair`` lays it out."""
-    for flag, value in zip(arguments, arguments[1:] + [""]):
-        if flag.endswith(".jsonl"):
-            Path(flag).parent.mkdir(parents=True, exist_ok=True)
-            Path(flag).touch()
-        elif flag == "--pair":
+    for word, following in zip(arguments, arguments[1:] + [""]):
+        if word.endswith(".jsonl"):
+            Path(word).parent.mkdir(parents=True, exist_ok=True)
+            Path(word).touch()
+        elif word == "--pair":
             for model in ("target", "draft"):
-                (Path(value) / model).mkdir(parents=True, exist_ok=True)
-                (Path(value) / model / "config.json").write_text("{}")
+                (Path(following) / model).mkdir(parents=True, exist_ok=True)
+                (Path(following) / model / "config.json").write_text("{}")
 
 
 @pytest.fixture(scope="module")
@@ -95,16 +93,11 @@ def test_the_documented_benchmark_parses(document, command, script, arguments, e
         monkeypatch.setenv(*assignment.split("=", 1))
     monkeypatch.chdir(tmp_path)
     lay_out_inputs(typed)
-    errors = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(errors):
-            parsed = module.parse_args(typed)
-    except SystemExit as exit:
-        pytest.fail(f"{document}: `{command}` does not parse (exit {exit.code}): {errors.getvalue().strip()}")
+    parsed, exit_code, errors = parse_outcome(module.parse_args, typed)
+    assert exit_code is None, f"{document}: `{command}` does not parse (exit {exit_code}): {errors}"
     assert isinstance(parsed, argparse.Namespace)
 
 
 def test_a_wrong_option_fails_the_check(bench_module):
-    with pytest.raises(SystemExit) as exit, contextlib.redirect_stderr(io.StringIO()):
-        bench_module("bench_e2e").parse_args(typed_arguments("--draft-length gain"))  # the flag is --draft-lengths
-    assert exit.value.code == 2
+    arguments = typed_arguments("--draft-length gain")  # the flag is --draft-lengths
+    assert parse_outcome(bench_module("bench_e2e").parse_args, arguments)[1] == 2
