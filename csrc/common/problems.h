@@ -99,8 +99,7 @@ struct VerifyProblem {
   // The weight a drafted position verifies with (verify_weight): weight_at, or 1 where the target forbids the drafted
   // token, whose target mass is p (0 for an id outside [0, V)).
   DX_HD float verify_weight_at(int64_t row, int64_t position, float p) const {
-    const int64_t token = draft_tokens[row * num_positions + position];
-    return verify_weight(weight_at(row, position), token >= 0 && token < vocab, p);
+    return verify_weight(weight_at(row, position), p);
   }
 };
 

@@ -66,9 +66,11 @@ DX_HD float mix_mass(float w, float p, float q) {
 
 // The weight a drafted position verifies with: its own w, or 1 where the target forbids the drafted token (p its
 // sanitised target mass). nu(x) is then p(x) = 0, so the draft is never accepted (accept probability 0), and the
-// correction comes from norm(max(0, p - q)) whatever w was. An id outside [0, V) (`valid` false, only reachable with
-// check_inputs=False) keeps its w: it is rejected by its own rule.
-DX_HD float verify_weight(float w, bool valid, float p) { return valid && target_forbids(p) ? 1.0f : w; }
+// correction comes from norm(max(0, p - q)) whatever w was. An id outside [0, V) (only reachable with
+// check_inputs=False) passes p = 0: a draft the target forbids, which is what a server means by it (vLLM, scheduling
+// asynchronously, marks -1 a draft that its request's grammar rejects), so the position follows the law the
+// forbidden token itself would have given it.
+DX_HD float verify_weight(float w, float p) { return target_forbids(p) ? 1.0f : w; }
 
 // Accept the drafted token iff u * q(x) < nu(x); exact in double because u, q and nu are float32 values.
 DX_HD bool accept_draft(double u, float q, float nu) { return u * static_cast<double>(q) < static_cast<double>(nu); }

@@ -80,7 +80,7 @@ RowPlan accept_row(const VerifyProblem& problem, const Rows& rows, int64_t row) 
       accepted = valid && token == best && !target_forbids(p);
       probability = accepted ? 1.0f : 0.0f;
     } else if (valid) {
-      const float nu = mix_mass(verify_weight(problem.weight_at(row, i), valid, p), p, q);
+      const float nu = mix_mass(verify_weight(problem.weight_at(row, i), p), p, q);
       probability = accept_probability(nu, q);
       accepted = accept_draft(problem.uniform(row, i), q, nu);
     }

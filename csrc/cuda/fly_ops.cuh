@@ -63,7 +63,7 @@ __device__ int64_t fly_sampled_length(const VerifyProblem& params, const Rows& r
     if (valid) {
       p = mass_at(rows.target_row(params, b, i), token);
       q = mass_at(rows.draft_row(params, b, i), token);
-      passed = accept_draft(params.uniform(b, i), q, mix_mass(verify_weight(params.weight_at(b, i), true, p), p, q));
+      passed = accept_draft(params.uniform(b, i), q, mix_mass(verify_weight(params.weight_at(b, i), p), p, q));
     }
     const int64_t asked = walk.feed(i, passed, fly_deferrable(false, valid, p, q));
     if (asked >= 0) walk.settle(fly_entropy_defers(params, rows, b, asked, s));

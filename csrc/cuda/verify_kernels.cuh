@@ -122,8 +122,8 @@ inline int64_t logits_scratch_size(int64_t batch, int64_t num_positions) {
   return batch * (2 * num_positions + 1);
 }
 
-// The weight a request's rejection at m verifies with (verify_weight): 1 where the target forbids the draft x_m, so
-// its correction is drawn from the residual whatever w_m is.
+// The weight a request's rejection at m verifies with (verify_weight): 1 where the target forbids the draft x_m (or
+// x_m lies outside [0, V)), so its correction is drawn from the residual whatever w_m is.
 template <typename Rows>
 __device__ float rejection_weight(const VerifyProblem& params, const Rows& rows, int64_t b, int64_t m) {
   const int64_t token = params.draft_tokens[b * params.num_positions + m];
@@ -150,7 +150,7 @@ __device__ int64_t sampled_first_rejection(const VerifyProblem& params, const Ro
       const DraftRow draft = rows.draft_row(params, b, i);
       const float p = mass_at(target, token);
       const float q = mass_at(draft, token);
-      const float nu = mix_mass(verify_weight(params.weight_at(b, i), true, p), p, q);
+      const float nu = mix_mass(verify_weight(params.weight_at(b, i), p), p, q);
       probability = accept_probability(nu, q);
       accepted = accept_draft(params.uniform(b, i), q, nu);
     }

@@ -1,9 +1,10 @@
 """Pure-PyTorch DIVERSED verification: the same contract as the native ops, written the way a user would write it.
 
 It is the correctness oracle of the test suite and the baseline of every benchmark. It follows the arithmetic model of
-csrc/common/verify_math.h (float32 mixture without fused multiply-add, float64 accept test and cumulative sums), so on identical
-uniforms it returns the same tokens as the kernels, and the same support rule: a target probability below
-MIN_TARGET_MASS counts as zero, and a drafted token the target forbids verifies with w = 1.
+csrc/common/verify_math.h (float32 mixture without fused multiply-add, float64 accept test and cumulative sums), so
+on identical uniforms it returns the same tokens as the kernels, and the same support rule: a target probability below
+MIN_TARGET_MASS counts as zero, and a drafted token the target forbids (or, without checks, an id outside [0, V))
+verifies with w = 1.
 """
 
 from __future__ import annotations
@@ -92,12 +93,14 @@ def reference_core(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, target
     draft = _sanitize_mass(draft_probs.float())
 
     drafted = positions.unsqueeze(0) < num_draft.unsqueeze(1)
-    valid = (draft_tokens >= 0) & (draft_tokens < vocab) & drafted
+    valid_id = (draft_tokens >= 0) & (draft_tokens < vocab)
+    valid = valid_id & drafted
     safe_tokens = draft_tokens.clamp(0, vocab - 1).unsqueeze(-1)
     q_token = draft.gather(2, safe_tokens).squeeze(-1)
     p_token = target[:, :num_positions].gather(2, safe_tokens).squeeze(-1)
-    # A valid draft the target forbids verifies with w = 1: nu(x) = p(x) = 0, never accepted, corrected by the residual.
-    forbidden = (draft_tokens >= 0) & (draft_tokens < vocab) & target_forbids(p_token)
+    # A draft the target forbids verifies with w = 1: nu(x) = p(x) = 0, never accepted, corrected by the residual. So
+    # does an id outside [0, V) (p = 0 there): a server's mark for a draft it withdrew, such as vLLM's -1.
+    forbidden = target_forbids(torch.where(valid_id, p_token, 0.0))
     verify_weight = torch.where(forbidden, torch.ones_like(weight), weight)
     nu_token = verify_weight * p_token + (1 - verify_weight) * q_token
 

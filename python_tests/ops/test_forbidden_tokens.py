@@ -51,6 +51,27 @@ def test_forbidden_drafts_match_the_reference_and_keep_the_constraints(form, wei
     assert hits.sum() > 20  # the case does draft forbidden tokens
 
 
+@pytest.mark.parametrize("weight", WEIGHTS)
+@pytest.mark.parametrize("form", FORBIDDEN_FORMS)
+def test_an_id_outside_the_vocabulary_verifies_as_a_forbidden_draft(form, weight, device):
+    """What vLLM hands over when it schedules asynchronously: a draft its grammar rejects, replaced by -1 after the
+    draft was sampled. Without checks such an id (here -1, V, 2^40 and -2^40 in turn) verifies as the forbidden token
+    itself: the same tokens, accepted counts and accept_prob on identical uniforms, natively and in the reference. (At
+    w = 0 with a draft distribution, keeping the row's own w would draw the correction from p, not the residual.)"""
+    batch, num_positions, vocab = 48, 4, 29
+    tokens, draft, target, forbidden, kwargs = forbidden_case(batch, num_positions, vocab, form,
+                                                              seed=11 + WEIGHTS.index(weight))
+    w = weight_of(weight, batch, num_positions, seed=3)
+    hits = forbidden[:, :num_positions].gather(2, tokens.unsqueeze(-1)).squeeze(-1)
+    marks = torch.tensor([-1, vocab, 2**40, -(2**40)])[torch.arange(batch * num_positions) % 4]
+    marked = torch.where(hits, marks.reshape(batch, num_positions), tokens)
+    as_token = verify_case(device, form, tokens, draft, target, w, kwargs, check_inputs=False)
+    as_mark = verify_case(device, form, marked, draft, target, w, kwargs, check_inputs=False)
+    assert_same(as_mark, as_token)
+    drafted = torch.arange(num_positions).unsqueeze(0) < kwargs["num_draft"].unsqueeze(1)
+    assert (hits & drafted).sum() > 20
+
+
 @pytest.mark.parametrize("form", FORBIDDEN_FORMS)
 def test_forbidden_drafts_given_as_tokens_only(form, device):
     """Tokens-only drafts (q one-hot at x): a forbidden x is rejected even at w = 0, where any allowed x is kept, and
