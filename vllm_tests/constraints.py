@@ -1,12 +1,17 @@
 """Hard constraints in one batch beside unconstrained requests, for the engine tests on both runners: each kind of
-request (``allowed_token_ids``, ``bad_words``, ``min_tokens``) at w = 0, where the draft alone would decide every
-token, and unconstrained requests at w = 0 and w = 1; then, per kind, the emitted tokens that break what the request
-asked and the acceptance vLLM reports. (``logit_bias`` and ``min_p`` never reach a speculative engine's sampler:
-vLLM refuses such requests when speculative decoding is on, which :func:`refused_with_speculation` checks.)"""
+constrained request (``allowed_token_ids``, ``bad_words``, ``min_tokens`` and structured outputs: a JSON schema, a
+regex, a choice) at w = 0, where the draft alone would decide every token, beside unconstrained requests at w = 0 and
+w = 1, with the engine's head, with the gate and greedy; then, per kind, the emitted tokens (or, for structured outputs,
+the requests) that break what the request asked, and the acceptance vLLM reports. (``logit_bias`` and ``min_p`` never
+reach a speculative engine's sampler: vLLM refuses such requests when speculative decoding is on, which
+:func:`refused_with_speculation` checks.)"""
 
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import dataclass, field
+from typing import Callable, Optional
 
 from engines import PROMPTS, chat
 
@@ -18,24 +23,57 @@ SHORT_PROMPTS = ["Reply with one word only: what colour is the sky on a clear da
                  "Reply with one number only: how many legs does a spider have?",
                  "Reply with one word only: what is the opposite of hot?",
                  "Reply with one word only: which animal says moo?"]
-CONSTRAINED = ("allowed_token_ids", "bad_words", "min_tokens")
+# Structured outputs, each a finite language short enough to finish well within the tests' token budgets.
+UNITS = ["rolls", "marbles", "miles", "days", "dollars", "people", "boxes", "weeks"]
+ANSWER_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["answer", "unit"],
+                 "properties": {"answer": {"type": "integer", "minimum": 0, "maximum": 9999},
+                                "unit": {"enum": UNITS}}}
+ANSWER_REGEX = r"The answer is [0-9]{1,4}\."
+CHOICES = ["yes", "no", "it depends"]
+# What engines serving this batch set: JSON without free whitespace, whose runs could outlast a token budget (vLLM
+# offers that with its xgrammar backend, the one it picks for these grammars by default).
+STRUCTURED_OUTPUTS_CONFIG = {"backend": "xgrammar", "disable_any_whitespace": True}
+
+HARD_CONSTRAINTS = ("allowed_token_ids", "bad_words", "min_tokens")
+STRUCTURED = ("json", "regex", "choice")
+CONSTRAINED = HARD_CONSTRAINTS + STRUCTURED
 FREE_DIVERSED, FREE_EXACT = "free, w = 0", "free, w = 1"
+HEAD = "default"  # the head the batch's engines load
+FREE = (FREE_DIVERSED, FREE_EXACT, "free, head", "free, gate", "free, greedy")
+
+
+def _valid_answer_json(text: str) -> bool:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return False
+    return (isinstance(value, dict) and set(value) == {"answer", "unit"} and type(value["answer"]) is int
+            and 0 <= value["answer"] <= 9999 and value["unit"] in UNITS)
 
 
 @dataclass
 class Kind:
-    """One kind of request: what it asks, and what breaking it means (token ids it must not emit, or sequences)."""
+    """One kind of request: what it asks, and what breaking it means (token ids it must not emit, sequences, or a
+    text that must be whole and valid)."""
 
     name: str
-    weight: float
+    extra_args: dict  # the request's diversed_* fields
     constraint: dict = field(default_factory=dict)  # SamplingParams fields
     allowed: frozenset | None = None
     banned_sequences: tuple = ()
     stop_ids: frozenset = frozenset()  # must not appear among the first min_tokens tokens
+    valid_text: Optional[Callable[[str], bool]] = None  # structured outputs: the finished text's check
+    temperature: float = 1.0
 
 
 def _ids(tokenizer, text: str) -> list:
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _structured(**params) -> dict:
+    from vllm.sampling_params import StructuredOutputsParams
+
+    return {"structured_outputs": StructuredOutputsParams(**params)}
 
 
 def kinds(tokenizer, num_tokens: int) -> list:
@@ -43,25 +81,33 @@ def kinds(tokenizer, num_tokens: int) -> list:
     allowed = sorted(set(_ids(tokenizer, ALLOWED_TEXT)) | {_ids(tokenizer, digit)[0] for digit in "0123456789"})
     # vLLM bans each bad word as written and with a leading space (a sequence's last token, after its prefix).
     banned = tuple(tuple(_ids(tokenizer, prefix + word)) for word in BAD_WORDS for prefix in ("", " "))
+    diversed = {"diversed_weight": 0.0}
     return [
-        Kind("allowed_token_ids", 0.0, {"allowed_token_ids": allowed}, allowed=frozenset(allowed)),
-        Kind("bad_words", 0.0, {"bad_words": list(BAD_WORDS)}, banned_sequences=banned),
-        Kind("min_tokens", 0.0, {"min_tokens": num_tokens}, stop_ids=frozenset({tokenizer.eos_token_id})),
-        Kind(FREE_DIVERSED, 0.0), Kind(FREE_EXACT, 1.0),
+        Kind("allowed_token_ids", diversed, {"allowed_token_ids": allowed}, allowed=frozenset(allowed)),
+        Kind("bad_words", diversed, {"bad_words": list(BAD_WORDS)}, banned_sequences=banned),
+        Kind("min_tokens", diversed, {"min_tokens": num_tokens}, stop_ids=frozenset({tokenizer.eos_token_id})),
+        Kind("json", diversed, _structured(json=ANSWER_SCHEMA), valid_text=_valid_answer_json),
+        Kind("regex", diversed, _structured(regex=ANSWER_REGEX),
+             valid_text=lambda text: re.fullmatch(ANSWER_REGEX, text) is not None),
+        Kind("choice", diversed, _structured(choice=CHOICES), valid_text=lambda text: text in CHOICES),
+        Kind(FREE_DIVERSED, diversed), Kind(FREE_EXACT, {"diversed_weight": 1.0}),
+        Kind("free, head", {"diversed_head": HEAD}),
+        Kind("free, gate", {"diversed_weight": 0.5, "diversed_gate_margin": 1.0}),
+        Kind("free, greedy", {"diversed_weight": 0.3}, temperature=0.0),
     ]
 
 
 def requests(tokenizer, num_prompts: int, num_tokens: int) -> list:
-    """(kind, messages, SamplingParams) of the whole batch: ``num_prompts`` seeded requests of each kind at
-    temperature 1; min_tokens requests ask short questions and at least ``num_tokens`` tokens."""
+    """(kind, messages, SamplingParams) of the whole batch: ``num_prompts`` seeded requests of each kind (temperature
+    1 but for the greedy kind); min_tokens requests ask short questions and at least ``num_tokens`` tokens."""
     from vllm import SamplingParams
 
     batch = []
     for kind in kinds(tokenizer, num_tokens):
         prompts = SHORT_PROMPTS if kind.name == "min_tokens" else PROMPTS
         for index in range(num_prompts):
-            params = SamplingParams(temperature=1.0, seed=100 + index, max_tokens=num_tokens,
-                                    extra_args={"diversed_weight": kind.weight}, **kind.constraint)
+            params = SamplingParams(temperature=kind.temperature, seed=100 + index, max_tokens=num_tokens,
+                                    extra_args=dict(kind.extra_args), **kind.constraint)
             batch.append((kind, chat(prompts[index % len(prompts)]), params))
     return batch
 
@@ -71,8 +117,12 @@ def _occurrences(tokens: list, sequence: tuple) -> int:
     return sum(tuple(tokens[start:start + width]) == sequence for start in range(len(tokens) - width + 1))
 
 
-def violations(kind: Kind, tokens: list) -> int:
-    """How many of ``tokens`` break what ``kind`` asked."""
+def violations(kind: Kind, completion) -> int:
+    """How many of the tokens of ``completion`` (vLLM's CompletionOutput) break what ``kind`` asked; for structured
+    outputs 1 unless the text finished and is what the grammar describes."""
+    tokens = list(completion.token_ids)
+    if kind.valid_text is not None:
+        return int(not (completion.finish_reason == "stop" and kind.valid_text(completion.text)))
     count = sum(_occurrences(tokens, sequence) for sequence in kind.banned_sequences)
     if kind.allowed is not None:
         count += sum(token not in kind.allowed for token in tokens)
@@ -81,21 +131,40 @@ def violations(kind: Kind, tokens: list) -> int:
     return count
 
 
-def tally(batch: list, outputs: list) -> dict:
-    """{kind name: {"tokens", "violations", "accepted", "drafted"}} over the batch's outputs."""
-    totals = {}
+@dataclass
+class BatchOutcome:
+    """What one run of the batch gave: per kind {"tokens", "violations", "accepted", "drafted"}, and each request's
+    (kind name, emitted token ids) in batch order."""
+
+    tallies: dict
+    emitted: list
+
+
+def tally(batch: list, outputs: list) -> BatchOutcome:
+    totals, emitted = {}, []
     for (kind, _, _), output in zip(batch, outputs):
-        tokens = list(output.outputs[0].token_ids)
+        completion = output.outputs[0]
+        tokens = list(completion.token_ids)
+        emitted.append((kind.name, tokens))
         entry = totals.setdefault(kind.name, dict(tokens=0, violations=0, accepted=0, drafted=0))
         entry["tokens"] += len(tokens)
-        entry["violations"] += violations(kind, tokens)
-        metrics = output.outputs[0].spec_decode_metrics.to_dict()
+        entry["violations"] += violations(kind, completion)
+        metrics = completion.spec_decode_metrics.to_dict()
         entry["accepted"] += metrics["num_accepted_draft_tokens"]
         entry["drafted"] += metrics["num_draft_tokens"]
-    return totals
+    return BatchOutcome(totals, emitted)
 
 
-def run_batch(llm, num_prompts: int, num_tokens: int) -> dict:
+def start_batch_engine(pair, **engine_args):
+    """An engine for this batch: the default pair drafting, DIVERSED at w = 1 unless a request says otherwise, the
+    batch's head loaded, compact JSON."""
+    from engines import start_engine
+
+    return start_engine(pair, diversed={"weight": 1.0, "heads": [HEAD]},
+                        structured_outputs_config=STRUCTURED_OUTPUTS_CONFIG, **engine_args)
+
+
+def run_batch(llm, num_prompts: int, num_tokens: int) -> BatchOutcome:
     """The whole batch in one call of ``llm.chat``, tallied by kind."""
     batch = requests(llm.get_tokenizer(), num_prompts, num_tokens)
     outputs = llm.chat([messages for _, messages, _ in batch], [params for _, _, params in batch], use_tqdm=False)
@@ -104,6 +173,12 @@ def run_batch(llm, num_prompts: int, num_tokens: int) -> dict:
 
 def rate(entry: dict) -> float:
     return entry["accepted"] / entry["drafted"]
+
+
+def summary(tallies: dict) -> dict:
+    """The tallies with each kind's acceptance (None where nothing was drafted), as the tests print them."""
+    return {kind: dict(entry, acceptance=round(rate(entry), 3) if entry["drafted"] else None)
+            for kind, entry in tallies.items()}
 
 
 def refused_with_speculation(llm) -> list:

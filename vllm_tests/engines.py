@@ -3,7 +3,9 @@ needs, and the few numbers the tests read back from them."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import os
 
 ENGINE_ARGS = dict(
     enforce_eager=True,  # no graph capture on the CPU backend
@@ -43,9 +45,37 @@ def chat(prompt: str) -> list:
     return [{"role": "user", "content": prompt}]
 
 
-def start_engine(pair, *, speculative: str | None = "draft", diversed=None, probabilistic: bool = False, **extra):
+@contextlib.contextmanager
+def scheduled_as_on_a_gpu():
+    """Engines made inside schedule asynchronously, as vLLM's do by default on a GPU wherever the drafter allows it
+    (draft models, EAGLE, MTP): the engine schedules step t + 1 while step t runs, with placeholders for the drafts
+    step t proposes (they stay on the device), and a draft the request's grammar rejects arrives marked -1 instead of
+    being trimmed. vLLM's CPU platform turns this off ("not required on CPU") whenever it checks a config; here its
+    check runs and then the setting is put back. vLLM's engine process checks the config again when it starts, so
+    such an engine must run in the process that makes it (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): the tests run it in
+    a process of its own (:mod:`async_engine`)."""
+    from vllm.platforms.cpu import CpuPlatform
+
+    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":
+        raise RuntimeError("an engine scheduled as on a GPU runs in this process: set VLLM_ENABLE_V1_MULTIPROCESSING=0")
+    original = vars(CpuPlatform)["check_and_update_config"]  # a classmethod
+
+    def check_keeping_async(cls, vllm_config) -> None:
+        original.__func__(cls, vllm_config)
+        vllm_config.scheduler_config.async_scheduling = True
+
+    CpuPlatform.check_and_update_config = classmethod(check_keeping_async)
+    try:
+        yield
+    finally:
+        CpuPlatform.check_and_update_config = original
+
+
+def start_engine(pair, *, speculative: str | None = "draft", diversed=None, probabilistic: bool = False,
+                 async_scheduling: bool = False, **extra):
     """An LLM on the exported pair: ``speculative`` is None (no speculation), "draft" (the dequantised draft) or
-    "target" (the target as its own draft); ``diversed`` is the additional_config entry, or None."""
+    "target" (the target as its own draft); ``diversed`` is the additional_config entry, or None;
+    ``async_scheduling`` schedules as vLLM does on a GPU (:func:`scheduled_as_on_a_gpu`)."""
     from vllm import LLM
 
     kwargs = dict(ENGINE_ARGS, **extra)
@@ -57,7 +87,8 @@ def start_engine(pair, *, speculative: str | None = "draft", diversed=None, prob
                                         "draft_sample_method": "probabilistic" if probabilistic else "greedy"}
     if diversed is not None:
         kwargs["additional_config"] = {"diversed": diversed}
-    return LLM(str(pair.target), **kwargs)
+    with scheduled_as_on_a_gpu() if async_scheduling else contextlib.nullcontext():
+        return LLM(str(pair.target), **kwargs)
 
 
 def stop_engine(llm) -> None:

@@ -1,41 +1,63 @@
-"""Hard constraints kept at w = 0 on the V1 runner: one engine, one batch of requests restricted by
-``allowed_token_ids``, ``bad_words`` and ``min_tokens`` beside unconstrained ones. A drafted token that the processed
-target rules out is never kept, whatever the weight, so no emitted token breaks its request's constraint; the
-unconstrained requests of the same batch keep their gain from w < 1. ``logit_bias`` and ``min_p`` are refused by vLLM
-itself when speculative decoding is on."""
+"""Hard constraints and structured outputs kept at w = 0 on the V1 runner, scheduled both ways vLLM schedules:
+synchronously (vLLM's CPU default) and asynchronously (its GPU default, forced on here). One batch of requests
+restricted by ``allowed_token_ids``, ``bad_words``, ``min_tokens``, a JSON schema, a regex and a choice, beside
+unconstrained ones (static weights, a head, the gate, greedy), runs in one engine of each. A drafted token that the
+processed target rules out is never kept, whatever the weight, and under asynchronous scheduling a draft the grammar
+rejects arrives marked -1 and is rejected, so no request breaks its constraint either way; the unconstrained requests
+keep their gain from w < 1, and every request whose drafts the two schedulings hand over alike emits the same tokens
+under both. ``logit_bias`` and ``min_p`` are refused by vLLM itself when speculative decoding is on."""
 
 from __future__ import annotations
 
 import pytest
-from constraints import CONSTRAINED, FREE_DIVERSED, FREE_EXACT, rate, refused_with_speculation, run_batch
-from engines import start_engine, stop_engine
+from async_engine import run_async_batch
+from constraints import CONSTRAINED, FREE, FREE_DIVERSED, FREE_EXACT, HARD_CONSTRAINTS, rate, \
+    refused_with_speculation, run_batch, start_batch_engine, summary
+from engines import stop_engine, worker_status
 
 PROMPTS_PER_KIND = 8
 TOKENS = 48  # 8 x 48 = 384 tokens of each kind
+SCHEDULINGS = ("sync", "async")
 
 
 @pytest.fixture(scope="module")
-def outcome(pair):
-    llm = start_engine(pair, diversed={"weight": 1.0})
+def outcomes(pair, tmp_path_factory):
+    """{scheduling: (the batch's outcome, the workers' status, the refusals)}: the synchronous engine here, the
+    asynchronous one in a process of its own (async_engine), one after the other."""
+    llm = start_batch_engine(pair)
     try:
-        tallies = run_batch(llm, PROMPTS_PER_KIND, TOKENS)
-        refusals = refused_with_speculation(llm)
+        results = {"sync": (run_batch(llm, PROMPTS_PER_KIND, TOKENS), worker_status(llm),
+                            refused_with_speculation(llm))}
     finally:
         stop_engine(llm)
-    print({kind: dict(entry, acceptance=round(rate(entry), 3)) for kind, entry in tallies.items()})  # for -s runs
-    return tallies, refusals
+    outcome, status = run_async_batch(pair, PROMPTS_PER_KIND, TOKENS, tmp_path_factory.mktemp("async"),
+                                      timeout=900)
+    results["async"] = outcome, status, None
+    for scheduling, (outcome, _, _) in results.items():  # for -s runs
+        print(scheduling, summary(outcome.tallies))
+    return results
 
 
+@pytest.mark.parametrize("scheduling", SCHEDULINGS)
+def test_each_engine_schedules_as_asked(outcomes, scheduling):
+    _, status, _ = outcomes[scheduling]
+    assert [worker["async_scheduling"] for worker in status] == [scheduling == "async"], status
+    assert all(worker["verified_without_head"] == 0 for worker in status), status
+
+
+@pytest.mark.parametrize("scheduling", SCHEDULINGS)
 @pytest.mark.parametrize("kind", CONSTRAINED)
-def test_no_emitted_token_breaks_its_requests_constraint(outcome, kind):
-    tallies, _ = outcome
+def test_no_request_breaks_its_constraint(outcomes, scheduling, kind):
+    tallies = outcomes[scheduling][0].tallies
     entry = tallies[kind]
     assert entry["violations"] == 0, tallies
-    assert entry["tokens"] >= PROMPTS_PER_KIND * TOKENS // 2 and entry["drafted"] > 50, entry
+    if kind in HARD_CONSTRAINTS:
+        assert entry["tokens"] >= PROMPTS_PER_KIND * TOKENS // 2 and entry["drafted"] > 50, entry
 
 
-def test_unconstrained_requests_of_the_batch_keep_their_gain(outcome):
-    tallies, _ = outcome
+@pytest.mark.parametrize("scheduling", SCHEDULINGS)
+def test_unconstrained_requests_of_the_batch_keep_their_gain(outcomes, scheduling):
+    tallies = outcomes[scheduling][0].tallies
     free, exact = tallies[FREE_DIVERSED], tallies[FREE_EXACT]
     assert exact["drafted"] > 50 and free["drafted"] > 50
     assert rate(free) > rate(exact), tallies
@@ -44,7 +66,19 @@ def test_unconstrained_requests_of_the_batch_keep_their_gain(outcome):
         assert rate(tallies[kind]) > rate(exact), (kind, tallies)
 
 
-def test_vllm_refuses_logit_bias_and_min_p_with_speculation(outcome):
-    _, refusals = outcome
+def test_both_schedulings_emit_the_same_tokens(outcomes):
+    """Seeded requests draw the same numbers whichever way they are scheduled, so every request whose drafts reach
+    the sampler alike emits the same tokens: all but structured outputs, whose grammar-invalid drafts synchronous
+    scheduling trims (the position becomes the bonus) and asynchronous scheduling marks -1 (a rejection there)."""
+    sync, asynchronous = outcomes["sync"][0].emitted, outcomes["async"][0].emitted
+    compared = [(kind, tokens, other) for (kind, tokens), (_, other) in zip(sync, asynchronous)
+                if kind in HARD_CONSTRAINTS + FREE]
+    assert len(compared) == len(HARD_CONSTRAINTS + FREE) * PROMPTS_PER_KIND
+    differing = [(kind, tokens, other) for kind, tokens, other in compared if tokens != other]
+    assert not differing, differing[:3]
+
+
+def test_vllm_refuses_logit_bias_and_min_p_with_speculation(outcomes):
+    refusals = outcomes["sync"][2]
     assert len(refusals) == 2 and all("not yet supported with speculative decoding" in error
                                       for error in refusals), refusals

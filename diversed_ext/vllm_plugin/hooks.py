@@ -128,6 +128,9 @@ def worker_status(worker) -> dict:
     if sampler is None or not hasattr(sampler, "status"):
         return {"sampler": type(sampler).__name__ if sampler is not None else None, "verifier": None}
     status = sampler.status()
+    # Asynchronous scheduling (vLLM's default on GPUs) also verifies steps whose tokens vLLM then drops, for a request
+    # that finished the step before, so the counts here include those.
+    status["async_scheduling"] = bool(runner.vllm_config.scheduler_config.async_scheduling)
     source = sampler.weight_source
     if source is not None:
         status.update(weight=source.settings.weight, head=source.settings.head,
