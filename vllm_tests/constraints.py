@@ -25,8 +25,9 @@ SHORT_PROMPTS = ["Reply with one word only: what colour is the sky on a clear da
                  "Reply with one word only: which animal says moo?"]
 # Structured outputs, each a finite language short enough to finish well within the tests' token budgets.
 UNITS = ["rolls", "marbles", "miles", "days", "dollars", "people", "boxes", "weeks"]
+MAX_ANSWER = 9999
 ANSWER_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["answer", "unit"],
-                 "properties": {"answer": {"type": "integer", "minimum": 0, "maximum": 9999},
+                 "properties": {"answer": {"type": "integer", "minimum": 0, "maximum": MAX_ANSWER},
                                 "unit": {"enum": UNITS}}}
 ANSWER_REGEX = r"The answer is [0-9]{1,4}\."
 CHOICES = ["yes", "no", "it depends"]
@@ -48,7 +49,7 @@ def _valid_answer_json(text: str) -> bool:
     except ValueError:
         return False
     return (isinstance(value, dict) and set(value) == {"answer", "unit"} and type(value["answer"]) is int
-            and 0 <= value["answer"] <= 9999 and value["unit"] in UNITS)
+            and 0 <= value["answer"] <= MAX_ANSWER and value["unit"] in UNITS)
 
 
 @dataclass
@@ -120,9 +121,9 @@ def _occurrences(tokens: list, sequence: tuple) -> int:
 def violations(kind: Kind, completion) -> int:
     """How many of the tokens of ``completion`` (vLLM's CompletionOutput) break what ``kind`` asked; for structured
     outputs 1 unless the text finished and is what the grammar describes."""
-    tokens = list(completion.token_ids)
     if kind.valid_text is not None:
         return int(not (completion.finish_reason == "stop" and kind.valid_text(completion.text)))
+    tokens = list(completion.token_ids)
     count = sum(_occurrences(tokens, sequence) for sequence in kind.banned_sequences)
     if kind.allowed is not None:
         count += sum(token not in kind.allowed for token in tokens)
