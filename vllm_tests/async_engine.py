@@ -15,20 +15,22 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
-from constraints import BatchOutcome, run_batch, start_batch_engine
+from constraints import DRAFTERS, BatchOutcome, run_batch, start_batch_engine
 from engines import stop_engine, worker_status
 
 HERE = Path(__file__).resolve().parent
 
 
 def run_async_batch(pair, num_prompts: int, num_tokens: int, folder: Path, *, timeout: float,
-                    **engine_args) -> tuple[BatchOutcome, list]:
-    """(the batch's outcome, the workers' status) from an engine on ``pair`` scheduled asynchronously, with
-    ``engine_args`` on top of the tests' own; its JSON is left in ``folder``. The process inherits this one's
-    environment (V2's Triton interpreter, the tests' socket folder)."""
+                    drafter: str = "draft_model", **engine_args) -> tuple[BatchOutcome, list]:
+    """(the batch's outcome, the workers' status) from an engine on ``pair`` drafting with ``drafter`` (one of
+    ``constraints.DRAFTERS``) scheduled asynchronously, with ``engine_args`` on top of the tests' own; its JSON is
+    left in ``folder``. The process inherits this one's environment (V2's Triton interpreter, the tests' socket
+    folder)."""
     result = folder / "async_batch.json"
     command = [sys.executable, str(HERE / "async_engine.py"), str(pair.target), str(pair.draft), str(result),
-               "--prompts", str(num_prompts), "--tokens", str(num_tokens), "--engine-args", json.dumps(engine_args)]
+               "--prompts", str(num_prompts), "--tokens", str(num_tokens), "--drafter", drafter,
+               "--engine-args", json.dumps(engine_args)]
     subprocess.run(command, env=dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0"), check=True, timeout=timeout)
     data = json.loads(result.read_text())
     return BatchOutcome(data["tallies"], [tuple(entry) for entry in data["emitted"]]), data["status"]
@@ -41,10 +43,11 @@ def main() -> None:
     parser.add_argument("result", type=Path)
     parser.add_argument("--prompts", type=int, required=True)
     parser.add_argument("--tokens", type=int, required=True)
+    parser.add_argument("--drafter", choices=DRAFTERS, default="draft_model")
     parser.add_argument("--engine-args", type=json.loads, default={})
     args = parser.parse_args()
     pair = SimpleNamespace(target=Path(args.target), draft=Path(args.draft))
-    llm = start_batch_engine(pair, async_scheduling=True, **args.engine_args)
+    llm = start_batch_engine(pair, args.drafter, async_scheduling=True, **args.engine_args)
     try:
         outcome = run_batch(llm, args.prompts, args.tokens)
         status = worker_status(llm)

@@ -40,6 +40,9 @@ STRUCTURED = ("json", "regex", "choice")
 CONSTRAINED = HARD_CONSTRAINTS + STRUCTURED
 FREE_DIVERSED, FREE_EXACT = "free, w = 0", "free, w = 1"
 HEAD = "default"  # the head the batch's engines load
+# The drafters the batch runs with: the default pair's draft model, and the trained EAGLE-3 head for its target
+# (a reduced draft vocabulary; drafts sampled greedily).
+DRAFTERS = ("draft_model", "eagle3")
 FREE = (FREE_DIVERSED, FREE_EXACT, "free, head", "free, gate", "free, greedy")
 
 
@@ -156,12 +159,22 @@ def tally(batch: list, outputs: list) -> BatchOutcome:
     return BatchOutcome(totals, emitted)
 
 
-def start_batch_engine(pair, **engine_args):
-    """An engine for this batch: the default pair drafting, DIVERSED at w = 1 unless a request says otherwise, the
-    batch's head loaded, compact JSON."""
+def speculative(drafter: str):
+    """What :func:`engines.start_engine` drafts with for a name of ``DRAFTERS``."""
+    if drafter == "draft_model":
+        return "draft"
+    from drafters import trained_eagle3
+
+    return {"method": "eagle3", "model": str(trained_eagle3())}  # greedy drafts: vLLM's default
+
+
+def start_batch_engine(pair, drafter: str = "draft_model", **engine_args):
+    """An engine for this batch on the default pair's target, drafting with ``drafter`` (one of ``DRAFTERS``),
+    DIVERSED at w = 1 unless a request says otherwise, the batch's head loaded (with EAGLE-3, the one trained on its
+    states), compact JSON."""
     from engines import start_engine
 
-    return start_engine(pair, diversed={"weight": 1.0, "heads": [HEAD]},
+    return start_engine(pair, speculative=speculative(drafter), diversed={"weight": 1.0, "heads": [HEAD]},
                         structured_outputs_config=STRUCTURED_OUTPUTS_CONFIG, **engine_args)
 
 
@@ -174,6 +187,25 @@ def run_batch(llm, num_prompts: int, num_tokens: int) -> BatchOutcome:
 
 def rate(entry: dict) -> float:
     return entry["accepted"] / entry["drafted"]
+
+
+def check_kind_kept(tallies: dict, kind: str, least_tokens: int, least_drafted: int) -> None:
+    """No request of ``kind`` broke its constraint; a hard constraint's requests also emitted at least
+    ``least_tokens`` and drafted more than ``least_drafted`` (so the test had drafts to reject)."""
+    entry = tallies[kind]
+    assert entry["violations"] == 0, tallies
+    if kind in HARD_CONSTRAINTS:
+        assert entry["tokens"] >= least_tokens and entry["drafted"] > least_drafted, entry
+
+
+def check_gain_kept(tallies: dict, least_drafted: int) -> None:
+    """The unconstrained requests at w = 0 keep more drafts than those at w = 1, and so do the constraints that rule
+    out only a few tokens (most drafts stay allowed)."""
+    free, exact = tallies[FREE_DIVERSED], tallies[FREE_EXACT]
+    assert exact["drafted"] > least_drafted and free["drafted"] > least_drafted, tallies
+    assert rate(free) > rate(exact), tallies
+    for kind in ("bad_words", "min_tokens"):
+        assert rate(tallies[kind]) > rate(exact), (kind, tallies)
 
 
 def summary(tallies: dict) -> dict:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from engines import ENGINE_ARGS, NUM_DRAFT, SPECULATIVE_ARGS
+from engines import start_engine
 
 SEED = 0
 WEIGHT_SCALE = 0.02  # a Llama initialiser's spread: random drafts, finite logits
@@ -139,10 +139,4 @@ def trained_eagle3() -> Path:
 
 def start_drafter_engine(pair, speculative_config: dict, diversed, **extra):
     """An LLM on the default pair's target, drafting with ``speculative_config`` (K = NUM_DRAFT unless given)."""
-    from vllm import LLM
-
-    kwargs = dict(ENGINE_ARGS, **SPECULATIVE_ARGS, **extra)
-    kwargs["speculative_config"] = {"num_speculative_tokens": NUM_DRAFT, **speculative_config}
-    if diversed is not None:
-        kwargs["additional_config"] = {"diversed": diversed}
-    return LLM(str(pair.target), **kwargs)
+    return start_engine(pair, speculative=speculative_config, diversed=diversed, **extra)

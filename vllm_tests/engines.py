@@ -71,15 +71,18 @@ def scheduled_as_on_a_gpu():
         CpuPlatform.check_and_update_config = original
 
 
-def start_engine(pair, *, speculative: str | None = "draft", diversed=None, probabilistic: bool = False,
+def start_engine(pair, *, speculative: str | dict | None = "draft", diversed=None, probabilistic: bool = False,
                  async_scheduling: bool = False, **extra):
-    """An LLM on the exported pair: ``speculative`` is None (no speculation), "draft" (the dequantised draft) or
-    "target" (the target as its own draft); ``diversed`` is the additional_config entry, or None;
-    ``async_scheduling`` schedules as vLLM does on a GPU (:func:`scheduled_as_on_a_gpu`)."""
+    """An LLM on the exported pair: ``speculative`` is None (no speculation), "draft" (the dequantised draft),
+    "target" (the target as its own draft) or a speculative_config of another drafter (K = NUM_DRAFT unless it says);
+    ``diversed`` is the additional_config entry, or None; ``async_scheduling`` schedules as vLLM does on a GPU
+    (:func:`scheduled_as_on_a_gpu`)."""
     from vllm import LLM
 
     kwargs = dict(ENGINE_ARGS, **extra)
-    if speculative is not None:
+    if isinstance(speculative, dict):
+        kwargs.update(SPECULATIVE_ARGS, speculative_config={"num_speculative_tokens": NUM_DRAFT, **speculative})
+    elif speculative is not None:
         kwargs.update(SPECULATIVE_ARGS)
         draft = pair.draft if speculative == "draft" else pair.target
         kwargs["speculative_config"] = {"method": "draft_model", "model": str(draft),
