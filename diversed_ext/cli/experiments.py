@@ -93,7 +93,8 @@ def add_experiment_commands(commands) -> None:
                         help="where pareto.md, pareto.png and the joined results.json go (default %(default)s)")
 
     validate = commands.add_parser("validate", help="heads and coefficients on held-out contexts, in closed form "
-                                   "(no decoding per head): acceptance, fidelity, distance above the static line")
+                                   "(no decoding per head): acceptance, fidelity, KL to the target, distance to the "
+                                   "static line")
     _add_task_arguments(validate)
     validate.add_argument("--head", nargs="*", default=[],
                           help="head folders or shipped head names to place ('default': the default head, as for eval)")
@@ -101,6 +102,8 @@ def add_experiment_commands(commands) -> None:
                           help="lambdas whose token-by-token loss minimiser to place (what a perfect head would do)")
     validate.add_argument("--expected-fidelity-coef", type=_non_negative_float, default=1.0,
                           help="mu of those minimisers (default 1)")
+    validate.add_argument("--expected-kl-coef", type=_non_negative_float, default=0.0,
+                          help="kappa of those minimisers, on KL(nu || p) (default 0)")
     validate.add_argument("--weight", type=_unit_float, default=validation["weight"],
                           help="static w the held-out completions are sampled from (default %(default)s)")
     validate.add_argument("--tokens", help="safetensors file of the teacher-forced contexts: read when it exists, "
@@ -350,14 +353,17 @@ def _run_validate(args) -> int:
             except OSError as error:
                 raise UsageError(f"--tokens {args.tokens}: cannot write ({error.strerror or error})") from None
     points = [static_point(weight, tokens) for weight in sorted(PARETO_WEIGHTS, reverse=True)]
-    points += [rule_point(coef, args.expected_fidelity_coef, tokens) for coef in args.acceptance_coef]
+    points += [rule_point(coef, args.expected_fidelity_coef, tokens, args.expected_kl_coef)
+               for coef in args.acceptance_coef]
     points += [head_point(path, _load_head(path, target, draft), tokens) for path in args.head]
-    header = ["weighting", "mean w", "acceptance", "x sd", "fidelity change", "above the static line"]
+    header = ["weighting", "mean w", "acceptance", "x sd", "fidelity change", "above the static line",
+              "KL to the target", "KL above the static curve"]
     rows = []
     for row in (point_row(point, tokens) for point in points):
         rows.append([row["label"], cell(row["mean_weight"]), with_error(row["acceptance"], row["acceptance_se"]),
                      cell(row["x_sd"], ".2f") + "x", cell(row["fidelity_change"]),
-                     with_error(row["gap"], row["gap_se"])])
+                     with_error(row["gap"], row["gap_se"]), cell(row["kl"], ".4f"),
+                     with_error(row["kl_gap"], row["kl_gap_se"], ".4f")])
     print(f"{tokens.mask.shape[0]} held-out prompts, {int(tokens.mask.sum())} tokens (closed form, next token only; "
           "+- 1 s.e. over prompts)\n")
     print(markdown_rows(header, rows))

@@ -50,6 +50,10 @@ def add_train_command(commands) -> None:
                        default=defaults["expected_fidelity_coef"],
                        help="mu of the closed-form expected next-token fidelity term of the loss (default %(default)s;"
                        " 0: off)")
+    train.add_argument("--expected-kl-coef", type=_non_negative_float, default=defaults["expected_kl_coef"],
+                       help="kappa of the expected divergence KL(nu || p) of the loss: what mixing in the draft costs "
+                       "the target's law, which a colder output never lowers (default %(default)s; 0: off; needs "
+                       "--closed-form linear)")
     train.add_argument("--closed-form", choices=CLOSED_FORMS, default=defaults["closed_form"],
                        help="the acceptance and expected-fidelity terms as written (linear), or their logistic "
                        "surrogate: the same per-token optimum, gradients that do not vanish where a saturated head is "
@@ -128,6 +132,7 @@ def _default_pair(args) -> dict:
 
 def run_train(args) -> int:
     from ..research.checkpoints import CheckpointError
+    from ..research.objective import check_kl_options
     from ..research.recipes import build_trainer
     from ..research.trainer import TrainerConfig, distributed_session
 
@@ -139,12 +144,18 @@ def run_train(args) -> int:
     if eagle_drafter_asked(args.drafter, args.drafter_path) and args.rollout == "mixture":
         raise UsageError("--rollout mixture: an EAGLE-3 drafter's q depends on the step of its round it drafts at, so "
                          "it rolls out through the speculative loop only (--rollout speculative)")
+    try:
+        check_kl_options(args.expected_kl_coef, args.closed_form)
+    except ValueError as error:
+        raise UsageError(f"--expected-kl-coef {args.expected_kl_coef:g} with --closed-form {args.closed_form}: "
+                         f"{error}") from None
     args.output_dir = args.output_dir or "runs/head"
     task, examples, target, draft, tokenizer, eos = _experiment_setup(args)
     config = TrainerConfig(output_dir=args.output_dir, steps=args.steps, batch_size=args.batch_size,
                            learning_rate=args.lr, warmup_steps=args.warmup_steps,
                            acceptance_coef=args.acceptance_coef, fidelity_coef=args.fidelity_coef,
                            expected_fidelity_coef=args.expected_fidelity_coef, closed_form=args.closed_form,
+                           expected_kl_coef=args.expected_kl_coef,
                            epochs=args.epochs, temperature=args.temperature, seed=args.seed,
                            checkpoint_every=args.checkpoint_every)
     # Under torchrun every rank joins the job here; train() releases DDP before the group is destroyed.

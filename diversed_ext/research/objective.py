@@ -29,6 +29,19 @@ vanishes once w_t saturates, on the wrong side too. ``closed_form="logistic"`` r
 
 with the same token-by-token minimiser, whose gradient |c_t| (w_t - 1[c_t < 0]) in the head's logit does not vanish
 where the head is wrong. (The logged acceptance and expected-fidelity terms stay the linear ones.)
+
+Optional fourth term, the expected divergence from the target (coefficient kappa >= 0, off by default):
+
+    loss += (kappa/N) sum_n sum_t KL(nu_t || p_t)
+
+the KL divergence of the law token t is drawn from to the target's, 0 at w_t = 1. A colder output gains fidelity
+(the third term rewards it) but never lowers this one, so a head trained on it with the acceptance regulariser
+learns where mixing in the draft costs the target's law least per unit of acceptance. KL(nu || p) is convex in w with
+no closed form in it, so the teacher-forced pass tabulates it at ``KL_GRID_POINTS`` evenly spaced weights from 0 to 1
+(:func:`.teacher_forcing.mixture_divergence`) and :func:`interpolated_kl` reads it piecewise linearly, which keeps
+it convex and differentiable almost everywhere in w. With the acceptance term its per-token minimiser lies between
+0 and 1, where a sigmoid head does not saturate, so it goes with the linear closed form (the logistic surrogate is
+for linear terms only).
 """
 
 from __future__ import annotations
@@ -41,6 +54,7 @@ import torch
 ADVANTAGE_EPSILON = 1e-6
 CLOSED_FORMS = ("linear", "logistic")
 WEIGHT_CLAMP = 1e-6  # keeps log w and log(1 - w) finite at the ends of (0, 1)
+KL_GRID_POINTS = 17  # weights 0, 1/16, ..., 1 at which KL(nu_w || p) is tabulated per token
 
 
 def normalized_advantages(rewards: torch.Tensor) -> torch.Tensor:
@@ -60,6 +74,19 @@ def log_mixture_prob(weights: torch.Tensor, target_logprob: torch.Tensor, draft_
     return torch.logaddexp(weights.log() + target_logprob, torch.log1p(-weights) + draft_logprob)
 
 
+def interpolated_kl(weights: torch.Tensor, kl_table: torch.Tensor) -> torch.Tensor:
+    """KL(nu_w || p) at each token's ``weights`` [...] from its table [..., KL_GRID_POINTS] at w = 0, 1/16, ..., 1,
+    linear between grid points (weights outside [0, 1] read the ends); differentiable in ``weights``."""
+    if kl_table.shape != weights.shape + (KL_GRID_POINTS,):
+        raise ValueError(f"kl_table must have shape {tuple(weights.shape) + (KL_GRID_POINTS,)} (the weights' and "
+                         f"{KL_GRID_POINTS} grid points), got {tuple(kl_table.shape)}")
+    position = weights.clamp(0.0, 1.0) * (KL_GRID_POINTS - 1)
+    lower = position.detach().floor().clamp(max=KL_GRID_POINTS - 2)
+    below = kl_table.gather(-1, lower.long().unsqueeze(-1)).squeeze(-1).to(weights.dtype)
+    above = kl_table.gather(-1, lower.long().unsqueeze(-1) + 1).squeeze(-1).to(weights.dtype)
+    return below + (position - lower) * (above - below)
+
+
 @dataclass
 class ObjectiveTerms:
     """The loss and what it is made of, for logging."""
@@ -68,15 +95,18 @@ class ObjectiveTerms:
     policy_term: torch.Tensor  # -(1/N) sum_n A_n sum_t log nu
     acceptance_term: torch.Tensor  # -(lambda/N) sum_n sum_t (1 - w TV)
     expected_fidelity_term: torch.Tensor  # -(mu/N) sum_n sum_t (1 - w) G
+    expected_kl_term: torch.Tensor  # (kappa/N) sum_n sum_t KL(nu_t || p_t)
     mean_weight: torch.Tensor
     expected_acceptance: torch.Tensor  # mean over tokens of 1 - w TV
+    expected_kl: torch.Tensor  # mean over tokens of KL(nu_t || p_t) (NaN without a kl_table)
     advantages: torch.Tensor
 
 
 def diversed_objective(weights: torch.Tensor, target_logprob: torch.Tensor, draft_logprob: torch.Tensor,
                        total_variation: torch.Tensor, rewards: torch.Tensor, mask: Optional[torch.Tensor] = None,
                        acceptance_coef: float = 0.1, fidelity_gap: Optional[torch.Tensor] = None,
-                       expected_fidelity_coef: float = 0.0, closed_form: str = "linear") -> ObjectiveTerms:
+                       expected_fidelity_coef: float = 0.0, closed_form: str = "linear",
+                       kl_table: Optional[torch.Tensor] = None, expected_kl_coef: float = 0.0) -> ObjectiveTerms:
     """The DIVERSED loss for a batch of N generated sequences of up to T tokens.
 
     Args:
@@ -90,6 +120,9 @@ def diversed_objective(weights: torch.Tensor, target_logprob: torch.Tensor, draf
             needed when ``expected_fidelity_coef`` > 0.
         expected_fidelity_coef: mu >= 0, the weight of the expected-fidelity term.
         closed_form: ``"linear"`` (the two terms as written) or ``"logistic"`` (their surrogate; module docstring).
+        kl_table: [N, T, KL_GRID_POINTS] KL(nu || p) of each token at w = 0, 1/16, ..., 1
+            (:func:`diversed_ext.research.teacher_forcing.mixture_divergence`), needed when ``expected_kl_coef`` > 0.
+        expected_kl_coef: kappa >= 0, the weight of the expected-divergence term (linear closed form only).
     """
     if closed_form not in CLOSED_FORMS:
         raise ValueError(f"closed_form must be one of {', '.join(CLOSED_FORMS)}, got {closed_form!r}")
@@ -99,6 +132,9 @@ def diversed_objective(weights: torch.Tensor, target_logprob: torch.Tensor, draf
         raise ValueError(f"expected_fidelity_coef must be >= 0, got {expected_fidelity_coef}")
     if expected_fidelity_coef > 0 and fidelity_gap is None:
         raise ValueError("expected_fidelity_coef > 0 needs fidelity_gap")
+    check_kl_options(expected_kl_coef, closed_form)
+    if expected_kl_coef > 0 and kl_table is None:
+        raise ValueError("expected_kl_coef > 0 needs kl_table")
     shape = weights.shape
     named = [("target_logprob", target_logprob), ("draft_logprob", draft_logprob), ("total_variation", total_variation)]
     if fidelity_gap is not None:
@@ -123,20 +159,37 @@ def diversed_objective(weights: torch.Tensor, target_logprob: torch.Tensor, draf
     if expected_fidelity_coef > 0:
         fidelity_change = torch.where(mask, (1.0 - weights) * fidelity_gap.to(weights.dtype), torch.zeros_like(weights))
         expected_fidelity_term = -expected_fidelity_coef * fidelity_change.sum() / num_sequences
+    num_tokens = mask.sum().clamp_min(1)
+    expected_kl_term = torch.zeros((), dtype=weights.dtype, device=weights.device)
+    expected_kl = torch.full((), float("nan"), dtype=weights.dtype, device=weights.device)
+    if kl_table is not None:
+        divergence = torch.where(mask, interpolated_kl(weights, kl_table), torch.zeros_like(weights))
+        expected_kl_term = expected_kl_coef * divergence.sum() / num_sequences
+        expected_kl = divergence.detach().sum() / num_tokens
     closed_form_loss = acceptance_term + expected_fidelity_term
     if closed_form == "logistic":
         closed_form_loss = _logistic_surrogate(weights, total_variation, fidelity_gap, mask, acceptance_coef,
                                                expected_fidelity_coef)
-    num_tokens = mask.sum().clamp_min(1)
     return ObjectiveTerms(
-        loss=policy_term + closed_form_loss,
+        loss=policy_term + closed_form_loss + expected_kl_term,
         policy_term=policy_term.detach(),
         acceptance_term=acceptance_term.detach(),
         expected_fidelity_term=expected_fidelity_term.detach(),
+        expected_kl_term=expected_kl_term.detach(),
         mean_weight=(torch.where(mask, weights, torch.zeros_like(weights)).sum() / num_tokens).detach(),
         expected_acceptance=(acceptance.sum() / num_tokens).detach(),
+        expected_kl=expected_kl,
         advantages=advantages.detach(),
     )
+
+
+def check_kl_options(expected_kl_coef: float, closed_form: str) -> None:
+    """ValueError unless the expected-divergence coefficient is >= 0 and, when on, goes with the linear closed form."""
+    if expected_kl_coef < 0:
+        raise ValueError(f"expected_kl_coef must be >= 0, got {expected_kl_coef}")
+    if expected_kl_coef > 0 and closed_form != "linear":
+        raise ValueError("expected_kl_coef > 0 needs closed_form='linear': the logistic surrogate replaces linear "
+                         "terms by their per-token minimiser, and the KL term is convex, not linear")
 
 
 def _logistic_surrogate(weights, total_variation, fidelity_gap, mask, acceptance_coef: float,

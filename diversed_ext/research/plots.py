@@ -112,14 +112,18 @@ def plot_pareto(results: Sequence[MethodResult], path: str, metric: str = "quali
 
 
 def plot_training_curve(records: list[dict], path: str) -> Optional[str]:
-    """Mean weight, expected acceptance, task reward and fidelity against the step, as a PNG."""
+    """Mean weight, expected acceptance (and KL to the target, where the run logged it), task reward and fidelity
+    against the step, as a PNG."""
     if not records:
         return None
     steps = [record["step"] for record in records]
     figure, axes = new_figure(3, (13, 3.6))
     axes[0].plot(steps, [r["mean_weight"] for r in records], label="mean w (on target)")
     axes[0].plot(steps, [r["expected_acceptance"] for r in records], label="expected acceptance 1 - w TV")
-    axes[0].set_ylim(0, 1)
+    divergences = [r.get("expected_kl", math.nan) for r in records]
+    if not all(math.isnan(value) for value in divergences):
+        axes[0].plot(steps, divergences, label="expected KL(nu || p), nats", linestyle="--")
+    axes[0].set_ylim(0, max([1.0] + [value for value in divergences if not math.isnan(value)]))
     axes[0].legend()
     axes[1].plot(steps, [r["task_reward"] for r in records], color="tab:green")
     axes[1].set_title("task reward (batch mean)")

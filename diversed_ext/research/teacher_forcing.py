@@ -5,9 +5,10 @@ decoding loop uses for them. At the position that predicts y_t this gives the la
 h_target_t (the head's inputs, those it sees while decoding) and the logits, from which :func:`diversed_ext.token_stats`
 takes p_t(y_t), q_t(y_t), their log probabilities and TV(p_t, q_t) in one pass over the vocabulary without
 materialising probabilities; :func:`fidelity_gap` the expected-fidelity term's G_t = E_q[log p] - E_p[log p]
-(chunked, so small temporaries); and :func:`~diversed_ext.head.distribution_features` what a head that reads them sees
-at each position. For scoring decoded outputs, :func:`target_scores` gives a completion's fidelity and the target's
-entropy at the positions it visited (one pass of the target).
+(chunked, so small temporaries); :func:`mixture_divergence` the expected-divergence term's table of KL(nu_w || p)
+over w; and :func:`~diversed_ext.head.distribution_features` what a head that reads them sees at each position. For
+scoring decoded outputs, :func:`target_scores` gives a completion's fidelity and the target's entropy at the positions
+it visited (one pass of the target).
 
 An EAGLE-3 head as the draft reads the target's aux hidden states instead of the tokens alone, and its q at a position
 depends on the step of its round it drafts at (:mod:`.eagle_unrolled`): the target's pass also gives the aux states,
@@ -27,6 +28,7 @@ from ..decoding.eagle_drafting import is_eagle_head
 from ..decoding.runners import make_runner, model_device
 from ..ops import DISTRIBUTION_FEATURES, distribution_temperature, token_stats
 from .eagle_unrolled import unrolled_steps
+from .objective import KL_GRID_POINTS
 
 
 @dataclass
@@ -41,6 +43,7 @@ class TokenBatch:
     mask: torch.Tensor  # [N, T] bool, True at real completion tokens
     fidelity_gap: torch.Tensor  # [N, T] E_q[log p] - E_p[log p] (see fidelity_gap)
     distributions: torch.Tensor  # [N, T, F] distribution_features of both models' logits at each position
+    kl_table: torch.Tensor  # [N, T, KL_GRID_POINTS] KL(nu_w || p) at w = 0, 1/16, ..., 1 (see mixture_divergence)
 
     def to(self, device) -> "TokenBatch":
         """This batch with every tensor on ``device``."""
@@ -54,19 +57,44 @@ class TokenBatch:
 
 
 LOG_PROB_FLOOR = -100.0  # nats: a token the target rules out (-inf) costs a bounded amount in fidelity_gap
+POSITIONS_PER_CHUNK = 64  # positions whose [positions, V] float32 temporaries exist at once
+
+
+def _chunked_distributions(draft_logits: torch.Tensor, target_logits: torch.Tensor, temperature: float):
+    """(log p floored at LOG_PROB_FLOOR, q) of successive chunks of positions, in float32."""
+    scale = 1.0 / distribution_temperature(temperature)
+    for target_chunk, draft_chunk in zip(target_logits.float().split(POSITIONS_PER_CHUNK, dim=-2),
+                                         draft_logits.float().split(POSITIONS_PER_CHUNK, dim=-2)):
+        yield (target_chunk * scale).log_softmax(-1).clamp_min(LOG_PROB_FLOOR), (draft_chunk * scale).softmax(-1)
 
 
 def fidelity_gap(draft_logits: torch.Tensor, target_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """G = E_q[log p] - E_p[log p] per position ([..., V] logits -> [...]): how much the expected target
     log-probability of the next token changes per unit of draft weight (1 - w) in the mixture. Computed in float32
     chunks of positions, so the [T, V] temporaries stay small."""
-    scale = 1.0 / distribution_temperature(temperature)
-    gaps = []
-    for target_chunk, draft_chunk in zip(target_logits.float().split(64, dim=-2), draft_logits.float().split(64, dim=-2)):
-        target_logprob = (target_chunk * scale).log_softmax(-1).clamp_min(LOG_PROB_FLOOR)
-        difference = (draft_chunk * scale).softmax(-1) - target_logprob.exp()
-        gaps.append((difference * target_logprob).sum(-1))
+    gaps = [((draft_probs - target_logprob.exp()) * target_logprob).sum(-1)
+            for target_logprob, draft_probs in _chunked_distributions(draft_logits, target_logits, temperature)]
     return torch.cat(gaps, dim=-1) if gaps else target_logits.new_zeros(target_logits.shape[:-1], dtype=torch.float32)
+
+
+def mixture_divergence(draft_logits: torch.Tensor, target_logits: torch.Tensor,
+                       temperature: float = 1.0) -> torch.Tensor:
+    """KL(nu_w || p) per position at the ``KL_GRID_POINTS`` weights w = 0, 1/16, ..., 1 of the mixture
+    nu_w = w p + (1 - w) q ([..., V] logits -> [..., KL_GRID_POINTS]): the expected-divergence term's table
+    (objective.py). KL(nu || p) = sum nu log nu - w E_p[log p] - (1 - w) E_q[log p]; the two expectations are taken once
+    and only the first sum once per weight. log p is floored as in :func:`fidelity_gap`, so a draft that puts mass on
+    a token the target rules out costs a bounded amount. Float32 chunks of positions."""
+    grid = torch.linspace(0.0, 1.0, KL_GRID_POINTS, device=target_logits.device)
+    tables = []
+    for target_logprob, draft_probs in _chunked_distributions(draft_logits, target_logits, temperature):
+        target_probs = target_logprob.exp()
+        on_target, on_draft = ((probs * target_logprob).sum(-1, keepdim=True) for probs in (target_probs, draft_probs))
+        negentropy = torch.stack([torch.special.xlogy(mixture, mixture).sum(-1) for mixture in
+                                  (weight * target_probs + (1 - weight) * draft_probs for weight in grid)], dim=-1)
+        tables.append((negentropy - grid * on_target - (1 - grid) * on_draft).clamp_min(0.0))
+    if not tables:
+        return target_logits.new_zeros(target_logits.shape[:-1] + (KL_GRID_POINTS,), dtype=torch.float32)
+    return torch.cat(tables, dim=-2)
 
 
 SEQUENCES_PER_PASS = 8  # sequences per forward call: their [tokens, V] logits stay a few hundred MB
@@ -167,7 +195,7 @@ def teacher_forced_tokens(target, draft, prompts: Sequence[Sequence[int]], compl
                                                                                   draft_outputs):
         rows[index] = _sequence_tokens(completions[index], target_hidden, target_logits,
                                        draft_hidden.to(device), draft_logits.to(device), temperature)
-    return TokenBatch(*(_pad_stack([row[field] for row in rows], longest) for field in range(8)))
+    return TokenBatch(*(_pad_stack([row[field] for row in rows], longest) for field in range(len(fields(TokenBatch)))))
 
 
 def _sequence_tokens(completion: Sequence[int], target_hidden, target_logits, draft_hidden, draft_logits,
@@ -177,8 +205,9 @@ def _sequence_tokens(completion: Sequence[int], target_hidden, target_logits, dr
                         from_logits=True, temperature=distribution_temperature(temperature), check_inputs=False)
     return (draft_hidden, target_hidden, stats.target_logprob[0], stats.draft_logprob[0], stats.total_variation[0],
             torch.ones(len(completion), dtype=torch.bool, device=target_logits.device),
-            fidelity_gap(draft_logits, target_logits, temperature), distribution_features(draft_logits, target_logits,
-                                                                                          temperature))
+            fidelity_gap(draft_logits, target_logits, temperature),
+            distribution_features(draft_logits, target_logits, temperature),
+            mixture_divergence(draft_logits, target_logits, temperature))
 
 
 def _empty_row(target, draft, device: torch.device) -> tuple:
@@ -186,7 +215,7 @@ def _empty_row(target, draft, device: torch.device) -> tuple:
     empty = torch.zeros(0, device=device)
     return (torch.zeros(0, draft_size, device=device), torch.zeros(0, target_size, device=device), empty, empty, empty,
             torch.zeros(0, dtype=torch.bool, device=device), empty,
-            torch.zeros(0, len(DISTRIBUTION_FEATURES), device=device))
+            torch.zeros(0, len(DISTRIBUTION_FEATURES), device=device), torch.zeros(0, KL_GRID_POINTS, device=device))
 
 
 def _pad_stack(tensors: list[torch.Tensor], length: int) -> torch.Tensor:

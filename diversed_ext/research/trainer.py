@@ -5,11 +5,12 @@ One step:
   2. roll out completions by speculative decoding with the current head: the tokens follow nu, as in deployment;
   3. reward each completion: the task reward plus ``fidelity_coef`` times its fidelity (mean target log-probability
      per generated token);
-  4. one teacher-forced pass of both models gives hidden states, log p(y), log q(y), TV and the fidelity gap
-     E_q[log p] - E_p[log p] per token;
+  4. one teacher-forced pass of both models gives hidden states, log p(y), log q(y), TV, the fidelity gap
+     E_q[log p] - E_p[log p] and the table of KL(nu_w || p) over w per token;
   5. loss = diversed_objective(...) (diversed_ext/research/objective.py): policy gradient with batch-normalised
      advantages plus the acceptance regulariser, plus (``expected_fidelity_coef`` > 0) the closed-form expected
-     next-token fidelity; only the head trains (AdamW, gradient clipping, linear warm-up then cosine decay).
+     next-token fidelity and (``expected_kl_coef`` > 0) the expected divergence KL(nu || p); only the head trains
+     (AdamW, gradient clipping, linear warm-up then cosine decay).
 
 Checkpoints (head, optimiser, scheduler, step, RNG states) are written atomically; ``resume=True`` continues exactly
 where the last one stopped. Under ``torchrun`` the head is wrapped in DistributedDataParallel (gloo on CPU, nccl on
@@ -36,7 +37,7 @@ from ..decoding.runners import model_device
 from ..head import EnsembleHead
 from .checkpoints import (CHECKPOINT_NAME, LOG_NAME, CheckpointError, TrainingLog, load_checkpoint,
                           save_checkpoint)
-from .objective import CLOSED_FORMS, diversed_objective
+from .objective import CLOSED_FORMS, check_kl_options, diversed_objective
 from .plots import plot_training_curve
 from .rollouts import Rollout
 from .teacher_forcing import teacher_forced_tokens
@@ -62,6 +63,7 @@ class TrainerConfig:
     fidelity_coef: float = 0.0
     expected_fidelity_coef: float = 0.0  # mu of the closed-form next-token fidelity term (objective.py)
     closed_form: str = "linear"  # "logistic": the surrogate of the closed-form terms (objective.py)
+    expected_kl_coef: float = 0.0  # kappa of the expected divergence KL(nu || p) (objective.py; linear closed form)
     epochs: int = 1  # optimiser updates per batch of rollouts (see Trainer)
     temperature: float = 1.0
     seed: int = 0
@@ -80,6 +82,7 @@ class TrainerConfig:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.closed_form not in CLOSED_FORMS:
             raise ValueError(f"closed_form must be one of {', '.join(CLOSED_FORMS)}, got {self.closed_form!r}")
+        check_kl_options(self.expected_kl_coef, self.closed_form)
 
 
 def warmup_cosine(step: int, warmup_steps: int, total_steps: int) -> float:
@@ -247,7 +250,7 @@ class Trainer:
             terms = diversed_objective(weights, tokens.target_logprob, tokens.draft_logprob, tokens.total_variation,
                                        rewards.to(weights.dtype), tokens.mask, self.config.acceptance_coef,
                                        tokens.fidelity_gap, self.config.expected_fidelity_coef,
-                                       self.config.closed_form)
+                                       self.config.closed_form, tokens.kl_table, self.config.expected_kl_coef)
             self.optimizer.zero_grad(set_to_none=True)
             terms.loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(self.head.parameters(), self.config.grad_clip)
@@ -261,7 +264,8 @@ class Trainer:
         record = {"step": self.step, "loss": terms.loss.item(), "task_reward": task_rewards.mean().item(),
                   "fidelity": fidelity.mean().item(), "mean_weight": terms.mean_weight.item(),
                   "expected_acceptance": terms.expected_acceptance.item(),
-                  "expected_fidelity_change": fidelity_change.mean().item(), "grad_norm": grad_norm,
+                  "expected_fidelity_change": fidelity_change.mean().item(),
+                  "expected_kl": terms.expected_kl.item(), "grad_norm": grad_norm,
                   "learning_rate": self.scheduler.get_last_lr()[0],
                   "tokens": int(tokens.mask.sum())}
         self.history.append(record)

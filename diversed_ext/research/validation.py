@@ -4,16 +4,19 @@ At a context t with next-token distributions p_t (target) and q_t (draft), a wei
 
     expected acceptance         a_t = 1 - w_t TV(p_t, q_t)
     expected fidelity change    f_t = (1 - w_t) G_t,     G_t = E_q[log p_t] - E_p[log p_t] <= 0 mostly
+    divergence from the target  d_t = KL(nu_t || p_t),  nu_t = w_t p_t + (1 - w_t) q_t
 
-(the two closed-form terms the trainer optimises). Over the same contexts a static ensemble c traces the line
-a = 1 - c mean(TV), f = (1 - c) mean(G); a head is worth keeping where its point lies above that line at its own
-acceptance. The contexts come from completions of held-out prompts, sampled once through the speculative loop
+(the closed-form terms the trainer optimises; d_t read from its table over w). Over the same contexts a static
+ensemble c traces the line a = 1 - c mean(TV), f = (1 - c) mean(G), and a convex curve of d; a head is worth keeping
+where its point lies above that line at its own acceptance, or below that curve. Fidelity rewards a sharper output,
+so only the divergence tells a head that follows the target's law better from one that runs colder. The contexts come from completions of held-out prompts, sampled once through the speculative loop
 (static w = 0.5 by default) and teacher-forced through both models. Means are taken per prompt, then over prompts,
 so standard errors and differences are paired over prompts.
 
 For coefficients (lambda on acceptance, mu on expected fidelity) the loss is minimised token by token by w_t = 1 where
-mu (-G_t) > lambda TV_t and w_t = 0 elsewhere; that rule's acceptance at each lambda shows, before any training,
-which coefficients spread the heads' acceptances over a wanted range.
+mu (-G_t) > lambda TV_t and w_t = 0 elsewhere; with kappa on the divergence too, by the w_t of the table's grid that
+minimises lambda w_t TV_t - mu (1 - w_t) G_t + kappa d_t. That rule's acceptance at each lambda shows, before any
+training, which coefficients spread the heads' acceptances over a wanted range.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from ..decoding import DEFAULT_MAX_DRAFT, SpeculativeDecoder
 from ..decoding.runners import model_device
 from .report import _mean, paired_difference, standard_error
 from .rollouts import draft_steps
+from .objective import KL_GRID_POINTS, interpolated_kl
 from .teacher_forcing import TokenBatch, teacher_forced_tokens
 
 
@@ -38,6 +42,7 @@ class ClosedFormPoint:
     weight: list[float]
     acceptance: list[float]
     fidelity_change: list[float]
+    kl: list[float]  # KL(nu || p)
 
 
 def sample_validation_tokens(target, draft, prompts: Sequence[Sequence[int]], *, weight: float = 0.5,
@@ -89,7 +94,8 @@ def weighted_point(label: str, weights: torch.Tensor, tokens: TokenBatch) -> Clo
     weights = weights.detach().to(tokens.total_variation.dtype)
     return ClosedFormPoint(label, _per_prompt(weights, mask),
                            _per_prompt(1.0 - weights * tokens.total_variation, mask),
-                           _per_prompt((1.0 - weights) * tokens.fidelity_gap, mask))
+                           _per_prompt((1.0 - weights) * tokens.fidelity_gap, mask),
+                           _per_prompt(interpolated_kl(weights, tokens.kl_table), mask))
 
 
 @torch.no_grad()
@@ -106,10 +112,19 @@ def static_point(weight: float, tokens: TokenBatch) -> ClosedFormPoint:
     return weighted_point(label, torch.full(tokens.mask.shape, float(weight)), tokens)
 
 
-def rule_point(acceptance_coef: float, expected_fidelity_coef: float, tokens: TokenBatch) -> ClosedFormPoint:
-    """The token-by-token minimiser of the closed-form loss: w = 1 where mu (-G) > lambda TV, else 0."""
-    keep_target = expected_fidelity_coef * -tokens.fidelity_gap > acceptance_coef * tokens.total_variation
-    return weighted_point(f"rule lambda={acceptance_coef:g}", keep_target.float(), tokens)
+def rule_point(acceptance_coef: float, expected_fidelity_coef: float, tokens: TokenBatch,
+               expected_kl_coef: float = 0.0) -> ClosedFormPoint:
+    """The token-by-token minimiser of the closed-form loss: w = 1 where mu (-G) > lambda TV, else 0; with
+    ``expected_kl_coef`` kappa > 0, the weight of the KL table's grid minimising lambda w TV - mu (1 - w) G + kappa d."""
+    label = f"rule lambda={acceptance_coef:g}" + (f" kappa={expected_kl_coef:g}" if expected_kl_coef > 0 else "")
+    if expected_kl_coef <= 0:
+        keep_target = expected_fidelity_coef * -tokens.fidelity_gap > acceptance_coef * tokens.total_variation
+        return weighted_point(label, keep_target.float(), tokens)
+    grid = torch.linspace(0.0, 1.0, KL_GRID_POINTS, dtype=tokens.kl_table.dtype)
+    loss = (acceptance_coef * grid * tokens.total_variation.unsqueeze(-1)
+            - expected_fidelity_coef * (1.0 - grid) * tokens.fidelity_gap.unsqueeze(-1)
+            + expected_kl_coef * tokens.kl_table)
+    return weighted_point(label, grid[loss.argmin(-1)], tokens)
 
 
 def _mean_total_variation(tokens: TokenBatch) -> float:
@@ -117,20 +132,23 @@ def _mean_total_variation(tokens: TokenBatch) -> float:
     return _mean(_per_prompt(tokens.total_variation, tokens.mask.to(tokens.total_variation.dtype)))
 
 
-def gap_to_static_line(point: ClosedFormPoint, tokens: TokenBatch) -> tuple[float, float]:
-    """(mean, standard error over prompts) of the point's fidelity change minus that of the static ensemble with the
-    same mean acceptance on the same prompts."""
+def gap_to_static_line(point: ClosedFormPoint, tokens: TokenBatch,
+                       figure: str = "fidelity_change") -> tuple[float, float]:
+    """(mean, standard error over prompts) of the point's ``figure`` (``"fidelity_change"`` or ``"kl"``) minus that of
+    the static ensemble with the same mean acceptance on the same prompts."""
     mean_tv = _mean_total_variation(tokens)
     static_weight = min(max((1.0 - _mean(point.acceptance)) / max(mean_tv, 1e-12), 0.0), 1.0)
     static = static_point(static_weight, tokens)
-    return paired_difference(point.fidelity_change, static.fidelity_change)
+    return paired_difference(getattr(point, figure), getattr(static, figure))
 
 
 def point_row(point: ClosedFormPoint, tokens: TokenBatch) -> dict:
     """What the validate table shows of a point."""
     sd_acceptance = 1.0 - _mean_total_variation(tokens)  # w = 1 everywhere
     gap, gap_se = gap_to_static_line(point, tokens)
+    kl_gap, kl_gap_se = gap_to_static_line(point, tokens, "kl")
     acceptance = _mean(point.acceptance)
     return {"label": point.label, "mean_weight": _mean(point.weight), "acceptance": acceptance,
             "acceptance_se": standard_error(point.acceptance), "x_sd": acceptance / sd_acceptance,
-            "fidelity_change": _mean(point.fidelity_change), "gap": gap, "gap_se": gap_se}
+            "fidelity_change": _mean(point.fidelity_change), "gap": gap, "gap_se": gap_se, "kl": _mean(point.kl),
+            "kl_gap": kl_gap, "kl_gap_se": kl_gap_se}

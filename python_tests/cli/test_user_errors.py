@@ -72,6 +72,12 @@ def test_an_eagle_drafter_refuses_token_by_token_rollouts(tmp_path, capsys, no_m
         assert status == 2 and "--rollout mixture: an EAGLE-3 drafter" in error and "\n" not in error
 
 
+def test_the_kl_term_refuses_the_logistic_surrogate_before_any_model_loads(tmp_path, capsys, no_models):
+    path = write(tmp_path / "train.jsonl", GOOD_RECORD)
+    status, error = run_cli(["train", "--data", path, "--expected-kl-coef", "1", "--closed-form", "logistic"], capsys)
+    assert status == 2 and "--expected-kl-coef 1 with --closed-form logistic" in error and "\n" not in error
+
+
 @pytest.mark.parametrize("argv", [["generate", "--prompt", "hi", "--draft-length", "longest"],
                                   ["eval", "--draft-length"], ["demo", "--draft-cost", "-1"],
                                   ["eval", "--fixed-k", "0"]])
@@ -93,6 +99,8 @@ def test_missing_data_file_and_model_folder(tmp_path, capsys, monkeypatch):
     ["train", "--data", "d.jsonl", "--lr", "nan"],
     ["train", "--data", "d.jsonl", "--init-weight", "2"],
     ["train", "--data", "d.jsonl", "--init-weight", "0"],
+    ["train", "--data", "d.jsonl", "--expected-kl-coef", "-1"],
+    ["validate", "--data", "d.jsonl", "--expected-kl-coef", "nan"],
     ["generate", "--prompt", "hi", "--temperature", "inf"],
     ["generate", "--prompt", "hi", "--max-new-tokens", "0"],
     ["eval", "--data", "d.jsonl", "--weight", "nan"],

@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from diversed_ext.research.objective import diversed_objective, log_mixture_prob, normalized_advantages
+from diversed_ext.research.objective import (KL_GRID_POINTS, diversed_objective, interpolated_kl, log_mixture_prob,
+                                             normalized_advantages)
 
 
 def random_terms(num_sequences=4, length=6, seed=0):
@@ -148,3 +149,69 @@ def test_logistic_surrogate_has_the_linear_minimiser_and_live_gradients():
     assert values[0] < values[1] < values[2]
     with pytest.raises(ValueError, match="closed_form"):
         diversed_objective(best, zeros, zeros, total_variation, rewards, mask, closed_form="square")
+
+
+def kl_table_of(curvature: torch.Tensor) -> torch.Tensor:
+    """KL(nu_w || p) shaped as near its minimum, c (1 - w)^2, on the objective's grid."""
+    return curvature.unsqueeze(-1) * (1 - torch.linspace(0, 1, KL_GRID_POINTS, dtype=torch.float64)) ** 2
+
+
+def test_interpolated_kl_reads_the_table_linearly_between_grid_points():
+    table = torch.arange(KL_GRID_POINTS, dtype=torch.float64).pow(2).expand(2, KL_GRID_POINTS).clone()
+    step = 1 / (KL_GRID_POINTS - 1)
+    weights = torch.tensor([[0.0, 1.0], [2.5 * step, -0.3]], dtype=torch.float64).requires_grad_(True)
+    values = interpolated_kl(weights, table.unsqueeze(0).expand(2, 2, KL_GRID_POINTS))
+    # grid points exactly; halfway between 2 and 3 the mean of 4 and 9; below 0 the first entry
+    torch.testing.assert_close(values.detach(), torch.tensor([[0.0, (KL_GRID_POINTS - 1) ** 2], [6.5, 0.0]],
+                                                             dtype=torch.float64))
+    values.sum().backward()
+    assert weights.grad[1, 0].item() == pytest.approx((9 - 4) / step)  # the segment's slope
+    assert weights.grad[1, 1].item() == 0.0  # clamped: no gradient outside [0, 1]
+    with pytest.raises(ValueError, match="kl_table"):
+        interpolated_kl(weights, table)
+
+
+def test_kl_term_gradient_and_its_minimiser():
+    weights, log_p, log_q, tv, rewards, mask = random_terms(seed=3)
+    curvature = torch.rand(weights.shape, generator=torch.Generator().manual_seed(4), dtype=torch.float64) + 0.5
+    table = kl_table_of(curvature)
+
+    def loss(values):
+        return diversed_objective(values, log_p, log_q, tv, rewards, mask, 0.3, kl_table=table,
+                                  expected_kl_coef=2.0).loss
+
+    point = weights.clone().requires_grad_(True)
+    loss(point).backward()
+    delta = 1e-6
+    for index in [(0, 0), (1, 2), (3, 5)]:
+        if not mask[index]:
+            continue
+        plus, minus = weights.clone(), weights.clone()
+        plus[index] += delta
+        minus[index] -= delta
+        numeric = (loss(plus) - loss(minus)).item() / (2 * delta)
+        assert point.grad[index].item() == pytest.approx(numeric, rel=1e-3, abs=1e-6)
+    terms = diversed_objective(weights, log_p, log_q, tv, rewards, mask, 0.3, kl_table=table, expected_kl_coef=2.0)
+    total = (interpolated_kl(weights, table) * mask).sum().item()
+    assert terms.expected_kl.item() == pytest.approx(total / mask.sum().item())
+    assert terms.expected_kl_term.item() == pytest.approx(2.0 * total / 4)  # kappa x the sum per sequence
+    # Acceptance against KL alone: the best weight of each token is 1 - lambda TV / (2 kappa c), inside (0, 1).
+    zeros = torch.zeros_like(weights)
+    best = (1 - 0.3 * tv / (2 * 2.0 * curvature)).clamp(0, 1)
+    candidates = [best, (best + 0.1).clamp(max=1), (best - 0.1).clamp(min=0)]
+    values = [diversed_objective(candidate, zeros, zeros, tv, torch.zeros(4, dtype=torch.float64), mask, 0.3,
+                                 kl_table=table, expected_kl_coef=2.0).loss.item() for candidate in candidates]
+    assert values[0] < min(values[1:]) + 1e-3
+
+
+def test_kl_term_needs_its_table_and_the_linear_closed_form():
+    weights, log_p, log_q, tv, rewards, mask = random_terms()
+    table = kl_table_of(torch.ones_like(weights))
+    with pytest.raises(ValueError, match="needs kl_table"):
+        diversed_objective(weights, log_p, log_q, tv, rewards, mask, expected_kl_coef=1.0)
+    with pytest.raises(ValueError, match="closed_form='linear'"):
+        diversed_objective(weights, log_p, log_q, tv, rewards, mask, 0.1, tv, 1.0, "logistic", table, 1.0)
+    with pytest.raises(ValueError, match="expected_kl_coef must be >= 0"):
+        diversed_objective(weights, log_p, log_q, tv, rewards, mask, kl_table=table, expected_kl_coef=-1.0)
+    off = diversed_objective(weights, log_p, log_q, tv, rewards, mask, 0.1)
+    assert off.expected_kl_term.item() == 0.0 and math.isnan(off.expected_kl.item())

@@ -10,7 +10,8 @@ import torch
 pytest.importorskip("transformers")
 
 from diversed_ext.head import EnsembleHead  # noqa: E402
-from diversed_ext.research.teacher_forcing import fidelity_gap, teacher_forced_tokens  # noqa: E402
+from diversed_ext.research.objective import KL_GRID_POINTS  # noqa: E402
+from diversed_ext.research.teacher_forcing import fidelity_gap, mixture_divergence, teacher_forced_tokens  # noqa: E402
 from diversed_ext.research.trainer import TrainerConfig, warmup_cosine  # noqa: E402
 from helpers import (TESTS_ROOT, make_trainer, models_on_device, prompts_and_examples,  # noqa: E402
                      trainer_llama)
@@ -43,6 +44,38 @@ def test_fidelity_gap_against_float64(pair):
     assert torch.all(fidelity_gap(target_logits, target_logits).abs() < 1e-5)  # q = p: mixing costs nothing
     masked = torch.tensor([[0.0, float("-inf"), 1.0]])
     assert torch.isfinite(fidelity_gap(torch.zeros(1, 3), masked)).all()  # a ruled-out token costs a bounded amount
+
+
+def test_mixture_divergence_against_float64(pair):
+    target, draft = pair
+    batch = teacher_forced_tokens(target, draft, [[1, 2, 3]], [[5, 6, 7]], temperature=0.7)
+    input_ids = torch.tensor([[1, 2, 3, 5, 6]])
+    log_p = (target(input_ids).logits[0, 2:5].double() / 0.7).log_softmax(-1)
+    q = (draft(input_ids).logits[0, 2:5].double() / 0.7).softmax(-1)
+    for index, weight in enumerate(torch.linspace(0, 1, KL_GRID_POINTS, dtype=torch.float64)):
+        mixture = weight * log_p.exp() + (1 - weight) * q
+        expected = (mixture * (mixture.log() - log_p)).sum(-1)
+        torch.testing.assert_close(batch.kl_table[0, :, index].double(), expected, rtol=1e-3, atol=2e-5)
+    assert torch.all(batch.kl_table[0, :, -1].abs() < 2e-5)  # w = 1: the target itself
+    assert torch.all(batch.kl_table[0, :, :-1] > batch.kl_table[0, :, 1:])  # less draft, less divergence
+    logits = torch.randn(4, 11, generator=torch.Generator().manual_seed(0))
+    assert torch.all(mixture_divergence(logits, logits).abs() < 1e-5)  # q = p: mixing costs nothing
+    masked = torch.tensor([[0.0, float("-inf"), 1.0]])
+    table = mixture_divergence(torch.zeros(1, 3), masked)
+    assert torch.isfinite(table).all() and table[0, 0] > 10  # a ruled-out token costs a bounded, large amount
+    assert mixture_divergence(torch.zeros(0, 3), torch.zeros(0, 3)).shape == (0, KL_GRID_POINTS)
+
+
+def test_expected_kl_term_moves_the_weight_towards_the_target(pair, tmp_path):
+    # No reward, no acceptance term: KL(nu || p) is least at w = 1, so w must rise from 0.5.
+    trainer = make_trainer(pair, tmp_path, reward=lambda example, text: 0.0, acceptance_coef=0.0, fidelity_coef=0.0,
+                           expected_kl_coef=1.0)
+    history = trainer.train(progress=False)
+    assert history[0]["expected_kl"] > 0
+    assert history[-1]["mean_weight"] > history[0]["mean_weight"] + 0.05
+    assert history[-1]["expected_kl"] < history[0]["expected_kl"]
+    with pytest.raises(ValueError, match="closed_form='linear'"):
+        TrainerConfig(output_dir=str(tmp_path), expected_kl_coef=1.0, closed_form="logistic").validate()
 
 
 def test_expected_fidelity_term_raises_the_weight(pair, tmp_path):

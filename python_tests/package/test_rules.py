@@ -87,7 +87,8 @@ def test_train_defaults_are_the_trainer_config():
     parsed, config = _parsed("train"), TrainerConfig(output_dir="x")
     names = {"steps": "steps", "batch_size": "batch_size", "lr": "learning_rate", "warmup_steps": "warmup_steps",
              "acceptance_coef": "acceptance_coef", "fidelity_coef": "fidelity_coef", "epochs": "epochs",
-             "expected_fidelity_coef": "expected_fidelity_coef", "closed_form": "closed_form",
+             "expected_fidelity_coef": "expected_fidelity_coef", "expected_kl_coef": "expected_kl_coef",
+             "closed_form": "closed_form",
              "checkpoint_every": "checkpoint_every", "temperature": "temperature", "seed": "seed"}
     for option, field in names.items():
         assert parsed[option] == getattr(config, field), option

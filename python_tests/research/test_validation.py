@@ -1,6 +1,6 @@
 """Closed-form validation of heads and coefficients (research/validation.py and ``diversed validate``): static points
-lie on their own line, the token-by-token loss minimiser lies on or above it, token files round-trip, and the
-command runs end to end on a tiny pair."""
+lie on their own line (and KL curve), the token-by-token loss minimiser lies on or above the line (below the curve
+with the KL term), token files round-trip, and the command runs end to end on a tiny pair."""
 
 import dataclasses
 import json
@@ -13,6 +13,7 @@ pytest.importorskip("transformers")
 from diversed_ext import cli  # noqa: E402
 from diversed_ext.head import DISTRIBUTION_FEATURES, EnsembleHead  # noqa: E402
 from diversed_ext.research import validation  # noqa: E402
+from diversed_ext.research.objective import KL_GRID_POINTS  # noqa: E402
 from diversed_ext.research.teacher_forcing import TokenBatch  # noqa: E402
 from helpers import gsm8k_examples  # noqa: E402
 
@@ -22,12 +23,16 @@ def synthetic_tokens(prompts=12, length=20, seed=0) -> TokenBatch:
     total_variation = torch.rand(prompts, length, generator=generator)
     # G mostly negative and loosely tied to TV, as on real pairs
     gap = -3 * total_variation * torch.rand(prompts, length, generator=generator) * 2
+    # KL(nu_w || p) near its convex shape, c (1 - w)^2, with a curvature c loosely tied to TV
+    curvature = total_variation * torch.rand(prompts, length, generator=generator) * 4
+    grid = torch.linspace(0, 1, KL_GRID_POINTS)
     return TokenBatch(draft_hidden=torch.randn(prompts, length, 4, generator=generator),
                       target_hidden=torch.randn(prompts, length, 6, generator=generator),
                       target_logprob=torch.zeros(prompts, length), draft_logprob=torch.zeros(prompts, length),
                       total_variation=total_variation, mask=torch.ones(prompts, length, dtype=torch.bool),
                       fidelity_gap=gap,
-                      distributions=torch.rand(prompts, length, len(DISTRIBUTION_FEATURES), generator=generator))
+                      distributions=torch.rand(prompts, length, len(DISTRIBUTION_FEATURES), generator=generator),
+                      kl_table=curvature.unsqueeze(-1) * (1 - grid) ** 2)
 
 
 def test_sd_and_static_points():
@@ -38,6 +43,10 @@ def test_sd_and_static_points():
     for weight in (0.0, 0.3, 0.8):
         gap, _ = validation.gap_to_static_line(validation.static_point(weight, tokens), tokens)
         assert abs(gap) < 1e-6  # a static ensemble lies on the static line
+        kl_gap, _ = validation.gap_to_static_line(validation.static_point(weight, tokens), tokens, "kl")
+        assert abs(kl_gap) < 1e-6  # and on the static curve of KL
+    assert sd.kl == [0.0] * 12
+    torch.testing.assert_close(torch.tensor(validation.static_point(0.0, tokens).kl), tokens.kl_table[..., 0].mean(-1))
 
 
 @pytest.mark.parametrize("coef", [0.5, 1.0, 2.0, 4.0])
@@ -47,6 +56,21 @@ def test_loss_minimiser_lies_above_the_static_line(coef):
     assert row["gap"] > 0.05  # per token it trades acceptance for fidelity where that is cheapest
     weights = torch.tensor(validation.rule_point(coef, 1.0, tokens).weight)
     assert torch.all((weights >= 0) & (weights <= 1))
+
+
+@pytest.mark.parametrize("coef", [0.5, 1.0, 2.0])
+def test_kl_minimiser_lies_below_the_static_curve(coef):
+    """With only acceptance and KL in the loss, the per-token minimiser spends its draft weight where KL is cheapest
+    for the acceptance it buys: less KL than the static ensemble of the same acceptance, on weights of the grid."""
+    tokens = synthetic_tokens(seed=int(coef * 10))
+    point = validation.rule_point(coef, 0.0, tokens, expected_kl_coef=1.0)
+    row = validation.point_row(point, tokens)
+    assert point.label == f"rule lambda={coef:g} kappa=1"
+    assert row["kl_gap"] < -0.01 and 0.05 < row["mean_weight"] < 0.95, row
+    # each token's weight is the grid's minimiser of lambda w TV + kappa c (1 - w)^2 (up to the grid's step)
+    best = (1 - coef * tokens.total_variation / (2 * tokens.kl_table[..., 0].clamp_min(1e-9))).clamp(0, 1)
+    weights = torch.tensor(point.weight)
+    torch.testing.assert_close(weights, best.mean(-1), atol=1 / (KL_GRID_POINTS - 1), rtol=0)
 
 
 def test_more_acceptance_weight_means_more_acceptance():
@@ -92,6 +116,7 @@ def test_cli_validate_end_to_end(experiment_pair, tmp_path, monkeypatch, capsys)
     assert cli.main(argv) == 0
     first = capsys.readouterr().out
     assert "3 held-out prompts" in first and "| sd |" in first and "| rule lambda=1 |" in first
+    assert "| KL to the target | KL above the static curve |" in first
     assert f"| {head} | 0.700 |" in first and tokens.is_file()
     assert cli.main(argv) == 0  # the second run reads the token file: the same table
     assert capsys.readouterr().out == first
