@@ -357,13 +357,13 @@ def _run_validate(args) -> int:
                for coef in args.acceptance_coef]
     points += [head_point(path, _load_head(path, target, draft), tokens) for path in args.head]
     header = ["weighting", "mean w", "acceptance", "x sd", "fidelity change", "above the static line",
-              "KL to the target", "KL above the static curve"]
+              "KL to the target", "KL below the static curve"]
     rows = []
     for row in (point_row(point, tokens) for point in points):
         rows.append([row["label"], cell(row["mean_weight"]), with_error(row["acceptance"], row["acceptance_se"]),
                      cell(row["x_sd"], ".2f") + "x", cell(row["fidelity_change"]),
                      with_error(row["gap"], row["gap_se"]), cell(row["kl"], ".4f"),
-                     with_error(row["kl_gap"], row["kl_gap_se"], ".4f")])
+                     with_error(row["kl_below"], row["kl_below_se"], ".4f")])
     print(f"{tokens.mask.shape[0]} held-out prompts, {int(tokens.mask.sum())} tokens (closed form, next token only; "
           "+- 1 s.e. over prompts)\n")
     print(markdown_rows(header, rows))

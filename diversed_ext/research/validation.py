@@ -6,12 +6,13 @@ At a context t with next-token distributions p_t (target) and q_t (draft), a wei
     expected fidelity change    f_t = (1 - w_t) G_t,     G_t = E_q[log p_t] - E_p[log p_t] <= 0 mostly
     divergence from the target  d_t = KL(nu_t || p_t),  nu_t = w_t p_t + (1 - w_t) q_t
 
-(the closed-form terms the trainer optimises; d_t read from its table over w). Over the same contexts a static
-ensemble c traces the line a = 1 - c mean(TV), f = (1 - c) mean(G), and a convex curve of d; a head is worth keeping
-where its point lies above that line at its own acceptance, or below that curve. Fidelity rewards a sharper output,
-so only the divergence tells a head that follows the target's law better from one that runs colder. The contexts come from completions of held-out prompts, sampled once through the speculative loop
-(static w = 0.5 by default) and teacher-forced through both models. Means are taken per prompt, then over prompts,
-so standard errors and differences are paired over prompts.
+(the closed-form terms the trainer optimises; d_t read from its table over w). Over the same contexts a static ensemble
+c traces the line a = 1 - c mean(TV), f = (1 - c) mean(G), and a convex curve of d; a head is worth keeping where its
+point lies above that line at its own acceptance, or below that curve. Fidelity rewards a sharper output, so only the
+divergence tells a head that follows the target's law better from one that runs colder. The contexts come from
+completions of held-out prompts, sampled once through the speculative loop (static w = 0.5 by default) and
+teacher-forced through both models. Means are taken per prompt, then over prompts, so standard errors and differences
+are paired over prompts.
 
 For coefficients (lambda on acceptance, mu on expected fidelity) the loss is minimised token by token by w_t = 1 where
 mu (-G_t) > lambda TV_t and w_t = 0 elsewhere; with kappa on the divergence too, by the w_t of the table's grid that
@@ -28,9 +29,9 @@ import torch
 
 from ..decoding import DEFAULT_MAX_DRAFT, SpeculativeDecoder
 from ..decoding.runners import model_device
+from .objective import KL_GRID_POINTS, interpolated_kl
 from .report import _mean, paired_difference, standard_error
 from .rollouts import draft_steps
-from .objective import KL_GRID_POINTS, interpolated_kl
 from .teacher_forcing import TokenBatch, teacher_forced_tokens
 
 
@@ -115,7 +116,8 @@ def static_point(weight: float, tokens: TokenBatch) -> ClosedFormPoint:
 def rule_point(acceptance_coef: float, expected_fidelity_coef: float, tokens: TokenBatch,
                expected_kl_coef: float = 0.0) -> ClosedFormPoint:
     """The token-by-token minimiser of the closed-form loss: w = 1 where mu (-G) > lambda TV, else 0; with
-    ``expected_kl_coef`` kappa > 0, the weight of the KL table's grid minimising lambda w TV - mu (1 - w) G + kappa d."""
+    ``expected_kl_coef`` kappa > 0, the weight of the KL table's grid that minimises
+    lambda w TV - mu (1 - w) G + kappa d."""
     label = f"rule lambda={acceptance_coef:g}" + (f" kappa={expected_kl_coef:g}" if expected_kl_coef > 0 else "")
     if expected_kl_coef <= 0:
         keep_target = expected_fidelity_coef * -tokens.fidelity_gap > acceptance_coef * tokens.total_variation
@@ -143,12 +145,13 @@ def gap_to_static_line(point: ClosedFormPoint, tokens: TokenBatch,
 
 
 def point_row(point: ClosedFormPoint, tokens: TokenBatch) -> dict:
-    """What the validate table shows of a point."""
+    """What the validate table shows of a point: its distances to the static ensembles of equal acceptance are
+    positive where it is better (``gap``: fidelity above their line; ``kl_below``: KL below their curve)."""
     sd_acceptance = 1.0 - _mean_total_variation(tokens)  # w = 1 everywhere
     gap, gap_se = gap_to_static_line(point, tokens)
-    kl_gap, kl_gap_se = gap_to_static_line(point, tokens, "kl")
+    kl_above, kl_se = gap_to_static_line(point, tokens, "kl")
     acceptance = _mean(point.acceptance)
     return {"label": point.label, "mean_weight": _mean(point.weight), "acceptance": acceptance,
             "acceptance_se": standard_error(point.acceptance), "x_sd": acceptance / sd_acceptance,
             "fidelity_change": _mean(point.fidelity_change), "gap": gap, "gap_se": gap_se, "kl": _mean(point.kl),
-            "kl_gap": kl_gap, "kl_gap_se": kl_gap_se}
+            "kl_below": -kl_above, "kl_below_se": kl_se}

@@ -66,7 +66,7 @@ def test_kl_minimiser_lies_below_the_static_curve(coef):
     point = validation.rule_point(coef, 0.0, tokens, expected_kl_coef=1.0)
     row = validation.point_row(point, tokens)
     assert point.label == f"rule lambda={coef:g} kappa=1"
-    assert row["kl_gap"] < -0.01 and 0.05 < row["mean_weight"] < 0.95, row
+    assert row["kl_below"] > 0.01 and 0.05 < row["mean_weight"] < 0.95, row
     # each token's weight is the grid's minimiser of lambda w TV + kappa c (1 - w)^2 (up to the grid's step)
     best = (1 - coef * tokens.total_variation / (2 * tokens.kl_table[..., 0].clamp_min(1e-9))).clamp(0, 1)
     weights = torch.tensor(point.weight)
@@ -116,7 +116,7 @@ def test_cli_validate_end_to_end(experiment_pair, tmp_path, monkeypatch, capsys)
     assert cli.main(argv) == 0
     first = capsys.readouterr().out
     assert "3 held-out prompts" in first and "| sd |" in first and "| rule lambda=1 |" in first
-    assert "| KL to the target | KL above the static curve |" in first
+    assert "| KL to the target | KL below the static curve |" in first
     assert f"| {head} | 0.700 |" in first and tokens.is_file()
     assert cli.main(argv) == 0  # the second run reads the token file: the same table
     assert capsys.readouterr().out == first
