@@ -43,7 +43,9 @@ class TokenBatch:
     mask: torch.Tensor  # [N, T] bool, True at real completion tokens
     fidelity_gap: torch.Tensor  # [N, T] E_q[log p] - E_p[log p] (see fidelity_gap)
     distributions: torch.Tensor  # [N, T, F] distribution_features of both models' logits at each position
-    kl_table: torch.Tensor  # [N, T, KL_GRID_POINTS] KL(nu_w || p) at w = 0, 1/16, ..., 1 (see mixture_divergence)
+    # [N, T, KL_GRID_POINTS] KL(nu_w || p) at w = 0, 1/16, ..., 1 (see mixture_divergence); [N, T, 0] when the pass
+    # was asked not to tabulate it (divergence=False)
+    kl_table: torch.Tensor
 
     def to(self, device) -> "TokenBatch":
         """This batch with every tensor on ``device``."""
@@ -171,7 +173,8 @@ def pair_outputs(target, draft, prompts: Sequence[Sequence[int]], completions: S
 @torch.no_grad()
 def teacher_forced_tokens(target, draft, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
                           temperature: float = 1.0,
-                          draft_steps: Optional[Sequence[Optional[Sequence[int]]]] = None) -> TokenBatch:
+                          draft_steps: Optional[Sequence[Optional[Sequence[int]]]] = None, *,
+                          divergence: bool = True) -> TokenBatch:
     """Hidden states and token statistics for every completion token (one forward pass of each model over every
     sequence).
 
@@ -182,6 +185,8 @@ def teacher_forced_tokens(target, draft, prompts: Sequence[Sequence[int]], compl
         temperature: the sampling temperature the completions were drawn at (0 counts as 1).
         draft_steps: for an EAGLE-3 draft, each completion's draft step of every token (:func:`.rollouts.draft_steps`;
             None, or a None entry: step 0 everywhere). A draft model's q does not depend on it.
+        divergence: tabulate KL(nu_w || p) over w (``kl_table``), 17 passes over each position's vocabulary that only
+            the expected-divergence term and ``validate`` read; False leaves ``kl_table`` [N, T, 0].
     """
     if len(prompts) != len(completions):
         raise ValueError(f"prompts ({len(prompts)}) and completions ({len(completions)}) must pair up")
@@ -190,16 +195,16 @@ def teacher_forced_tokens(target, draft, prompts: Sequence[Sequence[int]], compl
     longest = max([len(completion) for completion in completions] + [1])
     filled, target_outputs, draft_outputs = pair_outputs(target, draft, prompts, completions, draft_steps)
     device = model_device(target)  # the batch's: a draft on another device hands its outputs over
-    rows = [_empty_row(target, draft, device) for _ in completions]
+    rows = [_empty_row(target, draft, device, divergence) for _ in completions]
     for index, (target_hidden, target_logits), (draft_hidden, draft_logits) in zip(filled, target_outputs,
                                                                                   draft_outputs):
         rows[index] = _sequence_tokens(completions[index], target_hidden, target_logits,
-                                       draft_hidden.to(device), draft_logits.to(device), temperature)
+                                       draft_hidden.to(device), draft_logits.to(device), temperature, divergence)
     return TokenBatch(*(_pad_stack([row[field] for row in rows], longest) for field in range(len(fields(TokenBatch)))))
 
 
 def _sequence_tokens(completion: Sequence[int], target_hidden, target_logits, draft_hidden, draft_logits,
-                     temperature: float) -> tuple:
+                     temperature: float, divergence: bool) -> tuple:
     tokens = torch.tensor([list(completion)], device=target_logits.device)
     stats = token_stats(draft_logits.unsqueeze(0).contiguous(), target_logits.unsqueeze(0).contiguous(), tokens,
                         from_logits=True, temperature=distribution_temperature(temperature), check_inputs=False)
@@ -207,15 +212,17 @@ def _sequence_tokens(completion: Sequence[int], target_hidden, target_logits, dr
             torch.ones(len(completion), dtype=torch.bool, device=target_logits.device),
             fidelity_gap(draft_logits, target_logits, temperature),
             distribution_features(draft_logits, target_logits, temperature),
-            mixture_divergence(draft_logits, target_logits, temperature))
+            mixture_divergence(draft_logits, target_logits, temperature) if divergence
+            else target_logits.new_zeros(len(completion), 0))
 
 
-def _empty_row(target, draft, device: torch.device) -> tuple:
+def _empty_row(target, draft, device: torch.device, divergence: bool) -> tuple:
     draft_size, target_size = draft.config.hidden_size, target.config.hidden_size
     empty = torch.zeros(0, device=device)
     return (torch.zeros(0, draft_size, device=device), torch.zeros(0, target_size, device=device), empty, empty, empty,
             torch.zeros(0, dtype=torch.bool, device=device), empty,
-            torch.zeros(0, len(DISTRIBUTION_FEATURES), device=device), torch.zeros(0, KL_GRID_POINTS, device=device))
+            torch.zeros(0, len(DISTRIBUTION_FEATURES), device=device),
+            torch.zeros(0, KL_GRID_POINTS if divergence else 0, device=device))
 
 
 def _pad_stack(tensors: list[torch.Tensor], length: int) -> torch.Tensor:

@@ -235,8 +235,10 @@ class Trainer:
             rollouts = self.rollout([self.prompts[index] for index in indices],
                                     [self._rollout_seed(slot) for slot in range(len(indices))])
         completions = [list(rollout.tokens) for rollout in rollouts]
+        with_divergence = self.config.expected_kl_coef > 0
         tokens = teacher_forced_tokens(self.target, self.draft, [self.prompts[i] for i in indices], completions,
-                                       self.config.temperature, [rollout.draft_steps for rollout in rollouts])
+                                       self.config.temperature, [rollout.draft_steps for rollout in rollouts],
+                                       divergence=with_divergence)
         task_rewards = torch.tensor([float(self.reward(self.examples[index], self.decode(completion)))
                                      for index, completion in zip(indices, completions)], dtype=torch.float64,
                                     device=tokens.mask.device)
@@ -250,7 +252,8 @@ class Trainer:
             terms = diversed_objective(weights, tokens.target_logprob, tokens.draft_logprob, tokens.total_variation,
                                        rewards.to(weights.dtype), tokens.mask, self.config.acceptance_coef,
                                        tokens.fidelity_gap, self.config.expected_fidelity_coef,
-                                       self.config.closed_form, tokens.kl_table, self.config.expected_kl_coef)
+                                       self.config.closed_form, tokens.kl_table if with_divergence else None,
+                                       self.config.expected_kl_coef)
             self.optimizer.zero_grad(set_to_none=True)
             terms.loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(self.head.parameters(), self.config.grad_clip)
@@ -264,10 +267,11 @@ class Trainer:
         record = {"step": self.step, "loss": terms.loss.item(), "task_reward": task_rewards.mean().item(),
                   "fidelity": fidelity.mean().item(), "mean_weight": terms.mean_weight.item(),
                   "expected_acceptance": terms.expected_acceptance.item(),
-                  "expected_fidelity_change": fidelity_change.mean().item(),
-                  "expected_kl": terms.expected_kl.item(), "grad_norm": grad_norm,
+                  "expected_fidelity_change": fidelity_change.mean().item(), "grad_norm": grad_norm,
                   "learning_rate": self.scheduler.get_last_lr()[0],
                   "tokens": int(tokens.mask.sum())}
+        if with_divergence:
+            record["expected_kl"] = terms.expected_kl.item()
         self.history.append(record)
         return record
 

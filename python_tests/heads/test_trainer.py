@@ -64,6 +64,11 @@ def test_mixture_divergence_against_float64(pair):
     table = mixture_divergence(torch.zeros(1, 3), masked)
     assert torch.isfinite(table).all() and table[0, 0] > 10  # a ruled-out token costs a bounded, large amount
     assert mixture_divergence(torch.zeros(0, 3), torch.zeros(0, 3)).shape == (0, KL_GRID_POINTS)
+    # Only the expected-divergence term and validate read the table: without it the pass leaves it empty.
+    without = teacher_forced_tokens(target, draft, [[1, 2, 3], [4]], [[5, 6, 7], []], temperature=0.7,
+                                    divergence=False)
+    assert without.kl_table.shape == (2, 3, 0)
+    torch.testing.assert_close(without.fidelity_gap[0], batch.fidelity_gap[0])
 
 
 def test_expected_kl_term_moves_the_weight_towards_the_target(pair, tmp_path):
@@ -84,6 +89,7 @@ def test_expected_fidelity_term_raises_the_weight(pair, tmp_path):
                            expected_fidelity_coef=1.0)
     history = trainer.train(progress=False)
     assert history[0]["expected_fidelity_change"] < 0
+    assert "expected_kl" not in history[0]  # not tabulated without the divergence term
     assert history[-1]["mean_weight"] > history[0]["mean_weight"] + 0.05
 
 
