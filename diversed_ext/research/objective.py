@@ -74,6 +74,11 @@ def log_mixture_prob(weights: torch.Tensor, target_logprob: torch.Tensor, draft_
     return torch.logaddexp(weights.log() + target_logprob, torch.log1p(-weights) + draft_logprob)
 
 
+def kl_grid(dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
+    """The weights w = 0, 1/16, ..., 1 at which a token's KL(nu_w || p) is tabulated ([KL_GRID_POINTS])."""
+    return torch.linspace(0.0, 1.0, KL_GRID_POINTS, dtype=dtype, device=device)
+
+
 def interpolated_kl(weights: torch.Tensor, kl_table: torch.Tensor) -> torch.Tensor:
     """KL(nu_w || p) at each token's ``weights`` [...] from its table [..., KL_GRID_POINTS] at w = 0, 1/16, ..., 1,
     linear between grid points (weights outside [0, 1] read the ends); differentiable in ``weights``."""

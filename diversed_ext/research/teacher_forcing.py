@@ -28,7 +28,7 @@ from ..decoding.eagle_drafting import is_eagle_head
 from ..decoding.runners import make_runner, model_device
 from ..ops import DISTRIBUTION_FEATURES, distribution_temperature, token_stats
 from .eagle_unrolled import unrolled_steps
-from .objective import KL_GRID_POINTS
+from .objective import KL_GRID_POINTS, kl_grid
 
 
 @dataclass
@@ -86,7 +86,7 @@ def mixture_divergence(draft_logits: torch.Tensor, target_logits: torch.Tensor,
     (objective.py). KL(nu || p) = sum nu log nu - w E_p[log p] - (1 - w) E_q[log p]; the two expectations are taken once
     and only the first sum once per weight. log p is floored as in :func:`fidelity_gap`, so a draft that puts mass on
     a token the target rules out costs a bounded amount. Float32 chunks of positions."""
-    grid = torch.linspace(0.0, 1.0, KL_GRID_POINTS, device=target_logits.device)
+    grid = kl_grid(device=target_logits.device)
     tables = []
     for target_logprob, draft_probs in _chunked_distributions(draft_logits, target_logits, temperature):
         target_probs = target_logprob.exp()

@@ -29,7 +29,7 @@ import torch
 
 from ..decoding import DEFAULT_MAX_DRAFT, SpeculativeDecoder
 from ..decoding.runners import model_device
-from .objective import KL_GRID_POINTS, interpolated_kl
+from .objective import interpolated_kl, kl_grid
 from .report import _mean, paired_difference, standard_error
 from .rollouts import draft_steps
 from .teacher_forcing import TokenBatch, teacher_forced_tokens
@@ -122,7 +122,7 @@ def rule_point(acceptance_coef: float, expected_fidelity_coef: float, tokens: To
     if expected_kl_coef <= 0:
         keep_target = expected_fidelity_coef * -tokens.fidelity_gap > acceptance_coef * tokens.total_variation
         return weighted_point(label, keep_target.float(), tokens)
-    grid = torch.linspace(0.0, 1.0, KL_GRID_POINTS, dtype=tokens.kl_table.dtype)
+    grid = kl_grid(tokens.kl_table.dtype)
     loss = (acceptance_coef * grid * tokens.total_variation.unsqueeze(-1)
             - expected_fidelity_coef * (1.0 - grid) * tokens.fidelity_gap.unsqueeze(-1)
             + expected_kl_coef * tokens.kl_table)
