@@ -13,7 +13,8 @@ dx.verify with default arguments against the registered op alone.
 Ops: verify and verify_logits with draft distributions; verify_tokens and verify_logits_tokens for drafters that give
 tokens only (draft_probs / draft_logits = None), whose "one-hot" columns time what a caller must do without that
 option: materialise one-hot draft rows (and, from logits, softmax the target) and call the distribution API;
-token_stats, mix and distribution_features (what a DIVERSED head reads at each drafted position) from logits; gate and
+token_stats, mix, distribution_features (what a DIVERSED head reads at each drafted position) and mixture_divergence
+(KL(nu_w || p) at 17 weights, what the trainer's divergence term reads) from logits; gate and
 gate_tokens, the log-probability gate's statistics (diversed_ext.ops.gate_statistics) with the draft's logits or its
 tokens only, whose plain column is the PyTorch gate a server ran before (a log-softmax of the drafted rows, the
 residual's sums, the test at margin 4).
@@ -157,6 +158,11 @@ OPS = {
         reference=lambda pr: dx.distribution_features_reference(pr.draft_logits, pr.target_logits[:, :-1],
                                                                 check_inputs=False),
         fused_checked=lambda pr: dx.distribution_features(pr.draft_logits, pr.target_logits[:, :-1])),
+    "mixture_divergence": _pair_bench(
+        "mixture_divergence",
+        fused=lambda pr: dx.mixture_divergence(pr.draft_logits, pr.target_logits[:, :-1], check_inputs=False),
+        reference=lambda pr: dx.mixture_divergence_reference(pr.draft_logits, pr.target_logits[:, :-1],
+                                                             check_inputs=False)),
 }
 GATE_MARGIN = 4.0  # the decoding loop's default
 

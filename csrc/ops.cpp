@@ -86,6 +86,11 @@ TORCH_LIBRARY(diversed, m) {
       "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   // nu = w p + (1 - w) q as float32 [B, K, V]; target [B, K or more, V].
   m.def("mix(Tensor draft, Tensor target, Tensor weight, Tensor temperature, bool from_logits) -> Tensor");
+  // KL(nu_w || p) with log p floored at log_floor, at the weights w = g / (grid_points - 1), g = 0 .. grid_points - 1,
+  // as float32 [B, T, grid_points]; draft and target logits [B, T, V], temperature float32 [B]. CPU only.
+  m.def(
+      "mixture_divergence(Tensor draft, Tensor target, Tensor temperature, int grid_points, float log_floor) "
+      "-> Tensor");
   // What a DIVERSED head reads of pairs of logit rows, as float32 [B, T, 5]: the entropies of q and p over log V,
   // their largest probabilities and TV(p, q) (csrc/common/features_math.h). draft and target [B, T, V], or [R, V] read
   // through target_rows / draft_rows int64 [B, T]; temperature float32 [B], and target_temperature float32 [B] for

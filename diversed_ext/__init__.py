@@ -7,7 +7,9 @@ Public names:
     mix                      nu materialised, from probabilities or logits
     distribution_features    entropies, largest probabilities and TV of both distributions per position (what a
                              DIVERSED head reads beside the hidden states), in DISTRIBUTION_FEATURES' order
-    verify_reference, verify_logits_reference, token_stats_reference, mix_reference, distribution_features_reference
+    mixture_divergence       KL(nu_w || p) per position at a grid of weights w (what a loss on the divergence reads)
+    verify_reference, verify_logits_reference, token_stats_reference, mix_reference, distribution_features_reference,
+    mixture_divergence_reference
                              the same contracts in plain PyTorch (test oracles and benchmark baselines)
     VerifyResult, TokenStats result types
     philox_uniforms          the counter-based uniforms the kernels draw for a seed and offset
@@ -27,14 +29,14 @@ Layout, one floor per folder, imports pointing down only:
 """
 
 from .ops import (DISTRIBUTION_FEATURES, TokenStats, VerifyResult, cuda_kernels, cuda_kernels_registered,
-                  distribution_features, distribution_features_reference, mix, mix_reference, philox_uniforms,
-                  set_cuda_kernels, token_stats, token_stats_reference, verify, verify_logits, verify_logits_reference,
-                  verify_reference)
+                  distribution_features, distribution_features_reference, mix, mix_reference, mixture_divergence,
+                  mixture_divergence_reference, philox_uniforms, set_cuda_kernels, token_stats, token_stats_reference,
+                  verify, verify_logits, verify_logits_reference, verify_reference)
 
 __all__ = [
-    "verify", "verify_logits", "token_stats", "mix", "distribution_features",
+    "verify", "verify_logits", "token_stats", "mix", "distribution_features", "mixture_divergence",
     "verify_reference", "verify_logits_reference", "token_stats_reference", "mix_reference",
-    "distribution_features_reference", "DISTRIBUTION_FEATURES",
+    "distribution_features_reference", "mixture_divergence_reference", "DISTRIBUTION_FEATURES",
     "VerifyResult", "TokenStats", "philox_uniforms", "cuda_kernels_registered", "set_cuda_kernels", "cuda_kernels",
 ]
 __version__ = "0.1.0"

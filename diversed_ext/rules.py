@@ -1,6 +1,6 @@
 """The rules for the numbers a user gives, each written once: a weight on the target, a temperature, a draft length,
-a seed, FLy's window, threshold and top-k, the gate's margin. The decoding loop, the head, the command line, the ops and the vLLM
-plugin's settings all check through here.
+a seed, FLy's window, threshold and top-k, the gate's margin, the grid and floor of a divergence table. The decoding
+loop, the head, the command line, the ops and the vLLM plugin's settings all check through here.
 
 Each rule takes the value and the name it travels under, returns it normalised, and raises TypeError for the wrong
 kind of value (a bool, a string) and ValueError for one out of range (NaN included), both naming the argument and what
@@ -27,6 +27,8 @@ FLY_TOP_K = "an int in [1, 32]"
 FLY_DEFAULT_THRESHOLD = 0.3  # vLLM's FLy defaults
 FLY_DEFAULT_TOP_K = 3
 GATE_MARGIN = "a finite number of nats"
+GRID_POINTS = "an int in [2, 1025]"
+LOG_FLOOR = "a finite number of nats"
 # The lossy setting whose task score stays within 2 s.e. of exact sd at K = 3 and 6 on the generated task, with KL
 # to the target above the static line (margin 4 keeps more drafts and costs 8-11 points; docs/RESULTS.md)
 GATE_DEFAULT_MARGIN = 1.0
@@ -34,6 +36,7 @@ FLY_MAX_TOP_K = 32  # the most probabilities FLy's entropy sums (csrc/common/fly
 
 # Seeds and offsets are int64 counters of the verifier's Philox generator.
 SEED_RANGE = 2**63
+MAX_GRID_POINTS = 1025  # the most weights mixture_divergence tabulates (csrc/common/problems.h: a sum each per row)
 
 
 def _real(value, name: str, description: str) -> float:
@@ -48,6 +51,14 @@ def _integer(value, name: str, description: str) -> int:
     if isinstance(value, bool) or not isinstance(value, Integral):
         raise TypeError(f"{name} must be {description}, got {value!r} ({type(value).__name__})")
     return int(value)
+
+
+def _finite(value, name: str, description: str) -> float:
+    """``value`` as a float when it is a finite real number (TypeError / ValueError otherwise)."""
+    value = _real(value, name, description)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be {description}, got {value}")
+    return value
 
 
 def weight(value, name: str = "weight") -> float:
@@ -122,10 +133,20 @@ def fly_top_k(value, name: str = "fly_top_k") -> int:
 
 def gate_margin(value, name: str = "margin") -> float:
     """The log-probability gate's margin: a finite real number of nats (negative keeps fewer drafts than none)."""
-    value = _real(value, name, GATE_MARGIN)
-    if not math.isfinite(value):
-        raise ValueError(f"{name} must be {GATE_MARGIN}, got {value}")
+    return _finite(value, name, GATE_MARGIN)
+
+
+def grid_points(value, name: str = "grid_points") -> int:
+    """How many evenly spaced weights w = 0 .. 1 a divergence table holds (both ends included)."""
+    value = _integer(value, name, GRID_POINTS)
+    if not 2 <= value <= MAX_GRID_POINTS:
+        raise ValueError(f"{name} must lie in [2, {MAX_GRID_POINTS}], got {value}")
     return value
+
+
+def log_floor(value, name: str = "log_floor") -> float:
+    """The floor of a log-probability in a divergence: a finite real number of nats."""
+    return _finite(value, name, LOG_FLOOR)
 
 
 def seed(value, name: str = "seed") -> int:

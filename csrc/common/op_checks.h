@@ -5,9 +5,11 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <cmath>
 #include <cstdint>
 
 #include "fly_math.h"       // kFlyMaxTopK
+#include "problems.h"       // kMaxGridPoints
 #include "tensor_checks.h"  // check_layout, check_float_vector
 
 namespace diversed {
@@ -17,6 +19,7 @@ constexpr const char* kVerifyProbsOp = "diversed::verify_probs";
 constexpr const char* kVerifyLogitsOp = "diversed::verify_logits";
 constexpr const char* kTokenStatsOp = "diversed::token_stats";
 constexpr const char* kMixOp = "diversed::mix";
+constexpr const char* kMixtureDivergenceOp = "diversed::mixture_divergence";
 constexpr const char* kDistributionFeaturesOp = "diversed::distribution_features";
 constexpr const char* kGateStatisticsOp = "diversed::gate_statistics";
 
@@ -173,6 +176,19 @@ inline void check_mix_args(const at::Tensor& draft, const at::Tensor& target, co
   TORCH_CHECK(target.size(1) >= K, op, ": target must have at least K positions");
   check_layout(weight, at::kFloat, {B, K}, op, "weight");
   check_float_vector(temperature, B, op, "temperature");
+}
+
+// mixture_divergence: draft and target logits [B, T, V], temperature float32 [B], grid_points in [2, kMaxGridPoints],
+// a finite log_floor.
+inline void check_mixture_divergence_args(const at::Tensor& draft, const at::Tensor& target,
+                                          const at::Tensor& temperature, int64_t grid_points, double log_floor) {
+  constexpr const char* op = kMixtureDivergenceOp;
+  check_pair(draft, target, op);
+  TORCH_CHECK(target.size(1) == draft.size(1), op, ": draft and target must both be [B, T, V]");
+  check_float_vector(temperature, draft.size(0), op, "temperature");
+  TORCH_CHECK(grid_points >= 2 && grid_points <= kMaxGridPoints, op, ": grid_points must lie in [2, ", kMaxGridPoints,
+              "], got ", grid_points);
+  TORCH_CHECK(std::isfinite(log_floor), op, ": log_floor must be finite, got ", log_floor);
 }
 
 // distribution_features: draft and target logits [B, T, V], or [R, V] rows read through target_rows / draft_rows (int64

@@ -251,4 +251,11 @@ inline at::Tensor allocate_mixture(const at::Tensor& draft) {
   return mixture;
 }
 
+// mixture_divergence: KL(nu_w || p) float32 [B, T, G].
+inline at::Tensor allocate_divergence_table(const at::Tensor& draft, int64_t grid_points) {
+  at::Tensor table = at::empty({draft.size(0), draft.size(1), grid_points}, draft.options().dtype(at::kFloat));
+  if (table.numel() > 0) poison_outputs(table);
+  return table;
+}
+
 }  // namespace diversed

@@ -122,6 +122,9 @@ struct PairProblem {
   DX_HD float inverse_temperature(int64_t index) const { return inverse_temperature_of(temperature[row_of(index)]); }
 };
 
+// mixture_divergence: the most weights G of its table (the CPU kernel keeps a float64 sum per weight on the stack).
+constexpr int64_t kMaxGridPoints = 1025;
+
 // distribution_features: pairs of logit rows, one per slot (= request * positions + position) of [B, T]; each row is
 // the slot's own in a [B, T, V] tensor, or read in place through an index (indexed_row). The draft rows are taken at
 // `temperature`, the target rows at `target_temperature` when given (a server's rows already divided by theirs).

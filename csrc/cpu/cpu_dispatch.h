@@ -25,6 +25,9 @@ namespace cpu {
   void token_stats(const PairProblem<T>& pair, const TokenStatsOut& out, const ParallelFor& parallel_for);            \
   template <typename T>                                                                                               \
   void mix(const PairProblem<T>& pair, const float* weight, float* mixture, const ParallelFor& parallel_for);         \
+  template <typename T>                                                                                               \
+  void mixture_divergence(const PairProblem<T>& pair, int64_t grid_points, float log_floor, float* table,             \
+                          const ParallelFor& parallel_for);                                                           \
   template <typename TD, typename TT>                                                                                 \
   void distribution_features(const FeaturesProblem& problem, const TD* draft_logits, const TT* target_logits,        \
                              float* features, const ParallelFor& parallel_for);                                       \

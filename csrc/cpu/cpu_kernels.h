@@ -8,6 +8,7 @@
 #endif
 
 #include "check_kernels.h"
+#include "divergence_kernels.h"
 #include "features_kernels.h"
 #include "gate_kernels.h"
 #include "kernel_prelude.h"
@@ -29,6 +30,7 @@ namespace DIVERSED_CPU_CAPABILITY {
   DIVERSED_INSTANTIATE_PAIR_KERNELS(T, T)                                                                              \
   template void token_stats<T>(const PairProblem<T>&, const TokenStatsOut&, const ParallelFor&);                      \
   template void mix<T>(const PairProblem<T>&, const float*, float*, const ParallelFor&);                             \
+  template void mixture_divergence<T>(const PairProblem<T>&, int64_t, float, float*, const ParallelFor&);           \
   template void value_flags<T>(const T*, int64_t, int64_t, bool, int32_t*, const ParallelFor&);
 
 DIVERSED_INSTANTIATE_CPU_KERNELS(float)

@@ -109,6 +109,20 @@ at::Tensor mix_cpu(const at::Tensor& draft, const at::Tensor& target, const at::
   return mixture;
 }
 
+// KL(nu_w || p) at grid_points weights w = 0 .. 1 per pair of logit rows [B, T, V] -> float32 [B, T, grid_points].
+at::Tensor mixture_divergence_cpu(const at::Tensor& draft, const at::Tensor& target, const at::Tensor& temperature,
+                                  int64_t grid_points, double log_floor) {
+  check_mixture_divergence_args(draft, target, temperature, grid_points, log_floor);
+  at::Tensor table = allocate_divergence_table(draft, grid_points);
+  if (table.numel() == 0) return table;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, draft.scalar_type(), "mixture_divergence_cpu", [&] {
+    using T = CpuElement<scalar_t>;
+    DIVERSED_CPU_CALL(mixture_divergence<T>, pair_problem<T, scalar_t>(draft, target, temperature, true), grid_points,
+                      static_cast<float>(log_floor), table.data_ptr<float>(), kParallelFor);
+  });
+  return table;
+}
+
 // Pairs of logit rows ([B, T, V], or [R, V] read through an index) -> float32 [B, T, 5]: entropies, largest
 // probabilities and TV (features_math.h).
 at::Tensor distribution_features_cpu(const at::Tensor& draft, const at::Tensor& target, const at::Tensor& temperature,
@@ -206,6 +220,7 @@ TORCH_LIBRARY_IMPL(diversed, CPU, m) {
   m.impl("verify_logits", &cpu::verify_logits_cpu);
   m.impl("token_stats", &cpu::token_stats_cpu);
   m.impl("mix", &cpu::mix_cpu);
+  m.impl("mixture_divergence", &cpu::mixture_divergence_cpu);
   m.impl("distribution_features", &cpu::distribution_features_cpu);
   m.impl("gate_statistics", &cpu::gate_statistics_cpu);
   m.impl("philox_uniforms", &cpu::philox_uniforms_cpu);

@@ -11,6 +11,7 @@ import torch
 from .. import _C  # noqa: F401  (loading the library registers the schemas and the CPU/CUDA kernels)
 
 
+# The ops a CUDA build runs natively on CUDA tensors (mixture_divergence runs as torch ops off the CPU).
 OP_NAMES = ("verify_probs", "verify_logits", "token_stats", "mix", "distribution_features", "gate_statistics")
 # What distribution_features returns per position, in its order (csrc/common/features_math.h); a head takes any
 # subset by name.
@@ -52,6 +53,11 @@ def _token_stats_fake(draft, target, tokens, temperature, from_logits):
 @torch.library.register_fake("diversed::mix")
 def _mix_fake(draft, target, weight, temperature, from_logits):
     return draft.new_empty(draft.shape, dtype=torch.float32)
+
+
+@torch.library.register_fake("diversed::mixture_divergence")
+def _mixture_divergence_fake(draft, target, temperature, grid_points, log_floor):
+    return draft.new_empty((draft.shape[0], draft.shape[1], grid_points), dtype=torch.float32)
 
 
 @torch.library.register_fake("diversed::distribution_features")

@@ -1,4 +1,4 @@
-"""The five public ops: one fused native call each, after one pass of argument checks (ops/_inputs.py).
+"""The public ops: one fused native call each, after one pass of argument checks (ops/_inputs.py).
 
 verify / verify_logits: DIVERSED verification of a batch of draft blocks. For row b with drafts x_1..x_n
 (n = num_draft[b]) sampled from q_i, target distributions p_1..p_{n+1} and weights w_i on the target:
@@ -20,6 +20,7 @@ verified against DIVERSED's ensemble (Wang et al., AISTATS 2026, arXiv:2604.0762
 
 token_stats / mix: what the trainer and the analyses need: p(y), q(y), TV(p, q) per position, and nu materialised.
 distribution_features: what a DIVERSED head reads of the two distributions at a position (DISTRIBUTION_FEATURES).
+mixture_divergence: KL(nu_w || p) at a grid of weights per position, the table a loss on the divergence reads.
 Logits path, per-token statistics and the materialised mixture, as fused native ops.
 
 Servers hold logits, not probabilities; the trainer needs p(y), q(y) and TV(p, q) over whole sequences. These ops
@@ -34,7 +35,9 @@ from typing import NamedTuple
 
 import torch
 
+from .. import rules
 from . import _fake  # noqa: F401  (registers the native ops and their fake kernels)
+from ._divergence import divergence_table
 from ._fly import fly_arguments, fly_as_given
 from ._inputs import weight_tensor
 from ._pair_inputs import normalize_stat_tokens, prepare_features, prepare_pair
@@ -301,3 +304,33 @@ def mix(draft, target, weight, *, from_logits=False, temperature=1.0, check_inpu
                                                        same_positions=False)
     weight_t = weight_tensor(weight, batch, positions, draft.device, check_inputs)
     return torch.ops.diversed.mix(draft.contiguous(), target.contiguous(), weight_t, temperature_t, bool(from_logits))
+
+
+def mixture_divergence(draft_logits, target_logits, *, temperature=1.0, grid_points=17, log_floor=-100.0,
+                       check_inputs=True) -> torch.Tensor:
+    """KL(nu_w || p) of nu_w = w p + (1 - w) q at ``grid_points`` evenly spaced weights on the target, w = g / (G - 1)
+    for g = 0 .. G - 1, at every position, for q = softmax(draft_logits / T) and p = softmax(target_logits / T): a
+    table from which a loss reads the divergence of each token's law from the target's at any w (convex in w, 0 at
+    w = 1, KL(q || p) at w = 0).
+
+    KL(nu_w || p) = sum nu_w log nu_w - w sum p log p - (1 - w) sum q log p: the two cross sums once, the first once
+    per weight. On the CPU one native pass reads the two rows once and takes G logarithms per element, with float64
+    sums across blocks of the vocabulary; on other devices the same sums run as torch ops, in float32.
+
+    Args:
+        draft_logits: [B, T, V] draft logits; -inf rules a token out.
+        target_logits: [B, T, V] target logits, of the same dtype (float32, float64, bfloat16 or float16) and device.
+        temperature: float or [B]; 0 counts as 1.
+        grid_points: G, an int in [2, 1025] (17 gives w = 0, 1/16, ..., 1).
+        log_floor: log p is floored at this many nats (finite), so mass the draft puts on a token the target rules
+            out costs at most -log_floor per unit rather than making the divergence infinite.
+        check_inputs: check the values too (NaN, +inf, a row without a finite logit); this reads them on the host.
+    Returns float32 [B, T, G], every entry >= 0.
+    """
+    grid_points, log_floor = rules.grid_points(grid_points), rules.log_floor(log_floor)
+    _, _, _, temperature_t = prepare_pair(draft_logits, target_logits, from_logits=True, temperature=temperature,
+                                          check_inputs=check_inputs, same_positions=True)
+    if draft_logits.device.type != "cpu":
+        return divergence_table(draft_logits, target_logits, temperature_t, grid_points, log_floor)
+    return torch.ops.diversed.mixture_divergence(draft_logits.contiguous(), target_logits.contiguous(), temperature_t,
+                                                 grid_points, log_floor)

@@ -13,6 +13,8 @@ import math
 
 import torch
 
+from .. import rules
+from ._divergence import divergence_table
 from ._fly import fly_arguments, fly_deferred, fly_entropy, fly_tensors
 from ._inputs import VerifyArgs, weight_tensor
 from ._pair_inputs import normalize_stat_tokens, prepare_features, prepare_pair
@@ -280,3 +282,13 @@ def mix_reference(draft, target, weight, *, from_logits=False, temperature=1.0, 
     else:
         draft_probs, target_probs = _sanitize_mass(draft.float()), _sanitize_mass(target.float())
     return weight_t * target_probs + (1 - weight_t) * draft_probs
+
+
+def mixture_divergence_reference(draft_logits, target_logits, *, temperature=1.0, grid_points=17, log_floor=-100.0,
+                                 check_inputs=True) -> torch.Tensor:
+    """Reference of :func:`diversed_ext.mixture_divergence` (torch ops over chunks of positions; float64 logits are
+    computed in float64)."""
+    grid_points, log_floor = rules.grid_points(grid_points), rules.log_floor(log_floor)
+    _, _, _, temperature_t = prepare_pair(draft_logits, target_logits, from_logits=True, temperature=temperature,
+                                          check_inputs=check_inputs, same_positions=True)
+    return divergence_table(draft_logits, target_logits, temperature_t, grid_points, log_floor)

@@ -51,6 +51,8 @@ from typing import Optional
 
 import torch
 
+from ..ops._divergence import grid_weights
+
 ADVANTAGE_EPSILON = 1e-6
 CLOSED_FORMS = ("linear", "logistic")
 WEIGHT_CLAMP = 1e-6  # keeps log w and log(1 - w) finite at the ends of (0, 1)
@@ -75,8 +77,9 @@ def log_mixture_prob(weights: torch.Tensor, target_logprob: torch.Tensor, draft_
 
 
 def kl_grid(dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
-    """The weights w = 0, 1/16, ..., 1 at which a token's KL(nu_w || p) is tabulated ([KL_GRID_POINTS])."""
-    return torch.linspace(0.0, 1.0, KL_GRID_POINTS, dtype=dtype, device=device)
+    """The weights w = 0, 1/16, ..., 1 at which a token's KL(nu_w || p) is tabulated ([KL_GRID_POINTS]): the columns
+    of :func:`diversed_ext.mixture_divergence`'s table."""
+    return grid_weights(KL_GRID_POINTS, dtype, device)
 
 
 def interpolated_kl(weights: torch.Tensor, kl_table: torch.Tensor) -> torch.Tensor:

@@ -27,8 +27,9 @@ from ..head import distribution_features, wants_distributions
 from ..decoding.eagle_drafting import is_eagle_head
 from ..decoding.runners import make_runner, model_device
 from ..ops import DISTRIBUTION_FEATURES, distribution_temperature, token_stats
+from ..ops import mixture_divergence as ops_mixture_divergence
 from .eagle_unrolled import unrolled_steps
-from .objective import KL_GRID_POINTS, kl_grid
+from .objective import KL_GRID_POINTS
 
 
 @dataclass
@@ -83,20 +84,13 @@ def mixture_divergence(draft_logits: torch.Tensor, target_logits: torch.Tensor,
                        temperature: float = 1.0) -> torch.Tensor:
     """KL(nu_w || p) per position at the ``KL_GRID_POINTS`` weights w = 0, 1/16, ..., 1 of the mixture
     nu_w = w p + (1 - w) q ([..., V] logits -> [..., KL_GRID_POINTS]): the expected-divergence term's table
-    (objective.py). KL(nu || p) = sum nu log nu - w E_p[log p] - (1 - w) E_q[log p]; the two expectations are taken once
-    and only the first sum once per weight. log p is floored as in :func:`fidelity_gap`, so a draft that puts mass on
-    a token the target rules out costs a bounded amount. Float32 chunks of positions."""
-    grid = kl_grid(device=target_logits.device)
-    tables = []
-    for target_logprob, draft_probs in _chunked_distributions(draft_logits, target_logits, temperature):
-        target_probs = target_logprob.exp()
-        on_target, on_draft = ((probs * target_logprob).sum(-1, keepdim=True) for probs in (target_probs, draft_probs))
-        negentropy = torch.stack([torch.special.xlogy(mixture, mixture).sum(-1) for mixture in
-                                  (weight * target_probs + (1 - weight) * draft_probs for weight in grid)], dim=-1)
-        tables.append((negentropy - grid * on_target - (1 - grid) * on_draft).clamp_min(0.0))
-    if not tables:
-        return target_logits.new_zeros(target_logits.shape[:-1] + (KL_GRID_POINTS,), dtype=torch.float32)
-    return torch.cat(tables, dim=-2)
+    (objective.py), by :func:`diversed_ext.mixture_divergence` with log p floored as in :func:`fidelity_gap`, so a
+    draft that puts mass on a token the target rules out costs a bounded amount."""
+    vocab = target_logits.shape[-1]
+    table = ops_mixture_divergence(draft_logits.reshape(1, -1, vocab), target_logits.reshape(1, -1, vocab),
+                                   temperature=distribution_temperature(temperature), grid_points=KL_GRID_POINTS,
+                                   log_floor=LOG_PROB_FLOOR, check_inputs=False)
+    return table.view(target_logits.shape[:-1] + (KL_GRID_POINTS,))
 
 
 SEQUENCES_PER_PASS = 8  # sequences per forward call: their [tokens, V] logits stay a few hundred MB

@@ -228,6 +228,7 @@ def test_cpu_builds_agree_bit_for_bit(dtype, vocab, monkeypatch):
                 dx.token_stats(draft, target[:, :3], tokens, from_logits=True),
                 dx.mix(draft, target, weight, from_logits=True),
                 dx.distribution_features(draft, target[:, :3], temperature=0.8),
+                dx.mixture_divergence(draft, target[:, :3], temperature=0.8),
                 dx.distribution_features(draft.reshape(-1, vocab), target[:, :3].float(), temperature=0.8,
                                          target_temperature=1.3, draft_rows=rows),
                 dx.ops.gate_statistics(tokens, target.reshape(-1, vocab), draft, temperature=0.8,
