@@ -13,6 +13,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+import jsonschema
+
 from engines import PROMPTS, chat
 
 # Tokens allowed to allowed_token_ids requests: digits, spaces, arithmetic and the words of an answer.
@@ -47,12 +49,12 @@ FREE = (FREE_DIVERSED, FREE_EXACT, "free, head", "free, gate", "free, greedy")
 
 
 def _valid_answer_json(text: str) -> bool:
+    """Whether ``text`` is a JSON document that ANSWER_SCHEMA accepts (jsonschema, which vLLM depends on)."""
     try:
-        value = json.loads(text)
-    except ValueError:
+        jsonschema.validate(json.loads(text), ANSWER_SCHEMA)
+    except (ValueError, jsonschema.ValidationError):
         return False
-    return (isinstance(value, dict) and set(value) == {"answer", "unit"} and type(value["answer"]) is int
-            and 0 <= value["answer"] <= MAX_ANSWER and value["unit"] in UNITS)
+    return True
 
 
 @dataclass
