@@ -1,4 +1,4 @@
-"""The public ops: one fused native call each, after one pass of argument checks (ops/_inputs.py).
+"""The public ops: one fused native call each (mixture_divergence's on the CPU), after one pass of argument checks.
 
 verify / verify_logits: DIVERSED verification of a batch of draft blocks. For row b with drafts x_1..x_n
 (n = num_draft[b]) sampled from q_i, target distributions p_1..p_{n+1} and weights w_i on the target:
