@@ -117,14 +117,12 @@ void load_divergence_block(const LogitRow<T>& target, const LogitRow<T>& draft, 
   for (; at < block.padded; ++at) block.target_mass[at] = block.draft_mass[at] = block.target_log[at] = 0.0f;
 }
 
-inline FloatLanes block_lanes(const float* values, int64_t at) { return load_lanes(values, at); }
-
 // Adds the block's sum of nu log nu at weight w to *negentropy (float lanes within the block, float64 across blocks).
 inline void add_block_negentropy(const DivergenceBlock& block, float weight, double* negentropy) {
   const FloatVector target_weight = broadcast(weight), draft_weight = broadcast(1.0f - weight);
   FloatLanes sums = splat_lanes(0.0f);
   for (int64_t at = 0; at < block.padded; at += kLanes) {
-    const FloatLanes p = block_lanes(block.target_mass, at), q = block_lanes(block.draft_mass, at);
+    const FloatLanes p = load_lanes(block.target_mass, at), q = load_lanes(block.draft_mass, at);
     for (int i = 0; i < kParts; ++i)
       sums.part[i] += nu_log_nu(target_weight * p.part[i] + draft_weight * q.part[i]);
   }
@@ -135,8 +133,8 @@ inline void add_block_negentropy(const DivergenceBlock& block, float weight, dou
 inline void add_block_cross_sums(const DivergenceBlock& block, double* on_target, double* on_draft) {
   FloatLanes target_sums = splat_lanes(0.0f), draft_sums = splat_lanes(0.0f);
   for (int64_t at = 0; at < block.padded; at += kLanes) {
-    const FloatLanes p = block_lanes(block.target_mass, at), q = block_lanes(block.draft_mass, at);
-    const FloatLanes log_p = block_lanes(block.target_log, at);
+    const FloatLanes p = load_lanes(block.target_mass, at), q = load_lanes(block.draft_mass, at);
+    const FloatLanes log_p = load_lanes(block.target_log, at);
     for (int i = 0; i < kParts; ++i) {
       target_sums.part[i] += p.part[i] * log_p.part[i];
       draft_sums.part[i] += q.part[i] * log_p.part[i];
