@@ -76,10 +76,18 @@ def add_train_command(commands) -> None:
     _add_model_arguments(train, defaults)
 
 
+def recorded_data_path(path: str) -> str:
+    """What a recipe records of a data file: its folder and name (gsm8k/train.jsonl), not this machine's path to it."""
+    return os.path.join(*Path(path).parts[-2:])
+
+
 def recipe_of(args) -> dict:
     """The options of a train run that shape the head it trains (what head.json records)."""
-    return {name: value for name, value in sorted(vars(args).items())
-            if name not in NOT_IN_RECIPE and value is not None and value is not False}
+    recipe = {name: value for name, value in sorted(vars(args).items())
+              if name not in NOT_IN_RECIPE and value is not None and value is not False}
+    if "data" in recipe:
+        recipe["data"] = recorded_data_path(recipe["data"])
+    return recipe
 
 
 def _train_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -300,7 +308,7 @@ def run_train_drafter(args) -> int:
     head.save_pretrained(args.out, dtype=dtype)
     recipe = {k: v for k, v in sorted(vars(args).items()) if k not in ("command", "out", "data_dir", "resume",
                                                                          "threads")}
-    recipe["data"] = os.path.join(*Path(args.data).parts[-2:])  # no machine's path: gsm8k/train.jsonl
+    recipe["data"] = recorded_data_path(args.data)
     summary = {"recipe": recipe,
                "train_sequences": len(train), "holdout_sequences": len(held),
                "train_label_positions": sum(int(e["prob"].shape[0]) for e in train_examples),

@@ -3,6 +3,7 @@ the library, and a shipped head's recipe reruns the options that trained it."""
 
 import json
 import math
+import os
 
 import pytest
 
@@ -122,6 +123,13 @@ def test_a_trained_head_records_its_recipe_and_a_recipe_round_trips(tmp_path):
     args = cli.with_recipe(parser, argv, parser.parse_args(argv))
     assert cli.train.recipe_of(args) == {**cli.train.recipe_of(parser.parse_args(["train", "--data", "d.jsonl"])),
                                          "steps": 3, "lr": 0.5}
+
+
+def test_a_recipe_records_the_data_file_without_this_machines_path():
+    parser = cli.build_parser()
+    args = parser.parse_args(["train", "--data", os.path.join(os.sep, "srv", "copies", "gsm8k", "train.jsonl")])
+    assert cli.train.recipe_of(args)["data"] == os.path.join("gsm8k", "train.jsonl")
+    assert cli.train.recipe_of(parser.parse_args(["train", "--data", "d.jsonl"]))["data"] == "d.jsonl"
 
 
 def test_recipe_mistakes_are_one_line_errors(tmp_path, capsys):
