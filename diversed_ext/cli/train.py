@@ -34,6 +34,10 @@ def add_train_command(commands) -> None:
     train.add_argument("--recipe", help="rerun the options recorded in a head's head.json (a shipped head's name or "
                        "a head folder); options given beside it win")
     _add_task_arguments(train)
+    train.add_argument("--mix-in", metavar="TASK:DATA:N",
+                       help="add the first N examples of another task to the pool batches are drawn from, each "
+                       "prompted and rewarded by its own task (synthetic:train:3500: a third of the batches off "
+                       "GSM8K's 7000); DATA as --data takes it")
     train.add_argument("--steps", type=_positive_int, default=defaults["steps"], help="default %(default)s")
     train.add_argument("--batch-size", type=_positive_int, default=defaults["batch_size"],
                        help="rollouts per step, decoded together (default %(default)s)")
@@ -87,7 +91,39 @@ def recipe_of(args) -> dict:
               if name not in NOT_IN_RECIPE and value is not None and value is not False}
     if "data" in recipe:
         recipe["data"] = recorded_data_path(recipe["data"])
+    if "mix_in" in recipe:
+        task, data, count = mix_in_parts(recipe["mix_in"])
+        recipe["mix_in"] = f"{task}:{recorded_data_path(data)}:{count}"
     return recipe
+
+
+def mix_in_parts(spec: str) -> tuple[str, str, int]:
+    """(task, data, count) of a --mix-in TASK:DATA:N (DATA may hold colons; a path's do no harm)."""
+    from ..research.tasks import TASKS
+
+    task, colon, rest = spec.partition(":")
+    data, colon_too, count = rest.rpartition(":")
+    if not (colon and colon_too and task and data):
+        raise UsageError(f"--mix-in {spec}: expected TASK:DATA:N, such as synthetic:train:3500")
+    if task not in TASKS:
+        raise UsageError(f"--mix-in {spec}: unknown task {task!r}; known: {', '.join(sorted(TASKS))}")
+    if not count.isdigit() or int(count) < 1:
+        raise UsageError(f"--mix-in {spec}: N must be an integer >= 1, got {count!r}")
+    return task, data, int(count)
+
+
+def _mixed_in_examples(args) -> list:
+    """[(task, examples)] of --mix-in (none without it)."""
+    from ..research.tasks import get_task, load_task_examples
+
+    if args.mix_in is None:
+        return []
+    name, data, count = mix_in_parts(args.mix_in)
+    task = get_task(name)
+    try:
+        return [(task, load_task_examples(task, data, count))]
+    except (OSError, ValueError) as error:
+        raise UsageError(f"--mix-in {args.mix_in}: {error}") from None
 
 
 def _train_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -158,6 +194,7 @@ def run_train(args) -> int:
         raise UsageError(f"--expected-kl-coef {args.expected_kl_coef:g} with --closed-form {args.closed_form}: "
                          f"{error}") from None
     args.output_dir = args.output_dir or "runs/head"
+    mixed_in = _mixed_in_examples(args)
     task, examples, target, draft, tokenizer, eos = _experiment_setup(args)
     config = TrainerConfig(output_dir=args.output_dir, steps=args.steps, batch_size=args.batch_size,
                            learning_rate=args.lr, warmup_steps=args.warmup_steps,
@@ -172,7 +209,7 @@ def run_train(args) -> int:
                                 init_weight=args.init_weight, head_inputs=args.head_inputs, max_draft=args.max_draft,
                                 max_new_tokens=args.max_new_tokens, rollout=args.rollout, eos_token_id=eos,
                                 pair=None if args.target else _default_pair(args), chat=not args.no_chat_template,
-                                recipe=recipe_of(args))
+                                recipe=recipe_of(args), mixed_in=mixed_in)
         try:
             history = trainer.train(resume=args.resume)
         except CheckpointError as error:

@@ -18,7 +18,7 @@ def build_trainer(task: Task, examples: Sequence[dict], target, draft, tokenizer
                   head_inputs: str = "hidden",
                   max_draft: int = DEFAULT_MAX_DRAFT, max_new_tokens: int = 48, rollout: str = "speculative",
                   eos_token_id=None, pair: Optional[dict] = None, chat: bool = True,
-                  recipe: Optional[dict] = None) -> Trainer:
+                  recipe: Optional[dict] = None, mixed_in: Sequence[tuple[Task, Sequence[dict]]] = ()) -> Trainer:
     """A Trainer for ``task``: reward = the task reward (+ ``config.fidelity_coef`` x fidelity, added by the Trainer).
 
     Args:
@@ -27,6 +27,9 @@ def build_trainer(task: Task, examples: Sequence[dict], target, draft, tokenizer
             ``init_weight`` and ``head_inputs`` (a key of :data:`~diversed_ext.head.HEAD_INPUTS`: hidden states,
             distribution features, or both).
         recipe: the ``diversed train`` options of this run, recorded in the new head's head.json.
+        mixed_in: (task, examples) of other tasks whose prompts join ``examples``' in the pool batches are drawn
+            from, each prompted (chat template or plain text) and rewarded by its own task: a head that meets more
+            kinds of text than one task's.
     """
     if head is None:
         if head_inputs not in HEAD_INPUTS:
@@ -35,7 +38,9 @@ def build_trainer(task: Task, examples: Sequence[dict], target, draft, tokenizer
         head = EnsembleHead(hidden_size(draft), hidden_size(target), hidden=head_hidden, init_weight=init_weight,
                             pair=pair, features=features, use_hidden=use_hidden,
                             recipe=recipe).to(model_device(target))
-    prompts = encode_examples(task, examples, tokenizer, chat)
+    parts = [(task, examples), *mixed_in]
+    prompts = [prompt for part_task, part in parts for prompt in encode_examples(part_task, part, tokenizer, chat)]
+    tagged = [(part_task, example) for part_task, part in parts for example in part]
     if rollout == "speculative":
         sampler = speculative_rollout(target, draft, head, max_draft=max_draft, max_new_tokens=max_new_tokens,
                                       temperature=config.temperature, eos_token_id=eos_token_id)
@@ -46,4 +51,5 @@ def build_trainer(task: Task, examples: Sequence[dict], target, draft, tokenizer
     else:
         raise ValueError(f"rollout must be 'speculative' or 'mixture', got {rollout!r}")
     decode = lambda ids: tokenizer.decode(list(ids), skip_special_tokens=True)  # noqa: E731
-    return Trainer(target, draft, head, prompts, list(examples), task.reward, decode, sampler, config)
+    reward = lambda tagged_example, text: tagged_example[0].reward(tagged_example[1], text)  # noqa: E731
+    return Trainer(target, draft, head, prompts, tagged, reward, decode, sampler, config)

@@ -72,6 +72,20 @@ def test_an_eagle_drafter_refuses_token_by_token_rollouts(tmp_path, capsys, no_m
         assert status == 2 and "--rollout mixture: an EAGLE-3 drafter" in error and "\n" not in error
 
 
+@pytest.mark.parametrize("spec, expected", [
+    ("synthetic", "expected TASK:DATA:N"),
+    ("synthetic:train", "expected TASK:DATA:N"),
+    ("riddles:train:5", "unknown task 'riddles'"),
+    ("synthetic:train:0", "N must be an integer >= 1"),
+    ("synthetic:train:many", "N must be an integer >= 1"),
+    ("synthetic:validation:5", "names a split"),
+])
+def test_mix_in_mistakes_are_one_line_errors_before_any_model_loads(tmp_path, capsys, no_models, spec, expected):
+    path = write(tmp_path / "train.jsonl", GOOD_RECORD)
+    status, error = run_cli(["train", "--data", path, "--mix-in", spec], capsys)
+    assert status == 2 and f"--mix-in {spec}" in error and expected in error and "\n" not in error
+
+
 def test_the_kl_term_refuses_the_logistic_surrogate_before_any_model_loads(tmp_path, capsys, no_models):
     path = write(tmp_path / "train.jsonl", GOOD_RECORD)
     status, error = run_cli(["train", "--data", path, "--expected-kl-coef", "1", "--closed-form", "logistic"], capsys)

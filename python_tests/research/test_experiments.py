@@ -128,6 +128,25 @@ def test_build_trainer_trains_through_the_speculative_loop(experiment_pair, tmp_
     assert not head.training
 
 
+def test_mixed_in_tasks_join_the_pool_each_prompted_and_rewarded_by_its_own(experiment_pair, tmp_path):
+    from diversed_ext.research.synthetic_tasks import load_synthetic
+    from diversed_ext.research.trainer import TrainerConfig
+
+    target, draft, tokenizer = experiment_pair
+    config = TrainerConfig(output_dir=str(tmp_path), steps=1, batch_size=4, learning_rate=0.05, warmup_steps=1)
+    math_problems, synthetic = gsm8k_examples(), load_synthetic("train", 3)
+    plain = recipes.build_trainer(TASKS["gsm8k"], math_problems, target, draft, tokenizer, config, max_new_tokens=4)
+    trainer = recipes.build_trainer(TASKS["gsm8k"], math_problems, target, draft, tokenizer, config,
+                                    max_new_tokens=4, mixed_in=[(TASKS["synthetic"], synthetic)])
+    assert trainer.prompts[:len(math_problems)] == plain.prompts
+    assert trainer.prompts[len(math_problems):] == harness.encode_examples(TASKS["synthetic"], synthetic, tokenizer)
+    gsm8k_answer = math_problems[0]["answer"].split("####")[-1].strip()
+    assert trainer.reward(trainer.examples[0], gsm8k_answer) == 1.0
+    assert trainer.reward(trainer.examples[len(math_problems)], synthetic[0]["answer"]) == 1.0
+    assert trainer.reward(trainer.examples[len(math_problems)], gsm8k_answer + "x") == 0.0
+    assert len(trainer.train(progress=False)) == 1
+
+
 def test_cli_train_eval_pareto_end_to_end(experiment_pair, tmp_path, monkeypatch, capsys):
     target, draft, tokenizer = experiment_pair
     monkeypatch.setattr(cli.common, "load_models", lambda target_name, draft_name, device, **drafter: (target, draft, tokenizer))
