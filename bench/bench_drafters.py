@@ -7,8 +7,8 @@ with int8 products, ``Eagle3Head.use_int8_products``, with --int8-head; ``int8``
     sd        standard speculative decoding (w = 1: the output follows the target)
     gate      sd with the log-probability gate at its default margin (lossy)
     diversed  the shipped default DIVERSED head of each drafter: with the int8 draft the default head, with the
-              EAGLE-3 head the same recipe trained on that head's output states
-              (``smollm2-135m-eagle3-lambda4-hidden``)
+              EAGLE-3 head the same recipe trained on that head's output states, a third of its rollouts on
+              synthetic problems (``smollm2-135m-eagle3-lambda4-mixed``)
 
 at every K of --k, plus ar. Prompts: held-out GSM8K test problems (--data, the first --prompts after --skip) in the
 chat format ``diversed eval --task gsm8k`` uses, T = --temperature (default 1), one request at a time, prompt i with
