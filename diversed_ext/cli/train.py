@@ -93,20 +93,23 @@ def recipe_of(args) -> dict:
         recipe["data"] = recorded_data_path(recipe["data"])
     if "mix_in" in recipe:
         task, data, count = mix_in_parts(recipe["mix_in"])
-        recipe["mix_in"] = f"{task}:{recorded_data_path(data)}:{count}"
+        recipe["mix_in"] = f"{task.name}:{recorded_data_path(data)}:{count}"
     return recipe
 
 
-def mix_in_parts(spec: str) -> tuple[str, str, int]:
-    """(task, data, count) of a --mix-in TASK:DATA:N (DATA may hold colons; a path's do no harm)."""
-    from ..research.tasks import TASKS
+def mix_in_parts(spec: str):
+    """(task, data, count) of a --mix-in TASK:DATA:N, the task a :class:`~diversed_ext.research.tasks.Task` (DATA
+    may hold colons; a path's do no harm)."""
+    from ..research.tasks import get_task
 
-    task, colon, rest = spec.partition(":")
+    name, colon, rest = spec.partition(":")
     data, colon_too, count = rest.rpartition(":")
-    if not (colon and colon_too and task and data):
+    if not (colon and colon_too and name and data):
         raise UsageError(f"--mix-in {spec}: expected TASK:DATA:N, such as synthetic:train:3500")
-    if task not in TASKS:
-        raise UsageError(f"--mix-in {spec}: unknown task {task!r}; known: {', '.join(sorted(TASKS))}")
+    try:
+        task = get_task(name)
+    except ValueError as error:
+        raise UsageError(f"--mix-in {spec}: {error}") from None
     if not count.isdigit() or int(count) < 1:
         raise UsageError(f"--mix-in {spec}: N must be an integer >= 1, got {count!r}")
     return task, data, int(count)
@@ -114,12 +117,11 @@ def mix_in_parts(spec: str) -> tuple[str, str, int]:
 
 def _mixed_in_examples(args) -> list:
     """[(task, examples)] of --mix-in (none without it)."""
-    from ..research.tasks import get_task, load_task_examples
+    from ..research.tasks import load_task_examples
 
     if args.mix_in is None:
         return []
-    name, data, count = mix_in_parts(args.mix_in)
-    task = get_task(name)
+    task, data, count = mix_in_parts(args.mix_in)
     try:
         return [(task, load_task_examples(task, data, count))]
     except (OSError, ValueError) as error:

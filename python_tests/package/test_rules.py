@@ -127,11 +127,11 @@ def test_a_trained_head_records_its_recipe_and_a_recipe_round_trips(tmp_path):
 
 def test_a_recipe_records_the_data_file_without_this_machines_path():
     parser = cli.build_parser()
-    args = parser.parse_args(["train", "--data", os.path.join(os.sep, "srv", "copies", "gsm8k", "train.jsonl")])
+    machine_path = os.path.join(os.sep, "srv", "copies", "gsm8k", "train.jsonl")
+    args = parser.parse_args(["train", "--data", machine_path])
     assert cli.train.recipe_of(args)["data"] == os.path.join("gsm8k", "train.jsonl")
     assert cli.train.recipe_of(parser.parse_args(["train", "--data", "d.jsonl"]))["data"] == "d.jsonl"
-    mixed = os.path.join(os.sep, "srv", "copies", "gsm8k", "train.jsonl")
-    args = parser.parse_args(["train", "--data", "d.jsonl", "--mix-in", f"gsm8k:{mixed}:40"])
+    args = parser.parse_args(["train", "--data", "d.jsonl", "--mix-in", f"gsm8k:{machine_path}:40"])
     assert cli.train.recipe_of(args)["mix_in"] == f"gsm8k:{os.path.join('gsm8k', 'train.jsonl')}:40"
     args = parser.parse_args(["train", "--data", "d.jsonl", "--mix-in", "synthetic:train:3500"])
     assert cli.train.recipe_of(args)["mix_in"] == "synthetic:train:3500"
