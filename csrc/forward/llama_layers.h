@@ -41,7 +41,7 @@ struct LlamaPass {
   float* product;      // [M, hidden]: o's and down's outputs before they join the residual
 };
 
-// int8 products: layer l's product p is parts[l * kProductsPerLayer + p]; every row's input quantised on its own.
+// int8 products: layer l's product p is parts[l * kProductsPerLayer + p]; every token's input quantised on its own.
 struct Int8Part {
   const int8_t* packed;
   const int32_t* col_sums;
@@ -51,7 +51,7 @@ struct Int8Part {
 };
 struct Int8Products {
   std::vector<Int8Part> parts;
-  const int64_t* row_counts;  // [row_count]: the quantisation groups
+  const int64_t* row_counts;  // [row_count]: the quantisation groups (one token each)
   int64_t row_count, tokens;
   uint8_t* quantized;                  // [M, the widest input rounded up to 4]
   int8::ActivationParams* row_params;  // [M]

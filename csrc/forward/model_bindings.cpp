@@ -299,7 +299,9 @@ at::Tensor int8_llama_layers_cpu(const at::Tensor& states, at::TensorList norms,
   const at::Tensor quantized =
       at::empty({pass.tokens, int8::group_count(widest) * int8::kGroup}, states.options().dtype(at::kByte));
   std::vector<int8::ActivationParams> row_params(static_cast<size_t>(pass.tokens));
-  const std::vector<int64_t> counts(row_counts.begin(), row_counts.end());
+  // Every token's input quantised on its own (a group of one row each), as Int8Linear does: one scale over a pass
+  // would let an outlier token coarsen the others, and a token's result depend on what it was fed with.
+  const std::vector<int64_t> counts(static_cast<size_t>(pass.tokens), 1);
   products.row_counts = counts.data();
   products.row_count = static_cast<int64_t>(counts.size());
   products.tokens = pass.tokens;

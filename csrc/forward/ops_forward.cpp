@@ -21,7 +21,8 @@ TORCH_LIBRARY_FRAGMENT(diversed, m) {
   // weights), and products 4l..4l+3 (qkv, o, gate_up, down) in the lists: int8 (int8_pack's packed, col_sums,
   // w_scales) or float32 (float_pack's packed); biases optional. cos, sin [M, head_dim]; keys/values: each
   // sequence's cache [layers, kv_heads, capacity, head_dim], written after its cache_lengths[r] positions with its
-  // row_counts[r] new tokens. Returns the residual stream after the last layer.
+  // row_counts[r] new tokens; int8 products quantise every token's input on its own. Returns the residual stream
+  // after the last layer.
   m.def("int8_llama_layers(Tensor states, Tensor[] norms, Tensor[] packed, Tensor[] col_sums, Tensor[] w_scales, "
         "Tensor?[] biases, Tensor cos, Tensor sin, Tensor(a!)[] keys, Tensor(b!)[] values, int[] cache_lengths, "
         "int[] row_counts, int num_heads, float eps, float attention_scale) -> Tensor");

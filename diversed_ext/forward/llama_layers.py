@@ -59,8 +59,8 @@ def llama_layers(states: torch.Tensor, layers: LlamaLayers, cos: torch.Tensor, s
     each token's position; ``caches[r]``: row r's (keys, values), float32 [layers, kv_heads, capacity, head_dim],
     whose first ``cache_lengths[r]`` positions are filled. Writes each row's new keys and values after them and
     returns the residual stream after the last layer [M, hidden] (the final norm is the caller's). A row's result
-    does not depend on the other rows (an int8 model quantises each row's inputs on its own). The native op checks
-    every shape and raises a RuntimeError naming the argument."""
+    does not depend on the other rows, nor a token's on the other tokens of its row (an int8 model quantises each
+    token's inputs on its own). The native op checks every shape and raises a RuntimeError naming the argument."""
     keys, values = [pair[0] for pair in caches], [pair[1] for pair in caches]
     lengths, counts = [int(n) for n in cache_lengths], [int(n) for n in row_counts]
     biases = [weights.bias for weights in layers.products]

@@ -17,8 +17,9 @@ config asks for, the projections, the MLP activation, the final norm, the LM hea
 - the products grouped by the input they read (q/k/v, o, gate/up, down, the LM head; :mod:`.projections`), each
   group one native call over weights packed once: ``diversed::float_linear`` for float32 weights (every output
   summed in the same order whatever the row count, so a row's result never depends on its neighbours), and
-  ``diversed::int8_linear`` for the int8 draft (the quantised layers' exact arithmetic, each sequence's rows
-  quantised on their own); any other module is called as it is;
+  ``diversed::int8_linear`` for the int8 draft (the quantised layers' arithmetic, every token's row quantised on
+  its own, so a token's result does not depend on the tokens fed with it either); any other module is called as it
+  is;
 - for a float32 or int8 Llama with SiLU MLPs on the CPU (both models of the default pair), every decoder layer in
   one native call (``diversed::float_llama_layers`` / ``int8_llama_layers``, :mod:`diversed_ext.forward.llama_layers`:
   RMSNorm, the products, the rotation, attention over each row's cache with keys in tiles of ``KEY_TILE`` positions,
@@ -206,7 +207,7 @@ class LlamaRunner:
                                  device=embed.weight.device)
         states = embed(input_ids)  # [1, n, H]: every row's new tokens, one after another
         spans = _row_spans(feeds, caches, states.device)
-        row_groups = [span.count for span in spans]  # int8 products quantise each row's tokens on their own
+        row_counts = [span.count for span in spans]
         positions = torch.cat([torch.arange(span.start, span.end, device=states.device) for span in spans])
         cos, sin = base.rotary_emb(states, positions.unsqueeze(0))  # [1, n, head_dim]
         for span in spans:
@@ -218,19 +219,18 @@ class LlamaRunner:
                 entering[first] = states
                 states = llama_layers(states[0], layers, cos, sin,
                                       [(span.cache.keys[first:end], span.cache.values[first:end]) for span in spans],
-                                      [span.start for span in spans], row_groups).unsqueeze(0)
+                                      [span.start for span in spans], row_counts).unsqueeze(0)
         else:
-            states = self._layers(states, *_rotary_tables(cos, sin), spans, row_groups,
-                                  entering if aux_layers else None)
+            states = self._layers(states, *_rotary_tables(cos, sin), spans, entering if aux_layers else None)
         for span in spans:
             span.cache.length = span.end
         last = [span.offset + span.count - wanted + position for span, wanted in zip(spans, num_logits)
                 for position in range(wanted)]
         hidden = _rms_norm(base.norm, states[0, last])
         if aux_layers is None:
-            return self.head(hidden, num_logits), hidden, caches
+            return self.head(hidden), hidden, caches
         aux = torch.cat([entering[layer][0] for layer in aux_layers], dim=-1)
-        return self.head(hidden, num_logits), hidden, caches, aux
+        return self.head(hidden), hidden, caches, aux
 
     def _native_segments(self, aux_layers: Optional[tuple]) -> list:
         """(first layer, end, LlamaLayers of layers first..end-1) covering every layer, cut where an aux layer
@@ -243,8 +243,7 @@ class LlamaRunner:
                                    for first, end in zip(cuts, cuts[1:])]
         return self._segments[key]
 
-    def _layers(self, states, cos, sin, spans: list["_RowSpan"], row_groups: list[int],
-                entering: Optional[dict] = None) -> torch.Tensor:
+    def _layers(self, states, cos, sin, spans: list["_RowSpan"], entering: Optional[dict] = None) -> torch.Tensor:
         """Every decoder layer, op by op: ``cos``, ``sin`` [1, n, 1, head_dim] from :func:`_rotary_tables`; with
         ``entering``, the states entering each layer are recorded there by layer id."""
         for index, layer in enumerate(self.layers):
@@ -252,24 +251,22 @@ class LlamaRunner:
                 entering[index] = states
             products = self.projections[index]
             states = states + self._attention(layer.self_attn, _rms_norm(layer.input_layernorm, states), cos, sin,
-                                              spans, index, row_groups)
-            states = states + self._mlp(layer.mlp, _rms_norm(layer.post_attention_layernorm, states), products,
-                                        row_groups)
+                                              spans, index)
+            states = states + self._mlp(layer.mlp, _rms_norm(layer.post_attention_layernorm, states), products)
         return states
 
-    def _attention(self, attention, states, cos, sin, spans: list["_RowSpan"], index: int,
-                   row_groups: list[int]) -> torch.Tensor:
+    def _attention(self, attention, states, cos, sin, spans: list["_RowSpan"], index: int) -> torch.Tensor:
         count = states.shape[1]
         products = self.projections[index]
-        query, key, value = self._qkv(states, products, cos, sin, row_groups)
+        query, key, value = self._qkv(states, products, cos, sin)
         output = self._attend_rows(attention, query, key, value, spans, index)
-        return products.o(output.transpose(1, 2).reshape(1, count, -1), row_groups)
+        return products.o(output.transpose(1, 2).reshape(1, count, -1))
 
-    def _qkv(self, states: torch.Tensor, products: LayerProjections, cos, signed_sin, row_groups) -> tuple:
+    def _qkv(self, states: torch.Tensor, products: LayerProjections, cos, signed_sin) -> tuple:
         """Rotated query [1, heads, n, d], rotated key and value [1, kv_heads, n, d] of ``states`` [1, n, H], from
         one product over q/k/v and one rotation over queries and keys together."""
         count, rotated_heads = states.shape[1], self.num_heads + self.num_kv_heads
-        fused = products.qkv(states, row_groups).view(1, count, rotated_heads + self.num_kv_heads, self.head_dim)
+        fused = products.qkv(states).view(1, count, rotated_heads + self.num_kv_heads, self.head_dim)
         rotated = _rotate(fused[:, :, :rotated_heads], cos, signed_sin).transpose(1, 2)
         return rotated[:, :self.num_heads], rotated[:, self.num_heads:], fused[:, :, rotated_heads:].transpose(1, 2)
 
@@ -288,9 +285,9 @@ class LlamaRunner:
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
 
     @staticmethod
-    def _mlp(mlp, states: torch.Tensor, products: LayerProjections, row_groups: list[int]) -> torch.Tensor:
-        gate, up = products.gate_up(states, row_groups).split(products.gate_up.out_features, dim=-1)
-        return products.down(mlp.act_fn(gate) * up, row_groups)
+    def _mlp(mlp, states: torch.Tensor, products: LayerProjections) -> torch.Tensor:
+        gate, up = products.gate_up(states).split(products.gate_up.out_features, dim=-1)
+        return products.down(mlp.act_fn(gate) * up)
 
 
 class _RowSpan:

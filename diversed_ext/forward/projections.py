@@ -24,7 +24,7 @@ from typing import Callable, NamedTuple, Optional, Sequence
 import torch
 
 from .float_linear import FloatWeights, float_linear, pack_float
-from .int8 import Int8Linear, Int8Weights, int8_linear, pack_int8
+from .int8 import Int8Linear, Int8Weights, int8_linear, pack_int8, token_rows
 from .llama_layers import LlamaLayers, collect_llama_layers
 from .tensor_versions import TensorStamp
 
@@ -77,13 +77,12 @@ class Projections:
         self.float = None if self.int8 is not None else _packed_float(self.modules)
         self.out_features = tuple(module.out_features for module in self.modules)
 
-    def __call__(self, states: torch.Tensor, row_groups: Optional[Sequence[int]] = None) -> torch.Tensor:
-        """``row_groups``: row counts of the sequences stacked in ``states`` (None: one sequence). The int8 path
-        quantises each sequence's rows on their own, as a pass over that sequence alone would; float products need
-        no grouping (rows never mix in them)."""
+    def __call__(self, states: torch.Tensor) -> torch.Tensor:
+        """The int8 path quantises every row (token) of ``states`` on its own, as :class:`Int8Linear` does, so no
+        row's result depends on the rows stacked with it; float products never mix rows."""
         if self.int8 is not None and states.device.type == "cpu" and states.dtype == torch.float32:
             # Shapes are fixed by the model: the Python check is skipped, the native op still checks.
-            return int8_linear(states, self.int8, row_groups=row_groups, check=False)
+            return int8_linear(states, self.int8, row_groups=token_rows(states), check=False)
         if self.float is not None and states.device.type == "cpu" and states.dtype == torch.float32:
             return float_linear(states, self.float)
         if len(self.modules) == 1:

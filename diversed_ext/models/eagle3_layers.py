@@ -138,9 +138,9 @@ class StepWeights:
         (a round's first step feeds several; teacher forcing feeds whole sequences)."""
         product = self.products[name]
         if name in self.int8_groups:
-            from ..forward.int8 import int8_linear
+            from ..forward.int8 import int8_linear, token_rows
 
-            return int8_linear(x.contiguous(), product, row_groups=[1] * (x.numel() // x.shape[-1]))
+            return int8_linear(x.contiguous(), product, row_groups=token_rows(x))
         if self.native:
             from ..forward.float_linear import float_linear
 
