@@ -10,7 +10,7 @@ from typing import Callable, Sequence
 from ..decoding.eagle_drafting import is_eagle_head
 from ..ops import is_greedy_temperature
 from .divergence import RuleLaw, position_divergences, rule_law
-from .fly_divergence import fly_divergences
+from .fly_divergence import fly_divergences, fly_runners
 
 NOT_MEASURED = (math.nan, math.nan)
 
@@ -44,13 +44,15 @@ def divergence_scorer(target, draft, decoder, score_temperature: float, seed: in
     if (decoder.fly is not None and draft_model is not None and decoder.drafter is None and decoder.head is None
             and decoder.gate is None):
         tokens_only = decoder.draft_mode != "distributions"
+        runners = fly_runners(target, draft_model)
 
         def monte_carlo(prompt, completion, index, steps):
             if not math.isclose(temperature, score_temperature):
                 return NOT_MEASURED  # FLy's TV identity holds against the target it verifies with
             deferral, tv = fly_divergences(target, draft_model, [prompt], [completion], decoder.fly,
                                            weight=float(decoder.weight), temperature=temperature,
-                                           tokens_only=tokens_only, samples=fly_samples, seed=seed + index)[0]
+                                           tokens_only=tokens_only, samples=fly_samples, seed=seed + index,
+                                           runners=runners)[0]
             return math.nan, tv
         return monte_carlo
     return lambda prompt, completion, index, steps: NOT_MEASURED

@@ -21,7 +21,9 @@ with the draft model, read p at each of them with the target, and take
 
 (the exact test passes each following draft with probability a, so the product is the conditional probability that
 all W pass: averaging the uniforms out lowers the variance and keeps the estimate unbiased). E[d_hat] = d_t exactly.
-A position whose x the exact test keeps, or whose entropy is below tau, gives 0 without a rollout. A prompt's figure
+A position whose x the exact test keeps, or whose entropy is below tau, gives 0 without a rollout. A rollout runs
+as the loop drafts: off caches of the context, one draft token a pass (an int8 draft quantises the tokens of a pass
+together, so its q at a token depends on how many it is fed with, and the loop feeds one). A prompt's figure
 is the mean over its positions of ``samples`` independent estimates each; prompts are independent, so the standard
 error over prompts the reports give covers the Monte Carlo noise as well as the spread of prompts.
 """
@@ -32,7 +34,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..decoding.runners import make_runner, model_device
+from ..decoding.runners import crop_cache, make_runner, model_device
 from ..ops import distribution_temperature
 from ..ops._fly import fly_entropy
 from .divergence import RuleLaw, _exact_keep, _verifier_mass, divergences, position_law
@@ -48,13 +50,56 @@ def _keep_of(p: torch.Tensor, q: torch.Tensor, tokens: torch.Tensor, weight: flo
     return _exact_keep(_verifier_mass(p), q, w, tokens_only).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
+def fly_runners(target, draft) -> tuple:
+    """(target runner, draft runner): the incremental forwards the decoding loop uses for these models, built once
+    and handed to :func:`fly_divergences` for every prompt (building one packs the model's weights)."""
+    return tuple(make_runner(model, model_device(model), fast_forward=True) for model in (target, draft))
+
+
+def _cropped(cache, keep: int):
+    """``cache`` holding its first ``keep`` positions only (None, a new cache, for none)."""
+    if keep == 0 or cache is None:
+        return None
+    crop_cache(cache, cache.get_seq_length(), keep)
+    return cache
+
+
+def _branch_passes(runners, caches, keep: int, drafted: int, fly, *, weight: float, temperature: float,
+                   tokens_only: bool, vocab: int, generator) -> tuple:
+    """prod_j a_{t+j}(x_{t+j}) along the branch (context[:keep], drafted): W drafts sampled from the draft one by
+    one, then the target read at all of them in one pass; each model reads the branch's prefix from its cache, which
+    it extends by the branch. Returns the product ([1] float64) and the caches."""
+    target_runner, draft_runner = runners
+    target_cache, draft_cache = (_cropped(cache, keep) for cache in caches)
+    branch, steps = [drafted], []
+    for _ in range(fly.window):  # the next W drafts, sampled from the draft as the loop does
+        logits, _, (draft_cache,) = draft_runner.run_rows([branch[-1:]], [draft_cache], [1], False)
+        step_q = _probs(logits.float().cpu()[:, :vocab], temperature)
+        token = torch.multinomial(step_q.float(), 1, generator=generator).squeeze(-1)
+        steps.append((step_q, token))
+        branch.append(int(token))
+    logits, _, (target_cache,) = target_runner.run_rows([branch[:-1]], [target_cache], [fly.window], False)
+    branch_p = _probs(logits.float().cpu()[:, :vocab], temperature)
+    passes = torch.ones(1, dtype=torch.float64)
+    for j, (step_q, token) in enumerate(steps):
+        passes = passes * _keep_of(branch_p[j:j + 1], step_q, token, weight, tokens_only)
+    return passes, (target_cache, draft_cache)
+
+
 def deferral_estimates(target, draft, context: Sequence[int], target_logits: torch.Tensor,
                        draft_logits: torch.Tensor, fly, *, weight: float = 1.0, temperature: float = 1.0,
-                       tokens_only: bool = False, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+                       tokens_only: bool = False, generator: Optional[torch.Generator] = None,
+                       runners: Optional[tuple] = None, caches: Optional[tuple] = None) -> torch.Tensor:
     """One unbiased estimate d_hat of the deferral probability at each of N positions (float64 [N]): position t's
     context is ``context[:start + t]`` where start = len(context) - N, and ``target_logits`` / ``draft_logits`` [N, V]
     are both models' logits there. ``fly`` a :class:`~diversed_ext.decoding.Fly` with its window resolved; ``weight``
-    the static weight of the exact test (1: sd)."""
+    the static weight of the exact test (1: sd). ``runners``: :func:`fly_runners` of the two models (built here when
+    None); ``caches``: (target cache, draft cache) holding at least ``context[:-1]``, which the branches crop and
+    overwrite (None: filled here).
+
+    Each branch reads its prefix from the caches instead of running it again: branches are rolled out from the last
+    position back, so cropping the caches to a branch's prefix only drops positions no later branch reads, and a
+    rollout costs W + 1 short passes whatever the context's length."""
     count = target_logits.shape[0]
     start = len(context) - count
     p, q = _probs(target_logits, temperature), _probs(draft_logits, temperature)
@@ -66,53 +111,47 @@ def deferral_estimates(target, draft, context: Sequence[int], target_logits: tor
     rolled = [t for t in range(count) if estimate[t] > 0]
     if not rolled or not fly.window:
         return estimate if fly.window else torch.zeros_like(estimate)
-    branches = [list(context[:start + t]) + [int(drafted[t])] for t in rolled]
-    draft_runner = make_runner(draft, model_device(draft), fast_forward=True)
-    target_runner = make_runner(target, model_device(target), fast_forward=True)
-    vocab = p.shape[-1]
-    branch_q = []
-    for _ in range(fly.window):  # the next W drafts along each branch, sampled from the draft as the loop does
-        logits, _, _ = draft_runner.run_rows(branches, [None] * len(branches), [1] * len(branches), False)
-        step_q = _probs(logits.float().cpu()[:, :vocab], temperature)
-        tokens = torch.multinomial(step_q.float(), 1, generator=generator).squeeze(-1)
-        branch_q.append((step_q, tokens))
-        branches = [branch + [int(token)] for branch, token in zip(branches, tokens)]
-    feeds = [branch[:-1] for branch in branches]
-    logits, _, _ = target_runner.run_rows(feeds, [None] * len(feeds), [fly.window] * len(feeds), False)
-    branch_p = _probs(logits.float().cpu()[:, :vocab], temperature).view(len(feeds), fly.window, vocab)
-    passes = torch.ones(len(rolled), dtype=torch.float64)
-    for j, (step_q, tokens) in enumerate(branch_q):
-        passes = passes * _keep_of(branch_p[:, j], step_q, tokens, weight, tokens_only)
-    estimate[rolled] = estimate[rolled] * passes
+    runners = fly_runners(target, draft) if runners is None else runners
+    if caches is None:
+        prefix = list(context[:start + rolled[-1]])
+        caches = tuple(runner.run_rows([prefix], [None], [1], False)[2][0] if prefix else None
+                       for runner in runners)
+    for t in reversed(rolled):
+        passes, caches = _branch_passes(runners, caches, start + t, int(drafted[t]), fly, weight=weight,
+                                        temperature=temperature, tokens_only=tokens_only, vocab=p.shape[-1],
+                                        generator=generator)
+        estimate[t] = estimate[t] * passes[0]
     return estimate
 
 
 @torch.no_grad()
 def fly_divergences(target, draft, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], fly, *,
                     weight: float = 1.0, temperature: float = 1.0, tokens_only: bool = False, samples: int = 1,
-                    seed: int = 0) -> list[tuple[float, float]]:
+                    seed: int = 0, runners: Optional[tuple] = None) -> list[tuple[float, float]]:
     """(mean deferral probability, mean TV(out, p)) over each completion's positions, TV = TV(law without FLy, p) +
     d_hat (see the module), each position's d_hat the mean of ``samples`` independent estimates drawn with a
-    generator seeded by ``seed`` + the prompt's index; (NaN, NaN) for an empty completion."""
-    from .teacher_forcing import _completion_outputs
-
+    generator seeded by ``seed`` + the prompt's index; (NaN, NaN) for an empty completion. ``runners``: the models'
+    :func:`fly_runners`, to build once for many calls (None: built here)."""
     if samples < 1:
         raise ValueError(f"samples must be >= 1, got {samples}")
     law = RuleLaw("exact") if weight == 1.0 else RuleLaw("static", weight, tokens_only=tokens_only)
     results = [(float("nan"), float("nan"))] * len(completions)
     filled = [index for index, completion in enumerate(completions) if completion]
-    if not filled:
-        return results
-    pairs = ([list(prompts[index]) for index in filled], [list(completions[index]) for index in filled])
-    outputs = zip(_completion_outputs(target, *pairs), _completion_outputs(draft, *pairs))
-    for index, ((_, target_logits), (_, draft_logits)) in zip(filled, outputs):
-        vocab = min(target_logits.shape[-1], draft_logits.shape[-1])
-        target_logits, draft_logits = target_logits.cpu()[:, :vocab], draft_logits.cpu()[:, :vocab]
+    runners = fly_runners(target, draft) if runners is None and filled else runners
+    for index in filled:
         context = list(prompts[index]) + list(completions[index])  # position t reads prompt + completion[:t]
+        # One pass per model over the context gives the logits at every position and the caches branches start from.
+        outputs = [runner.run_rows([context[:-1]], [None], [len(completions[index])], False) for runner in runners]
+        vocab = min(output[0].shape[-1] for output in outputs)
+        target_logits, draft_logits = (output[0].float().cpu()[:, :vocab] for output in outputs)
+        caches = tuple(output[2][0] for output in outputs)
         generator = torch.Generator().manual_seed(seed + index)
-        deferral = sum(deferral_estimates(target, draft, context, target_logits, draft_logits, fly, weight=weight,
-                                          temperature=temperature, tokens_only=tokens_only, generator=generator)
-                       for _ in range(samples)) / samples
+        deferral = torch.zeros(len(completions[index]), dtype=torch.float64)
+        for sample in range(samples):  # a sample's branches overwrite the caches: the next one fills its own
+            deferral += deferral_estimates(target, draft, context, target_logits, draft_logits, fly, weight=weight,
+                                           temperature=temperature, tokens_only=tokens_only, generator=generator,
+                                           runners=runners, caches=caches if sample == 0 else None)
+        deferral /= samples
         _, tv = divergences(position_law(law, target_logits, draft_logits, temperature), target_logits, temperature)
         results[index] = (float(deferral.mean()), float((tv + deferral).mean()))
     return results

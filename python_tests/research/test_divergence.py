@@ -231,3 +231,68 @@ def test_the_fly_deferral_estimate_is_unbiased(weight):
     assert abs(float(samples.mean()) - exact) < 4 * error
     high_bar = Fly(window=2, threshold=50.0)  # no entropy reaches it: nothing defers
     assert float(deferral_estimates(target, draft, context + [0], *logits, high_bar, weight=weight)[0]) == 0.0
+
+
+def _reference_deferrals(target, draft, context, count, fly, weight, generator):
+    """deferral_estimates at the last ``count`` positions of ``context`` with every distribution read by a full
+    forward over its own context (no cache), drawing from ``generator`` in the estimate's order: each position's
+    draft, then each rolled-out branch's W drafts, the last position's branch first."""
+    from diversed_ext.ops._fly import fly_entropy
+    from diversed_ext.research.divergence import _exact_keep
+
+    def probs(model, sequence):
+        return model(input_ids=torch.tensor([sequence])).logits[0, -1].double().softmax(-1)
+
+    def keep(p, q, token):
+        return float(_exact_keep(p[None], q[None], torch.tensor([[weight]], dtype=torch.float64), False)[0, token])
+
+    start = len(context) - count
+    p = torch.stack([probs(target, context[:start + t]) for t in range(count)])
+    q = torch.stack([probs(draft, context[:start + t]) for t in range(count)])
+    drafted = torch.multinomial(q.float(), 1, generator=generator)[:, 0].tolist()
+    entropy = fly_entropy(p.float(), fly.top_k)
+    estimate = [(1 - keep(p[t], q[t], drafted[t])) if entropy[t] >= fly.threshold else 0.0 for t in range(count)]
+    for t in reversed(range(count)):
+        branch = context[:start + t] + [drafted[t]]
+        for _ in range(fly.window if estimate[t] > 0 else 0):
+            q_next, p_next = probs(draft, branch), probs(target, branch)
+            token = int(torch.multinomial(q_next.float()[None], 1, generator=generator)[0, 0])
+            estimate[t] *= keep(p_next, q_next, token)
+            branch.append(token)
+    return torch.tensor(estimate, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("runner", ["lean", "transformers"])
+@pytest.mark.parametrize("weight", [1.0, 0.5])
+def test_fly_branches_read_their_prefix_from_the_cache_as_a_full_forward_would(runner, weight):
+    """Every branch of a long completion starts from the caches of the context pass, cropped last position first:
+    a crop that kept a stale position, or dropped one a later branch reads, changes a branch's p or q and so its
+    pass probabilities. Checked against full forwards on identical draws, over two samples (the second fills its
+    own caches), with the lean Llama forward's static caches and with transformers' caches."""
+    pytest.importorskip("transformers")
+    from diversed_ext.decoding import Fly
+    from diversed_ext.decoding.runners import HFRunner
+    from diversed_ext.forward import LlamaRunner
+    from diversed_ext.forward._native import forward_ops_built
+    from diversed_ext.research.fly_divergence import fly_divergences, fly_runners
+    from helpers import decoding_llama, noisy_copy
+
+    if runner == "lean" and not forward_ops_built():
+        pytest.skip("the native forward ops are not built")
+    target = decoding_llama(21, 8, sharpness=4.0, layers=2)
+    draft = noisy_copy(target, 22, scale=1.0)
+    runners = (fly_runners(target, draft) if runner == "lean"
+               else tuple(HFRunner(model, torch.device("cpu")) for model in (target, draft)))
+    assert all(isinstance(each, LlamaRunner if runner == "lean" else HFRunner) for each in runners)
+    prompt, completion = [3, 1, 4, 1, 5], [2, 6, 5, 3, 5, 0, 7]
+    fly = Fly(window=2, threshold=0.0)
+    for seed in range(3):
+        deferral, tv = fly_divergences(target, draft, [prompt], [completion], fly, weight=weight, samples=2,
+                                       seed=seed, runners=runners)[0]
+        generator = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            expected = sum(_reference_deferrals(target, draft, prompt + completion, len(completion), fly, weight,
+                                                generator) for _ in range(2)) / 2
+        assert expected.max() > 0.05  # branches were rolled out and mostly passed: the check has teeth
+        assert deferral == pytest.approx(float(expected.mean()), abs=1e-6)
+        assert tv >= deferral
