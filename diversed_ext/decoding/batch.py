@@ -6,10 +6,10 @@ draft, so a draft pass carries only the rows still drafting. Each row keeps its 
 attends to another's, nothing is padded inside a model), its own generator for draft sampling, and its own verifier
 uniforms: row r draws Philox uniforms for (its seed, its round index), its final sample taking the uniform of position
 k_r, exactly what a call with that row alone would draw. A request's tokens therefore depend only on its prompt and
-seed, whatever its neighbours, up to the float rounding of products over more rows. The lean Llama runner quantises
-an int8 draft's activations row by row, so its int8 products are exact whatever the batch; an int8 draft run through
-its own forward (``fast_forward=False``) quantises each call's rows with one scale, so there a neighbour can move a
-row's draft distribution by one quantisation step.
+seed, whatever its neighbours, up to the float rounding of products over more rows. An int8 draft's activations are
+quantised token by token, so its int8 products are exact whatever the batch; a draft quantised by torch's
+``quantize_dynamic`` and run through its own forward (``fast_forward=False``) quantises each call's rows with one
+scale, so there a neighbour can move a row's draft distribution by one quantisation step.
 
 Padding exists only between the models and the verifier: drafts, logits and weights of short rows are padded to the
 longest row, and ``num_draft`` tells the verifier where each row ends.

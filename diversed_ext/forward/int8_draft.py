@@ -2,7 +2,8 @@
 safetensors.
 
 The weights are quantised as ``torch.ao.quantization.quantize_dynamic`` quantises them (per tensor, symmetric, bit
-for bit) and the layers compute what its layers compute, without torch's quantised tensors (deprecated in torch).
+for bit) and the layers compute what its layers compute for each token fed alone, without torch's quantised tensors
+(deprecated in torch).
 """
 
 from __future__ import annotations
@@ -42,8 +43,8 @@ def _swap_linears(model: torch.nn.Module, make_int8: Callable[[str, torch.nn.Lin
 
 def quantize_int8(model: torch.nn.Module, *, inplace: bool = False) -> torch.nn.Module:
     """int8 dynamic quantisation of every ``nn.Linear`` (:meth:`Int8Linear.from_float`): weights int8 per tensor
-    (symmetric), activations quantised on the fly; the weights and the arithmetic of
-    ``torch.ao.quantization.quantize_dynamic(model, {nn.Linear}, qint8)``. CPU only.
+    (symmetric), activations quantised on the fly, every token on its own; the weights and, token by token, the
+    arithmetic of ``torch.ao.quantization.quantize_dynamic(model, {nn.Linear}, qint8)``. CPU only.
 
     Without ``inplace`` the input model is left untouched. A float32 CPU model is copied without copying its
     parameters: the draft shares the embeddings and norms with it (read-only at inference; fine-tuning the input

@@ -152,14 +152,15 @@ def test_greedy_sd_equals_greedy_ar_on_the_real_pair(default_pair):
 def test_lean_draft_is_the_same_draft_as_its_quantised_layers_on_the_real_pair(default_pair):
     """The draft's lean forward (all layers in one native call) against its own forward through the quantised layers.
 
-    Pointwise equality up to rounding cannot be asked of this draft: its per-tensor activation scales are set by a
-    few outlier activations, so coarse that one rounding difference can flip a quantisation step, and 30 layers
-    amplify it (its own forward, with one token's embedding nudged by one part in a million, moves some positions'
-    logits by several units). The tests on random Llamas (test_llama_runner.py, test_lean_forward_ops.py) check the
-    arithmetic up to rounding. Here, over every position of prompt prefixes, the lean draft must be as good a draft:
-    its mean total variation from the target (one minus the acceptance rate of standard speculative decoding)
-    within 0.03 of the quantised layers' (measured: 0.637 against 0.642, standard error 0.014 each, 0.005 paired),
-    where a broken forward would be near 1."""
+    Pointwise equality up to rounding cannot be asked of this draft: each token's activation scale is set by a few
+    outlier channels, so coarse that one rounding difference can flip a quantisation step, and 30 layers amplify it
+    (its own forward, with the prompt's embeddings nudged by one part in ten million, moves some positions'
+    distributions by 0.3 in total variation). The tests on random Llamas (test_llama_runner.py,
+    test_lean_forward_ops.py) check the arithmetic up to rounding. Here, over every position of prompt prefixes, the
+    lean draft must be as good a draft: its mean total variation from the target (one minus the acceptance rate of
+    standard speculative decoding) within 0.06 of the quantised layers' (measured: 0.342 against 0.366, standard
+    error 0.014 each, 0.008 paired, so the bound leaves room for another CPU's rounding), where a broken forward
+    would be near 1."""
     from diversed_ext.forward.llama_runner import LlamaRunner
     from diversed_ext.decoding.runners import HFRunner
 
@@ -177,7 +178,7 @@ def test_lean_draft_is_the_same_draft_as_its_quantised_layers_on_the_real_pair(d
                 distances.append(0.5 * (draft_probs - target_probs).abs().sum(-1))
     lean_tv, reference_tv = torch.cat(lean_tv), torch.cat(reference_tv)
     assert len(lean_tv) >= 50
-    assert abs(float(lean_tv.mean() - reference_tv.mean())) <= 0.03
+    assert abs(float(lean_tv.mean() - reference_tv.mean())) <= 0.06
     assert float(reference_tv.mean()) < 0.9  # the draft really drafts: far from a random distribution
 
 
