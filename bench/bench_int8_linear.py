@@ -4,10 +4,11 @@ layer it replaces (MKL) and the weights' streaming floor.
 
 Shapes are SmolLM2-135M's (hidden 576, intermediate 1536, vocabulary 49152; no model is loaded): a layer's fused q/k/v
 (960 x 576), o (576 x 576), fused gate/up (3072 x 576), down (576 x 1536) and the LM head (49152 x 576), each at 1, 4
-and 16 input rows. Every case times its implementations interleaved call by call after a warm-up and prints medians;
-``equal`` says whether Int8Linear's output equals torch's layer's bit for bit on that input. The floor is the int8
-weight's bytes at the read bandwidth of one ``torch.sum`` over 256 MiB; small weights stay in cache, so they can beat
-it.
+and 16 input rows. Every case times its implementations interleaved call by call after a warm-up and prints medians.
+Int8Linear quantises every row (token) of its input on its own, torch's layer the whole input with one scale; each is
+timed as one call on the whole input, and ``equal`` says whether Int8Linear's output equals, bit for bit, torch's
+layer's fed each row alone. The floor is the int8 weight's bytes at the read bandwidth of one ``torch.sum`` over
+256 MiB; small weights stay in cache, so they can beat it.
 
     python bench/bench_int8_linear.py [--repeats 200] [--threads 2]
 """
@@ -39,6 +40,11 @@ def torch_quantised(linear: torch.nn.Linear):
                                                           torch.qint8)[0]
     except (AttributeError, RuntimeError):
         return None
+
+
+def row_by_row(layer, x: torch.Tensor) -> torch.Tensor:
+    """``layer`` applied to each row of ``x`` [rows, K] alone."""
+    return torch.cat([layer(row) for row in x.split(1)])
 
 
 def median_microseconds(layers: dict, x: torch.Tensor, repeats: int) -> dict:
@@ -76,7 +82,8 @@ def main(argv=None) -> int:
             for rows in ROWS:
                 x = torch.randn(rows, in_features)
                 us = median_microseconds(layers, x, args.repeats)
-                equal = "-" if theirs is None else ("yes" if torch.equal(layers["Int8Linear"](x), theirs(x)) else "no")
+                ours = layers["Int8Linear"](x)
+                equal = "-" if theirs is None else ("yes" if torch.equal(ours, row_by_row(theirs, x)) else "no")
                 ao = us.get("torch.ao int8")
                 rows_out.append([f"{name} {out_features}x{in_features}", str(rows), cell(us["float32 (MKL)"], ".1f"),
                                  "n/a" if ao is None else cell(ao, ".1f"), cell(us["Int8Linear"], ".1f"),
