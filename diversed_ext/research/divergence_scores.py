@@ -43,12 +43,12 @@ def divergence_scorer(target, draft, decoder, score_temperature: float, seed: in
         return closed_form
     if (decoder.fly is not None and draft_model is not None and decoder.drafter is None and decoder.head is None
             and decoder.gate is None):
+        if not math.isclose(temperature, score_temperature):  # FLy's TV identity holds against the target it
+            return lambda prompt, completion, index, steps: NOT_MEASURED  # verifies with
         tokens_only = decoder.draft_mode != "distributions"
         runners = fly_runners(target, draft_model)
 
         def monte_carlo(prompt, completion, index, steps):
-            if not math.isclose(temperature, score_temperature):
-                return NOT_MEASURED  # FLy's TV identity holds against the target it verifies with
             deferral, tv = fly_divergences(target, draft_model, [prompt], [completion], decoder.fly,
                                            weight=float(decoder.weight), temperature=temperature,
                                            tokens_only=tokens_only, samples=fly_samples, seed=seed + index,
