@@ -43,8 +43,9 @@ def divergence_scorer(target, draft, decoder, score_temperature: float, seed: in
         return closed_form
     if (decoder.fly is not None and draft_model is not None and decoder.drafter is None and decoder.head is None
             and decoder.gate is None):
-        if not math.isclose(temperature, score_temperature):  # FLy's TV identity holds against the target it
-            return lambda prompt, completion, index, steps: NOT_MEASURED  # verifies with
+        # FLy's TV identity holds against the target it verifies with, at the decoding temperature only.
+        if not math.isclose(temperature, score_temperature):
+            return lambda prompt, completion, index, steps: NOT_MEASURED
         tokens_only = decoder.draft_mode != "distributions"
         runners = fly_runners(target, draft_model)
 

@@ -21,11 +21,11 @@ with the draft model, read p at each of them with the target, and take
 
 (the exact test passes each following draft with probability a, so the product is the conditional probability that
 all W pass: averaging the uniforms out lowers the variance and keeps the estimate unbiased). E[d_hat] = d_t exactly.
-A position whose x the exact test keeps, or whose entropy is below tau, gives 0 without a rollout. A rollout runs
-as the loop drafts: off caches of the context, one draft token a pass, so it costs W + 1 short passes whatever the
-context's length. A prompt's figure
-is the mean over its positions of ``samples`` independent estimates each; prompts are independent, so the standard
-error over prompts the reports give covers the Monte Carlo noise as well as the spread of prompts.
+A position whose x the exact test keeps, or whose entropy is below tau, gives 0 without a rollout. A rollout runs as the
+loop drafts: off caches of the context, one draft token a pass, so it costs W + 1 short passes whatever the context's
+length. A prompt's figure is the mean over its positions of ``samples`` independent estimates each; prompts are
+independent, so the standard error over prompts the reports give covers the Monte Carlo noise as well as the spread of
+prompts.
 """
 
 from __future__ import annotations
