@@ -156,5 +156,6 @@ def load_int8_draft(target: torch.nn.Module, path: Union[str, Path], *,
     if any(name not in parameters or parameters[name].shape != values.shape for name, values in norms.items()):
         return None
     shell = _draft_shell(target, inplace=False)
-    _set_norms(shell, norms)
+    # The file holds every norm; those left unsmoothed stay shared with the target, as quantize_int8 leaves them.
+    _set_norms(shell, {name: values for name, values in norms.items() if not torch.equal(values, parameters[name])})
     return _swap_linears(shell, lambda name, linear: layers[name])

@@ -32,6 +32,10 @@ SMOOTHING_ALPHA = 0.6  # how far outliers move into the weights; 0.5 to 0.7 land
 SMOOTHING_FLOOR = 1e-5  # a channel or column never seen non-zero keeps a finite factor
 # RMSNorms that scale by their weight (Gemma's scale by 1 + weight, so a division would not fold into them).
 SMOOTHABLE_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
+LAYERS = "model.layers"  # where a Llama causal LM keeps its decoder layers (``model.model.layers``)
+# Each norm of a decoder layer and the products that read its output; the first product's input maxima stand for all.
+NORM_FED = (("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+            ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")))
 
 
 def llama_decoder_layers(model: torch.nn.Module) -> Optional[list]:
@@ -39,11 +43,10 @@ def llama_decoder_layers(model: torch.nn.Module) -> Optional[list]:
     layers = getattr(getattr(model, "model", None), "layers", None)
     if layers is None or not len(layers):
         return None
-    products = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj",
-                "mlp.down_proj")
+    products = [path for _, paths in NORM_FED for path in paths] + ["mlp.down_proj"]
     for layer in layers:
         try:
-            norms = [layer.get_submodule(path) for path in ("input_layernorm", "post_attention_layernorm")]
+            norms = [layer.get_submodule(norm) for norm, _ in NORM_FED]
             linears = [layer.get_submodule(path) for path in products]
         except AttributeError:
             return None
@@ -91,35 +94,23 @@ def smoothed_llama(model: torch.nn.Module, maxima: dict, alpha: float = SMOOTHIN
     :func:`input_maxima`; two empty dicts for a model that is not Llama-shaped or whose maxima miss a layer. Reads
     ``model``, changes nothing."""
     layers = llama_decoder_layers(model)
-    prefix = _layers_prefix(model)
-    if layers is None or prefix is None:
+    if layers is None:
         return {}, {}
     weights, vectors = {}, {}
     for index, layer in enumerate(layers):
-        name = f"{prefix}.{index}"
-        needed = [f"{name}.self_attn.q_proj", f"{name}.mlp.gate_proj", f"{name}.mlp.down_proj"]
-        if any(key not in maxima for key in needed):
+        name = f"{LAYERS}.{index}"
+        inputs = [f"{name}.{paths[0]}" for _, paths in NORM_FED] + [f"{name}.mlp.down_proj"]
+        if any(key not in maxima for key in inputs):
             return {}, {}
-        mlp = layer.mlp
-        for norm, input_name, products in (
-                ("input_layernorm", needed[0], ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
-                ("post_attention_layernorm", needed[1], ("mlp.gate_proj", "mlp.up_proj"))):
-            modules = [layer.get_submodule(path) for path in products]
-            factors = smoothing_factors(maxima[input_name], [module.weight for module in modules], alpha)
+        for norm, paths in NORM_FED:
+            modules = [layer.get_submodule(path) for path in paths]
+            factors = smoothing_factors(maxima[f"{name}.{paths[0]}"], [module.weight for module in modules], alpha)
             vectors[f"{name}.{norm}.weight"] = layer.get_parameter(f"{norm}.weight").detach().float().cpu() / factors
-            for path, module in zip(products, modules):
+            for path, module in zip(paths, modules):
                 weights[f"{name}.{path}"] = module.weight.detach().float().cpu() * factors
+        mlp = layer.mlp
         if mlp.up_proj.bias is None:  # a bias would have to shrink with up's rows
-            down = smoothing_factors(maxima[needed[2]], [mlp.down_proj.weight], alpha)
+            down = smoothing_factors(maxima[f"{name}.mlp.down_proj"], [mlp.down_proj.weight], alpha)
             weights[f"{name}.mlp.down_proj"] = mlp.down_proj.weight.detach().float().cpu() * down
             weights[f"{name}.mlp.up_proj"] = weights[f"{name}.mlp.up_proj"] / down.unsqueeze(1)
     return weights, vectors
-
-
-def _layers_prefix(model: torch.nn.Module) -> Optional[str]:
-    """The name under which ``model.named_modules()`` lists the decoder layers ("model.layers")."""
-    layers = getattr(getattr(model, "model", None), "layers", None)
-    for name, module in model.named_modules():
-        if module is layers:
-            return name
-    return None

@@ -60,10 +60,10 @@ def test_second_load_reads_the_cache(default_pair, monkeypatch):
 
 
 def test_cached_int8_draft_equals_a_fresh_quantisation(default_pair, cache_dir):
-    target, cached_draft, _ = models.load_default_pair(progress=False)
+    target, cached_draft, tokenizer = models.load_default_pair(progress=False)
     int8_file = cache_dir / pairs.DEFAULT_CACHE_NAME / pairs.INT8_CACHE
     assert int8_file.is_file(), "the first load should have written the draft's int8 weights"
-    fresh_draft = models.int8_draft_of(target, models.load_default_pair(progress=False).tokenizer)
+    fresh_draft = models.int8_draft_of(target, tokenizer)
     ids = torch.tensor([[1, 504, 3287, 28, 253, 2185, 30]])
     with torch.no_grad():
         assert torch.equal(cached_draft(ids).logits, fresh_draft(ids).logits)
@@ -78,6 +78,7 @@ def test_cached_int8_draft_equals_a_fresh_quantisation(default_pair, cache_dir):
     norm = "model.layers.5.post_attention_layernorm.weight"
     cached, fresh = cached_draft.get_parameter(norm), fresh_draft.get_parameter(norm)
     assert torch.equal(cached, fresh) and not torch.equal(cached, target.get_parameter(norm))
+    assert cached_draft.model.norm.weight is target.model.norm.weight  # unsmoothed: shared, as in a fresh draft
 
 
 def test_added_tokens_are_recorded_without_changing_the_tokenizer(default_pair, cache_dir, tmp_path):
