@@ -7,7 +7,8 @@ Shapes are SmolLM2-135M's (hidden 576, intermediate 1536, vocabulary 49152; no m
 and 16 input rows. Every case times its implementations interleaved call by call after a warm-up and prints medians.
 Int8Linear quantises every row (token) of its input on its own, torch's layer the whole input with one scale; each is
 timed as one call on the whole input, and ``equal`` says whether Int8Linear's output equals, bit for bit, torch's
-layer's fed each row alone. The floor is the int8 weight's bytes at the read bandwidth of one ``torch.sum`` over
+layer's fed each row alone with ``reduce_range=False`` (Int8Linear quantises inputs over uint8's whole range; torch's
+layer halves it, since fbgemm's AVX2 kernels sum products in int16, so "no" is expected on a CPU without VNNI). The floor is the int8 weight's bytes at the read bandwidth of one ``torch.sum`` over
 256 MiB; small weights stay in cache, so they can beat it.
 
     python bench/bench_int8_linear.py [--repeats 200] [--threads 2]
@@ -44,8 +45,9 @@ def torch_quantised(linear: torch.nn.Linear):
 
 
 def row_by_row(layer, x: torch.Tensor) -> torch.Tensor:
-    """``layer`` applied to each row of ``x`` [rows, K] alone."""
-    return torch.cat([layer(row) for row in x.split(1)])
+    """torch's quantised ``layer`` applied to each row of ``x`` [rows, K] alone, over uint8's whole input range."""
+    packed = layer._packed_params._packed_params
+    return torch.cat([torch.ops.quantized.linear_dynamic(row, packed, reduce_range=False) for row in x.split(1)])
 
 
 def median_microseconds(layers: dict, x: torch.Tensor, repeats: int) -> dict:

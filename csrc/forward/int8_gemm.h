@@ -1,18 +1,20 @@
 // Torch-free int8 x int8 products for the int8 draft: the arithmetic of torch's dynamically quantised linear layer
-// (quantize_dynamic, fbgemm) with the weights packed once, multiplied with AVX-512 VNNI, with AVX2 where the CPU lacks
-// VNNI, or with portable loops.
+// (quantize_dynamic, fbgemm) over uint8's whole range, with the weights packed once, multiplied with AVX-512 VNNI,
+// with AVX2 where the CPU lacks VNNI, or with portable loops.
 //
-// What fbgemm computes, and so what these kernels compute, for an int8 weight W [N, K] (per-tensor symmetric, zero
-// point 0, one scale per output feature here so that several layers' weights can share one call) and float input
-// X [M, K]:
-//   1. one (scale, zero point) for the whole of X, from its min and max over every row, with the uint8 range halved
-//      to [0, 127] (reduce_range: fbgemm's non-VNNI path sums pairs of u8 x s8 products in int16). Here X may also
+// What fbgemm computes with reduce_range off, and so what these kernels compute, for an int8 weight W [N, K]
+// (symmetric, zero point 0, one scale per output feature, so that several layers' weights can share one call) and
+// float input X [M, K]:
+//   1. one (scale, zero point) for the whole of X, from its min and max over every row, over uint8's [0, 255].
+//      torch's layer halves that range (reduce_range) because fbgemm's AVX2 path sums pairs of u8 x s8 products in
+//      int16, which would saturate; every build here sums in int32 exactly (vpdpbusd, vpmaddwd on widened inputs,
+//      portable loops), so the whole range costs nothing and halves the input's rounding step. Here X may also
 //      be split into groups of consecutive rows, each quantised on its own as if it were the layer's whole input:
 //      a batch of sequences stacked into one call then gets, row for row, what each sequence alone would get;
 //   2. xq = clamp(nearbyint(x * (1 / scale) + zero_point), 0, 255), the multiply-add fused as fbgemm's AVX2 quantiser
 //      does it;
-//   3. acc[m, n] = sum_k xq[m, k] * W[n, k] in int32 (exact: no product or partial sum can overflow), minus
-//      zero_point * sum_k W[n, k];
+//   3. acc[m, n] = sum_k xq[m, k] * W[n, k] in int32, minus zero_point * sum_k W[n, k] (exact: each term is at most
+//      255 * 128 in size, so no sum of up to kMaxInFeatures of them can overflow; the bindings refuse longer rows);
 //   4. out[m, n] = fma(float(acc), x_scale * w_scale[n], bias[n]) in float, rounded as fbgemm's AVX2 epilogue rounds.
 // The int32 sums are therefore identical to the layer's, and on this CPU so are the outputs, bit for bit (checked
 // against the layer on random problems; fbgemm's other code paths may round step 4 differently).
@@ -34,6 +36,9 @@ constexpr int64_t kTileRows = 16;  // output features per tile: one 512-bit regi
 constexpr int64_t kGroup = 4;      // reduction terms per vpdpbusd lane
 constexpr int64_t kTileBytes = kTileRows * kGroup;
 constexpr int kMaxRowBlock = 4;    // input rows multiplied per pass over a tile's weights
+
+// The longest reduction whose int32 sums cannot overflow: every term xq * w lies within 255 * 128 of zero.
+constexpr int64_t kMaxInFeatures = INT32_MAX / (255 * 128);
 
 inline int64_t tile_count(int64_t out_features) { return (out_features + kTileRows - 1) / kTileRows; }
 inline int64_t group_count(int64_t in_features) { return (in_features + kGroup - 1) / kGroup; }
@@ -62,10 +67,11 @@ struct ActivationParams {
   int32_t zero_point;
 };
 
-// torch's ChooseQuantizationParams (ATen/native/quantized/cpu/QuantUtils.h) for qmin 0, qmax 255, reduce_range, no
-// preserve_sparsity, no power-of-two scale: the parameters fbgemm's dynamic linear layer picks for its input.
+// torch's ChooseQuantizationParams (ATen/native/quantized/cpu/QuantUtils.h) for qmin 0, qmax 255, no reduce_range,
+// no preserve_sparsity, no power-of-two scale: the parameters fbgemm's dynamic linear layer picks for its input when
+// called with reduce_range=False.
 inline ActivationParams choose_activation_params(float min, float max) {
-  constexpr int32_t qmin = 0, qmax = 255 / 2;
+  constexpr int32_t qmin = 0, qmax = 255;
   constexpr float kSmallScale = 6.1e-5f;
   min = std::min(min, 0.f);
   max = std::max(max, 0.f);

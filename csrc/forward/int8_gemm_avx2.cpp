@@ -5,9 +5,9 @@
 // (4 features x 4 terms) is sign-extended to 16-bit and multiplied by the row's 4 inputs, zero-extended and repeated,
 // with vpmaddwd: every int32 lane then holds one feature's sum over 2 terms, and two neighbouring lanes make up its
 // 4-term sum. Every product and partial sum is exact in int32, so these tiles agree with gemm_tiles_portable bit for
-// bit (the epilogue is the same store_tile). vpmaddubsw would halve the instructions, but it saturates in int16 on an
-// input that rounds past the halved uint8 range; exactness is worth more than instructions in a pass that waits on
-// memory.
+// bit (the epilogue is the same store_tile). vpmaddubsw would halve the instructions, but its pairs of u8 x s8 products
+// saturate in int16 over uint8's upper half, which the inputs use; exactness is worth more than instructions in a
+// pass that waits on memory.
 //
 // Every outside header is included BEFORE the target pragma, so inline functions of the standard library keep their
 // default-target definitions.

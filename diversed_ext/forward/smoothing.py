@@ -28,7 +28,10 @@ from typing import Iterable, Optional
 
 import torch
 
-SMOOTHING_ALPHA = 0.6  # how far outliers move into the weights; 0.5 to 0.7 land within 0.002 TV on the default pair
+# How far outliers move into the weights: on the default pair 0.5 leaves the draft closest to the target (mean TV per
+# token on 16 GSM8K test prompts: 0.4 / 0.5 / 0.6 / 0.75 give 0.045 / 0.044 / 0.048 / 0.060; on 16 train prompts 0.047 /
+# 0.043 / 0.046), SmoothQuant's own default.
+SMOOTHING_ALPHA = 0.5
 SMOOTHING_FLOOR = 1e-5  # a channel or column never seen non-zero keeps a finite factor
 # RMSNorms that scale by their weight (Gemma's scale by 1 + weight, so a division would not fold into them).
 SMOOTHABLE_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")

@@ -1,6 +1,7 @@
 """Int8Linear and quantize_weight: torch's dynamically quantised linear layer (quantize_dynamic, per-channel weights)
-applied to each row of the input alone, without torch's quantised tensors, checked against that layer itself; and the
-layer's plain-torch arithmetic where the native ops are missing, against the native product."""
+over uint8's whole range, applied to each row of the input alone, without torch's quantised tensors, checked against
+torch's quantisation of the weights and of each row; and the layer's plain-torch arithmetic where the native ops are
+missing, against the native product."""
 
 import warnings
 
@@ -9,7 +10,7 @@ import torch
 
 from diversed_ext.forward import int8 as int8_module
 from diversed_ext.forward.int8 import Int8Linear, quantize_weight
-from helpers import requires_pinned_quantised_layer
+from helpers import requires_pinned_quantised_layer, torch_full_range_product
 
 ROUNDING = 2e-6  # relative to the largest output: float rounding of the rescaling, nothing more
 
@@ -59,14 +60,17 @@ def test_quantize_weight_is_quantize_dynamics_bit_for_bit():
 @requires_pinned_quantised_layer
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("shape", [(1, 24), (5, 24), (2, 3, 24)])
-def test_the_layer_computes_what_torchs_quantised_layer_computes_for_each_row_alone(bias, shape):
+def test_the_layer_computes_torchs_full_range_product_for_each_row_alone(bias, shape):
     torch.manual_seed(len(shape) + shape[0])
     linear = torch.nn.Linear(24, 40, bias=bias)
-    ours, theirs = Int8Linear.from_float(linear), torch_quantised(linear)
+    ours = Int8Linear.from_float(linear)
+    weight = torch_weight(torch_quantised(linear))
+    parts = (weight.int_repr(), weight.q_per_channel_scales(), linear.bias.detach() if bias else None)
     for shift in (0.0, 1.5, -1.5):  # both signs, all positive, all negative
         x = torch.randn(shape) * 2.0 + shift
         x[(0,) * (x.dim() - 1)] *= 100.0  # an outlier row: quantised with the rest it would coarsen them
-        expected = torch.cat([theirs(row) for row in x.reshape(-1, 24).split(1)]).view(*shape[:-1], 40)
+        rows = x.reshape(-1, 24).split(1)
+        expected = torch.cat([torch_full_range_product(row, *parts) for row in rows]).float().view(*shape[:-1], 40)
         got = ours(x)
         assert got.shape == expected.shape == (*shape[:-1], 40)
         assert float((got - expected).abs().max()) <= ROUNDING * max(1.0, float(expected.abs().max()))
@@ -95,7 +99,7 @@ def test_without_native_ops_the_layer_computes_the_same_sums(index, monkeypatch)
     plain = layer(x).double()
     assert plain.shape == native.shape
     span = max(float(x.max()), 0.0) - min(float(x.min()), 0.0)
-    step = max(span / 127, 6.1e-5) * float(layer.scale.max()) * 127  # one input step against the largest |w|
+    step = max(span / 255, 6.1e-5) * float(layer.scale.max()) * 127  # one input step against the largest |w|
     assert float((plain - native).abs().max()) <= step + 1e-5 * float(native.abs().max())
     assert float((plain - native).abs().mean()) <= 1e-4 * max(float(native.abs().mean()), 1e-6)
     assert layer(torch.empty(0, 64)).shape == (0, 48)

@@ -1,6 +1,7 @@
-"""diversed::int8_pack / int8_linear against torch's dynamically quantised linear layer (quantize_dynamic, fbgemm).
+"""diversed::int8_pack / int8_linear against torch's dynamically quantised linear layer (quantize_dynamic, fbgemm)
+over uint8's whole range: torch's int8 weights and scales, torch's quantisation of the input, exact integer sums.
 
-The op quantises its input as that layer does, so the int32 sums are the same and the outputs differ only by float
+The op quantises its input as torch does, so the int32 sums are the same and the outputs differ only by float
 rounding in the rescaling: the comparisons below allow a few ulps of the output's magnitude, far below one step of
 the input's quantisation (which would move an output by x_scale * w_scale * |w|, i.e. about 1e-3 relative)."""
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from diversed_ext.forward.int8 import Int8Linear, int8_linear, pack_int8
-from helpers import requires_pinned_quantised_layer
+from helpers import requires_pinned_quantised_layer, torch_full_range_product
 
 ROUNDING = 2e-6  # relative to the largest output: float rounding of the rescaling, nothing more
 
@@ -43,7 +44,7 @@ def our_parts(out_features, in_features, bias, seed):
 
 
 def assert_matches_layer(layer, x):
-    expected = layer(x)
+    expected = torch_full_range_product(x, *parts_of(layer)).float()
     got = int8_linear(x, pack_int8([parts_of(layer)]))
     assert got.shape == expected.shape
     tolerance = ROUNDING * max(1.0, float(expected.abs().max()))
@@ -57,7 +58,7 @@ def assert_matches_layer(layer, x):
 def test_matches_the_quantised_layer(out_features, in_features, rows, bias):
     layer = int8_layer(out_features, in_features, bias, seed=out_features + in_features + rows)
     generator = torch.Generator().manual_seed(rows)
-    for shift in (0.0, 1.5, -1.5):  # inputs of both signs, all positive (zero point 0), all negative (zero point 127)
+    for shift in (0.0, 1.5, -1.5):  # inputs of both signs, all positive (zero point 0), all negative (zero point 255)
         assert_matches_layer(layer, torch.randn(rows, in_features, generator=generator) * 2.0 + shift)
 
 
@@ -75,7 +76,8 @@ def test_leading_dimensions_and_zero_rows():
     packed = pack_int8([parts_of(layer)])
     x = torch.randn(2, 3, 12)
     assert int8_linear(x, packed).shape == (2, 3, 10)
-    torch.testing.assert_close(int8_linear(x, packed), layer(x), rtol=0, atol=1e-5)
+    torch.testing.assert_close(int8_linear(x, packed), torch_full_range_product(x, *parts_of(layer)).float(), rtol=0,
+                               atol=1e-5)
     assert int8_linear(torch.empty(0, 12), packed).shape == (0, 10)
     assert int8_linear(torch.empty(4, 0, 12), packed).shape == (4, 0, 10)
 
@@ -90,11 +92,11 @@ def test_fused_parts_equal_separate_calls():
 
 
 def exact_integer_product(x, weight, scale, bias):
-    """The layer's arithmetic written out in Python: the input quantised per tensor to [0, 127] (reduce_range), exact
-    integer sums, then the float rescaling (rounded differently from the kernel's fused epilogue: a few ulps)."""
+    """The layer's arithmetic written out in Python: the input quantised per tensor to [0, 255], exact integer sums,
+    then the float rescaling (rounded differently from the kernel's fused epilogue: a few ulps)."""
     low, high = min(float(x.min()), 0.0), max(float(x.max()), 0.0)
-    x_scale = (high - low) / 127 if high > low else 0.1
-    zero_point = min(127, max(0, round(-low / x_scale)))
+    x_scale = (high - low) / 255 if high > low else 0.1
+    zero_point = min(255, max(0, round(-low / x_scale)))
     quantised = torch.clamp(torch.round(x / x_scale + zero_point), 0, 255).to(torch.int64)
     sums = (quantised - zero_point) @ weight.to(torch.int64).t()
     return sums.double() * (x_scale * scale) + (0 if bias is None else bias.double())
@@ -108,15 +110,15 @@ def test_matches_the_exact_integer_arithmetic(rows, in_features):
     x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(11)) * 2.0 + 0.5
     got = int8_linear(x, pack_int8([(weight, scale, bias)])).double()
     expected = exact_integer_product(x, weight, scale, bias)
-    step = (max(float(x.max()), 0.0) - min(float(x.min()), 0.0)) / 127 * float(scale.max()) * 127  # one input step
+    step = (max(float(x.max()), 0.0) - min(float(x.min()), 0.0)) / 255 * float(scale.max()) * 127  # one input step
     assert float((got - expected).abs().max()) <= step + 1e-4 * float(expected.abs().max())
     assert float((got - expected).abs().mean()) <= 1e-3 * float(expected.abs().mean())
 
 
 @pytest.mark.parametrize("build", ["default", "avx2", "baseline"])
 def test_extreme_weights_and_inputs_sum_exactly(build, monkeypatch):
-    """Weights at -128 and 127 against inputs at the top of the quantised range: the largest int16 pair sums a
-    saturating u8 x s8 instruction could get wrong. Every build must give the exact integer sums."""
+    """Weights at -128 and 127 against inputs at 255, the top of the quantised range: pair sums of 65,280 in size,
+    which a saturating u8 x s8 instruction (int16) would get wrong. Every build must give the exact integer sums."""
     if build != "default":
         monkeypatch.setenv("DIVERSED_CPU_CAPABILITY", build)
     in_features = 64
@@ -147,6 +149,30 @@ def test_row_groups_give_each_group_what_it_gets_alone(build, monkeypatch):
     assert not torch.equal(int8_linear(torch.cat(groups), packed), alone)  # one shared quantisation differs
     assert torch.equal(int8_linear(torch.cat(groups), packed, row_groups=[6]), int8_linear(torch.cat(groups), packed))
     assert_matches_layer(layer, groups[1])  # a group alone is still the layer's own arithmetic
+
+
+MAX_IN_FEATURES = (2 ** 31 - 1) // (255 * 128)  # the longest rows whose int32 sums of u8 x s8 cannot overflow
+
+
+@pytest.mark.parametrize("build", ["default", "avx2", "baseline"])
+def test_the_longest_rows_allowed_sum_exactly_and_longer_ones_are_refused(build, monkeypatch):
+    """At the bound, every input at 255 against weights at -128 sums to -2,147,483,520, within int32; a row one
+    longer could overflow, so int8_pack and int8_linear refuse it."""
+    if build != "default":
+        monkeypatch.setenv("DIVERSED_CPU_CAPABILITY", build)
+    weight = torch.full((16, MAX_IN_FEATURES), -128, dtype=torch.int8)
+    weight[8:] = 127
+    x = torch.ones(2, MAX_IN_FEATURES)
+    got = int8_linear(x, pack_int8([(weight, 1.0, None)])).double()
+    x_scale = 1.0 / 255  # inputs all at 1.0: zero point 0, each quantised to 255
+    expected = torch.tensor([-128.0] * 8 + [127.0] * 8, dtype=torch.float64) * 255 * MAX_IN_FEATURES * x_scale
+    torch.testing.assert_close(got, expected.expand(2, 16), rtol=1e-6, atol=0)
+    with pytest.raises(RuntimeError, match=f"at most {MAX_IN_FEATURES}"):
+        torch.ops.diversed.int8_pack(torch.zeros(1, MAX_IN_FEATURES + 1, dtype=torch.int8))
+    packed = pack_int8([(weight[:, :-1].contiguous(), 1.0, None)])  # a valid packing to hand the op a longer input
+    with pytest.raises(RuntimeError, match=f"at most {MAX_IN_FEATURES}"):
+        torch.ops.diversed.int8_linear(torch.ones(1, MAX_IN_FEATURES + 1), packed.packed, packed.col_sums,
+                                       packed.w_scale, None)
 
 
 def test_bad_row_groups_are_refused_by_both_checks():

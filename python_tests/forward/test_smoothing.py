@@ -61,15 +61,18 @@ def total_variation(model, draft):
 
 
 def test_smoothing_brings_the_int8_draft_closer_where_channels_carry_outliers():
-    """On this model the LM head and the o projections, left unsmoothed, keep part of the error (measured: mean total
-    variation 0.0108 against 0.0176 unsmoothed)."""
-    model = outlier_llama(3)
-    before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
-    plain, smoothed = quantize_int8(model), quantize_int8(model, calibration=CALIBRATION)
-    plain_tv, smoothed_tv = total_variation(model, plain), total_variation(model, smoothed)
+    """Over three such models (the LM head and the o projections, left unsmoothed, keep part of the error; measured:
+    mean total variation 0.0053 against 0.0088 unsmoothed, each model between 0.53 and 0.72 of its own)."""
+    plain_tv = smoothed_tv = 0.0
+    for seed in (3, 4, 5):
+        model = outlier_llama(seed)
+        before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+        plain, smoothed = quantize_int8(model), quantize_int8(model, calibration=CALIBRATION)
+        plain_tv, smoothed_tv = plain_tv + total_variation(model, plain), smoothed_tv + total_variation(model, smoothed)
+        # The model it came from is untouched.
+        assert all(torch.equal(tensor, before[name]) for name, tensor in model.state_dict().items())
     assert smoothed_tv < 0.75 * plain_tv, (smoothed_tv, plain_tv)
-    # The model it came from is untouched; the draft owns the norms it smoothed and shares the rest.
-    assert all(torch.equal(tensor, before[name]) for name, tensor in model.state_dict().items())
+    # The draft owns the norms it smoothed and shares the rest.
     smoothed_norm, model_norm = (m.model.layers[1].post_attention_layernorm.weight for m in (smoothed, model))
     assert smoothed_norm is not model_norm and not torch.equal(smoothed_norm, model_norm)
     assert smoothed.model.norm.weight is model.model.norm.weight

@@ -6,6 +6,7 @@ fixture) lives in conftest.py.
 """
 
 import importlib.util
+import warnings
 
 import pytest
 import torch
@@ -229,15 +230,30 @@ def assert_verify_result_in_range(result, num_positions, vocab):
     assert torch.all((result.accept_prob >= 0) & (result.accept_prob <= 1))
 
 
-# diversed::int8_linear reproduces the arithmetic of torch's dynamically quantised linear layer as torch 2.13's fbgemm
-# path computes it (the CPU build this project pins), bit for bit. torch 2.14 computes some shapes one input
-# quantisation step differently, so tests that compare against the layer itself run on 2.13 only; the tests against
-# the exact integer arithmetic and between builds run everywhere.
+# diversed::int8_linear computes what torch's dynamically quantised linear layer computes with reduce_range off: the
+# input quantised with torch's own parameters and quantiser to uint8's whole range, exact integer sums, the float
+# rescaling. torch's layer itself runs with reduce_range on, and fbgemm's AVX2 kernels sum the whole range's products
+# in int16 (saturating), so the oracle below takes torch's quantisation of the input and sums exactly. torch 2.14
+# quantises some inputs one step differently, so tests against it run on the pinned 2.13 only; the tests against the
+# exact integer arithmetic and between builds run everywhere.
 LAYER_ARITHMETIC_TORCH = "2.13."
 requires_pinned_quantised_layer = pytest.mark.skipif(
     not torch.__version__.startswith(LAYER_ARITHMETIC_TORCH),
-    reason=f"compares with torch's own quantised layer, whose arithmetic int8_linear reproduces for torch "
+    reason=f"compares with torch's own input quantisation, which int8_linear reproduces for torch "
            f"{LAYER_ARITHMETIC_TORCH}x; this is torch {torch.__version__}")
+
+
+def torch_full_range_product(x, weight, scale, bias=None):
+    """``x`` [..., K] (quantised as one tensor by torch: ``torch._choose_qparams_per_tensor`` without reduce_range,
+    ``torch.quantize_per_tensor``) times int8 ``weight`` [N, K] with a scale per output feature, summed exactly and
+    rescaled in float64: torch's dynamic int8 linear layer over uint8's whole range, without fbgemm's int16 sums."""
+    x_scale, zero_point = torch._choose_qparams_per_tensor(x.contiguous(), False)
+    with warnings.catch_warnings():  # torch announces the deprecation of its quantised tensors on every call
+        warnings.simplefilter("ignore")
+        quantised = torch.quantize_per_tensor(x, x_scale, zero_point, torch.quint8).int_repr().to(torch.int64)
+    sums = (quantised - zero_point) @ weight.to(torch.int64).t()
+    out = sums.double() * (x_scale * torch.as_tensor(scale, dtype=torch.float64))
+    return out if bias is None else out + bias.double()
 
 
 class DispatchLog(TorchDispatchMode):
