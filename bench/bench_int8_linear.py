@@ -8,8 +8,9 @@ and 16 input rows. Every case times its implementations interleaved call by call
 Int8Linear quantises every row (token) of its input on its own, torch's layer the whole input with one scale; each is
 timed as one call on the whole input, and ``equal`` says whether Int8Linear's output equals, bit for bit, torch's
 layer's fed each row alone with ``reduce_range=False`` (Int8Linear quantises inputs over uint8's whole range; torch's
-layer halves it, since fbgemm's AVX2 kernels sum products in int16, so "no" is expected on a CPU without VNNI). The floor is the int8 weight's bytes at the read bandwidth of one ``torch.sum`` over
-256 MiB; small weights stay in cache, so they can beat it.
+layer halves it, since fbgemm's AVX2 kernels sum products in int16, so "no" is expected on a CPU without VNNI). The
+floor is the int8 weight's bytes at the read bandwidth of one ``torch.sum`` over 256 MiB; small weights stay in
+cache, so they can beat it.
 
     python bench/bench_int8_linear.py [--repeats 200] [--threads 2]
 """

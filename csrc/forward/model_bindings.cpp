@@ -6,6 +6,7 @@
 #include <ATen/ops/empty.h>
 
 #include <cstdint>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -23,14 +24,23 @@ namespace cpu {
 constexpr const char* kInt8PackOp = "diversed::int8_pack";
 constexpr const char* kInt8LinearOp = "diversed::int8_linear";
 
+namespace {
+
+// Every int8 op refuses a product longer than the int32 sums allow, naming what reads the `in_features` inputs.
+void check_int8_in_features(int64_t in_features, const char* op, const std::string& what) {
+  TORCH_CHECK(in_features <= int8::kMaxInFeatures, op, ": ", what, " may have at most ", int8::kMaxInFeatures,
+              " input features (the int32 sums' bound), got ", in_features);
+}
+
+}  // namespace
+
 // weight int8 [N, K] -> (packed int8 [int8::packed_size(N, K)], col_sums int32 [N]): the layout int8_linear reads.
 std::tuple<at::Tensor, at::Tensor> int8_pack_cpu(const at::Tensor& weight) {
   TORCH_CHECK(weight.scalar_type() == at::kChar && weight.dim() == 2, kInt8PackOp,
               ": weight must be a 2-D int8 tensor");
   const at::Tensor contiguous = weight.contiguous();
   const int64_t N = weight.size(0), K = weight.size(1);
-  TORCH_CHECK(K <= int8::kMaxInFeatures, kInt8PackOp, ": weight may have at most ", int8::kMaxInFeatures,
-              " input features (the int32 sums' bound), got ", K);
+  check_int8_in_features(K, kInt8PackOp, "weight");
   at::Tensor packed = at::empty({int8::packed_size(N, K)}, weight.options());
   at::Tensor col_sums = at::empty({N}, weight.options().dtype(at::kInt));
   poison_outputs(col_sums);  // packed is zeroed by pack_weight itself (its padding must be zero)
@@ -45,8 +55,7 @@ at::Tensor int8_linear_cpu(const at::Tensor& input, const at::Tensor& packed, co
   TORCH_CHECK(input.scalar_type() == at::kFloat && input.dim() >= 1 && input.size(-1) > 0, kInt8LinearOp,
               ": input must be float32 with a non-empty last dimension");
   const int64_t K = input.size(-1), N = w_scale.numel();
-  TORCH_CHECK(K <= int8::kMaxInFeatures, kInt8LinearOp, ": input may have at most ", int8::kMaxInFeatures,
-              " features (the int32 sums' bound), got ", K);
+  check_int8_in_features(K, kInt8LinearOp, "input");
   TORCH_CHECK(w_scale.scalar_type() == at::kFloat && w_scale.dim() == 1 && w_scale.is_contiguous(), kInt8LinearOp,
               ": w_scale must be a contiguous 1-D float32 tensor");
   TORCH_CHECK(col_sums.scalar_type() == at::kInt && col_sums.is_contiguous() && col_sums.numel() == N, kInt8LinearOp,
@@ -97,8 +106,6 @@ at::Tensor float_pack_cpu(const at::Tensor& weight) {
               kFloatPackOp, ": weight must be a 2-D CPU float32 tensor with at least one input feature");
   const at::Tensor contiguous = weight.contiguous();
   const int64_t N = weight.size(0), K = weight.size(1);
-  TORCH_CHECK(K <= int8::kMaxInFeatures, kInt8PackOp, ": weight may have at most ", int8::kMaxInFeatures,
-              " input features (the int32 sums' bound), got ", K);
   at::Tensor packed = at::empty({float_tile_count(N), K, kFloatTile}, weight.options());
   float_pack_weight(contiguous.data_ptr<float>(), N, K, packed.data_ptr<float>());
   return packed;
@@ -294,8 +301,7 @@ at::Tensor int8_llama_layers_cpu(const at::Tensor& states, at::TensorList norms,
   Int8Products products;
   for (size_t index = 0; index < packed.size(); ++index) {
     const auto [N, K] = call.product_shape(static_cast<int>(index % kProductsPerLayer));
-    TORCH_CHECK(K <= int8::kMaxInFeatures, op, ": product ", index, " reads ", K, " features, more than the ",
-                int8::kMaxInFeatures, " its int32 sums allow");
+    check_int8_in_features(K, op, "product " + std::to_string(index));
     check_part(packed[index], at::kChar, {int8::packed_size(N, K)}, op, "packed", index);
     check_part(col_sums[index], at::kInt, {N}, op, "col_sums", index);
     check_part(w_scales[index], at::kFloat, {N}, op, "w_scales", index);

@@ -48,6 +48,18 @@ def test_float_linear_fuses_parts_and_keeps_leading_dimensions():
     assert float_linear(torch.zeros(0, 24), packed).shape == (0, 33)
 
 
+def test_float_products_have_no_int8_length_bound():
+    """Float products sum in float, so rows longer than the int8 products' int32 bound (65,793 inputs) are packed and
+    multiplied like any other."""
+    in_features = 65_794
+    weight = torch.randn(2, in_features, generator=torch.Generator().manual_seed(4))
+    x = torch.randn(1, in_features, generator=torch.Generator().manual_seed(5))
+    expected = torch.nn.functional.linear(x.double(), weight.double())
+    got = float_linear(x, pack_float([(weight, None)]))
+    bound = in_features * 1.2e-7 * float((x.abs().double() @ weight.abs().double().t()).max())
+    assert float((got.double() - expected).abs().max()) <= bound
+
+
 def test_float_linear_rows_never_depend_on_their_neighbours():
     """Each output is summed in the same order whatever the row count: a row's result is bit for bit the same alone
     or among 1..19 other rows (MKL changes its algorithm with the row count)."""

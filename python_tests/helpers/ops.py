@@ -253,7 +253,7 @@ def torch_full_range_product(x, weight, scale, bias=None):
         quantised = torch.quantize_per_tensor(x, x_scale, zero_point, torch.quint8).int_repr().to(torch.int64)
     sums = (quantised - zero_point) @ weight.to(torch.int64).t()
     out = sums.double() * (x_scale * torch.as_tensor(scale, dtype=torch.float64))
-    return out if bias is None else out + bias.double()
+    return out if bias is None else out + bias.detach().double()
 
 
 class DispatchLog(TorchDispatchMode):
