@@ -230,6 +230,21 @@ def test_native_layers_refuse_bad_arguments_by_name(kind):
             op(**native_call(runner, **overrides)[1])
 
 
+def test_int8_layers_refuse_a_down_projection_longer_than_the_int32_bound():
+    """A down projection reads `intermediate` inputs per row: one past 65,793 could overflow its int32 sums, so the
+    layers refuse it by name before any product runs, even when every part is shaped consistently."""
+    runner = native_runner("int8")
+    intermediate = (2 ** 31 - 1) // (255 * 128) + 1
+    hidden = runner.model.config.hidden_size
+    packed, col_sums = torch.ops.diversed.int8_pack(torch.zeros(2 * intermediate, hidden, dtype=torch.int8))
+    _, arguments = native_call(runner, tokens=1)
+    replace = {"packed": packed, "col_sums": col_sums, "w_scales": torch.ones(2 * intermediate), "biases": None}
+    for name, part in replace.items():  # layer 0's gate_up made consistent with the longer down projection
+        arguments[name] = [*arguments[name][:2], part, *arguments[name][3:]]
+    with pytest.raises(RuntimeError, match=r"product 3 may have at most 65793 input features"):
+        torch.ops.diversed.int8_llama_layers(**arguments)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_native_layers_opcheck(kind):
     op, arguments = native_call(native_runner(kind, "biases"), tokens=2, cache_length=1)
