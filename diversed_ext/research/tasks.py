@@ -27,7 +27,7 @@ import json
 import os
 import re
 from dataclasses import dataclass
-from decimal import Decimal, InvalidOperation
+from decimal import Decimal, InvalidOperation, localcontext
 from typing import Any, Callable, Optional, Sequence
 
 from .sandbox import run_sandboxed
@@ -101,9 +101,13 @@ def normalize_number(text: str) -> Optional[str]:
         return None
     if not value.is_finite():
         return None
-    if value == value.to_integral_value():
-        return str(value.quantize(Decimal(1)))  # "18.0" -> "18", "-0" stays "0" below
-    return format(value.normalize(), "f")
+    with localcontext() as context:
+        # Decimal's default 28 digits would refuse (or round) a longer number, which a model may well write.
+        _, digits, exponent = value.as_tuple()
+        context.prec = max(context.prec, len(digits) + max(exponent, 0) + 1)
+        if value == value.to_integral_value():
+            return str(value.quantize(Decimal(1)))  # "18.0" -> "18"
+        return format(value.normalize(), "f")
 
 
 def extract_gsm8k_answer(text: str, *, strict: bool = False) -> Optional[str]:

@@ -20,6 +20,8 @@ GSM8K_DIR = os.path.join(REPO_ROOT.parent, "shared", "data", "gsm8k")
 @pytest.mark.parametrize("text, expected", [
     ("18", "18"), ("1,000", "1000"), ("$1,234.00", "1234"), ("18.0", "18"), ("-3", "-3"), ("0.50", "0.5"),
     ("7.", "7"), (" 42 ", "42"), ("$ 5", "5"), ("abc", None), ("", None),
+    # Longer than Decimal's default 28 digits: kept whole, never refused or rounded.
+    ("1" * 40, "1" * 40), ("1" * 40 + ".0", "1" * 40), ("0." + "1" * 40, "0." + "1" * 40), ("1e40", "1" + "0" * 40),
 ])
 def test_normalize_number(text, expected):
     assert normalize_number(text) == expected
@@ -30,6 +32,7 @@ def test_extract_answer_prefers_the_marker_and_falls_back_to_the_last_number():
     assert extract_gsm8k_answer("so the answer is $18.00.") == "18"
     assert extract_gsm8k_answer("so the answer is 18", strict=True) is None
     assert extract_gsm8k_answer("no numbers here") is None
+    assert extract_gsm8k_answer("so 3 * " + "9" * 60) == "9" * 60  # a small model's runaway digits
 
 
 @pytest.mark.parametrize("completion, reward", [
