@@ -12,8 +12,9 @@ ENGINE_ARGS = dict(
     dtype="float32",
     max_model_len=1024,
     seed=0,
-    # On the CPU this is a share of host memory, for the KV cache and the models: two engines fit side by side.
-    gpu_memory_utilization=0.2,
+    # A KV cache of a set size: vLLM's CPU default reserves a share of its NUMA node's memory for the models and the
+    # cache together, which on a machine whose node holds 10 GiB leaves a draft-model pair nothing for the cache.
+    kv_cache_memory_bytes=1 << 30,
     # Seeded requests crash vLLM 0.32.0's CPU runner when a prefill is chunked (a CPU generator has no offset).
     enable_chunked_prefill=False,
     max_num_batched_tokens=8192,

@@ -33,7 +33,7 @@ def serve_command(pair, port: int) -> list:
     return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(pair.target), "--port",
             str(port), "--host", "127.0.0.1", "--served-model-name", "pair", "--enforce-eager", "--dtype",
             ENGINE_ARGS["dtype"], "--max-model-len",
-            str(ENGINE_ARGS["max_model_len"]), "--gpu-memory-utilization", str(ENGINE_ARGS["gpu_memory_utilization"]),
+            str(ENGINE_ARGS["max_model_len"]), "--kv-cache-memory-bytes", str(ENGINE_ARGS["kv_cache_memory_bytes"]),
             "--no-enable-chunked-prefill", "--max-num-batched-tokens", str(ENGINE_ARGS["max_num_batched_tokens"]),
             "--speculative-config", json.dumps(speculative),
             "--additional-config", json.dumps({"diversed": {"weight": 0.5}}),
