@@ -14,7 +14,8 @@ step() {  # runs one step and says how long it took, and the whole command so fa
 }
 # The build of the verify-only library (about 1.5 minutes of compiling) checks that the floors stay apart, which no
 # flavour changes: it runs with the first suite only.
-FIRST_SUITE_ONLY=(--deselect python_tests/package/test_verify_only_build.py::test_verify_only_build_registers_the_verify_ops_alone)
+FIRST_SUITE_ONLY=(
+  --deselect python_tests/package/test_verify_only_build.py::test_verify_only_build_registers_the_verify_ops_alone)
 
 step bash scripts/setup.sh cpu
 (cd python_tests && step ../.venv/bin/python -m pytest -q)
