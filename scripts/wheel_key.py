@@ -33,8 +33,8 @@ def source_files():
 def wheel_key() -> str:
     digest = hashlib.sha256()
     for file in source_files():
-        digest.update(f"{file.relative_to(ROOT)}\0{file.stat().st_size}\0".encode())
-        digest.update(file.read_bytes())
+        content = file.read_bytes()
+        digest.update(f"{file.relative_to(ROOT)}\0{len(content)}\0".encode() + content)
     for name in SETTINGS:
         digest.update(f"{name}={os.environ.get(name)}\0".encode())
     interpreter = f"{sys.implementation.cache_tag}-{sysconfig.get_platform()}"

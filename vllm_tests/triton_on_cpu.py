@@ -97,12 +97,13 @@ def _patch_language_once_per_launch() -> None:
         return {id(value) for value in fn.__globals__.values() if inspect.ismodule(value) and value in (tl, tl.core)}
 
     def patch_lang_once(fn):
-        if patched_in_launch and languages(fn) <= patched_in_launch[-1]:
+        if not patched_in_launch:
+            return patch_lang(fn)
+        needed = languages(fn)
+        if needed <= patched_in_launch[-1]:
             return interpreter._LangPatchScope()  # nothing to patch, nothing to restore
-        scope = patch_lang(fn)
-        if patched_in_launch:
-            patched_in_launch[-1].update(languages(fn))
-        return scope
+        patched_in_launch[-1].update(needed)
+        return patch_lang(fn)
 
     def launch_patching_once(self, *args, **kwargs):
         patched_in_launch.append(set())
