@@ -12,12 +12,15 @@ Rows, each its own engine (started one after another in this process, the last o
     plugin head              the plugin, the default shipped head choosing w per drafted token
 
 Each row runs the prompts at one concurrent request (one request at a time) and at --concurrency requests (all
-prompts submitted at once to an engine that schedules at most that many). Drafts are the draft model's greedy tokens,
-vLLM's default (the verifier sees no draft probabilities). Acceptance is vLLM's own per-request count (accepted over
+prompts submitted at once to an engine that schedules at most that many). The drafter is the exported draft model
+(--drafter draft_model) or the EAGLE-3 head shipped for the pair (--drafter eagle3, where the plugin's "default" head
+is the one trained on that drafter's states). Drafts are greedy tokens by default, vLLM's default (the verifier sees
+no draft probabilities), or sampled with their distributions (--drafts probabilistic). Acceptance is vLLM's own per-request count (accepted over
 drafted, +- one standard error over prompts); mean accepted length counts the tokens a target pass emits (accepted
 drafts plus one); tokens/s is new tokens over wall time, after one untimed warm-up request.
 
     .venv-vllm/bin/python bench/bench_vllm.py [--pair DIR] [--data gsm8k/test.jsonl] [--prompts N] [--max-tokens N]
+                                              [--drafter draft_model|eagle3] [--drafts greedy|probabilistic]
                                               [--max-draft K] [--weight W] [--concurrency C] [--csv PATH]
     TRITON_INTERPRET=1 OMP_NUM_THREADS=1 .venv-vllm/bin/python bench/bench_vllm.py --runner v2 [...]
 
@@ -44,8 +47,10 @@ from typing import Optional
 from vllm_common import require_vllm, write_csv
 
 # A KV cache of a set size: vLLM's CPU default reserves a share of its NUMA node's memory for the models and the cache.
+# Blocks of 32 tokens, the CPU attention's least: with its default 128 a short request holds a whole block, fewer
+# requests fit at once and a prompt shorter than a block is never served from the prefix cache.
 ENGINE_ARGS = dict(enforce_eager=True, dtype="float32", max_model_len=1024, seed=0, kv_cache_memory_bytes=1 << 30,
-                   enable_chunked_prefill=False, max_num_batched_tokens=8192, disable_log_stats=True)
+                   block_size=32, enable_chunked_prefill=False, max_num_batched_tokens=8192, disable_log_stats=True)
 # V2 on the CPU runs under Triton's interpreter: a set KV cache size skips a profiling run that takes minutes there.
 V2_ENGINE_ARGS = dict(kv_cache_memory_bytes=256 * 2**20)
 # Written for this benchmark when no --data is given (GSM8K-style word problems, not taken from a data set).
@@ -84,12 +89,20 @@ def start(pair, speculative: bool, entry, args):
 
     kwargs = dict(ENGINE_ARGS, max_num_seqs=args.concurrency, **(V2_ENGINE_ARGS if args.runner == "v2" else {}))
     if speculative:
-        kwargs.update(per_request_spec_decode_metrics="summary",
-                      speculative_config={"method": "draft_model", "model": str(pair.draft),
-                                          "num_speculative_tokens": args.max_draft})
+        kwargs.update(per_request_spec_decode_metrics="summary", speculative_config=speculative_config(pair, args))
     if entry is not None:
         kwargs["additional_config"] = {"diversed": entry}
     return LLM(str(pair.target), **kwargs)
+
+
+def speculative_config(pair, args) -> dict:
+    if args.drafter == "eagle3":
+        from diversed_ext.models.eagle3 import default_drafter_path
+
+        drafter = {"method": "eagle3", "model": str(default_drafter_path())}
+    else:
+        drafter = {"method": "draft_model", "model": str(pair.draft)}
+    return {**drafter, "num_speculative_tokens": args.max_draft, "draft_sample_method": args.drafts}
 
 
 def stop(llm) -> None:
@@ -161,6 +174,11 @@ def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
     parser.add_argument("--data", help="GSM8K-style jsonl with a 'question' field (default: built-in prompts)")
     parser.add_argument("--prompts", type=int, default=16, help="default 16")
     parser.add_argument("--max-tokens", type=int, default=64, help="new tokens per request (default 64)")
+    parser.add_argument("--drafter", choices=("draft_model", "eagle3"), default="draft_model",
+                        help="the exported draft model (default) or the EAGLE-3 head shipped for the pair")
+    parser.add_argument("--drafts", choices=("greedy", "probabilistic"), default="greedy",
+                        help="drafted tokens: greedy (vLLM's default; the verifier sees tokens only) or sampled with "
+                             "their distributions")
     parser.add_argument("--max-draft", type=int, default=3, help="drafted tokens per step, K (default 3)")
     parser.add_argument("--weight", type=float, default=0.5, help="w of the static row (default 0.5)")
     parser.add_argument("--concurrency", type=int, default=8, help="concurrent requests of the second run (8)")
@@ -194,9 +212,9 @@ def main(argv: Optional[list] = None) -> None:
                 else export_default_pair(scratch, progress=False))
         questions = load_questions(args.data, args.prompts)
         results = measure(pair, questions, args)
-    print(f"vLLM {vllm.__version__} ({args.runner} model runner), {len(questions)} prompts "
+    print(f"vLLM {vllm.__version__} ({args.runner} model runner), {args.drafter} drafter, {len(questions)} prompts "
           f"({args.data or 'built-in'}), up to {args.max_tokens} new tokens, K = {args.max_draft}, temperature 1, "
-          "greedy drafts\n")
+          f"{args.drafts} drafts\n")
     print(table(results))
     write_csv(results, args.csv or Path(__file__).parent / "results" / f"vllm-{time.strftime('%Y%m%d-%H%M%S')}.csv")
 
