@@ -15,9 +15,10 @@ Each row runs the prompts at one concurrent request (one request at a time) and 
 prompts submitted at once to an engine that schedules at most that many). The drafter is the exported draft model
 (--drafter draft_model) or the EAGLE-3 head shipped for the pair (--drafter eagle3, where the plugin's "default" head
 is the one trained on that drafter's states). Drafts are greedy tokens by default, vLLM's default (the verifier sees
-no draft probabilities), or sampled with their distributions (--drafts probabilistic). Acceptance is vLLM's own per-request count (accepted over
-drafted, +- one standard error over prompts); mean accepted length counts the tokens a target pass emits (accepted
-drafts plus one); tokens/s is new tokens over wall time, after one untimed warm-up request.
+no draft probabilities), or sampled with their distributions (--drafts probabilistic). Acceptance is vLLM's own
+per-request count (accepted over drafted, +- one standard error over prompts); mean accepted length counts the tokens
+a target pass emits (accepted drafts plus one); tokens/s is new tokens over wall time, after one untimed warm-up
+request.
 
     .venv-vllm/bin/python bench/bench_vllm.py [--pair DIR] [--data gsm8k/test.jsonl] [--prompts N] [--max-tokens N]
                                               [--drafter draft_model|eagle3] [--drafts greedy|probabilistic]
@@ -96,6 +97,7 @@ def start(pair, speculative: bool, entry, args):
 
 
 def speculative_config(pair, args) -> dict:
+    """vLLM's speculative_config for --drafter, --drafts and --max-draft."""
     if args.drafter == "eagle3":
         from diversed_ext.models.eagle3 import default_drafter_path
 
