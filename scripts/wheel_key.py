@@ -34,7 +34,8 @@ def wheel_key() -> str:
     digest = hashlib.sha256()
     for file in source_files():
         content = file.read_bytes()
-        digest.update(f"{file.relative_to(ROOT)}\0{len(content)}\0".encode() + content)
+        digest.update(f"{file.relative_to(ROOT)}\0{len(content)}\0".encode())
+        digest.update(content)
     for name in SETTINGS:
         digest.update(f"{name}={os.environ.get(name)}\0".encode())
     interpreter = f"{sys.implementation.cache_tag}-{sysconfig.get_platform()}"
