@@ -1,6 +1,7 @@
 """vLLM with and without the DIVERSED plugin, side by side: the exported default pair, the same prompts and seeds.
 
-Rows, each its own engine (started one after another in this process, the last one shut down first):
+Rows, each its own engine (started one after another in this process, the last one shut down first; --rows picks
+the speculative ones):
 
     no speculation           vLLM, the target alone
     vLLM sd, as shipped      vLLM's own speculative decoding (its CPU build divides the target's logits by
@@ -15,14 +16,16 @@ Each row runs the prompts at one concurrent request (one request at a time) and 
 prompts submitted at once to an engine that schedules at most that many). The drafter is the exported draft model
 (--drafter draft_model) or the EAGLE-3 head shipped for the pair (--drafter eagle3, where the plugin's "default" head
 is the one trained on that drafter's states). Drafts are greedy tokens by default, vLLM's default (the verifier sees
-no draft probabilities), or sampled with their distributions (--drafts probabilistic). Acceptance is vLLM's own
+no draft probabilities), or sampled with their distributions (--drafts probabilistic). Every step drafts K =
+--max-draft tokens a request, or the K --draft-schedule gives the step's batch size. Acceptance is vLLM's own
 per-request count (accepted over drafted, +- one standard error over prompts); mean accepted length counts the tokens
 a target pass emits (accepted drafts plus one); tokens/s is new tokens over wall time, after one untimed warm-up
 request.
 
     .venv-vllm/bin/python bench/bench_vllm.py [--pair DIR] [--data gsm8k/test.jsonl] [--prompts N] [--max-tokens N]
                                               [--drafter draft_model|eagle3] [--drafts greedy|probabilistic]
-                                              [--max-draft K] [--weight W] [--concurrency C] [--csv PATH]
+                                              [--max-draft K] [--draft-schedule 1:3,2-64:1] [--weight W] [--rows head]
+                                              [--concurrency C] [--csv PATH]
     TRITON_INTERPRET=1 OMP_NUM_THREADS=1 .venv-vllm/bin/python bench/bench_vllm.py --runner v2 [...]
 
 With --runner v2 the rows run on vLLM's V2 model runner (on the CPU under Triton's interpreter, about ten times
@@ -63,13 +66,27 @@ FALLBACK_PROMPTS = (
 )
 
 
-def rows(weight: float, runner: str) -> list:
-    """(label, speculative?, the plugin's engine entry or None). V2's own sampler has no CPU expansion bug, so its
-    exact row is vLLM's own sampler as shipped."""
+# --rows: which speculative rows run (no speculation always runs: every row's multiple is of it)
+ROW_NAMES = ("vllm", "exact", "static", "head")
+
+
+def rows(weight: float, runner: str, wanted=ROW_NAMES) -> list:
+    """(label, speculative?, the plugin's engine entry or None) of no speculation and each wanted row. V2's own
+    sampler has no CPU expansion bug, so its exact row is vLLM's own sampler as shipped."""
     vllm_rows = ([("vLLM sd, as shipped", True, None), ("vLLM sd, repaired", True, {"verifier": "vllm"})]
                  if runner == "v1" else [("vLLM sd (V2's own sampler)", True, None)])
-    return [("no speculation", False, None), *vllm_rows, ("plugin w=1", True, {"weight": 1.0}),
-            (f"plugin static w={weight:g}", True, {"weight": weight}), ("plugin head", True, {"head": "default"})]
+    by_name = {"vllm": vllm_rows, "exact": [("plugin w=1", True, {"weight": 1.0})],
+               "static": [(f"plugin static w={weight:g}", True, {"weight": weight})],
+               "head": [("plugin head", True, {"head": "default"})]}
+    return [("no speculation", False, None), *(row for name in ROW_NAMES if name in wanted for row in by_name[name])]
+
+
+def row_names(text: str) -> tuple:
+    names = tuple(name.strip() for name in text.split(","))
+    unknown = [name for name in names if name not in ROW_NAMES]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown row {unknown[0]!r} (rows: {', '.join(ROW_NAMES)})")
+    return names
 
 
 def load_questions(path: Optional[str], count: int) -> list:
@@ -104,7 +121,22 @@ def speculative_config(pair, args) -> dict:
         drafter = {"method": "eagle3", "model": str(default_drafter_path())}
     else:
         drafter = {"method": "draft_model", "model": str(pair.draft)}
-    return {**drafter, "num_speculative_tokens": args.max_draft, "draft_sample_method": args.drafts}
+    schedule = {"num_speculative_tokens_per_batch_size": args.draft_schedule} if args.draft_schedule else {}
+    return {**drafter, "num_speculative_tokens": args.max_draft, "draft_sample_method": args.drafts, **schedule}
+
+
+def draft_schedule(text: str) -> list:
+    """--draft-schedule's ``FIRST[-LAST]:K,...`` as vLLM's [[first batch size, last batch size, K], ...] (vLLM
+    checks that the ranges start at 1 and do not overlap)."""
+    schedule = []
+    for item in text.split(","):
+        sizes, _, draft = item.strip().partition(":")
+        first, _, last = sizes.partition("-")
+        numbers = (first, last if "-" in sizes else first, draft)
+        if not all(number.strip().isdigit() for number in numbers):
+            raise argparse.ArgumentTypeError(f"{item.strip()!r} is not FIRST[-LAST]:K with whole numbers")
+        schedule.append([int(number) for number in numbers])
+    return schedule
 
 
 def stop(llm) -> None:
@@ -143,7 +175,7 @@ def measure(pair, questions: list, args) -> list:
     from tqdm import tqdm
 
     results = []
-    for label, speculative, entry in tqdm(rows(args.weight, args.runner), desc="engines", unit="engine"):
+    for label, speculative, entry in tqdm(rows(args.weight, args.runner, args.rows), desc="engines", unit="engine"):
         llm = start(pair, speculative, entry, args)
         try:
             run(llm, questions[:1], argparse.Namespace(**{**vars(args), "max_tokens": 8}), concurrent=False)
@@ -182,7 +214,14 @@ def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
                         help="drafted tokens: greedy (vLLM's default; the verifier sees tokens only) or sampled with "
                              "their distributions")
     parser.add_argument("--max-draft", type=int, default=3, help="drafted tokens per step, K (default 3)")
+    parser.add_argument("--draft-schedule", type=draft_schedule, metavar="FIRST[-LAST]:K,...",
+                        help="K by batch size (vLLM's num_speculative_tokens_per_batch_size), inclusive ranges of batch "
+                             "sizes from 1, each K at most --max-draft: 1:3,2-64:1 drafts 3 alone and 1 in a batch "
+                             "(default: --max-draft at every batch size)")
     parser.add_argument("--weight", type=float, default=0.5, help="w of the static row (default 0.5)")
+    parser.add_argument("--rows", type=row_names, default=ROW_NAMES, metavar="NAME,...",
+                        help=f"speculative rows to run besides no speculation, of {','.join(ROW_NAMES)} (default: "
+                             "all; vllm is vLLM's own sd, exact the plugin at w = 1)")
     parser.add_argument("--concurrency", type=int, default=8, help="concurrent requests of the second run (8)")
     parser.add_argument("--seed", type=int, default=0, help="request i runs with seed + i (default 0)")
     parser.add_argument("--runner", choices=("v1", "v2"), default="v1",
@@ -215,7 +254,8 @@ def main(argv: Optional[list] = None) -> None:
         questions = load_questions(args.data, args.prompts)
         results = measure(pair, questions, args)
     print(f"vLLM {vllm.__version__} ({args.runner} model runner), {args.drafter} drafter, {len(questions)} prompts "
-          f"({args.data or 'built-in'}), up to {args.max_tokens} new tokens, K = {args.max_draft}, temperature 1, "
+          f"({args.data or 'built-in'}), up to {args.max_tokens} new tokens, K = {args.max_draft}"
+          f"{f' (by batch size {json.dumps(args.draft_schedule)})' if args.draft_schedule else ''}, temperature 1, "
           f"{args.drafts} drafts\n")
     print(table(results))
     write_csv(results, args.csv or Path(__file__).parent / "results" / f"vllm-{time.strftime('%Y%m%d-%H%M%S')}.csv")
