@@ -140,3 +140,16 @@ def trained_eagle3() -> Path:
 def start_drafter_engine(pair, speculative_config: dict, diversed, **extra):
     """An LLM on the default pair's target, drafting with ``speculative_config`` (K = NUM_DRAFT unless given)."""
     return start_engine(pair, speculative=speculative_config, diversed=diversed, **extra)
+
+
+# K by batch size, vLLM's num_speculative_tokens_per_batch_size (inclusive ranges of batch sizes from 1): 3 for a
+# request alone, 1 each for two or three together, nothing from four on
+DRAFT_SCHEDULE = [[1, 1, 3], [2, 3, 1], [4, 64, 0]]
+
+
+def start_scheduled_engine(pair, diversed, **extra):
+    """An LLM drafting with the trained EAGLE-3 drafter (probabilistic drafts) as many tokens as DRAFT_SCHEDULE gives
+    each step's batch size."""
+    return start_drafter_engine(pair, {"method": "eagle3", "model": str(trained_eagle3()),
+                                       "draft_sample_method": "probabilistic",
+                                       "num_speculative_tokens_per_batch_size": DRAFT_SCHEDULE}, diversed, **extra)

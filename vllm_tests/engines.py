@@ -110,6 +110,38 @@ def worker_status(llm) -> list:
     return llm.collective_rpc("diversed_status")
 
 
+# What the plugin counts in each worker, summed since the engine started
+PLUGIN_COUNTS = ("drafted", "accepted", "weight_sum", "verified_without_head")
+
+
+def counts_during(llm, run) -> dict:
+    """What the plugin counted in the first worker while ``run()`` ran: drafts verified and accepted, the sum of
+    their weights, and drafts of head requests verified without their hidden states."""
+    before = worker_status(llm)[0]
+    run()
+    after = worker_status(llm)[0]
+    return {key: after[key] - before[key] for key in PLUGIN_COUNTS}
+
+
+def sampled_at_once(llm, tokens: int, count: int, extra_args=None, prompt: int = 0) -> tuple:
+    """PROMPTS[prompt:prompt + count] submitted together at temperature 1, ``tokens`` each (no early stop): (drafted
+    per request, speculative steps per request, what the plugin counted meanwhile), drafts from vLLM's own count."""
+    from vllm import SamplingParams
+
+    chosen = range(prompt, prompt + count)
+    params = [SamplingParams(temperature=1.0, max_tokens=tokens, seed=index, ignore_eos=True, extra_args=extra_args)
+              for index in chosen]
+    outputs = []
+    counts = counts_during(llm, lambda: outputs.extend(
+        llm.chat([chat(PROMPTS[index]) for index in chosen], params, use_tqdm=False)))
+    assert [len(output.outputs[0].token_ids) for output in outputs] == [tokens] * count
+    summaries = [output.outputs[0].spec_decode_metrics for output in outputs]
+    summaries = [summary.to_dict() if summary is not None else {"num_draft_tokens": 0, "num_spec_steps": 0}
+                 for summary in summaries]
+    return [summary["num_draft_tokens"] for summary in summaries], [summary["num_spec_steps"] for summary in summaries], \
+        counts
+
+
 def acceptance(outputs) -> tuple[int, int]:
     """(accepted, drafted) summed over finished requests, from vLLM's own per-request metrics."""
     accepted = drafted = 0

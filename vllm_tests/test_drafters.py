@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 from drafters import NGRAM_CONFIG, REPEATING_PROMPTS, build_eagle, build_eagle3, start_drafter_engine, trained_eagle3
-from engines import chat, stop_engine, worker_status
+from engines import chat, counts_during, stop_engine, worker_status
 from laws import greedy_tokens
 
 TOKENS = 48
@@ -25,14 +25,6 @@ def _sampled(llm, extra_args, prompts=REPEATING_PROMPTS, tokens=TOKENS):
     params = [SamplingParams(temperature=1.0, max_tokens=tokens, seed=index, extra_args=extra_args)
               for index in range(len(prompts))]
     return llm.chat([chat(prompt) for prompt in prompts], params, use_tqdm=False)
-
-
-def _delta(llm, run) -> dict:
-    """What the plugin counted (drafted, accepted, weight sum, head drafts without hidden states) during ``run``."""
-    before = worker_status(llm)[0]
-    run()
-    after = worker_status(llm)[0]
-    return {key: after[key] - before[key] for key in ("drafted", "accepted", "weight_sum", "verified_without_head")}
 
 
 def _rate(delta: dict) -> float:
@@ -67,13 +59,13 @@ def lookup(request, pair):
 
 def test_lookup_weight_zero_keeps_every_real_draft(lookup):
     _assert_verified_by_diversed(lookup)
-    delta = _delta(lookup, lambda: _sampled(lookup, {"diversed_weight": 0.0}))
+    delta = counts_during(lookup, lambda: _sampled(lookup, {"diversed_weight": 0.0}))
     assert delta["drafted"] > 20 and delta["accepted"] == delta["drafted"] and delta["weight_sum"] == 0.0, delta
 
 
 def test_lookup_greedy_at_weight_one_equals_no_speculation(lookup, baseline):
     tokens = []
-    delta = _delta(lookup, lambda: tokens.extend(greedy_tokens(lookup, {"diversed_weight": 1.0})))
+    delta = counts_during(lookup, lambda: tokens.extend(greedy_tokens(lookup, {"diversed_weight": 1.0})))
     assert delta["drafted"] > 0, "the lookup drafted nothing: the test would not exercise verification"
     assert tokens == baseline["greedy"]
 
@@ -86,12 +78,12 @@ GAIN_UNSTABLE = {"suffix": ("fly",)}
 
 
 def test_lookup_weights_gate_and_fly_raise_acceptance(lookup, request):
-    exact = _delta(lookup, lambda: _sampled(lookup, {"diversed_weight": 1.0}))
-    half = _delta(lookup, lambda: _sampled(lookup, {"diversed_weight": 0.5}))
-    gated = _delta(lookup, lambda: _sampled(lookup, {"diversed_weight": 1.0, "diversed_gate_margin": 1.0}))
-    fly = _delta(lookup, lambda: _sampled(lookup, {"diversed_weight": 1.0, "diversed_fly_window": 1,
+    exact = counts_during(lookup, lambda: _sampled(lookup, {"diversed_weight": 1.0}))
+    half = counts_during(lookup, lambda: _sampled(lookup, {"diversed_weight": 0.5}))
+    gated = counts_during(lookup, lambda: _sampled(lookup, {"diversed_weight": 1.0, "diversed_gate_margin": 1.0}))
+    fly = counts_during(lookup, lambda: _sampled(lookup, {"diversed_weight": 1.0, "diversed_fly_window": 1,
                                                    "diversed_fly_threshold": 0.0}))
-    wide = _delta(lookup, lambda: _sampled(lookup, {"diversed_weight": 1.0, "diversed_gate_margin": 1e6}))
+    wide = counts_during(lookup, lambda: _sampled(lookup, {"diversed_weight": 1.0, "diversed_gate_margin": 1e6}))
     print("acceptance at w = 1, w = 0.5, gate margin 1, FLy, gate margin 1e6:", exact, half, gated, fly, wide)
     assert min(exact["drafted"], half["drafted"], gated["drafted"], fly["drafted"], wide["drafted"]) > 20
     unstable = GAIN_UNSTABLE.get(request.node.callspec.params["lookup"], ())
@@ -130,7 +122,7 @@ def eagle(request, pair, tmp_path_factory):
 def test_eagle_weights_zero_half_one_and_the_gate(eagle, baseline, request):
     _assert_verified_by_diversed(eagle)
     none, half, exact, gated = (
-        _delta(eagle, lambda: _sampled(eagle, extra_args, EAGLE_PROMPTS, EAGLE_TOKENS))
+        counts_during(eagle, lambda: _sampled(eagle, extra_args, EAGLE_PROMPTS, EAGLE_TOKENS))
         for extra_args in ({"diversed_weight": 0.0}, {"diversed_weight": 0.5}, {"diversed_weight": 1.0},
                            {"diversed_weight": 1.0, "diversed_gate_margin": 4.0}))
     name = request.node.callspec.params["eagle"]
@@ -144,7 +136,7 @@ def test_eagle_weights_zero_half_one_and_the_gate(eagle, baseline, request):
 
 
 def test_eagle_a_head_reads_the_drafters_hidden_states(eagle, request):
-    delta = _delta(eagle, lambda: _sampled(eagle, {"diversed_head": HEAD}, EAGLE_PROMPTS, EAGLE_TOKENS))
+    delta = counts_during(eagle, lambda: _sampled(eagle, {"diversed_head": HEAD}, EAGLE_PROMPTS, EAGLE_TOKENS))
     assert delta["drafted"] > 50 and delta["verified_without_head"] == 0, delta
     mean_weight = delta["weight_sum"] / delta["drafted"]
     print(request.node.callspec.params["eagle"], "default head: mean w", mean_weight, "acceptance", _rate(delta))

@@ -9,8 +9,8 @@ import statistics
 
 import pytest
 import torch
-from engines import NUM_DRAFT, PROMPTS, acceptance, chat, per_request_acceptance, start_engine, stop_engine, \
-    worker_status
+from engines import NUM_DRAFT, PROMPTS, acceptance, chat, counts_during, per_request_acceptance, start_engine, \
+    stop_engine, worker_status
 from laws import LAW_ALPHA, greedy_tokens, law_samples, position_p_values
 
 ENGINE_WEIGHT = 0.5
@@ -136,11 +136,10 @@ def test_static_acceptance_matches_our_loop(engine, pair, weight):
 def test_head_weights_and_acceptance_match_our_loop(engine, pair):
     from diversed_ext.head import load_head
 
-    before = worker_status(engine)[0]
-    ours = per_request_acceptance(_sampled(engine, {"diversed_head": HEAD}))
-    after = worker_status(engine)[0]
-    drafted = after["drafted"] - before["drafted"]
-    mean_weight = (after["weight_sum"] - before["weight_sum"]) / drafted
+    outputs = []
+    counts = counts_during(engine, lambda: outputs.extend(_sampled(engine, {"diversed_head": HEAD})))
+    ours = per_request_acceptance(outputs)
+    mean_weight = counts["weight_sum"] / counts["drafted"]
     loops, loop_weights = _loop_rates(pair, method="diversed", head=load_head(HEAD))
     _assert_same_mean(ours, loops, "acceptance with the head")
     assert 0.0 < mean_weight < 1.0 and abs(mean_weight - statistics.fmean(loop_weights)) < 0.05, \

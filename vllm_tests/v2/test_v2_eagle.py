@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 from drafters import REPEATING_PROMPTS, build_eagle3, start_drafter_engine
-from engines import V2_ARGS, V2_GREEDY, chat, stop_engine, worker_status
+from engines import V2_ARGS, V2_GREEDY, chat, counts_during, stop_engine, worker_status
 from laws import greedy_tokens
 
 HEAD = "default"
@@ -35,10 +35,7 @@ def _delta(llm, extra_args) -> dict:
 
     params = [SamplingParams(temperature=1.0, max_tokens=TOKENS, seed=index, extra_args=extra_args)
               for index in range(len(PROMPTS))]
-    before = worker_status(llm)[0]
-    llm.chat([chat(prompt) for prompt in PROMPTS], params, use_tqdm=False)
-    after = worker_status(llm)[0]
-    return {key: after[key] - before[key] for key in ("drafted", "accepted", "weight_sum", "verified_without_head")}
+    return counts_during(llm, lambda: llm.chat([chat(prompt) for prompt in PROMPTS], params, use_tqdm=False))
 
 
 def _assert_verified_by_diversed(llm) -> None:

@@ -6,7 +6,8 @@ server answering. A few requests of a few tokens each: the interpreter is slow."
 from __future__ import annotations
 
 import pytest
-from engines import PROMPTS, V2_ARGS, V2_GREEDY, acceptance, chat, start_engine, stop_engine, worker_status
+from engines import (PROMPTS, V2_ARGS, V2_GREEDY, acceptance, chat, counts_during, start_engine, stop_engine,
+                     worker_status)
 from laws import greedy_tokens
 
 PROMPT_COUNT = 2
@@ -40,13 +41,6 @@ def _generate(llm, extra_args=None, *, temperature=1.0, seed0=0):
     return llm.chat([chat(prompt) for prompt in PROMPTS[:PROMPT_COUNT]], params, use_tqdm=False)
 
 
-def _status_delta(llm, run) -> dict:
-    before = worker_status(llm)[0]
-    run()
-    after = worker_status(llm)[0]
-    return {key: after[key] - before[key] for key in ("drafted", "accepted", "weight_sum", "verified_without_head")}
-
-
 def test_vllm_picks_v2_and_the_plugin_verifies_in_every_worker(engine):
     statuses = worker_status(engine)
     assert statuses
@@ -56,7 +50,7 @@ def test_vllm_picks_v2_and_the_plugin_verifies_in_every_worker(engine):
 
 
 def test_weight_zero_keeps_every_draft(engine):
-    delta = _status_delta(engine, lambda: _generate(engine, {"diversed_weight": 0.0}))
+    delta = counts_during(engine, lambda: _generate(engine, {"diversed_weight": 0.0}))
     assert delta["drafted"] > 10 and delta["accepted"] == delta["drafted"] and delta["weight_sum"] == 0.0
 
 
@@ -66,14 +60,14 @@ def test_greedy_at_weight_one_equals_v2_without_speculation(engine, v2_greedy):
 
 def test_per_request_weights_and_the_engine_default(engine):
     for extra_args, weight in (({"diversed_weight": 0.3}, 0.3), (None, ENGINE_WEIGHT)):
-        delta = _status_delta(engine, lambda: _generate(engine, extra_args))
+        delta = counts_during(engine, lambda: _generate(engine, extra_args))
         assert delta["drafted"] > 10
         assert delta["weight_sum"] == pytest.approx(weight * delta["drafted"]), (extra_args, delta)
 
 
 def test_a_head_weighs_every_drafted_token(engine):
     outputs = []
-    delta = _status_delta(engine, lambda: outputs.extend(_generate(engine, {"diversed_head": HEAD})))
+    delta = counts_during(engine, lambda: outputs.extend(_generate(engine, {"diversed_head": HEAD})))
     assert delta["drafted"] > 10 and delta["verified_without_head"] == 0, delta
     mean_weight = delta["weight_sum"] / delta["drafted"]
     assert 0.0 < mean_weight < 1.0 and mean_weight != pytest.approx(ENGINE_WEIGHT), mean_weight
@@ -84,17 +78,17 @@ def test_a_head_weighs_every_drafted_token(engine):
 def test_fly_per_request_keeps_more_of_the_same_drafts(engine):
     """At w = 1 with the same seeds, FLy (window 1, threshold 0) keeps at least the drafts exact verification keeps;
     the greedy drafts and seeds make the two runs comparable request by request."""
-    exact = _status_delta(engine, lambda: _generate(engine, {"diversed_weight": 1.0}))
-    fly = _status_delta(engine, lambda: _generate(engine, {"diversed_weight": 1.0, "diversed_fly_window": 1,
+    exact = counts_during(engine, lambda: _generate(engine, {"diversed_weight": 1.0}))
+    fly = counts_during(engine, lambda: _generate(engine, {"diversed_weight": 1.0, "diversed_fly_window": 1,
                                                            "diversed_fly_threshold": 0.0}))
     assert exact["drafted"] > 10 and fly["drafted"] > 10
     assert fly["accepted"] / fly["drafted"] > exact["accepted"] / exact["drafted"], (exact, fly)
 
 
 def test_the_gate_per_request_keeps_more_and_every_draft_at_a_wide_margin(engine):
-    exact = _status_delta(engine, lambda: _generate(engine, {"diversed_weight": 1.0}))
-    gated = _status_delta(engine, lambda: _generate(engine, {"diversed_weight": 1.0, "diversed_gate_margin": 1.0}))
-    wide = _status_delta(engine, lambda: _generate(engine, {"diversed_weight": 1.0, "diversed_gate_margin": 1e6}))
+    exact = counts_during(engine, lambda: _generate(engine, {"diversed_weight": 1.0}))
+    gated = counts_during(engine, lambda: _generate(engine, {"diversed_weight": 1.0, "diversed_gate_margin": 1.0}))
+    wide = counts_during(engine, lambda: _generate(engine, {"diversed_weight": 1.0, "diversed_gate_margin": 1e6}))
     assert exact["drafted"] > 10 and gated["drafted"] > 10 and wide["drafted"] > 10
     assert gated["accepted"] / gated["drafted"] > exact["accepted"] / exact["drafted"], (exact, gated)
     assert wide["accepted"] == wide["drafted"], wide
