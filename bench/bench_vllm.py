@@ -215,8 +215,8 @@ def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
                              "their distributions")
     parser.add_argument("--max-draft", type=int, default=3, help="drafted tokens per step, K (default 3)")
     parser.add_argument("--draft-schedule", type=draft_schedule, metavar="FIRST[-LAST]:K,...",
-                        help="K by batch size (vLLM's num_speculative_tokens_per_batch_size), inclusive ranges of batch "
-                             "sizes from 1, each K at most --max-draft: 1:3,2-64:1 drafts 3 alone and 1 in a batch "
+                        help="K by batch size (vLLM's num_speculative_tokens_per_batch_size), inclusive ranges of "
+                             "batch sizes from 1, each K at most --max-draft: 1:3,2-64:1 drafts 3 alone, 1 in a batch "
                              "(default: --max-draft at every batch size)")
     parser.add_argument("--weight", type=float, default=0.5, help="w of the static row (default 0.5)")
     parser.add_argument("--rows", type=row_names, default=ROW_NAMES, metavar="NAME,...",

@@ -138,8 +138,8 @@ def sampled_at_once(llm, tokens: int, count: int, extra_args=None, prompt: int =
     summaries = [output.outputs[0].spec_decode_metrics for output in outputs]
     summaries = [summary.to_dict() if summary is not None else {"num_draft_tokens": 0, "num_spec_steps": 0}
                  for summary in summaries]
-    return [summary["num_draft_tokens"] for summary in summaries], [summary["num_spec_steps"] for summary in summaries], \
-        counts
+    drafted = [summary["num_draft_tokens"] for summary in summaries]
+    return drafted, [summary["num_spec_steps"] for summary in summaries], counts
 
 
 def acceptance(outputs) -> tuple[int, int]:

@@ -1,14 +1,15 @@
 """Draft lengths by batch size (speculative_config's ``num_speculative_tokens_per_batch_size``) with the plugin
 verifying, in a real V1 engine drafting with the trained EAGLE-3 drafter (``drafters.DRAFT_SCHEDULE``: a request alone
-drafts K = 3, two or three requests together draft 1 each, four or more nothing). A request alone drafts 3 a step, four together a
-fraction of that, and the plugin verifies every draft; w = 1 greedy still equals vLLM without speculation while a
-batch shrinks and its K grows; a head request still reads the drafter's hidden states at each K."""
+drafts K = 3, two or three requests together draft 1 each, four or more nothing). A request alone drafts 3 a step,
+eight together a fraction of what they draft alone, and the plugin verifies every draft; w = 1 greedy still equals
+vLLM without speculation while a batch shrinks and its K grows; a head request still reads the drafter's hidden
+states at each K."""
 
 from __future__ import annotations
 
 import pytest
 from drafters import start_scheduled_engine
-from engines import sampled_at_once, stop_engine, worker_status
+from engines import PROMPTS, sampled_at_once, stop_engine, worker_status
 from laws import greedy_tokens
 
 TOKENS = 24
@@ -34,12 +35,14 @@ def test_a_request_alone_drafts_three_per_step(engine):
     assert counts["drafted"] == sum(drafted), counts
 
 
-def test_four_requests_together_draft_a_fraction_of_what_they_draft_alone(engine):
-    """Together they draft nothing, but for the steps before the engine has admitted all four (it starts on the
-    first while the others arrive) and those after the first finish: a fraction of what each drafts alone."""
-    alone = sum(sampled_at_once(engine, TOKENS, 1, prompt=index)[0][0] for index in range(4))
-    drafted, _, counts = sampled_at_once(engine, TOKENS, 4)
-    print("four alone drafted", alone, "; together", drafted, counts)
+def test_eight_requests_together_draft_a_fraction_of_what_they_draft_alone(engine):
+    """Together they draft nothing but in the steps before the engine has admitted four of them (it may start on the
+    first while the others arrive) and after all but three have finished (they run in step, a token each, until
+    then): a fraction of what each drafts alone."""
+    count = len(PROMPTS)
+    alone = sum(sampled_at_once(engine, TOKENS, 1, prompt=index)[0][0] for index in range(count))
+    drafted, _, counts = sampled_at_once(engine, TOKENS, count)
+    print(count, "alone drafted", alone, "; together", drafted, counts)
     assert sum(drafted) < alone / 4, (drafted, alone)
     assert counts["drafted"] == sum(drafted), counts
 
