@@ -43,6 +43,7 @@ import json
 import math
 import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -240,12 +241,26 @@ def parse_args(argv: Optional[list] = None) -> argparse.Namespace:
         parser.error(f"--data {args.data}: no such file")
     if args.pair and not (args.pair / "target" / "config.json").is_file():
         parser.error(f"--pair {args.pair}: not a folder written by `diversed export-pair`")
+    if args.draft_schedule and max(draft for _, _, draft in args.draft_schedule) > args.max_draft:
+        parser.error(f"--draft-schedule drafts more than --max-draft {args.max_draft} (vLLM would cut it silently)")
     return args
+
+
+def check_schedule(schedule: Optional[list]) -> None:
+    """Exit naming what is wrong with --draft-schedule's ranges, by vLLM's own check, before an engine starts."""
+    if schedule:
+        from vllm.v1.spec_decode.dynamic.utils import validate_and_normalize_dynamic_sd_schedule
+
+        try:
+            validate_and_normalize_dynamic_sd_schedule(schedule)
+        except ValueError as error:
+            sys.exit(f"bench_vllm: --draft-schedule: {error}")
 
 
 def main(argv: Optional[list] = None) -> None:
     args = parse_args(argv)
     vllm = require_vllm("bench_vllm")
+    check_schedule(args.draft_schedule)
     from diversed_ext.models.export import PairExport, export_default_pair
 
     with tempfile.TemporaryDirectory() as scratch:
