@@ -132,8 +132,8 @@ def draft_schedule(text: str) -> list:
     schedule = []
     for item in text.split(","):
         sizes, _, draft = item.strip().partition(":")
-        first, _, last = sizes.partition("-")
-        numbers = (first, last if "-" in sizes else first, draft)
+        first, dash, last = sizes.partition("-")
+        numbers = (first, last if dash else first, draft)
         if not all(number.strip().isdigit() for number in numbers):
             raise argparse.ArgumentTypeError(f"{item.strip()!r} is not FIRST[-LAST]:K with whole numbers")
         schedule.append([int(number) for number in numbers])

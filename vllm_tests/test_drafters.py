@@ -82,7 +82,7 @@ def test_lookup_weights_gate_and_fly_raise_acceptance(lookup, request):
     half = counts_during(lookup, lambda: _sampled(lookup, {"diversed_weight": 0.5}))
     gated = counts_during(lookup, lambda: _sampled(lookup, {"diversed_weight": 1.0, "diversed_gate_margin": 1.0}))
     fly = counts_during(lookup, lambda: _sampled(lookup, {"diversed_weight": 1.0, "diversed_fly_window": 1,
-                                                   "diversed_fly_threshold": 0.0}))
+                                                          "diversed_fly_threshold": 0.0}))
     wide = counts_during(lookup, lambda: _sampled(lookup, {"diversed_weight": 1.0, "diversed_gate_margin": 1e6}))
     print("acceptance at w = 1, w = 0.5, gate margin 1, FLy, gate margin 1e6:", exact, half, gated, fly, wide)
     assert min(exact["drafted"], half["drafted"], gated["drafted"], fly["drafted"], wide["drafted"]) > 20

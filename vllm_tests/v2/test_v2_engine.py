@@ -80,7 +80,7 @@ def test_fly_per_request_keeps_more_of_the_same_drafts(engine):
     the greedy drafts and seeds make the two runs comparable request by request."""
     exact = counts_during(engine, lambda: _generate(engine, {"diversed_weight": 1.0}))
     fly = counts_during(engine, lambda: _generate(engine, {"diversed_weight": 1.0, "diversed_fly_window": 1,
-                                                           "diversed_fly_threshold": 0.0}))
+                                                          "diversed_fly_threshold": 0.0}))
     assert exact["drafted"] > 10 and fly["drafted"] > 10
     assert fly["accepted"] / fly["drafted"] > exact["accepted"] / exact["drafted"], (exact, fly)
 
