@@ -101,3 +101,20 @@ def test_the_documented_benchmark_parses(document, command, script, arguments, e
 def test_a_wrong_option_fails_the_check(bench_module):
     arguments = typed_arguments("--draft-length gain")  # the flag is --draft-lengths
     assert parse_outcome(bench_module("bench_e2e").parse_args, arguments)[1] == 2
+
+
+def test_bench_vllm_reads_a_draft_schedule_and_rows(bench_module):
+    parsed = bench_module("bench_vllm").parse_args(["--draft-schedule", "1:3, 2-64:1", "--rows", "vllm,head"])
+    assert parsed.draft_schedule == [[1, 1, 3], [2, 64, 1]] and parsed.rows == ("vllm", "head")
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (["--draft-schedule", "1:3,2-x:1"], "'2-x:1' is not FIRST[-LAST]:K"),
+    (["--draft-schedule", "1-:3"], "'1-:3' is not FIRST[-LAST]:K"),
+    (["--draft-schedule", "1"], "'1' is not FIRST[-LAST]:K"),
+    (["--draft-schedule", "1:4"], "drafts more than --max-draft 3"),
+    (["--rows", "heads"], "unknown row 'heads'"),
+])
+def test_bench_vllm_names_a_bad_schedule_or_row(bench_module, arguments, message):
+    _, exit_code, errors = parse_outcome(bench_module("bench_vllm").parse_args, arguments)
+    assert exit_code == 2 and message in errors, errors
