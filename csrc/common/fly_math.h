@@ -31,11 +31,12 @@ struct FlySettings {
   float threshold_value = 0.3f;
   int top_k = 3;  // in [1, kFlyMaxTopK]
 
-  // The window clamped into [0, K - 1] (only unchecked calls pass others): a window of K or more could never defer.
+  // The window, 0 (off) where outside [0, K - 1] (only unchecked calls pass such): a window of K or more never fits
+  // after a rejection, so it defers nothing, as off; clamping it to K - 1 would defer where the caller's window could
+  // not (vLLM's V1 step is as wide as its longest draft, narrower than a request's window when all drafts are short).
   DX_HD int64_t window_at(int64_t row, int64_t num_positions) const {
     const int64_t w = window ? window[row] : window_value;
-    const int64_t most = num_positions > 0 ? num_positions - 1 : 0;
-    return w < 0 ? 0 : (w > most ? most : w);
+    return w < 0 || w >= num_positions ? 0 : w;
   }
   DX_HD float threshold_at(int64_t row) const { return threshold ? threshold[row] : threshold_value; }
   // Whether any request of the call may defer, decided without reading device memory (the CUDA binding's choice of

@@ -40,8 +40,8 @@ def fly_arguments(fly_window, fly_threshold, fly_top_k, batch: int, num_position
                   check_inputs: bool) -> tuple:
     """The op's trailing FLy arguments (fly_window, fly_threshold, fly_window_value, fly_threshold_value, fly_top_k),
     or () when FLy is off for the whole call (a window of 0) with the other two at their defaults. Numbers are always
-    checked (no sync); tensor values, and a window's bound W < K, only with ``check_inputs`` (the kernels clamp the
-    window into [0, K - 1] otherwise)."""
+    checked (no sync); tensor values, and a window's bound W < K, only with ``check_inputs`` (otherwise the kernels
+    treat a window outside [0, K - 1] as 0: one of K or more never fits after a rejection)."""
     top_k = rules.fly_top_k(fly_top_k)
     window_t = threshold_t = None
     window_value, threshold_value = 0, rules.FLY_DEFAULT_THRESHOLD
@@ -119,11 +119,11 @@ def fly_deferred(native: torch.Tensor, deferrable: torch.Tensor, entropy: torch.
                  threshold: torch.Tensor, num_draft: torch.Tensor) -> torch.Tensor:
     """bool [B, K]: positions FLy accepts although the exact test rejected them. ``native`` [B, K] the exact tests
     (False past num_draft), ``deferrable`` [B, K] fly_deferrable's condition, ``entropy`` float64 [B, K], ``window``
-    int64 [B] (clamped into [0, K - 1] as the kernels clamp it), ``threshold`` float32 [B]. Equivalent to the kernels'
+    int64 [B] (0 where outside [0, K - 1], as in the kernels), ``threshold`` float32 [B]. Equivalent to the kernels'
     walk: a deferred position's window holds only exact passes, so the prefix rule over native | deferred is theirs."""
     batch, num_positions = native.shape
     positions = torch.arange(num_positions, device=native.device).unsqueeze(0)
-    window = window.clamp(0, max(num_positions - 1, 0)).unsqueeze(1)
+    window = torch.where((window < 0) | (window >= num_positions), 0, window).unsqueeze(1)
     counts = torch.cat([torch.zeros(batch, 1, dtype=torch.int64, device=native.device),
                         native.long().cumsum(1)], dim=1)  # counts[:, j]: passes among positions < j
     window_end = (positions + 1 + window).clamp(max=num_positions)

@@ -43,16 +43,38 @@ def test_bad_fly_settings_raise_naming_the_argument(problem, op, fly, error, wor
     assert words in str(raised.value)
 
 
-def test_a_window_of_k_or_more_is_clamped_without_checks(problem):
-    """Unchecked, W >= K and negative per-request windows reach the kernels, which clamp them into [0, K - 1] as the
-    references do."""
-    tokens, draft, target = problem
-    for window in (3, 100, torch.tensor([5, -3, 2, 9])):
-        kwargs = dict(seed=3, fly_window=window, fly_threshold=0.0, check_inputs=False)
-        result = dx.verify(tokens, draft, target, 0.5, **kwargs)
-        expected = dx.verify_reference(tokens, draft, target, 0.5, **kwargs)
-        assert torch.equal(result.tokens, expected.tokens)
-        assert torch.equal(result.num_accepted, expected.num_accepted)
+@pytest.fixture(scope="module")
+def two_drafts():
+    """K = 2, with uniforms (seed 1, w = 1) where a window of 1 defers the rejections of rows 0 and 3."""
+    tokens, draft, target, _ = fly_probs_case(batch=4, num_positions=2, vocab=16, seed=1)
+    return (tokens, draft, target, 1.0), dict(seed=1, fly_threshold=0.0, check_inputs=False)
+
+
+def test_a_window_of_k_or_more_defers_nothing_without_checks(two_drafts):
+    """Unchecked, W >= K and negative per-request windows reach the kernels, which treat them as 0 (off), as the
+    references do: a window of K or more never fits after a rejection, so a narrower call (vLLM's V1 step is as wide as
+    its longest draft) must not defer where a wider one could not (clamped to K - 1 = 1, it would)."""
+    problem, kwargs = two_drafts
+    off = dx.verify(*problem, **kwargs)
+    assert off.num_accepted.tolist() != dx.verify(*problem, fly_window=1, **kwargs).num_accepted.tolist()
+    for window in (2, 100, torch.tensor([5, -3, 2, 9])):
+        for verify in (dx.verify, dx.verify_reference):
+            result = verify(*problem, fly_window=window, **kwargs)
+            assert torch.equal(result.tokens, off.tokens), (verify.__name__, window)
+            assert torch.equal(result.num_accepted, off.num_accepted)
+
+
+def test_an_out_of_range_window_turns_off_only_its_own_row(two_drafts):
+    """Per-request windows [1, -1, 1, 2] with K = 2: rows 1 and 3 verify as FLy off, rows 0 and 2 as with a window of
+    1 for every request, in the kernels and the references alike."""
+    problem, kwargs = two_drafts
+    off = dx.verify(*problem, **kwargs)
+    on = dx.verify(*problem, fly_window=1, **kwargs)
+    for verify in (dx.verify, dx.verify_reference):
+        mixed = verify(*problem, fly_window=torch.tensor([1, -1, 1, 2]), **kwargs)
+        for row, expected in ((0, on), (1, off), (2, on), (3, off)):
+            assert torch.equal(mixed.tokens[row], expected.tokens[row]), (verify.__name__, row)
+    assert not torch.equal(on.tokens[3], off.tokens[3]), "row 3 should tell the two apart"
 
 
 def test_unchecked_poisoned_inputs_stay_in_range(device):
