@@ -94,6 +94,27 @@ def test_vllms_fly_becomes_the_ops_fly_on_top_of_the_weight():
     assert startup.check_engine(engine).fly == FlySettings(window=1)
 
 
+def test_the_exact_verifier_passes_vllms_own_sampling_settings(monkeypatch):
+    """verifier "vllm" on V1 calls vLLM's rejection_sample with its sampler's settings as vLLM's own forward does:
+    use_fp64_gumbel, and vLLM 0.33.0's FLy (set by its __init__ from rejection_sample_method "fly"), not dropped."""
+    import types
+
+    from diversed_ext.vllm_plugin import sampler as plugin_sampler
+
+    calls = []
+    monkeypatch.setattr(plugin_sampler.vllm_rejection, "rejection_sample",
+                        lambda *args, **kwargs: calls.append(kwargs) or "vLLM's tokens")
+    vllm_sampler = types.SimpleNamespace(logprobs_mode="raw_logprobs", use_fp64_gumbel=True)
+    exact = plugin_sampler.DiversedRejectionSampler(vllm_sampler).bind(None, "cpu", exact_vllm=True)
+    metadata = types.SimpleNamespace(draft_token_ids=None, num_draft_tokens=[1], max_spec_len=1,
+                                     cu_num_draft_tokens=None)
+    assert exact._accept(metadata, None, None, None, None) == "vLLM's tokens"
+    exact.fly_window_size, exact.fly_entropy_threshold, exact.fly_entropy_top_k = 2, 0.6, 4  # as 0.33.0's __init__
+    exact._accept(metadata, None, None, None, None)
+    assert calls == [dict(use_fp64_gumbel=True),
+                     dict(use_fp64_gumbel=True, fly_window_size=2, fly_entropy_threshold=0.6, fly_entropy_top_k=4)]
+
+
 def test_a_runner_the_plugin_did_not_hook_is_refused():
     import types
 

@@ -43,6 +43,9 @@ from .counts import VerifyCounts
 
 PLACEHOLDER_TOKEN_ID = -1  # vLLM's marker for "no token here" in the [B, K + 1] output
 SEED_HIGH = 2**62  # per-step seeds are drawn from [0, SEED_HIGH): inside the ops' int64 seed range
+# What vLLM's own forward passes rejection_sample of its sampler's settings, where the release has them (FLy's from
+# 0.33.0): the exact verifier passes the same, so vLLM's FLy is not dropped with verifier "vllm"
+VLLM_SAMPLE_SETTINGS = ("use_fp64_gumbel", "fly_window_size", "fly_entropy_threshold", "fly_entropy_top_k")
 # A request with no drafts this step still gets a row; its verification is skipped by num_draft = 0.
 
 
@@ -240,7 +243,8 @@ class DiversedRejectionSampler(vllm_rejection.RejectionSampler):
         if self.exact_vllm:
             return vllm_rejection.rejection_sample(
                 metadata.draft_token_ids, metadata.num_draft_tokens, metadata.max_spec_len,
-                metadata.cu_num_draft_tokens, draft_probs, target_logits, bonus_token_ids, sampling_metadata)
+                metadata.cu_num_draft_tokens, draft_probs, target_logits, bonus_token_ids, sampling_metadata,
+                **{name: getattr(self, name) for name in VLLM_SAMPLE_SETTINGS if hasattr(self, name)})
         rows = PaddedRows(metadata.num_draft_tokens, metadata.cu_num_draft_tokens, metadata.max_spec_len)
         device = target_logits.device
         if rows.width == 0 or target_logits.shape[0] == 0:  # no drafts anywhere: every request emits its bonus
