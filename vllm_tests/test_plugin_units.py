@@ -94,11 +94,31 @@ def test_vllms_fly_becomes_the_ops_fly_on_top_of_the_weight():
     assert startup.check_engine(engine).fly == FlySettings(window=1)
 
 
+def test_a_greedy_requests_drafts_are_tokens_whatever_its_neighbours():
+    """With probabilistic drafts vLLM hands the draft's probabilities only when some request samples: a greedy request
+    is verified with q one-hot at its draft either way. The case tells the rules apart: at w = 0.4 the draft (q 0.6,
+    p 0.1) is the argmax of nu with q one-hot (0.64 against 0.48), not with q itself (0.40 against 0.44)."""
+    from diversed_ext.vllm_plugin.sampler import verify_in_place
+
+    target_logits = torch.tensor([[0.8, 0.1, 0.05, 0.05], [0.25, 0.25, 0.25, 0.25]]).log()
+    draft_probs = torch.tensor([[0.2, 0.6, 0.2, 0.0], [0.25, 0.25, 0.25, 0.25]])
+    draft_ids, weight, greedy = torch.tensor([1, 0]), torch.tensor([0.4, 0.4]), torch.tensor([True, False])
+    mixed = PaddedRows([1, 1], torch.tensor([1, 2]), 1)
+
+    def verify(any_greedy: bool):
+        return verify_in_place(mixed, draft_ids, draft_probs, target_logits, weight, greedy, torch.tensor([1, 2]), {},
+                               any_greedy=any_greedy)
+
+    alone = verify_in_place(PaddedRows([1], torch.tensor([1]), 1), draft_ids[:1], None, target_logits[:1],
+                            weight[:1], greedy[:1], torch.tensor([1]), {})
+    assert alone.num_accepted.tolist() == [1]
+    assert verify(any_greedy=True).tokens[0].tolist() == alone.tokens[0].tolist()
+    assert verify(any_greedy=False).num_accepted[0] == 0  # q read as given would reject it
+
+
 def test_the_exact_verifier_passes_vllms_own_sampling_settings(monkeypatch):
     """verifier "vllm" on V1 calls vLLM's rejection_sample with its sampler's settings as vLLM's own forward does:
     use_fp64_gumbel, and vLLM 0.33.0's FLy (set by its __init__ from rejection_sample_method "fly"), not dropped."""
-    import types
-
     from diversed_ext.vllm_plugin import sampler as plugin_sampler
 
     calls = []

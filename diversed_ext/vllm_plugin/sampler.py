@@ -23,7 +23,8 @@ step of vLLM's own that is not the acceptance rule:
 
 Target rows reach the verifier already divided by the request's temperature, so sampled rows are verified at
 temperature 1; greedy rows (temperature 0 in vLLM) are verified greedily: they keep a draft while it is the argmax of
-nu, which is the target's argmax only at w = 1.
+nu, which is the target's argmax only at w = 1, with q one-hot at the drafted token (vLLM gives a batch of greedy
+requests alone no draft distributions; a greedy request among sampled ones is verified alike).
 """
 
 from __future__ import annotations
@@ -119,12 +120,25 @@ def row_seeds(sampling_metadata, num_draft_tokens: list, device) -> torch.Tensor
     return seeds
 
 
+def greedy_drafts_as_tokens(draft_probs: torch.Tensor, draft_token_ids: torch.Tensor, greedy: torch.Tensor,
+                            rows: PaddedRows) -> torch.Tensor:
+    """The [N, V] draft distributions with each greedy request's rows one-hot at its drafted token. vLLM hands no
+    distributions for a batch of greedy requests alone, whose drafts are then verified as tokens; a greedy request
+    among sampled ones is verified the same way, so its tokens do not depend on its neighbours. (An id outside the
+    vocabulary, vLLM's -1, is rejected by the op whatever its row holds.)"""
+    greedy_rows = torch.repeat_interleave(greedy, rows.num_draft, output_size=draft_token_ids.shape[0])
+    ids = draft_token_ids.to(torch.int64).clamp(0, draft_probs.shape[-1] - 1)
+    one_hot = torch.zeros_like(draft_probs).scatter_(1, ids[:, None], 1.0)
+    return torch.where(greedy_rows[:, None], one_hot, draft_probs)
+
+
 def verify_in_place(rows: PaddedRows, draft_token_ids: torch.Tensor, draft_probs: Optional[torch.Tensor],
                     target_logits: torch.Tensor, weight: torch.Tensor, greedy: torch.Tensor,
-                    seeds: torch.Tensor, fly: dict) -> dx_ops.VerifyResult:
+                    seeds: torch.Tensor, fly: dict, any_greedy: bool = False) -> dx_ops.VerifyResult:
     """One diversed_ext call that reads vLLM's [N, V] rows where they lie. The target's bonus position reads any row:
     the bonus comes from vLLM's sampler. With the draft's probabilities the target is needed as probabilities too: one
-    softmax of the N rows, as vLLM's own rejection sampling computes."""
+    softmax of the N rows, as vLLM's own rejection sampling computes. ``any_greedy`` (a host flag): whether any
+    request is greedy, whose rows of the draft's distributions are then made one-hot."""
     drafts = rows.gather(draft_token_ids.to(torch.int64))
     target_rows = torch.cat([rows.index, rows.index[:, :1]], dim=1)
     if draft_probs is None:
@@ -132,7 +146,10 @@ def verify_in_place(rows: PaddedRows, draft_token_ids: torch.Tensor, draft_probs
         return dx_ops.verify_logits(drafts, None, target_logits, weight, temperature=temperature,
                                     num_draft=rows.num_draft, seed=seeds, target_rows=target_rows,
                                     check_inputs=False, **fly)
-    return dx_ops.verify(drafts, draft_probs.to(torch.float32), target_logits.softmax(-1), weight,
+    draft_probs = draft_probs.to(torch.float32)
+    if any_greedy:
+        draft_probs = greedy_drafts_as_tokens(draft_probs, draft_token_ids, greedy, rows)
+    return dx_ops.verify(drafts, draft_probs, target_logits.softmax(-1), weight,
                          num_draft=rows.num_draft, greedy=greedy, seed=seeds, target_rows=target_rows,
                          draft_rows=rows.index, check_inputs=False, **fly)
 
@@ -258,6 +275,6 @@ class DiversedRejectionSampler(vllm_rejection.RejectionSampler):
             weight = gated(weight, gate_keeps_requests(rows, *gate, greedy, metadata, draft_probs, target_logits))
         result = verify_in_place(rows, metadata.draft_token_ids, draft_probs, target_logits, weight, greedy,
                                  row_seeds(sampling_metadata, metadata.num_draft_tokens, device),
-                                 self.weight_source.fly())
+                                 self.weight_source.fly(), any_greedy=not sampling_metadata.all_random)
         self.counts.add(rows.num_draft, result.num_accepted, weight)
         return vllm_layout(result, rows, bonus_token_ids)
