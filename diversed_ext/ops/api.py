@@ -319,7 +319,7 @@ def mixture_divergence(draft_logits, target_logits, *, temperature=1.0, grid_poi
 
     Args:
         draft_logits: [B, T, V] draft logits; -inf rules a token out.
-        target_logits: [B, T, V] target logits, of the same dtype (float32, float64, bfloat16 or float16) and device.
+        target_logits: [B, T, V] target logits, of the same dtype (float32, bfloat16 or float16) and device.
         temperature: float or [B]; 0 counts as 1.
         grid_points: G, an int in [2, 1025] (17 gives w = 0, 1/16, ..., 1).
         log_floor: log p is floored at this many nats (finite), so mass the draft puts on a token the target rules
