@@ -1,8 +1,9 @@
 // The CPU kernel behind check_inputs=True: one pass over every row of a probability or logit tensor that records what
 // is wrong with the row, so the Python checks read each value once, natively, and synchronise once.
 //
-// A row's flags (the bits of kValueFlag*): a NaN, a negative entry, a +inf entry, and no usable entry at all (no
-// positive probability; for logits, nothing above -inf). The flags state facts; which of them is an error (a negative
+// A row's flags (the bits of kValueFlag*): a NaN, a negative entry, a +inf entry, no usable entry at all (no
+// positive probability; for logits, nothing above -inf), and, for probabilities, none in the verifier's target support
+// (at or above kMinTargetMass). The flags state facts; which of them is an error (a negative
 // logit is fine) is the caller's rule.
 #pragma once
 
@@ -49,8 +50,11 @@ int32_t row_value_flags(const T* row, int64_t vocab, bool from_logits) {
     row_largest = x > row_largest ? x : row_largest;
   }
   const bool no_mass = from_logits ? !(row_largest > -INFINITY) : !(row_largest > 0.f);
+  // As a target row, nothing in the verifier's support (verify_math.h): no token it may emit.
+  const bool no_target_mass = !from_logits && !(row_largest >= kMinTargetMass);
   return (has_nan ? kValueFlagNan : 0) | (has_negative ? kValueFlagNegative : 0) |
-         (has_infinity ? kValueFlagPositiveInfinity : 0) | (no_mass ? kValueFlagNoMass : 0);
+         (has_infinity ? kValueFlagPositiveInfinity : 0) | (no_mass ? kValueFlagNoMass : 0) |
+         (no_target_mass ? kValueFlagNoTargetMass : 0);
 }
 
 // flags [rows] of values [rows, vocab], rows spread over threads (a task reads at least kMinTaskElements values).

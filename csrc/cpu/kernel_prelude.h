@@ -30,6 +30,7 @@ constexpr int32_t kValueFlagNan = 1;
 constexpr int32_t kValueFlagNegative = 2;
 constexpr int32_t kValueFlagPositiveInfinity = 4;
 constexpr int32_t kValueFlagNoMass = 8;
+constexpr int32_t kValueFlagNoTargetMass = 16;  // probabilities: nothing at or above kMinTargetMass
 
 }  // namespace cpu
 }  // namespace diversed

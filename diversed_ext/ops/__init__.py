@@ -24,8 +24,9 @@ from ._philox import philox_uniforms
 from ._rows import position_rows
 from .api import (TokenStats, VerifyResult, distribution_features, mix, mixture_divergence, token_stats, verify,
                   verify_logits)
-from .reference import (MIN_TARGET_MASS, distribution_features_reference, mix_reference, mixture_divergence_reference,
-                        target_forbids, token_stats_reference, verify_logits_reference, verify_reference)
+from ._values import MIN_TARGET_MASS
+from .reference import (distribution_features_reference, mix_reference, mixture_divergence_reference, target_forbids,
+                        token_stats_reference, verify_logits_reference, verify_reference)
 
 __all__ = [
     "verify", "verify_logits", "token_stats", "mix", "distribution_features", "mixture_divergence",

@@ -22,13 +22,15 @@ import torch
 
 from ._inputs import (TOKEN_DTYPES, check_distributions, check_value_dtype, require_device, require_rank,
                       require_tensor)
-from ._values import (FLAG_NAN, FLAG_NEGATIVE, FLAG_NO_MASS, FLAG_POSITIVE_INFINITY, LOGIT_ERRORS,
-                      PROBABILITY_ERRORS, check_probability_positions, check_values, read_positions, row_value_flags)
+from ._values import (FLAG_NAN, FLAG_NEGATIVE, FLAG_NO_MASS, FLAG_NO_TARGET_MASS, FLAG_POSITIVE_INFINITY, LOGIT_ERRORS,
+                      NO_MASS, PROBABILITY_ERRORS, check_probability_positions, check_values, mass_flag,
+                      read_positions, row_value_flags)
 
 # The first flag of a row read through an index, worded; in the order the checks before a call raise them.
 _PROBABILITY_MESSAGES = ((FLAG_NAN, "contains NaN"), (FLAG_NEGATIVE, "contains negative probabilities"),
                          (FLAG_POSITIVE_INFINITY, "contains infinite values"),
-                         (FLAG_NO_MASS, "has no probability mass (all zeros)"))
+                         (FLAG_NO_MASS, f"has {NO_MASS[FLAG_NO_MASS]}"),
+                         (FLAG_NO_TARGET_MASS, f"has {NO_MASS[FLAG_NO_TARGET_MASS]}"))
 _LOGIT_MESSAGES = ((FLAG_NAN, "contains NaN"), (FLAG_POSITIVE_INFINITY, "contains +inf"),
                    (FLAG_NO_MASS, "has logits that are all -inf (no token is possible)"))
 
@@ -112,12 +114,12 @@ def check_row_indices(rows: Optional[torch.Tensor], name: str, row_count: int, v
 
 
 def check_indexed_values(values: torch.Tensor, rows: torch.Tensor, read: torch.Tensor, name: str,
-                         from_logits: bool) -> None:
+                         from_logits: bool, no_mass: int = FLAG_NO_MASS) -> None:
     """The value checks of the rows a call reads through an index (indices already in range): one pass over the row
-    tensor, one host read when nothing is wrong."""
+    tensor, one host read when nothing is wrong. ``no_mass``: the flag of a probability row without the mass needed."""
     if rows.numel() == 0 or values.numel() == 0:
         return
-    errors_mask = LOGIT_ERRORS if from_logits else PROBABILITY_ERRORS | FLAG_NO_MASS
+    errors_mask = LOGIT_ERRORS if from_logits else PROBABILITY_ERRORS | no_mass
     flags = row_value_flags(values, from_logits)[rows.clamp(0, values.shape[0] - 1)]
     errors = torch.where(read, flags & errors_mask, 0)
     if not bool(errors.any()):
@@ -140,7 +142,7 @@ def check_row_values(draft: Optional[torch.Tensor], target: torch.Tensor, draft_
             continue
         if rows is not None:
             read = read_positions(num_draft, batch, num_positions, last_offset, values.device)
-            check_indexed_values(values, rows, read, name, from_logits)
+            check_indexed_values(values, rows, read, name, from_logits, mass_flag(last_offset))
         elif from_logits:
             check_values(values, name, from_logits=True)
         else:

@@ -14,11 +14,19 @@ import torch
 
 from . import _fake  # noqa: F401  (loads the library with diversed::value_flags)
 
+# The target's support (csrc/common/verify_math.h: kMinTargetMass, which says why this value): a target probability
+# below it counts as zero in the verify ops. A hard constraint of a server (bad words, allowed token ids, a -inf or
+# -100 logit bias, min_tokens) reaches the verifier only as such a probability, and must hold whatever the weight.
+MIN_TARGET_MASS = 2.0 ** -64
+
 # The bits of diversed::value_flags, per row (csrc/cpu/kernel_prelude.h sets the same ones).
 FLAG_NAN = 1
 FLAG_NEGATIVE = 2
 FLAG_POSITIVE_INFINITY = 4
 FLAG_NO_MASS = 8  # no positive probability; for logits, no entry above -inf
+FLAG_NO_TARGET_MASS = 16  # probabilities only: none at or above MIN_TARGET_MASS, so none the verifier may emit
+NO_MASS = {FLAG_NO_MASS: "no probability mass (all zeros)",
+           FLAG_NO_TARGET_MASS: "no probability mass (nothing at or above 2^-64)"}
 PROBABILITY_ERRORS = FLAG_NAN | FLAG_NEGATIVE | FLAG_POSITIVE_INFINITY
 LOGIT_ERRORS = FLAG_NAN | FLAG_POSITIVE_INFINITY | FLAG_NO_MASS
 
@@ -39,7 +47,8 @@ def row_value_flags(tensor: torch.Tensor, from_logits: bool) -> torch.Tensor:
     bits = torch.isnan(tensor).any(-1).int() * FLAG_NAN + (tensor == float("inf")).any(-1).int() * FLAG_POSITIVE_INFINITY
     if from_logits:
         return bits + (~(tensor > float("-inf")).any(-1)).int() * FLAG_NO_MASS
-    return bits + (tensor < 0).any(-1).int() * FLAG_NEGATIVE + (~(tensor > 0).any(-1)).int() * FLAG_NO_MASS
+    bits = bits + (tensor < 0).any(-1).int() * FLAG_NEGATIVE + (~(tensor > 0).any(-1)).int() * FLAG_NO_MASS
+    return bits + (~(tensor >= MIN_TARGET_MASS).any(-1)).int() * FLAG_NO_TARGET_MASS
 
 
 def _raise_first(name: str, flags: int, messages) -> None:
@@ -55,15 +64,16 @@ def _raise_probability_error(tensor: torch.Tensor, name: str, flags: int) -> Non
                                (FLAG_POSITIVE_INFINITY, "contains infinite values")))
 
 
-def _first_empty_row(empty: torch.Tensor, name: str) -> None:
+def _first_empty_row(empty: torch.Tensor, name: str, mass_flag: int) -> None:
     if bool(empty.any()):
         batch_index, position = (int(index) for index in empty.nonzero()[0])
-        raise ValueError(f"{name} has a row with no probability mass (all zeros) at [{batch_index}, {position}]")
+        raise ValueError(f"{name} has a row with {NO_MASS[mass_flag]} at [{batch_index}, {position}]")
 
 
 def _or_reduce(flags: torch.Tensor) -> int:
     """The or of every row's flags (4 bits: whether any row has each), for the error message of a failed check."""
-    bits = torch.tensor([FLAG_NAN, FLAG_NEGATIVE, FLAG_POSITIVE_INFINITY, FLAG_NO_MASS], dtype=flags.dtype)
+    bits = torch.tensor([FLAG_NAN, FLAG_NEGATIVE, FLAG_POSITIVE_INFINITY, FLAG_NO_MASS, FLAG_NO_TARGET_MASS],
+                        dtype=flags.dtype)
     return int(((flags.reshape(-1, 1) & bits) != 0).any(0).mul(bits).sum())
 
 
@@ -100,12 +110,19 @@ def read_positions(num_draft: Optional[torch.Tensor], batch: int, num_positions:
 def check_verify_probabilities(draft: Optional[torch.Tensor], target: torch.Tensor,
                                num_draft: Optional[torch.Tensor], draft_name: str, target_name: str) -> None:
     """The value checks of verify's probabilities, and every row the verifier reads needs some mass: draft rows
-    k < num_draft[b] (q at a rejection) and target rows k <= num_draft[b]. Rows past them are never read, so a server
-    may leave them as zero padding. One pass over each tensor; a draft of None (tokens only) has nothing to check."""
+    k < num_draft[b] (q at a rejection; positive) and target rows k <= num_draft[b] (some at or above MIN_TARGET_MASS,
+    or the verifier has no token to emit). Rows past them are never read, so a server may leave them as zero padding.
+    One pass over each tensor; a draft of None (tokens only) has nothing to check."""
     num_positions = target.shape[1] - 1
     for tensor, name, last_offset in ((draft, draft_name, 0), (target, target_name, 1)):
         if tensor is not None:
             check_probability_positions(tensor, name, num_draft, num_positions, last_offset)
+
+
+def mass_flag(last_offset: int) -> int:
+    """The flag of a row without the mass the verifier needs: a target row's (``last_offset`` 1, with the bonus row)
+    or a draft row's (0)."""
+    return FLAG_NO_TARGET_MASS if last_offset else FLAG_NO_MASS
 
 
 def check_probability_positions(tensor: torch.Tensor, name: str, num_draft: Optional[torch.Tensor],
@@ -117,18 +134,21 @@ def check_probability_positions(tensor: torch.Tensor, name: str, num_draft: Opti
     def read_rows() -> torch.Tensor:
         return read_positions(num_draft, tensor.shape[0], num_positions, last_offset, tensor.device)
 
+    no_mass = mass_flag(last_offset)
     flags = _native_flags(tensor, from_logits=False)
     if flags is None:
-        _first_empty_row((_probability_row_maxima(tensor, name) == 0) & read_rows(), name)
+        row_max = _probability_row_maxima(tensor, name)
+        empty = row_max < MIN_TARGET_MASS if no_mass == FLAG_NO_TARGET_MASS else row_max == 0
+        _first_empty_row(empty & read_rows(), name, no_mass)
         return
     # Nothing flagged, the common case, costs one host read. Only a flagged tensor needs the rows the verifier
     # reads: the no-mass bit counts on those rows alone (padding past num_draft may be all zeros).
     if not bool(flags.any()):
         return
-    relevant = (flags & PROBABILITY_ERRORS) | torch.where(read_rows(), flags & FLAG_NO_MASS, 0)
+    relevant = (flags & PROBABILITY_ERRORS) | torch.where(read_rows(), flags & no_mass, 0)
     if bool(relevant.any()):
         _raise_probability_error(tensor, name, _or_reduce(relevant))
-        _first_empty_row((relevant & FLAG_NO_MASS) != 0, name)
+        _first_empty_row((relevant & no_mass) != 0, name, no_mass)
 
 
 def check_token_ids(draft_tokens: torch.Tensor, num_draft: Optional[torch.Tensor], vocab: int) -> None:

@@ -22,16 +22,12 @@ from ._philox import philox_uniforms
 from ._prepare import prepare_verify
 from ._rows import gather_rows
 from ._temperature import distribution_temperature, is_greedy_temperature, temperature_tensor
+from ._values import MIN_TARGET_MASS
 from .api import TokenStats, VerifyResult
 
 FLOAT32_MAX = torch.finfo(torch.float32).max
+LARGEST_UNIFORM = 1.0 - 2.0 ** -53  # the largest double below 1: where the kernels clamp a uniform of 1 or more
 LOG_FLOOR = -1e4  # 0 * log 0 is taken as 0: a ruled-out token's -inf log probability is floored before the product
-
-# The target's support (csrc/common/verify_math.h: kMinTargetMass, which says why this value): a target probability
-# below it counts as zero in the verify ops. A hard constraint of a server (bad words, allowed token ids, a -inf or
-# -100 logit bias, min_tokens) reaches the verifier only as such a probability, and must hold whatever the weight.
-MIN_TARGET_MASS = 2.0 ** -64
-
 
 def target_forbids(target_probs: torch.Tensor) -> torch.Tensor:
     """bool, like ``target_probs``: where the target forbids a token (probability below MIN_TARGET_MASS, or NaN). The
@@ -175,7 +171,15 @@ def _reference_arguments(tensors: tuple, options: dict, names: tuple, fly: tuple
     fly_t = _fly_of(args, fly, options["check_inputs"])
     if args.uniforms is None:
         args.uniforms = philox_uniforms(args.seeds, args.offset, args.draft_tokens.shape[1] + 1, args.per_row_seed)
+    args.uniforms = sanitized_uniforms(args.uniforms)
     return args, fly_t
+
+
+def sanitized_uniforms(uniforms: torch.Tensor) -> torch.Tensor:
+    """float64 uniforms clamped into [0, 1), NaN as 0: the kernels' rule (sanitize_uniform) for values only unchecked
+    calls pass."""
+    uniforms = uniforms.double()
+    return torch.where(uniforms >= 0.0, uniforms, 0.0).clamp(max=LARGEST_UNIFORM)
 
 
 def verify_reference(draft_tokens, draft_probs, target_probs, weight, *, num_draft=None, greedy=None, uniforms=None,

@@ -38,8 +38,7 @@ import torch
 
 from ..decoding.typical import Typical, typical_threshold
 from ..head import distribution_features, wants_distributions
-from ..ops import distribution_temperature
-from ..ops.reference import MIN_TARGET_MASS
+from ..ops import MIN_TARGET_MASS, distribution_temperature
 
 KINDS = ("exact", "static", "gate", "typical")
 

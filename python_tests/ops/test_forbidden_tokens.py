@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import diversed_ext as dx
-from diversed_ext.ops.reference import MIN_TARGET_MASS
+from diversed_ext.ops import MIN_TARGET_MASS
 from helpers import (DTYPES, FORBIDDEN_FORMS, assert_keeps_constraints, assert_same, assert_verify_close,
                      forbidden_case, on_device)
 

@@ -13,10 +13,12 @@ BUILDS = ["default", "avx2", "baseline"]
 def expected_flags(values: torch.Tensor, from_logits: bool) -> torch.Tensor:
     values = values.double()
     no_mass = ~(values > float("-inf")).any(-1) if from_logits else ~(values > 0).any(-1)  # NaN compares false
+    no_target_mass = torch.zeros_like(no_mass) if from_logits else ~(values >= _values.MIN_TARGET_MASS).any(-1)
     return (torch.isnan(values).any(-1).int() * _values.FLAG_NAN
             + (values < 0).any(-1).int() * _values.FLAG_NEGATIVE
             + (values == float("inf")).any(-1).int() * _values.FLAG_POSITIVE_INFINITY
-            + no_mass.int() * _values.FLAG_NO_MASS)
+            + no_mass.int() * _values.FLAG_NO_MASS
+            + no_target_mass.int() * _values.FLAG_NO_TARGET_MASS)
 
 
 def spoiled_rows(vocab: int, dtype: torch.dtype, from_logits: bool) -> torch.Tensor:
@@ -31,6 +33,10 @@ def spoiled_rows(vocab: int, dtype: torch.dtype, from_logits: bool) -> torch.Ten
             rows.append(row)
     rows.append(torch.zeros(1, vocab))
     rows.append(torch.full((1, vocab), float("-inf")))
+    rows.append(torch.full((1, vocab), 2.0 ** -70))  # positive, all below the target's support
+    at_support = torch.zeros(1, vocab)
+    at_support[0, vocab // 2] = 2.0 ** -64  # exactly at it: in the support
+    rows.append(at_support)
     both = good.clone()
     both[0, 0], both[0, -1] = float("nan"), float("inf")
     rows.append(both)
@@ -56,7 +62,8 @@ def test_leading_dimensions_empty_inputs_and_bad_arguments():
     flags = torch.ops.diversed.value_flags(values, False)
     assert flags.shape == (2, 3) and int(flags[1, 2]) == _values.FLAG_NAN and int(flags.sum()) == _values.FLAG_NAN
     assert torch.ops.diversed.value_flags(torch.rand(0, 4, 9), False).shape == (0, 4)
-    assert torch.equal(torch.ops.diversed.value_flags(torch.rand(3, 0), False), torch.full((3,), _values.FLAG_NO_MASS,
+    no_mass = _values.FLAG_NO_MASS | _values.FLAG_NO_TARGET_MASS
+    assert torch.equal(torch.ops.diversed.value_flags(torch.rand(3, 0), False), torch.full((3,), no_mass,
                                                                                           dtype=torch.int32))
     strided = torch.rand(4, 10)[:, ::2]
     assert torch.equal(torch.ops.diversed.value_flags(strided, False), expected_flags(strided, False))

@@ -225,6 +225,18 @@ def test_checks_read_only_the_rows_read(logits):
         op(tokens, draft, target, weight, **rows, **common)
 
 
+def test_a_target_row_read_needs_mass_in_the_support():
+    """A target row read in place whose entries are all positive but below 2^-64 leaves the verifier no token it may
+    emit: refused, naming the row; a draft row of such values is a distribution and passes."""
+    tokens, draft, target, weight, rows, common = rows_case(5, 3, 40, logits=False, seed=9)
+    draft[int(rows["draft_rows"][rows["draft_rows"] >= 0][0])] = 2.0 ** -70
+    dx.verify(tokens, draft, target, weight, **rows, **common)
+    read_row = int(rows["target_rows"][rows["target_rows"] >= 0][0])
+    target[read_row] = 2.0 ** -70
+    with pytest.raises(ValueError, match=rf"target_probs row {read_row} .* has no probability mass \(nothing at"):
+        dx.verify(tokens, draft, target, weight, **rows, **common)
+
+
 @pytest.mark.parametrize("logits", [False, True])
 def test_garbage_indices_without_checks_are_clamped(logits, device):
     """check_inputs=False: indices anywhere in int64 read rows clamped into [0, R), as the reference clamps them;
