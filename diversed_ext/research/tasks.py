@@ -244,14 +244,12 @@ class Task:
     prompt: Callable[[dict], str]
     reward: Callable[[Any, str], float]
     metric: str  # name of the reward in tables
-    default_data: Optional[str] = None  # where the data live when --data is not given (None: required); a relative
-    # path is taken from the current directory, so from the checkout the shared data folder beside it is found
+    default_data: Optional[str] = None  # what --data means when not given (None: it is required)
     chat: bool = True  # False: prompts are plain text even where the tokenizer has a chat template (completion tasks)
 
 
 TASKS: dict[str, Task] = {
-    "gsm8k": Task("gsm8k", load_gsm8k, gsm8k_prompt, gsm8k_exact_match, "exact_match",
-                  os.path.join("..", "shared", "data", "gsm8k", "test.jsonl")),
+    "gsm8k": Task("gsm8k", load_gsm8k, gsm8k_prompt, gsm8k_exact_match, "exact_match"),
     "humaneval": Task("humaneval", load_humaneval, humaneval_prompt, humaneval_pass, "pass@1"),
     "rouge": Task("rouge", lambda path, limit=None: load_prompts(path, limit, ("prompt", "reference")),
                   lambda example: example["prompt"],
