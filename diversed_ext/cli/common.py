@@ -227,6 +227,25 @@ def eagle_drafter_asked(drafter: Optional[str], drafter_path: Optional[str]) -> 
     return drafter in EAGLE_DRAFTERS or drafter_path is not None
 
 
+def pair_names(args) -> dict:
+    """The names of the models a run uses, as a head trained on them records them (head.json's ``pair``) and as a
+    head loaded for them is checked against: the default pair's target, and its int8 draft or the EAGLE-3 head's
+    folder name; a model named on the command line is left out (its name says nothing a head could check)."""
+    from ..models import DEFAULT_PAIR
+    from ..models.eagle3 import default_drafter_path
+
+    if args.target is not None:
+        return {}
+    names = {"target": DEFAULT_PAIR["target"]}
+    if args.drafter_path is not None:
+        names["draft"] = os.path.basename(os.path.normpath(args.drafter_path))
+    elif args.drafter in EAGLE_DRAFTERS:
+        names["draft"] = default_drafter_path().name
+    elif args.draft is None:
+        names["draft"] = DEFAULT_PAIR["draft"]
+    return names
+
+
 def load_models(target: Optional[str], draft: Optional[str], device: str = "cpu", *, drafter: Optional[str] = None,
                 drafter_path: Optional[str] = None):
     """(target, draft, tokenizer): the default pair, or the pair named on the command line, on ``device``. With
@@ -301,14 +320,15 @@ def _load_pair(target: Optional[str], draft: Optional[str], device: str):
 
 
 def check_head_arguments(paths, args) -> None:
-    """Each --head in ``paths`` read before any model loads (its folder, config and weights; its sizes are checked
-    against the pair once loaded), so a mistake in one costs no model load: a one-line error naming it."""
+    """Each --head in ``paths`` read before any model loads (its folder, config and weights, and the pair it was
+    trained for against this run's: a head of the int8 draft refused with an EAGLE-3 drafter, and the reverse; its
+    sizes are checked once the models load), so a mistake in one costs no model load: a one-line error naming it."""
     eagle3_drafter = eagle_drafter_asked(getattr(args, "drafter", None), getattr(args, "drafter_path", None))
     for path in paths:
         if not os.path.exists(resolve_head_path(path, eagle3_drafter=eagle3_drafter)):
             raise UsageError(f"--head {path}: no such head folder, and no shipped head of that name "
                              f"({', '.join(['default', *shipped_heads()])})")
-        _read_head(path, eagle3_drafter=eagle3_drafter)
+        _read_head(path, eagle3_drafter=eagle3_drafter, pair=pair_names(args))
 
 
 def _load_head(path: str, target, draft):

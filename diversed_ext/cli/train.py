@@ -12,9 +12,8 @@ import argparse
 import os
 from pathlib import Path
 
-from .common import (EAGLE_DRAFTERS, UsageError, _add_model_arguments, _non_negative_float, _non_negative_int,
-                     _positive_float, _positive_int, _weight_of_untrained_head, eagle_drafter_asked,
-                     library_defaults)
+from .common import (UsageError, _add_model_arguments, _non_negative_float, _non_negative_int, _positive_float,
+                     _positive_int, _weight_of_untrained_head, eagle_drafter_asked, library_defaults, pair_names)
 from .experiments import _add_task_arguments, _experiment_setup
 
 # Options of a run that do not change the head it trains, so a recipe leaves them out; and a folder of this machine
@@ -164,18 +163,6 @@ def with_recipe(parser: argparse.ArgumentParser, argv: list, args):
     return merged
 
 
-def _default_pair(args) -> dict:
-    """The pair a head trained on the default pair records: its draft model, or the EAGLE-3 head's folder name."""
-    from ..models import DEFAULT_PAIR
-    from ..models.eagle3 import default_drafter_path
-
-    if args.drafter_path is not None:
-        return {**DEFAULT_PAIR, "draft": os.path.basename(os.path.normpath(args.drafter_path))}
-    if args.drafter in EAGLE_DRAFTERS:
-        return {**DEFAULT_PAIR, "draft": default_drafter_path().name}
-    return dict(DEFAULT_PAIR)
-
-
 def run_train(args) -> int:
     from ..research.checkpoints import CheckpointError
     from ..research.objective import check_kl_options
@@ -210,7 +197,7 @@ def run_train(args) -> int:
         trainer = build_trainer(task, examples, target, draft, tokenizer, config, head_hidden=args.head_hidden,
                                 init_weight=args.init_weight, head_inputs=args.head_inputs, max_draft=args.max_draft,
                                 max_new_tokens=args.max_new_tokens, rollout=args.rollout, eos_token_id=eos,
-                                pair=None if args.target else _default_pair(args), chat=not args.no_chat_template,
+                                pair=pair_names(args) or None, chat=not args.no_chat_template,
                                 recipe=recipe_of(args), mixed_in=mixed_in)
         try:
             history = trainer.train(resume=args.resume)

@@ -170,6 +170,28 @@ def test_method_diversed_without_head_names_the_default(capsys, no_models):
     assert status == 2 and "--head default" in error
 
 
+@pytest.mark.parametrize("argv, trained_for, used_with", [
+    (["--head", "smollm2-135m-eagle3-lambda4"], "smollm2-135m-eagle3", "SmolLM2-135M-Instruct-int8"),
+    (["--head", "smollm2-135m-lambda4", "--drafter", "eagle3"], "SmolLM2-135M-Instruct-int8", "smollm2-135m-eagle3"),
+])
+def test_a_head_of_another_drafter_is_refused_before_any_model_loads(capsys, no_models, argv, trained_for, used_with):
+    """A head reads the states and distributions of the drafter it was trained on: another one's is refused."""
+    status, error = run_cli(["generate", "--prompt", "hi", "--method", "diversed", *argv], capsys)
+    assert status == 2 and f"was trained for draft {trained_for!r}, not {used_with!r}" in error, error
+
+
+def test_a_head_of_its_own_drafter_passes_the_check(capsys, monkeypatch):
+    """The default head of each drafter gets past the pair check (to the model load, refused here)."""
+    def reached(*args, **kwargs):
+        raise SystemExit(7)
+
+    monkeypatch.setattr(cli.common, "load_models", reached)
+    for drafter in ([], ["--drafter", "eagle3"]):
+        with pytest.raises(SystemExit) as stopped:
+            cli.main(["generate", "--prompt", "hi", "--method", "diversed", "--head", "default", *drafter])
+        assert stopped.value.code == 7
+
+
 def test_version_names_the_package_torch_and_the_kernels_built(capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["--version"])
