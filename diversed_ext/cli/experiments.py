@@ -140,6 +140,7 @@ def _experiment_setup(args):
     except (OSError, ValueError) as error:
         raise UsageError(f"--data: {error}") from None
     common.check_head_arguments(_head_paths(args), args)
+    common.check_fly_window(args)
     if getattr(args, "output_dir", None) is not None:
         _require_writable_folder("--output-dir", args.output_dir)
     target, draft, tokenizer = common.load_command_models(args)

@@ -192,6 +192,19 @@ def test_a_head_of_its_own_drafter_passes_the_check(capsys, monkeypatch):
         assert stopped.value.code == 7
 
 
+@pytest.mark.parametrize("argv, expected", [
+    (["eval", "--method", "fly", "--fly-window", "5"], "5 must be below every K the run drafts at, got --max-draft 3"),
+    (["eval", "--method", "fly", "--fly-window", "2", "--fixed-k", "1", "3"], "got --fixed-k 1"),
+    (["pareto", "--fly", "--fly-window", "3", "--head", "default"], "got --max-draft 3"),
+])
+def test_a_fly_window_no_k_of_the_run_fits_is_refused_before_any_model_loads(tmp_path, capsys, no_models, argv,
+                                                                              expected):
+    data = write(tmp_path / "data.jsonl", GOOD_RECORD)
+    status, error = run_cli([*argv, "--data", data, "--output-dir", str(tmp_path / "out")]
+                            if argv[0] == "pareto" else [*argv, "--data", data], capsys)
+    assert status == 2 and error.startswith("diversed: --fly-window: ") and expected in error, error
+
+
 def test_version_names_the_package_torch_and_the_kernels_built(capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["--version"])
