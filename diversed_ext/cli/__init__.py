@@ -57,6 +57,13 @@ def _version_line() -> str:
     return f"diversed {__version__} (torch {torch.__version__}; {kernels})"
 
 
+def _prompt_text(text: str) -> str:
+    """An argparse type: any text but the empty one (it may encode to no token at all, and a continuation needs one)."""
+    if not text:
+        raise argparse.ArgumentTypeError("must not be empty")
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argparse parser of the ``diversed`` command."""
     parser = argparse.ArgumentParser(prog="diversed", description="DIVERSED relaxed speculative decoding")
@@ -65,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     generate = commands.add_parser("generate", help="generate a continuation of one prompt")
-    generate.add_argument("--prompt", required=True, help="the prompt text")
+    generate.add_argument("--prompt", type=_prompt_text, required=True, help="the prompt text")
     generate.add_argument("--method", choices=METHODS, default="sd", help="default sd")
     generate.add_argument("--weight", type=_unit_float, help="weight w on the target, for --method static")
     generate.add_argument("--head", help="head folder for --method diversed, or a shipped head's name ('default': "

@@ -9,6 +9,7 @@ import inspect
 import math
 import os
 import tempfile
+from pathlib import Path
 from typing import Iterator, Optional
 
 from .. import rules
@@ -329,10 +330,26 @@ def _load_pair(target: Optional[str], draft: Optional[str], device: str):
         # Nothing is downloaded here, so a name that is not a folder cannot load: say so before transformers does.
         if name is not None and not os.path.isdir(name):
             raise UsageError(f"{flag} {name}: no such model folder")
+        if name is not None:
+            _check_weight_files(flag, name)
     try:
         return load_pair(target, draft, device=device)
     except (OSError, ValueError) as error:
-        raise UsageError(f"cannot load --target {target}: {error}") from None
+        models = f"--target {target}" + (f" and --draft {draft}" if draft is not None else "")
+        raise UsageError(f"cannot load {models}: {error}") from None
+
+
+def _check_weight_files(flag: str, folder: str) -> None:
+    """Each safetensors file of a model folder opens (its header only is read), so a damaged one is named with its
+    flag before transformers loads either model."""
+    from safetensors import safe_open
+
+    for path in sorted(Path(folder).glob("*.safetensors")):
+        try:
+            with safe_open(str(path), framework="pt"):
+                pass
+        except Exception as error:  # safetensors raises its own SafetensorError, and OSError
+            raise UsageError(f"{flag} {folder}: {path.name} is not a readable safetensors file ({error})") from None
 
 
 def check_head_arguments(paths, args) -> None:

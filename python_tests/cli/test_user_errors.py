@@ -117,6 +117,7 @@ def test_missing_data_file_and_model_folder(tmp_path, capsys, monkeypatch):
     ["validate", "--data", "d.jsonl", "--expected-kl-coef", "nan"],
     ["generate", "--prompt", "hi", "--temperature", "inf"],
     ["generate", "--prompt", "hi", "--max-new-tokens", "0"],
+    ["generate", "--prompt", "", "--no-chat-template"],
     ["eval", "--data", "d.jsonl", "--weight", "nan"],
     ["compare-drafts", "--drafts", "probabilities"],
     ["compare-drafts", "--weight", "1.5"],
@@ -203,6 +204,20 @@ def test_a_fly_window_no_k_of_the_run_fits_is_refused_before_any_model_loads(tmp
     status, error = run_cli([*argv, "--data", data, "--output-dir", str(tmp_path / "out")]
                             if argv[0] == "pareto" else [*argv, "--data", data], capsys)
     assert status == 2 and error.startswith("diversed: --fly-window: ") and expected in error, error
+
+
+@pytest.mark.parametrize("damaged", ["--target", "--draft"])
+def test_damaged_model_weights_are_named_with_their_flag(tmp_path, capsys, damaged):
+    """A model folder whose safetensors file is not one: a one-line error naming the flag and the file, before
+    transformers loads either model (the other folder here holds no weights at all)."""
+    folders = {flag: tmp_path / flag.strip("-") for flag in ("--target", "--draft")}
+    for folder in folders.values():
+        folder.mkdir()
+    (folders[damaged] / "model.safetensors").write_bytes(os.urandom(64))
+    status, error = run_cli(["generate", "--prompt", "hi", "--target", str(folders["--target"]),
+                             "--draft", str(folders["--draft"])], capsys)
+    assert status == 2 and error.startswith(f"diversed: {damaged} {folders[damaged]}: model.safetensors is not a "
+                                            "readable safetensors file"), error
 
 
 def test_version_names_the_package_torch_and_the_kernels_built(capsys):
