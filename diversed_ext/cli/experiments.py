@@ -338,6 +338,10 @@ def _run_validate(args) -> int:
     from ..research.validation import (head_point, load_tokens, point_row, rule_point, sample_validation_tokens,
                                        save_tokens, static_point)
 
+    if args.tokens and not os.path.isfile(args.tokens):  # to be written: writable before the sampling, not after
+        if os.path.isdir(args.tokens):
+            raise UsageError(f"--tokens {args.tokens}: a folder; give a file to write the contexts to")
+        _require_writable_folder("--tokens", os.path.dirname(os.path.abspath(args.tokens)))
     task, examples, target, draft, tokenizer, eos = _experiment_setup(args)
     if args.tokens and os.path.isfile(args.tokens):
         try:

@@ -13,7 +13,8 @@ import os
 from pathlib import Path
 
 from .common import (UsageError, _add_model_arguments, _non_negative_float, _non_negative_int, _positive_float,
-                     _positive_int, _weight_of_untrained_head, eagle_drafter_asked, library_defaults, pair_names)
+                     _positive_int, _require_writable_folder, _weight_of_untrained_head, eagle_drafter_asked,
+                     library_defaults, pair_names)
 from .experiments import _add_task_arguments, _experiment_setup
 
 # Options of a run that do not change the head it trains, so a recipe leaves them out; and a folder of this machine
@@ -285,7 +286,9 @@ def run_train_drafter(args) -> int:
         raise UsageError(f"--data {args.data}: the drafter trains on the training split only (train.jsonl)")
     if not os.path.isfile(args.data):
         raise UsageError(f"--data {args.data}: no such file")
-    _require_writable(args.out)
+    _require_writable_folder("--out", args.out)
+    if args.data_dir is not None:
+        _require_writable_folder("--data-dir", args.data_dir)
     if args.threads:
         torch.set_num_threads(args.threads)
     target, _, tokenizer = load_default_pair()
@@ -347,10 +350,3 @@ def run_train_drafter(args) -> int:
     (Path(args.out) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(json.dumps({"saved": args.out, "dtype": summary["saved_dtype"], **summary["holdout"]}, indent=2))
     return 0
-
-
-def _require_writable(folder: str) -> None:
-    try:
-        Path(folder).mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        raise UsageError(f"--out {folder}: {error}") from None

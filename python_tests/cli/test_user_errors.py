@@ -160,6 +160,28 @@ def test_unwritable_output_folder_is_refused_before_the_work(tmp_path, capsys, n
     assert status == 2 and "--output-dir" in error and "not writable" in error
 
 
+@pytest.mark.parametrize("command, flag, under_file", [
+    ("validate", "--tokens", "t.safetensors"), ("validate", "--tokens", None),
+    ("train-drafter", "--out", "out"), ("train-drafter", "--data-dir", None)])
+def test_unwritable_output_files_are_refused_before_the_work(tmp_path, capsys, no_models, monkeypatch, command, flag,
+                                                            under_file):
+    """An output path under a file, or a file's path that is a folder (None: the flag names the file or folder
+    ``blocker`` itself, a file for --data-dir and a folder for --tokens): one line naming the flag, before any model
+    loads (train-drafter loads the default pair itself)."""
+    import diversed_ext.models
+
+    monkeypatch.setattr(diversed_ext.models, "load_default_pair", lambda *args, **kwargs: pytest.fail("loaded"))
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    path = blocker / under_file if under_file else (tmp_path if flag == "--tokens" else blocker)
+    data = write(tmp_path / "train.jsonl", GOOD_RECORD)
+    argv = [command, "--data", data, flag, str(path)]
+    if command == "train-drafter" and flag != "--out":
+        argv += ["--out", str(tmp_path / "drafter")]
+    status, error = run_cli(argv, capsys)
+    assert status == 2 and error.startswith(f"diversed: {flag} "), error
+
+
 def test_compare_drafts_refuses_a_source_named_twice(tmp_path, capsys, no_models):
     data = write(tmp_path / "data.jsonl", GOOD_RECORD)
     status, error = run_cli(["compare-drafts", "--data", data, "--drafts", "tokens", "tokens"], capsys)
