@@ -64,13 +64,46 @@ def load_results(path: str) -> ResultSet:
     if not isinstance(saved, dict) or not isinstance(saved.get("prompts"), dict) or not isinstance(saved.get("rows"),
                                                                                                     list):
         raise ValueError("not a results file written by `diversed pareto` (no \"prompts\" and \"rows\")")
-    fields = {field.name for field in dataclasses.fields(MethodResult)}
+    if not saved["rows"]:
+        raise ValueError("holds no rows")
+    count = saved["prompts"].get("count")
+    if not _is_number(count) or count < 0 or count != int(count):
+        raise ValueError(f"its \"prompts\" record has no prompt count (\"count\": {count!r})")
     try:
-        rows = tuple(MethodResult(**{key: tuple(value) if isinstance(value, list) else value
-                                     for key, value in row.items() if key in fields}) for row in saved["rows"])
+        rows = tuple(_result_of(row, int(count)) for row in saved["rows"])
     except TypeError as error:
         raise ValueError(f"a row is not a result ({error})") from None
     return ResultSet(saved["prompts"], rows)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _result_of(row, count: int) -> MethodResult:
+    """A saved row as a MethodResult, each field of the kind the report reads (numbers, per-prompt lists of ``count``
+    numbers, batch_work's pairs), or ValueError naming the row and the field."""
+    if not isinstance(row, dict):
+        raise ValueError(f"a row is not an object: {row!r}")
+    values = {}
+    for field in dataclasses.fields(MethodResult):
+        if field.name not in row or field.name == "weight_usage":
+            continue
+        value, kind = row[field.name], field.type
+        if kind in ("str", str):
+            ok = isinstance(value, str)
+        elif kind in ("float", "int", float, int):
+            ok = _is_number(value)
+        elif field.name == "batch_work":
+            ok = isinstance(value, list) and all(isinstance(pair, list) and len(pair) == 2 and
+                                                 all(map(_is_number, pair)) for pair in value)
+        else:  # per-prompt values: none saved, or one per prompt
+            ok = isinstance(value, list) and all(map(_is_number, value)) and len(value) in (0, count)
+        if not ok:
+            raise ValueError(f"row {row.get('label')!r}: {field.name} is not what a results file holds: {value!r}")
+        values[field.name] = tuple(map(tuple, value)) if field.name == "batch_work" else (
+            tuple(value) if isinstance(value, list) else value)
+    return MethodResult(**values)
 
 
 def merge_result_sets(parts: Sequence[ResultSet]) -> tuple[dict, list[MethodResult]]:

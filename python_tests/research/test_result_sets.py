@@ -3,6 +3,7 @@ exact counts; refusals for parts that cannot be joined; `diversed report` agains
 
 import json
 import math
+import re
 
 import pytest
 
@@ -114,6 +115,30 @@ def test_report_of_parts_is_the_run_over_all_prompts(experiment_pair, tmp_path, 
         assert got.acceptance == want.acceptance and got.fidelity == want.fidelity
         assert math.isnan(got.tokens_per_second)  # speeds of different runs do not compare
     assert (tmp_path / "joined" / "pareto.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda saved: saved.update(rows=[]), "holds no rows"),
+    (lambda saved: saved.update(rows=[5]), "a row is not an object: 5"),
+    (lambda saved: saved["rows"][0].update(acceptance="high"), "row 'sd': acceptance is not what a results file"),
+    (lambda saved: saved["rows"][0].update(fidelity_per_prompt=[-1.0, -2.0, -3.0]), "fidelity_per_prompt"),
+    (lambda saved: saved["rows"][0].update(batch_work=[[1]]), "batch_work"),
+    (lambda saved: saved["rows"][0].pop("label"), "a row is not a result"),
+    (lambda saved: saved["prompts"].update(count="x"), "no prompt count"),
+    (lambda saved: saved["prompts"].pop("count"), "no prompt count"),
+])
+def test_a_damaged_results_file_is_refused_naming_what_is_wrong(tmp_path, capsys, damage, message):
+    """What `report` reads must be a results file through and through: a row or a field of another kind is a
+    one-line error naming the file, never a traceback from the plot or the table."""
+    path = tmp_path / "results.json"
+    save_results(str(path), prompts(0, 2), (row("sd", [-1.0, -2.0], 30, 10, 20, 40),))
+    saved = json.loads(path.read_text())
+    damage(saved)
+    path.write_text(json.dumps(saved))
+    with pytest.raises(ValueError, match=re.escape(message)):
+        load_results(str(path))
+    assert cli.main(["report", str(path), "--output-dir", str(tmp_path / "out")]) == 2
+    assert "results.json: " in capsys.readouterr().err
 
 
 def test_report_usage_errors_name_the_file(tmp_path, capsys):
