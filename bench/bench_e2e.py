@@ -64,6 +64,7 @@ import argparse
 import csv
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -76,6 +77,7 @@ from diversed_ext.decoding.stats import add_summaries
 from diversed_ext.research.harness import DEMO_PROMPTS, run_interleaved
 from diversed_ext.research.report import cell, markdown_rows, paired_difference, standard_error, with_error
 from diversed_ext.models import load_default_pair
+from arguments import check_writable_file
 from pass_costs import k_sweep_table, pass_cost_table, pass_costs, sweep_methods
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -315,6 +317,12 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         parser.error("--weight must be in [0, 1]")
     if not args.temperature >= 0.0:
         parser.error("--temperature must be >= 0")
+    if args.data and not os.path.isfile(args.data):
+        parser.error(f"--data {args.data}: no such file")
+    if args.fly and args.fly_window is not None and not 0 <= args.fly_window < min(args.k):
+        parser.error(f"--fly-window must lie in [0, {min(args.k)}) (below every --k)")
+    if args.csv is not None:
+        check_writable_file(parser, "--csv", args.csv)
     return args
 
 

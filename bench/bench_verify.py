@@ -48,6 +48,7 @@ import diversed_ext as dx
 from diversed_ext.ops import (CUDA_KERNEL_FAMILIES, gate_keeps, gate_statistics, gate_statistics_reference,
                               position_rows)
 from diversed_ext.ops.gate import keeps
+from arguments import check_writable_file, positive_int, torch_device
 from plain_verifiers import plain_verify, plain_verify_logits
 from verify_problems import (OpBench, Problem, all_rows_bytes, make_problem, pair_bytes, stream_logits,
                              stream_two_rows, target_row_bytes, target_rows_bytes, verify_bytes)
@@ -344,13 +345,19 @@ def write_csv(rows: list[dict], path: str) -> None:
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ops", nargs="+", default=list(OPS), choices=list(OPS))
-    parser.add_argument("--batch", nargs="+", type=int, default=list(BATCHES))
-    parser.add_argument("--draft", nargs="+", type=int, default=list(DRAFT_LENGTHS))
-    parser.add_argument("--vocab", nargs="+", type=int, default=list(VOCABS))
-    parser.add_argument("--dtype", nargs="+", default=list(DTYPES), choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--quick", action="store_true", help="three representative shapes instead of the full grid")
+    parser.add_argument("--ops", nargs="+", default=list(OPS), choices=list(OPS), help="the ops to time (default all)")
+    parser.add_argument("--batch", nargs="+", type=positive_int, default=list(BATCHES),
+                        help=f"batch sizes B of the grid (default {' '.join(map(str, BATCHES))})")
+    parser.add_argument("--draft", nargs="+", type=positive_int, default=list(DRAFT_LENGTHS),
+                        help=f"draft lengths K of the grid (default {' '.join(map(str, DRAFT_LENGTHS))})")
+    parser.add_argument("--vocab", nargs="+", type=positive_int, default=list(VOCABS),
+                        help=f"vocabulary sizes V of the grid (default {' '.join(map(str, VOCABS))})")
+    parser.add_argument("--dtype", nargs="+", default=list(DTYPES), choices=["float32", "bfloat16", "float16"],
+                        help="dtypes of the distributions (default all three)")
+    parser.add_argument("--device", type=torch_device, default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="cpu or cuda[:N] (default cuda where a GPU is visible, else cpu)")
+    parser.add_argument("--quick", action="store_true",
+                        help="three representative shapes in place of the grid of --batch, --draft and --vocab")
     parser.add_argument("--cuda-kernels", choices=CUDA_KERNEL_FAMILIES, default="auto",
                         help="the CUDA verify kernels to run (diversed_ext.set_cuda_kernels; default auto)")
     parser.add_argument("--fly-window", type=int, default=0,
@@ -360,8 +367,12 @@ def parse_args(argv=None):
     parser.add_argument("--stats-sequence", action="store_true",
                         help="also time token_stats on whole sequences (B=8, T=256, V=49152); on by default with --quick")
     parser.add_argument("--csv", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                                      "bench_verify.csv"))
-    return parser.parse_args(argv)
+                                                      "bench_verify.csv"), help="where the rows go (CSV)")
+    args = parser.parse_args(argv)
+    if args.fly_window < 0 or not 1 <= args.fly_top_k <= 32:  # a window >= a shape's K is off there (_fly)
+        parser.error("--fly-window must be >= 0 and --fly-top-k in [1, 32]")
+    check_writable_file(parser, "--csv", args.csv)
+    return args
 
 
 def main(argv=None) -> None:

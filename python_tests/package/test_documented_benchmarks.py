@@ -118,3 +118,24 @@ def test_bench_vllm_reads_a_draft_schedule_and_rows(bench_module):
 def test_bench_vllm_names_a_bad_schedule_or_row(bench_module, arguments, message):
     _, exit_code, errors = parse_outcome(bench_module("bench_vllm").parse_args, arguments)
     assert exit_code == 2 and message in errors, errors
+
+
+@pytest.mark.parametrize("script, arguments, message", [
+    ("bench_verify", ["--draft", "0"], "argument --draft: must be an int >= 1, got 0"),
+    ("bench_verify", ["--vocab", "0"], "argument --vocab: must be an int >= 1, got 0"),
+    ("bench_verify", ["--batch", "-1"], "argument --batch: must be an int >= 1, got -1"),
+    ("bench_verify", ["--device", "tpu"], "argument --device: must be cpu or cuda[:N], got 'tpu'"),
+    ("bench_verify", ["--fly-window", "-1"], "--fly-window must be >= 0"),
+    ("bench_verify", ["--csv", "{folder}"], "a folder, not a file"),
+    ("bench_e2e", ["--data", "{folder}/missing.jsonl"], "missing.jsonl: no such file"),
+    ("bench_e2e", ["--fly", "--fly-window", "5", "--k", "2"], "--fly-window must lie in [0, 2)"),
+    ("bench_e2e", ["--csv", "{blocker}/e2e.csv"], "its folder is not writable"),
+])
+def test_bench_scripts_refuse_bad_arguments_before_any_work(bench_module, tmp_path, script, arguments, message):
+    """A mistake on a benchmark's command line is argparse's one line (exit 2) at parse time, not a traceback after
+    a run; an output that cannot be written is found before the timing starts."""
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    arguments = [argument.format(folder=tmp_path, blocker=blocker) for argument in arguments]
+    _, exit_code, errors = parse_outcome(bench_module(script).parse_args, arguments)
+    assert exit_code == 2 and message in errors, errors
