@@ -175,10 +175,10 @@ def _run_bench(args) -> int:
 def _run_export_pair(args) -> int:
     try:
         folders = export_default_pair(args.directory, overwrite=args.overwrite)
-    except FileExistsError as error:  # its message says how to overwrite
-        raise UsageError(str(error)) from error
-    except OSError as error:
-        raise UsageError(f"cannot write to {args.directory}: {error.strerror or error}") from error
+    except OSError as error:  # the library's FileExistsError (no errno) says how to overwrite
+        if isinstance(error, FileExistsError) and error.errno is None:
+            raise UsageError(str(error).replace("overwrite=True (--overwrite)", "--overwrite")) from error
+        raise UsageError(f"cannot write to {args.directory}: {error.strerror or error} ({error.filename})") from error
     print(f"target: {folders.target}\ndraft:  {folders.draft} (the int8 draft's weights, dequantised to float32)")
     return 0
 

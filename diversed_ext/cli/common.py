@@ -148,8 +148,9 @@ def _add_fly_arguments(parser: argparse.ArgumentParser) -> None:
                         help="FLy's window W (< --max-draft; default vLLM's, min(6, K - 1))")
     parser.add_argument("--fly-threshold", type=_non_negative_float, default=0.3,
                         help="FLy's entropy threshold tau (default %(default)s)")
-    parser.add_argument("--fly-top-k", type=_positive_int, default=3,
-                        help="how many of the target's largest probabilities FLy's entropy sums (default %(default)s)")
+    parser.add_argument("--fly-top-k", type=_ruled(int, rules.fly_top_k, rules.FLY_TOP_K), default=3,
+                        help="how many of the target's largest probabilities FLy's entropy sums, at most "
+                        f"{rules.FLY_MAX_TOP_K} (default %(default)s)")
 
 
 def _add_gate_argument(parser: argparse.ArgumentParser, several: bool = False) -> None:

@@ -66,7 +66,7 @@ def add_experiment_commands(commands) -> None:
                         "point each ('default' for the default head, as for eval)")
     pareto.add_argument("--output-dir", default="runs/pareto",
                         help="where pareto.png, pareto.md, results.json (per-prompt values, for `diversed "
-                        "report`) and, with heads, head_weights.png and lowest_w_tokens.md go")
+                        "report`) and, with heads, head_weights.png and lowest_w_tokens.md go (default %(default)s)")
     _add_batch_argument(pareto, run)
     _add_model_arguments(pareto, run)
     _add_draft_length_arguments(pareto)

@@ -250,13 +250,14 @@ def test_version_names_the_package_torch_and_the_kernels_built(capsys):
     assert capsys.readouterr().out.strip() == f"diversed {dx.__version__} (torch {torch.__version__}; {kernels})"
 
 
-@pytest.mark.parametrize("where", ["under a file", "in /proc"])
+@pytest.mark.parametrize("where", ["under a file", "a file", "in /proc"])
 def test_export_pair_refuses_a_destination_it_cannot_make_before_loading(where, tmp_path, capsys, monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the pair was loaded before the destination was made")
     monkeypatch.setattr(export, "convert_default_checkpoint", refuse)
     (tmp_path / "file").write_text("")
-    destination = str(tmp_path / "file" / "pair") if where == "under a file" else "/proc/diversed-export"
+    destination = {"under a file": str(tmp_path / "file" / "pair"), "a file": str(tmp_path / "file"),
+                   "in /proc": "/proc/diversed-export"}[where]
     status, error = run_cli(["export-pair", destination], capsys)
     assert status == 2 and error.startswith(f"diversed: cannot write to {destination}: ") and "\n" not in error
 
