@@ -153,8 +153,13 @@ def position_rows(values: torch.Tensor, width: Optional[int] = None,
                   slots: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``values`` [S, P, V] as rows [S P, V] (a view when it is contiguous), and the int64 indices [M, width] of the
     first ``width`` positions (all P by default) of the slots ``slots`` [M] (all S by default): what ``target_rows`` /
-    ``draft_rows`` take to read those positions in place, with no copy of them."""
+    ``draft_rows`` take to read those positions in place, with no copy of them. ``width`` must lie in [0, P] (more
+    would read the next slot's rows); the slots' values are not read (no host sync): they must lie in [0, S)."""
+    if values.dim() != 3:
+        raise ValueError(f"values must have shape [S, P, V], got {list(values.shape)}")
     count, positions = values.shape[:2]
+    if width is not None and not 0 <= width <= positions:
+        raise ValueError(f"width must lie in [0, P] with P = {positions} positions per slot, got {width}")
     device = values.device if slots is None else slots.device
     slots = torch.arange(count, device=device) if slots is None else slots.to(torch.int64)
     columns = torch.arange(positions if width is None else width, dtype=torch.int64, device=device)

@@ -309,3 +309,7 @@ def test_position_rows_index_the_first_positions_of_slots_in_place():
     assert index.dtype == torch.int64 and index.tolist() == [[0, 1], [4, 5], [8, 9]]
     rows, index = dx.ops.position_rows(values, slots=torch.tensor([2, 0], dtype=torch.int32))
     assert index.dtype == torch.int64 and torch.equal(rows[index], values[[2, 0]])
+    with pytest.raises(ValueError, match=r"width must lie in \[0, P\] with P = 4 positions per slot, got 5"):
+        dx.ops.position_rows(values, 5)  # would read the next slot's first row
+    with pytest.raises(ValueError, match=r"values must have shape \[S, P, V\], got \[12, 5\]"):
+        dx.ops.position_rows(values.flatten(0, 1))
