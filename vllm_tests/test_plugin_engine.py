@@ -181,10 +181,23 @@ def test_a_bad_request_value_is_that_requests_error(engine, extra_args, field):
     assert len(served[0].outputs[0].token_ids) == 4
 
 
-def test_logprobs_of_emitted_tokens(engine, pair):
-    """An emitted token's log-probability is the target's (vLLM's raw_logprobs mode, the default), not nu's: the
-    target's own log-softmax at that position, teacher-forced over the prompt and the emitted tokens in transformers."""
+@pytest.fixture(scope="module")
+def target_logits_of(pair):
+    """(prompt ids, emitted ids) -> float32 [len(emitted), V]: the target's raw logits at each emitted token's
+    position, teacher-forced in transformers (what vLLM's target computed there, up to float32 rounding)."""
     from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(pair.target, dtype=torch.float32)
+
+    def logits(prompt: list, emitted: list) -> torch.Tensor:
+        with torch.no_grad():
+            return target(torch.tensor([prompt + emitted[:-1]])).logits[0, len(prompt) - 1:]
+    return logits
+
+
+def test_logprobs_of_emitted_tokens(engine, target_logits_of):
+    """An emitted token's log-probability is the target's (vLLM's raw_logprobs mode, the default), not nu's: the
+    target's own log-softmax at that position."""
     from vllm import SamplingParams
 
     params = SamplingParams(temperature=1.0, seed=2, max_tokens=16, logprobs=1, extra_args={"diversed_weight": 0.5})
@@ -193,12 +206,29 @@ def test_logprobs_of_emitted_tokens(engine, pair):
     assert len(output.logprobs) == len(output.token_ids)
     assert all(token in entry for token, entry in zip(output.token_ids, output.logprobs))
     reported = torch.tensor([entry[token].logprob for token, entry in zip(output.token_ids, output.logprobs)])
-    prompt, emitted = list(request.prompt_token_ids), torch.tensor(output.token_ids)
-    target = AutoModelForCausalLM.from_pretrained(pair.target, dtype=torch.float32)
-    with torch.no_grad():
-        logits = target(torch.tensor([prompt + output.token_ids[:-1]])).logits[0, len(prompt) - 1:]
-    expected = logits.log_softmax(-1).gather(1, emitted[:, None]).squeeze(1)
+    logits = target_logits_of(list(request.prompt_token_ids), list(output.token_ids))
+    expected = logits.log_softmax(-1).gather(1, torch.tensor(output.token_ids)[:, None]).squeeze(1)
     assert torch.allclose(reported, expected, atol=2e-3), (reported, expected)
+
+
+def test_top_k_holds_at_w_0(engine, target_logits_of):
+    """top_k = 3 at w = 0 (nu is the draft's law wherever the target allows the token): every emitted token is among
+    the target's 3 largest logits at its position (a logit within 1e-3 of the third counts, for float32 rounding
+    between vLLM and transformers), and drafts were kept, so the rule was tested on kept drafts too."""
+    from vllm import SamplingParams
+
+    params = [SamplingParams(temperature=1.0, top_k=3, seed=40 + index, max_tokens=32,
+                             extra_args={"diversed_weight": 0.0}) for index in range(4)]
+    requests = engine.chat([chat(prompt) for prompt in PROMPTS[:4]], params, use_tqdm=False)
+    outside, accepted = 0, 0
+    for request in requests:
+        output = request.outputs[0]
+        logits = target_logits_of(list(request.prompt_token_ids), list(output.token_ids))
+        third = logits.topk(3, dim=-1).values[:, -1]
+        emitted = logits.gather(1, torch.tensor(output.token_ids)[:, None]).squeeze(1)
+        outside += int((emitted < third - 1e-3).sum())
+        accepted += output.spec_decode_metrics.to_dict()["num_accepted_draft_tokens"]
+    assert outside == 0 and accepted > 0, (outside, accepted)
 
 
 @pytest.mark.parametrize("extra_args", [{"diversed_weight": 0.3}, {"diversed_head": HEAD}])
