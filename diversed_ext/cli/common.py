@@ -181,22 +181,6 @@ def _fly_settings(args):
         raise UsageError(str(error)) from None
 
 
-def check_fly_window(args) -> None:
-    """--fly-window below every K the run drafts at (each --fixed-k, and --max-draft unless the fixed Ks are all the
-    run drafts at), checked before models load: a window of K or more never fits after a rejection, which the decoder
-    refuses."""
-    window = getattr(args, "fly_window", None)
-    if window is None:
-        return
-    lengths, fixed_ks = _draft_lengths(args)
-    drafted = [("--fixed-k", k) for k in fixed_ks]
-    if not (fixed_ks and lengths == ["fixed"]):
-        drafted.append(("--max-draft", args.max_draft))
-    for flag, k in drafted:
-        if window >= k:
-            raise UsageError(f"--fly-window: {window} must be below every K the run drafts at, got {flag} {k}")
-
-
 @contextlib.contextmanager
 def _decoder_error() -> Iterator[None]:
     """A decoder refusing a combination of flags (a draft length that needs the draft's probabilities next to an

@@ -9,7 +9,7 @@ import os
 import torch
 
 from ..decoding import METHODS, eos_ids
-from . import common
+from . import checks, common
 from .common import (UsageError, _add_batch_argument, _add_draft_length_arguments, _add_fly_arguments,
                      _add_gate_argument, _add_model_arguments, _fly_settings, _gates,
                      _check_draft_cost, _decoder_error, _draft_length_words, _draft_lengths, _load_head,
@@ -140,7 +140,8 @@ def _experiment_setup(args):
     except (OSError, ValueError) as error:
         raise UsageError(f"--data: {error}") from None
     common.check_head_arguments(_head_paths(args), args)
-    common.check_fly_window(args)
+    checks.check_fly_window(args)
+    checks.check_flags_read(args)
     if getattr(args, "output_dir", None) is not None:
         _require_writable_folder("--output-dir", args.output_dir)
     target, draft, tokenizer = common.load_command_models(args)

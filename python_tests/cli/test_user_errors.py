@@ -242,6 +242,27 @@ def test_damaged_model_weights_are_named_with_their_flag(tmp_path, capsys, damag
                                             "readable safetensors file"), error
 
 
+@pytest.mark.parametrize("argv, expected", [
+    (["eval", "--method", "sd", "--fly-threshold", "0.5"], "--fly-threshold would be ignored: no --method adds FLy"),
+    (["eval", "--method", "sd", "static", "--gate-margin", "2"], "--gate-margin would be ignored"),
+    (["eval", "--method", "sd", "--weight", "0.3"], "--weight would be ignored: no --method is a static ensemble"),
+    (["pareto", "--fly-top-k=4"], "--fly-top-k would be ignored: FLy's points are added with --fly"),
+])
+def test_a_flag_no_method_reads_is_refused_before_any_model_loads(tmp_path, capsys, no_models, argv, expected):
+    data = write(tmp_path / "data.jsonl", GOOD_RECORD)
+    status, error = run_cli([*argv, "--data", data, "--output-dir", str(tmp_path / "out")]
+                            if argv[0] == "pareto" else [*argv, "--data", data], capsys)
+    assert status == 2 and error.startswith(f"diversed: {expected}"), error
+
+
+def test_flags_a_method_reads_pass_the_check(tmp_path, capsys, no_models):
+    """The same flags beside methods that read them get to the model load (refused by no_models)."""
+    data = write(tmp_path / "data.jsonl", GOOD_RECORD)
+    with pytest.raises(AssertionError, match="models were loaded"):
+        cli.main(["eval", "--data", data, "--method", "static+fly", "gate", "--fly-threshold", "0.5",
+                  "--gate-margin", "2", "--weight", "0.3"])
+
+
 def test_version_names_the_package_torch_and_the_kernels_built(capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["--version"])
