@@ -9,13 +9,12 @@ probabilities, weights, uniforms, draft lengths) read tensors back to the host, 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from numbers import Integral
 from typing import Optional, Union
 
 import torch
 
 from .. import rules
-from ._philox import draw_cuda_generator_seed
+from ._philox import draw_cuda_generator_seed, normalize_offset  # noqa: F401  (the offset rule lives there)
 
 PROB_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 TOKEN_DTYPES = (torch.int32, torch.int64)
@@ -296,16 +295,6 @@ def seed_tensor(seed: SeedLike, batch: int, device: torch.device) -> tuple[torch
         drawn = torch.randint(0, rules.SEED_RANGE - 1, (1,), dtype=torch.int64, device=device)
         return drawn.expand(batch).contiguous(), False
     return torch.full((batch,), value, dtype=torch.int64, device=device), False
-
-
-def normalize_offset(offset) -> int:
-    if type(offset) is int and 0 <= offset < rules.SEED_RANGE:  # the common case, without the abstract Integral
-        return offset
-    if isinstance(offset, bool) or not isinstance(offset, Integral):
-        raise TypeError(f"offset must be an int, got {type(offset).__name__}")
-    if not 0 <= int(offset) < rules.SEED_RANGE:
-        raise ValueError(f"offset must lie in [0, 2**63), got {offset}")
-    return int(offset)
 
 
 def seed_argument(seed: SeedLike, batch: int, device: torch.device) -> tuple[Optional[torch.Tensor], Optional[int], bool]:

@@ -13,8 +13,11 @@ call. Elsewhere (CUDA tensors) the PyTorch version runs; the tests hold both to 
 
 from __future__ import annotations
 
+from numbers import Integral
+
 import torch
 
+from .. import rules
 from . import _fake  # noqa: F401  (loads the library and the fake kernels)
 
 PHILOX_M0 = 0xD2511F53
@@ -36,6 +39,33 @@ def _mul_hi_lo(constant: int, value: torch.Tensor) -> tuple[torch.Tensor, torch.
     return hi & _MASK32, lo & _MASK32
 
 
+def normalize_offset(offset) -> int:
+    """The step counter's rule: an int in [0, 2**63) (the counter's two words hold 64 bits; the top one stays 0)."""
+    if type(offset) is int and 0 <= offset < rules.SEED_RANGE:  # the common case, without the abstract Integral
+        return offset
+    if isinstance(offset, bool) or not isinstance(offset, Integral):
+        raise TypeError(f"offset must be an int, got {type(offset).__name__}")
+    if not 0 <= int(offset) < rules.SEED_RANGE:
+        raise ValueError(f"offset must lie in [0, 2**63), got {offset}")
+    return int(offset)
+
+
+def _check_philox_arguments(seeds, offset, num_positions) -> None:
+    """Shapes and kinds, read on the host (no sync): seeds an integer tensor [B], offset an int (the rule above) or an
+    integer tensor [B], num_positions an int >= 0."""
+    if not isinstance(seeds, torch.Tensor) or seeds.dim() != 1 or seeds.dtype.is_floating_point or \
+            seeds.dtype.is_complex or seeds.dtype == torch.bool:
+        raise TypeError("seeds must be an integer tensor [B]")
+    if isinstance(offset, torch.Tensor):
+        if offset.dtype.is_floating_point or offset.dtype.is_complex or offset.dtype == torch.bool or \
+                offset.shape not in ((), seeds.shape):
+            raise TypeError(f"offset must be an int or an integer tensor [B] with B = {seeds.shape[0]}")
+    else:
+        normalize_offset(offset)
+    if isinstance(num_positions, bool) or not isinstance(num_positions, Integral) or num_positions < 0:
+        raise ValueError(f"num_positions must be an int >= 0, got {num_positions!r}")
+
+
 def philox_uniforms(seeds: torch.Tensor, offset, num_positions: int, per_row_seed: bool) -> torch.Tensor:
     """Uniforms [B, num_positions] float64 in [0, 1), identical to the native kernels' draws.
 
@@ -46,7 +76,9 @@ def philox_uniforms(seeds: torch.Tensor, offset, num_positions: int, per_row_see
             (the batched decoding loop) then draws, for each row, what a call with that row alone would draw.
         num_positions: positions per row (K + 1 for a verify call).
         per_row_seed: True when each row has its own seed (the row index then stays out of the counter).
+    TypeError or ValueError, naming the argument, for another kind or shape of argument.
     """
+    _check_philox_arguments(seeds, offset, num_positions)
     if seeds.device.type == "cpu":
         seeds = seeds.to(torch.int64)
         offsets = torch.as_tensor(offset, dtype=torch.int64).expand(seeds.shape[0]).contiguous()

@@ -15,10 +15,12 @@ and :func:`gate_statistics_reference` the native call's oracle.
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple, Optional, Union
 
 import torch
 
+from .. import rules
 from ._inputs import normalize_tokens
 from ._pair_inputs import prepare_features
 from ._rows import gather_rows
@@ -45,8 +47,21 @@ def keeps(margin: Union[float, torch.Tensor], statistics: GateStatistics) -> tor
     there). A token the target forbids (a bad word, a token outside a request's allowed set) is never kept, whatever
     the margin: the verify ops would reject it anyway, and a weight zeroed for it would be counted."""
     drafted, rejected = statistics
+    margin = _margin(margin)
     # +inf - margin stays +inf (nothing to keep without a residual); NaN compares false.
     return (drafted >= rejected - margin) & ~target_forbids(drafted.exp())
+
+
+def _margin(margin: Union[float, torch.Tensor]) -> Union[float, torch.Tensor]:
+    """The margin by the gate's rule (rules.gate_margin: finite nats), NaN allowed (no gate); a tensor's dtype only
+    (its values are not read: no host sync)."""
+    if isinstance(margin, torch.Tensor):
+        if not margin.dtype.is_floating_point:
+            raise TypeError(f"margin must be a float or a floating-point tensor (NaN: no gate), got {margin.dtype}")
+        return margin
+    if isinstance(margin, float) and math.isnan(margin):
+        return margin
+    return rules.gate_margin(margin)
 
 
 def gate_statistics(draft_tokens: torch.Tensor, target_logits: torch.Tensor,

@@ -113,6 +113,22 @@ def test_margin_per_position_and_nan_ungated(device):
     assert not keep[1].any()
 
 
+@pytest.mark.parametrize("margin, error, words", [
+    (float("inf"), ValueError, "margin must be a finite number of nats, got inf"),
+    ("1", TypeError, "margin must be a finite number of nats"),
+    (torch.tensor([[1, 2]]), TypeError, "margin must be a float or a floating-point tensor"),
+])
+def test_a_bad_margin_is_named(margin, error, words):
+    """The gate's margin by its rule (an infinite one would keep every draft the target allows); NaN stays 'no gate'
+    and a tensor's values are not read."""
+    tokens, logits = torch.tensor([[1, 0]]), torch.randn(1, 2, 5)
+    assert not ops.gate_keeps_logits(math.nan, tokens, logits).any()
+    for keep in (lambda: ops.gate_keeps_logits(margin, tokens, logits),
+                 lambda: ops.gate_keeps(margin, tokens[0], None, logits[0].log_softmax(-1))):
+        with pytest.raises(error, match=words):
+            keep()
+
+
 def test_a_near_certain_draft_keeps_its_residual_exact(device):
     """A drafted token of probability 1 - 3e-9 leaves a residual of mass 3e-9: the op sums the residual itself
     (never 1 - p(x), which float32 rounds to 0), so E_r[log p] matches float64."""

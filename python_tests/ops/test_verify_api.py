@@ -95,6 +95,21 @@ def test_native_philox_uniforms_checks_and_opcheck():
         torch.ops.diversed.philox_uniforms(seeds, torch.tensor([1, 2]), -1, False)
 
 
+@pytest.mark.parametrize("arguments, error, words", [
+    ((torch.tensor([1, 2]), 1.7, 3), TypeError, "offset must be an int, got float"),
+    ((torch.tensor([1, 2]), -1, 3), ValueError, "offset must lie in [0, 2**63)"),
+    ((torch.tensor([1, 2]), torch.tensor([1, 2, 3]), 3), TypeError, "offset must be an int or an integer tensor [B]"),
+    ((torch.tensor(5), 0, 3), TypeError, "seeds must be an integer tensor [B]"),
+    ((torch.tensor([1.0, 2.0]), 0, 3), TypeError, "seeds must be an integer tensor [B]"),
+    ((torch.tensor([1, 2]), 0, -1), ValueError, "num_positions must be an int >= 0"),
+])
+def test_philox_uniforms_names_a_bad_argument(arguments, error, words):
+    """The Python function checks what the op would truncate (a float offset) or fail on without naming it."""
+    with pytest.raises(error) as raised:
+        dx.philox_uniforms(*arguments, True)
+    assert words in str(raised.value)
+
+
 # ------------------------------------------------------------------------------------------------------ bad inputs
 def bad_input_cases():
     tokens, draft, target = problem()
