@@ -51,8 +51,10 @@ def temperature_argument(temperature, batch: int, device: torch.device, check_in
     if check_inputs and batch > 0:
         if bool(torch.isnan(temperature).any()):
             raise ValueError(f"{name} contains NaN")
-        if bool((temperature < 0).any()) or bool(torch.isinf(temperature).any()):
+        if bool((temperature < 0).any()):
             raise ValueError(f"{name} must be finite and >= 0, got minimum {float(temperature.min())}")
+        if bool(torch.isinf(temperature).any()):
+            raise ValueError(f"{name} must be finite and >= 0, got inf")
     return temperature, 1.0
 
 

@@ -300,6 +300,9 @@ def test_target_temperature_is_checked():
                          target_temperature=torch.full((4,), float("nan")))
     with pytest.raises(ValueError, match=r"target_temperature must be a float or have shape \[B\]"):
         dx.verify_logits(tokens, draft, target, weight, **rows, **common, target_temperature=torch.ones(3))
+    with pytest.raises(ValueError, match="target_temperature must be finite and >= 0, got inf"):
+        dx.verify_logits(tokens, draft, target, weight, **rows, **common,
+                         target_temperature=torch.tensor([1.0, float("inf"), 1.0, 1.0]))
 
 
 def test_position_rows_index_the_first_positions_of_slots_in_place():
