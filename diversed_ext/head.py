@@ -356,5 +356,7 @@ def load_head(path: str, *, target=None, draft=None, eagle3_drafter: bool = Fals
         checks.update(draft_hidden=hidden_size(draft), target_hidden=hidden_size(target))
     path = resolve_head_path(path, eagle3_drafter=eagle3_drafter)
     if os.path.isfile(path):
+        if os.path.basename(path) not in (CONFIG_NAME, WEIGHTS_NAME):
+            raise FileNotFoundError(f"{path!r} is a file, not a head's folder nor its {CONFIG_NAME} or {WEIGHTS_NAME}")
         path = os.path.dirname(path) or "."
     return EnsembleHead.load(path, **checks).eval()

@@ -314,6 +314,15 @@ def test_damaged_heads_are_refused_naming_the_file(saved_head, damage, expected)
     assert str(saved_head) in str(error.value)
 
 
+def test_a_file_that_is_no_part_of_a_head_is_named(saved_head):
+    """A head's head.json or head.safetensors stands for its folder; any other file is refused by its own name."""
+    assert load_head(str(saved_head / "head.json")).config == load_head(str(saved_head)).config
+    other = saved_head / "notes.txt"
+    other.write_text("not a head")
+    with pytest.raises(FileNotFoundError, match="notes.txt' is a file, not a head's folder"):
+        load_head(str(other))
+
+
 def test_nan_weights_are_refused(saved_head):
     from safetensors.torch import load_file, save_file
 
