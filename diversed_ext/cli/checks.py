@@ -31,10 +31,9 @@ def check_fly_window(args) -> None:
             raise UsageError(f"--fly-window: {window} must be below every K the run drafts at, got {flag} {k}")
 
 
-def check_flags_read(args) -> None:
+def check_flags_read(args, given: frozenset) -> None:
     """eval: the FLy, gate and static-weight flags only beside a method that reads them; pareto: FLy's only with
-    --fly. ``args.given_flags`` holds the flags written (:func:`given_flags`)."""
-    given = getattr(args, "given_flags", frozenset())
+    --fly. ``given``: the flags written (:func:`given_flags`)."""
     if args.command == "eval":
         methods = args.method
         _refuse_unread(given, FLY_FLAGS, any("fly" in method for method in methods),

@@ -141,7 +141,6 @@ def _experiment_setup(args):
         raise UsageError(f"--data: {error}") from None
     common.check_head_arguments(_head_paths(args), args)
     checks.check_fly_window(args)
-    checks.check_flags_read(args)
     if getattr(args, "output_dir", None) is not None:
         _require_writable_folder("--output-dir", args.output_dir)
     target, draft, tokenizer = common.load_command_models(args)
