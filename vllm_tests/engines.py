@@ -98,9 +98,30 @@ def start_engine(pair, *, speculative: str | dict | None = "draft", diversed=Non
         return LLM(str(pair.target), **kwargs)
 
 
+SHUTDOWN_TRIES = 5  # vLLM's force-kill races its own processes' exits; each try finds fewer of them left
+
+
 def stop_engine(llm) -> None:
-    """Shut the engine's processes down now, so the next engine has the memory."""
-    llm.llm_engine.engine_core.shutdown()
+    """Shut the engine's processes down now, so the next engine has the memory. vLLM's force-kill of a stopping
+    engine asks each child process its name and raises psutil.NoSuchProcess when one has just exited (seen with a
+    tensor-parallel engine's workers), leaving the rest of its shutdown undone: that child is gone, so the engine's
+    processes are shut down again (vLLM's own process shutdown, which skips those already stopped), then the client's
+    sockets closed."""
+    import psutil
+    from vllm.v1.utils import shutdown
+
+    core = llm.llm_engine.engine_core
+    try:
+        core.shutdown()
+    except psutil.NoSuchProcess:
+        for attempt in range(SHUTDOWN_TRIES if core.resources.engine_manager is not None else 0):
+            try:
+                shutdown(core.resources.engine_manager.processes)
+                break
+            except psutil.NoSuchProcess:
+                if attempt == SHUTDOWN_TRIES - 1:
+                    raise
+        core.resources()
     del llm
     gc.collect()
 

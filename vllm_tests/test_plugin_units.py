@@ -335,3 +335,28 @@ def test_drafted_features_read_the_captured_rows_in_place():
     gathered = distribution_features(table[table_rows, :3].float() / scale, target_logits[target_rows])
     assert features.shape == (3, 3, len(ops.DISTRIBUTION_FEATURES))
     torch.testing.assert_close(features, gathered, atol=2e-6, rtol=0)
+
+
+def test_stopping_an_engine_finishes_after_vllms_shutdown_race(monkeypatch):
+    """The tests' stop_engine: when vLLM's shutdown raises psutil.NoSuchProcess (a child exited while it was being
+    named), the engine's processes are shut down again and the client's resources closed."""
+    import psutil
+    import vllm.v1.utils
+    from engines import stop_engine
+
+    calls = []
+
+    def raced():
+        raise psutil.NoSuchProcess(123)
+
+    class Resources:
+        engine_manager = types.SimpleNamespace(processes=["engine core"])
+
+        def __call__(self):
+            calls.append("resources closed")
+
+    resources = Resources()
+    core = types.SimpleNamespace(shutdown=raced, resources=resources)
+    monkeypatch.setattr(vllm.v1.utils, "shutdown", lambda processes: calls.append(("shut down", processes)))
+    stop_engine(types.SimpleNamespace(llm_engine=types.SimpleNamespace(engine_core=core)))
+    assert calls == [("shut down", ["engine core"]), "resources closed"]
