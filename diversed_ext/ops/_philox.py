@@ -50,15 +50,17 @@ def normalize_offset(offset) -> int:
     return int(offset)
 
 
+def _integer_dtype(dtype: torch.dtype) -> bool:
+    return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+
+
 def _check_philox_arguments(seeds, offset, num_positions) -> None:
     """Shapes and kinds, read on the host (no sync): seeds an integer tensor [B], offset an int (the rule above) or an
     integer tensor [B], num_positions an int >= 0."""
-    if not isinstance(seeds, torch.Tensor) or seeds.dim() != 1 or seeds.dtype.is_floating_point or \
-            seeds.dtype.is_complex or seeds.dtype == torch.bool:
+    if not (isinstance(seeds, torch.Tensor) and seeds.dim() == 1 and _integer_dtype(seeds.dtype)):
         raise TypeError("seeds must be an integer tensor [B]")
     if isinstance(offset, torch.Tensor):
-        if offset.dtype.is_floating_point or offset.dtype.is_complex or offset.dtype == torch.bool or \
-                offset.shape not in ((), seeds.shape):
+        if not _integer_dtype(offset.dtype) or offset.shape not in ((), seeds.shape):
             raise TypeError(f"offset must be an int or an integer tensor [B] with B = {seeds.shape[0]}")
     else:
         normalize_offset(offset)
