@@ -25,6 +25,7 @@ Without ``--target`` the embedded default pair is used (SmolLM2-135M-Instruct an
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 import subprocess
@@ -67,10 +68,14 @@ def _prompt_text(text: str) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argparse parser of the ``diversed`` command."""
-    parser = argparse.ArgumentParser(prog="diversed", description="DIVERSED relaxed speculative decoding")
+    # No abbreviated flags: one written as typed is what the unread-flag check sees, and an abbreviation valid today
+    # turns ambiguous once a flag sharing its prefix is added.
+    parser = argparse.ArgumentParser(prog="diversed", description="DIVERSED relaxed speculative decoding",
+                                     allow_abbrev=False)
     parser.add_argument("--version", action="version", version=_version_line(),
                         help="the package's version, the torch it runs on and whether its CUDA kernels are built")
-    commands = parser.add_subparsers(dest="command", required=True)
+    commands = parser.add_subparsers(dest="command", required=True,
+                                     parser_class=functools.partial(argparse.ArgumentParser, allow_abbrev=False))
 
     generate = commands.add_parser("generate", help="generate a continuation of one prompt")
     generate.add_argument("--prompt", type=_prompt_text, required=True, help="the prompt text")

@@ -263,6 +263,20 @@ def test_flags_a_method_reads_pass_the_check(tmp_path, capsys, no_models):
                   "--gate-margin", "2", "--weight", "0.3"])
 
 
+@pytest.mark.parametrize("argv, abbreviated", [
+    (["eval", "--method", "sd", "--fly-thr", "0.5"], "--fly-thr"),
+    (["demo", "--prom", "2"], "--prom"),
+    (["generate", "--prompt", "hi", "--max-new", "4"], "--max-new"),
+])
+def test_abbreviated_flags_are_refused(capsys, argv, abbreviated):
+    """A flag counts only written whole: an abbreviation would slip past the unread-flag check (``--fly-thr`` beside
+    sd) and turn ambiguous once a flag sharing its prefix is added."""
+    with pytest.raises(SystemExit) as exit_info:
+        cli.build_parser().parse_args(argv)
+    assert exit_info.value.code == 2
+    assert f"unrecognized arguments: {abbreviated}" in capsys.readouterr().err
+
+
 def test_version_names_the_package_torch_and_the_kernels_built(capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["--version"])
