@@ -1,7 +1,9 @@
 """Loads the native library and registers the fake (meta) kernels of its ops, whose output layouts it states.
 
 The fake kernels give output shapes and dtypes without data, which is what ``torch.compile`` and
-``torch.library.opcheck`` need. The lean forward's ops register theirs in :mod:`diversed_ext.forward`.
+``torch.library.opcheck`` need. They also run on a real call when one tensor is on the meta device, the dispatcher's
+choice for a mix of meta and real tensors: like the CUDA binding they then refuse tensors on different devices, where
+they would return unwritten memory as results. The lean forward's ops register theirs in :mod:`diversed_ext.forward`.
 """
 
 from __future__ import annotations
@@ -23,10 +25,23 @@ def cuda_kernels_registered() -> bool:
     return all(torch._C._dispatch_has_kernel_for_dispatch_key(f"diversed::{name}", "CUDA") for name in OP_NAMES)
 
 
+def _on_one_device(op: str, *tensors) -> None:
+    """Every tensor given (None: an absent optional) on one device, as the native bindings require."""
+    devices = {tensor.device for tensor in tensors if tensor is not None}
+    if len(devices) > 1:
+        raise RuntimeError(f"{op}: every tensor must be on the same device, got {sorted(map(str, devices))}")
+
+
 @torch.library.register_fake("diversed::verify_probs")
 def _verify_probs_fake(draft_tokens, draft_probs, target_probs, weight, num_draft, greedy, uniforms, seeds, offset=0,
                        per_row_seed=False, weight_value=1.0, seed=None, target_rows=None, draft_rows=None,
                        fly_window=None, fly_threshold=None, fly_window_value=0, fly_threshold_value=0.3, fly_top_k=3):
+    _on_one_device("verify_probs", draft_tokens, draft_probs, target_probs, weight, num_draft, greedy, uniforms, seeds,
+                   target_rows, draft_rows, fly_window, fly_threshold)
+    return _verify_outputs(draft_tokens, target_probs)
+
+
+def _verify_outputs(draft_tokens, target_probs) -> tuple:
     # B and K from the ids: the draft may be absent (tokens only), and either tensor may be rows [R, V] read in place.
     batch, num_positions = draft_tokens.shape
     tokens = target_probs.new_empty((batch, num_positions + 1), dtype=torch.int64)
@@ -40,29 +55,34 @@ def _verify_logits_fake(draft_tokens, draft_logits, target_logits, weight, num_d
                         offset=0, per_row_seed=False, weight_value=1.0, temperature_value=1.0, seed=None,
                         target_rows=None, draft_rows=None, target_temperature=None, target_temperature_value=None,
                         fly_window=None, fly_threshold=None, fly_window_value=0, fly_threshold_value=0.3, fly_top_k=3):
-    return _verify_probs_fake(draft_tokens, draft_logits, target_logits, weight, num_draft, None, uniforms, seeds,
-                              offset, per_row_seed)
+    _on_one_device("verify_logits", draft_tokens, draft_logits, target_logits, weight, num_draft, temperature,
+                   uniforms, seeds, target_rows, draft_rows, target_temperature, fly_window, fly_threshold)
+    return _verify_outputs(draft_tokens, target_logits)
 
 
 @torch.library.register_fake("diversed::token_stats")
 def _token_stats_fake(draft, target, tokens, temperature, from_logits):
+    _on_one_device("token_stats", draft, target, tokens, temperature)
     batch, length, _ = draft.shape
     return tuple(draft.new_empty((batch, length), dtype=torch.float32) for _ in range(5))
 
 
 @torch.library.register_fake("diversed::mix")
 def _mix_fake(draft, target, weight, temperature, from_logits):
+    _on_one_device("mix", draft, target, weight, temperature)
     return draft.new_empty(draft.shape, dtype=torch.float32)
 
 
 @torch.library.register_fake("diversed::mixture_divergence")
 def _mixture_divergence_fake(draft, target, temperature, grid_points, log_floor):
+    _on_one_device("mixture_divergence", draft, target, temperature)
     return draft.new_empty((draft.shape[0], draft.shape[1], grid_points), dtype=torch.float32)
 
 
 @torch.library.register_fake("diversed::distribution_features")
 def _distribution_features_fake(draft, target, temperature, target_rows=None, draft_rows=None,
                                 target_temperature=None):
+    _on_one_device("distribution_features", draft, target, temperature, target_rows, draft_rows, target_temperature)
     # B and T from a 3-D tensor, or from the indices when both tensors are rows [R, V] read in place.
     shaped = draft if draft_rows is None else (target if target_rows is None else target_rows)
     batch, length = shaped.shape[:2]
@@ -72,6 +92,8 @@ def _distribution_features_fake(draft, target, temperature, target_rows=None, dr
 @torch.library.register_fake("diversed::gate_statistics")
 def _gate_statistics_fake(draft_tokens, draft, target, temperature, target_rows=None, draft_rows=None,
                           target_temperature=None, draft_probs=False):
+    _on_one_device("gate_statistics", draft_tokens, draft, target, temperature, target_rows, draft_rows,
+                   target_temperature)
     return tuple(target.new_empty(draft_tokens.shape, dtype=torch.float32) for _ in range(2))
 
 

@@ -28,8 +28,8 @@ SeedLike = Union[int, torch.Tensor, None]
 class VerifyArgs:
     """The positional arguments of ``diversed::verify_probs``, named, in its order (what
     :func:`~diversed_ext.ops._prepare.prepare_verify` returns as a plain tuple; verify_logits takes its temperatures
-    in place of greedy and its temperature_value before the seed). Defaults stay scalars or None, so that a call with default arguments creates no tensor before the op;
-    :meth:`materialized` spells them out as tensors."""
+    in place of greedy and its temperature_value before the seed). Defaults stay scalars or None, so that a call with
+    default arguments creates no tensor before the op; :meth:`materialized` spells them out as tensors."""
 
     draft_tokens: torch.Tensor  # int64 [B, K]
     draft: Optional[torch.Tensor]  # [B, K, V] probabilities or logits, contiguous; None: the draft gave tokens only
@@ -78,9 +78,11 @@ def require_rank(tensor: torch.Tensor, rank: int, name: str, layout: str) -> Non
         raise ValueError(f"{name} must have {rank} dimensions {layout}, got shape {tuple(tensor.shape)}")
 
 
-def require_device(tensor: torch.Tensor, device: torch.device, name: str) -> None:
+def require_device(tensor: torch.Tensor, device: torch.device, name: str,
+                   beside: str = "the probabilities are") -> None:
+    """``beside``: what lies on ``device``, with its verb ("draft_probs is")."""
     if tensor.device != device:
-        raise ValueError(f"{name} is on {tensor.device} but the probabilities are on {device}; put them on one device")
+        raise ValueError(f"{name} is on {tensor.device} but {beside} on {device}; put them on one device")
 
 
 def check_value_dtype(dtype: torch.dtype, name: str, kind: str) -> None:
@@ -127,7 +129,7 @@ def check_pair_layout(draft: torch.Tensor, target: torch.Tensor, draft_name: str
     if same_dtype and draft_dtype != target_dtype:
         raise TypeError(f"{draft_name} ({draft_dtype}) and {target_name} ({target_dtype}) must have the same dtype")
     if target.device != draft.device:
-        require_device(target, draft.device, target_name)
+        require_device(target, draft.device, target_name, f"{draft_name} is")
     batch, num_positions, vocab = draft_shape
     target_batch, target_positions, target_vocab = target_shape
     if vocab == 0 or target_vocab == 0:

@@ -121,7 +121,7 @@ def _features_layout(draft, target, target_rows, draft_rows, draft_name) -> tupl
         else:
             require_rank(values, 3, name, "[B, T, V]")
     if draft is not None:
-        require_device(draft, target.device, draft_name)
+        require_device(draft, target.device, draft_name, "target_logits is")
     if draft is not None and draft_rows is None:
         batch, positions = draft.shape[:2]
     elif target_rows is None:

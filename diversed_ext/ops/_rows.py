@@ -69,7 +69,7 @@ def _check_draft(draft, target: torch.Tensor, indexed: bool, batch: int, num_pos
                  target_name: str, kind: str) -> None:
     require_tensor(draft, draft_name)
     check_value_dtype(draft.dtype, draft_name, kind)  # its own dtype: the target's or another (each read as it lies)
-    require_device(draft, target.device, draft_name)
+    require_device(draft, target.device, draft_name, f"{target_name} is")
     if indexed:
         require_rank(draft, 2, draft_name, "[R, V] (rows read through draft_rows)")
     else:

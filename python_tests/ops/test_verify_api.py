@@ -188,6 +188,29 @@ def test_meta_device_mismatch_is_reported():
         dx.verify(tokens, draft, target.to("meta"), 0.5)
 
 
+@pytest.mark.parametrize("on_meta", ["draft_tokens", "draft_probs", "target_probs", "weight", "num_draft"])
+def test_an_unchecked_call_with_one_tensor_on_meta_names_it(on_meta):
+    """The dispatcher sends a mix of meta and real tensors to the fake kernel, which must refuse it, not hand back
+    unwritten memory as tokens."""
+    tokens, draft, target = problem()
+    batch, num_positions = tokens.shape
+    args = {"draft_tokens": tokens, "draft_probs": draft, "target_probs": target,
+            "weight": torch.full((batch, num_positions), 0.5), "num_draft": torch.full((batch,), num_positions)}
+    args[on_meta] = args[on_meta].to("meta")
+    with pytest.raises(ValueError, match=f"{on_meta} is on meta"):
+        dx.verify(**args, seed=1, check_inputs=False)
+
+
+@pytest.mark.parametrize("on_meta", ["temperature", "uniforms"])
+def test_an_unchecked_logits_call_with_its_temperature_or_uniforms_on_meta_is_refused(on_meta):
+    tokens, draft, target = problem()
+    batch, num_positions = tokens.shape
+    given = {"temperature": torch.ones(batch), "uniforms": torch.rand(batch, num_positions + 1, dtype=torch.float64)}
+    with pytest.raises(ValueError, match=f"{on_meta} is on meta"):
+        dx.verify_logits(tokens, draft.log(), target.log(), 0.5, check_inputs=False,
+                         **{on_meta: given[on_meta].to("meta")})
+
+
 # ------------------------------------------------------------------------------------- robustness without checks
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_poisoned_inputs_never_escape_the_vocabulary(dtype, device):
