@@ -108,8 +108,8 @@ def _extensions():
             py_limited_api=False)
     else:
         extension = CppExtension("diversed_ext._C", sources, extra_compile_args={"cxx": cxx_flags})
-    # The tests' probes of the split CUDA kernels' steps, in a library of their own that only the tests load.
-    probes = CppExtension("diversed_ext._probes", ["csrc/probes/split_probes.cpp"],
+    # The tests' probes (the split CUDA kernels' steps, the CPU build chosen), in a library only the tests load.
+    probes = CppExtension("diversed_ext._probes", sorted(glob.glob("csrc/probes/*.cpp")),
                           extra_compile_args={"cxx": cxx_flags})
     return [extension, probes], {"build_ext": BuildExtension.with_options(use_ninja=True)}
 

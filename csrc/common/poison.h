@@ -9,7 +9,11 @@
 
 namespace diversed {
 
-inline bool poison_requested() { return std::getenv("DIVERSED_POISON_OUTPUTS") != nullptr; }
+// Set to anything but "" or "0": the usual spelling of "off" for an environment switch.
+inline bool poison_requested() {
+  const char* value = std::getenv("DIVERSED_POISON_OUTPUTS");
+  return value != nullptr && value[0] != '\0' && !(value[0] == '0' && value[1] == '\0');
+}
 
 inline void poison_output(at::Tensor& tensor) {
   if (tensor.is_floating_point())

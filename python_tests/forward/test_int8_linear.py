@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from diversed_ext.forward.int8 import Int8Linear, int8_linear, pack_int8
-from helpers import requires_pinned_quantised_layer, torch_full_range_product
+from helpers import requires_pinned_quantised_layer, torch_full_range_product, use_cpu_build
 
 ROUNDING = 2e-6  # relative to the largest output: float rounding of the rescaling, nothing more
 
@@ -120,7 +120,7 @@ def test_extreme_weights_and_inputs_sum_exactly(build, monkeypatch):
     """Weights at -128 and 127 against inputs at 255, the top of the quantised range: pair sums of 65,280 in size,
     which a saturating u8 x s8 instruction (int16) would get wrong. Every build must give the exact integer sums."""
     if build != "default":
-        monkeypatch.setenv("DIVERSED_CPU_CAPABILITY", build)
+        use_cpu_build(monkeypatch, build)
     in_features = 64
     weight = torch.full((32, in_features), -128, dtype=torch.int8)
     weight[16:] = 127
@@ -137,7 +137,7 @@ def test_row_groups_give_each_group_what_it_gets_alone(build, monkeypatch):
     """Sequences stacked into one call (a batched decoding pass) each get exactly their own call's result, though
     their ranges differ widely (one group all positive, one around zero, one large)."""
     if build != "default":
-        monkeypatch.setenv("DIVERSED_CPU_CAPABILITY", build)
+        use_cpu_build(monkeypatch, build)
     layer = int8_layer(40, 37, True, seed=8)
     packed = pack_int8([parts_of(layer)])
     generator = torch.Generator().manual_seed(9)
@@ -159,7 +159,7 @@ def test_the_longest_rows_allowed_sum_exactly_and_longer_ones_are_refused(build,
     """At the bound, every input at 255 against weights at -128 sums to -2,147,483,520, within int32; a row one
     longer could overflow, so int8_pack and int8_linear refuse it."""
     if build != "default":
-        monkeypatch.setenv("DIVERSED_CPU_CAPABILITY", build)
+        use_cpu_build(monkeypatch, build)
     weight = torch.full((16, MAX_IN_FEATURES), -128, dtype=torch.int8)
     weight[8:] = 127
     x = torch.ones(2, MAX_IN_FEATURES)
@@ -192,7 +192,7 @@ def test_every_build_equals_the_widest(build, rows, monkeypatch):
     packed = pack_int8([our_parts(70, 45, True, seed=4)])
     x = torch.randn(rows, 45) * 3.0
     widest = int8_linear(x, packed)
-    monkeypatch.setenv("DIVERSED_CPU_CAPABILITY", build)
+    use_cpu_build(monkeypatch, build)
     assert torch.equal(int8_linear(x, packed), widest)
 
 
@@ -205,7 +205,7 @@ def test_non_finite_inputs_stay_memory_safe_and_agree_across_builds(in_features,
     cases[2][:] = float("nan")
     default = [int8_linear(x, packed) for x in cases]
     for build in ("avx2", "baseline"):
-        monkeypatch.setenv("DIVERSED_CPU_CAPABILITY", build)
+        use_cpu_build(monkeypatch, build)
         for x, expected in zip(cases, default):
             assert expected.shape == (2, 20)
             torch.testing.assert_close(int8_linear(x, packed), expected, rtol=0, atol=0, equal_nan=True)

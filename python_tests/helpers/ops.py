@@ -27,6 +27,31 @@ def probe_ops():
     return torch.ops.diversed_probes
 
 
+# DIVERSED_CPU_CAPABILITY's values, narrowest first: the builds of the CPU kernels a test compares.
+CPU_BUILDS = ("baseline", "avx2", "avx512")
+
+
+def cpu_build() -> str:
+    """The CPU build the kernels run now: the probe makes the kernels' own choice (csrc/cpu_base/capability.h)."""
+    return probe_ops().cpu_build()
+
+
+def cpu_builds_here(monkeypatch) -> list:
+    """The builds this CPU runs, narrowest first (the widest it has is what runs without DIVERSED_CPU_CAPABILITY)."""
+    monkeypatch.delenv("DIVERSED_CPU_CAPABILITY", raising=False)
+    return list(CPU_BUILDS[:CPU_BUILDS.index(cpu_build()) + 1])
+
+
+def use_cpu_build(monkeypatch, build: str) -> None:
+    """Cap the kernels at ``build`` and check that they took it, so a comparison of builds never compares one build
+    with itself unnoticed; skip where the CPU lacks it (the cap then falls back to the widest build the CPU has)."""
+    monkeypatch.setenv("DIVERSED_CPU_CAPABILITY", build)
+    taken = cpu_build()
+    if taken != build:
+        assert CPU_BUILDS.index(taken) < CPU_BUILDS.index(build), f"{build} asked for, {taken} runs"
+        pytest.skip(f"this CPU has no {build} build")
+
+
 def to_device(value, device):
     return value.to(device) if isinstance(value, torch.Tensor) else value
 

@@ -8,8 +8,8 @@ import torch
 from scipy.stats import chisquare
 
 import diversed_ext as dx
-from helpers import (DTYPES, assert_verify_close, logits_verify_case, on_device, poisoned_logits_inputs,
-                     random_logits, token_stats_edge_inputs)
+from helpers import (DTYPES, assert_verify_close, cpu_builds_here, logits_verify_case, on_device,
+                     poisoned_logits_inputs, random_logits, token_stats_edge_inputs, use_cpu_build)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -236,10 +236,10 @@ def test_cpu_builds_agree_bit_for_bit(dtype, vocab, monkeypatch):
                 dx.ops.gate_statistics(tokens, target[:, :3], temperature=0.8))
 
     results = {}
-    for capability in ("baseline", "avx2", "avx512"):
-        monkeypatch.setenv("DIVERSED_CPU_CAPABILITY", capability)
+    for capability in cpu_builds_here(monkeypatch):
+        use_cpu_build(monkeypatch, capability)
         results[capability] = run_all()
-    for capability in ("avx2", "avx512"):
+    for capability in list(results)[1:]:
         for base_result, result in zip(results["baseline"], results[capability]):
             base_fields = base_result if isinstance(base_result, tuple) else (base_result,)
             fields = result if isinstance(result, tuple) else (result,)
@@ -272,10 +272,10 @@ def test_cpu_builds_agree_on_every_exp(temperature, monkeypatch):
     draft, target = logits[:, :1], logits[:, 1:]
     weight = torch.full((1, 1), 0.375)
     results = {}
-    for capability in ("baseline", "avx2", "avx512"):
-        monkeypatch.setenv("DIVERSED_CPU_CAPABILITY", capability)
+    for capability in cpu_builds_here(monkeypatch):
+        use_cpu_build(monkeypatch, capability)
         results[capability] = dx.mix(draft, target, weight, from_logits=True, temperature=temperature)
-    for capability in ("avx2", "avx512"):
+    for capability in list(results)[1:]:
         assert torch.equal(results["baseline"], results[capability]), capability
     scaled = logits * torch.tensor(1.0 / temperature, dtype=torch.float32)  # times float32 1/T, as the kernels do
     expected_probs = scaled.double().softmax(-1)

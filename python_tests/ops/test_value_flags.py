@@ -5,9 +5,10 @@ import pytest
 import torch
 
 from diversed_ext.ops import _values
+from helpers import use_cpu_build
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
-BUILDS = ["default", "avx2", "baseline"]
+BUILDS = ["default", "avx2", "baseline"]  # default: the widest build the CPU has
 
 
 def expected_flags(values: torch.Tensor, from_logits: bool) -> torch.Tensor:
@@ -49,7 +50,7 @@ def spoiled_rows(vocab: int, dtype: torch.dtype, from_logits: bool) -> torch.Ten
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_flags_equal_torch(dtype, vocab, from_logits, build, monkeypatch):
     if build != "default":
-        monkeypatch.setenv("DIVERSED_CPU_CAPABILITY", build)
+        use_cpu_build(monkeypatch, build)
     values = spoiled_rows(vocab, dtype, from_logits)
     flags = torch.ops.diversed.value_flags(values, from_logits)
     assert flags.dtype == torch.int32 and flags.shape == values.shape[:-1]
