@@ -14,15 +14,24 @@ import pytest  # noqa: E402
 
 from helpers import requires_cuda  # noqa: E402
 
-# "cuda" is always a parameter, so a machine without a GPU reports those tests as skipped (with the reason) rather
-# than leaving them out silently.
-DEVICES = ["cpu", pytest.param("cuda", marks=requires_cuda)]
+# The CUDA parameters are always there, so a machine without a GPU reports those tests as skipped (with the reason)
+# rather than leaving them out silently. "cuda" runs the default family ("auto": the split kernels, the block ones for
+# FLy), "cuda-block" the block kernels, which a server verifying with FLy runs.
+DEVICES = ["cpu", pytest.param("cuda", marks=requires_cuda), pytest.param("cuda-block", marks=requires_cuda)]
 
 
 @pytest.fixture(params=DEVICES)
 def device(request):
-    """The device an op test runs on: every test that takes `device` runs once on the CPU and once on CUDA."""
-    return request.param
+    """The device an op test runs on ("cpu" or "cuda"): every test that takes `device` runs on the CPU and on CUDA
+    with each family of verify kernels, the default family restored after."""
+    if request.param != "cuda-block":
+        yield request.param
+        return
+    import diversed_ext
+
+    diversed_ext.set_cuda_kernels("block")
+    yield "cuda"
+    diversed_ext.set_cuda_kernels("auto")
 
 
 @pytest.fixture(scope="module")

@@ -46,23 +46,23 @@ def test_seeded_draws_match_reference():
     assert_same(*both(tokens, draft, target, 0.5, seed=seeds, offset=2))
 
 
-def test_all_accepted_with_zero_weight():
+def test_all_accepted_with_zero_weight(device):
     tokens, draft, target = random_problem(32, 6, 50, seed=5)
-    native, reference = both(tokens, draft, target, 0.0, seed=1)
+    native, reference = both(tokens, draft, target, 0.0, seed=1, device=device)
     assert_same(native, reference)
     assert torch.all(native.num_accepted == 6)
     assert torch.equal(native.tokens[:, :6], tokens)
     assert torch.all(native.accept_prob == 1.0)
 
 
-def test_none_accepted():
+def test_none_accepted(device):
     # Drafts where the target puts no mass and w = 1: every first draft is rejected.
     vocab = 10
     draft = torch.full((4, 3, vocab), 1.0 / vocab)
     target = torch.zeros(4, 4, vocab)
     target[..., 0] = 1.0
     tokens = torch.full((4, 3), 5)
-    native, reference = both(tokens, draft, target, 1.0, seed=2)
+    native, reference = both(tokens, draft, target, 1.0, seed=2, device=device)
     assert_same(native, reference)
     assert torch.all(native.num_accepted == 0)
     assert torch.all(native.tokens[:, 0] == 0)  # the residual max(0, p - q) only has token 0
@@ -100,6 +100,30 @@ def test_greedy_ties_break_to_lowest_id(vocab, device):
     assert native.tokens.tolist() == [[vocab - 3, vocab - 3, vocab - 3], [vocab - 3, -1, -1]]
 
 
+TIED_AT = (7, 40_000)  # with V - 5: maxima in different vocabulary chunks of both CPU layouts and the split kernels
+
+
+@pytest.mark.parametrize("vocab", [70_001, 200_003])
+@pytest.mark.parametrize("batch", [1, 3])  # one request goes by vocabulary chunks on the CPU, three by rows
+def test_greedy_ties_across_vocabulary_chunks_break_to_lowest_id(batch, vocab, device):
+    """Tied maxima far apart: each chunk finds its own, and the merge of the chunks' argmaxes keeps the lowest id,
+    from probabilities, from logits at temperature 0 and for drafts given as tokens only."""
+    num_positions = 2
+    target = torch.full((batch, num_positions + 1, vocab), 0.5 / vocab)
+    target[..., [*TIED_AT, vocab - 5]] = 0.1
+    draft = torch.full((batch, num_positions, vocab), 1.0 / vocab)
+    tokens = torch.full((batch, num_positions), vocab - 5)  # a tied maximum, but not the lowest: rejected
+    greedy = torch.ones(batch, dtype=torch.bool)
+    expected = [[TIED_AT[0]] + [-1] * num_positions] * batch
+    native, reference = both(tokens, draft, target, 1.0, greedy=greedy, device=device)
+    assert_same(native, reference)
+    assert native.tokens.tolist() == expected
+    from_logits = on_device(device, dx.verify_logits, tokens, draft.log(), target.log(), 1.0, temperature=0.0)
+    assert from_logits.tokens.tolist() == expected
+    tokens_only = on_device(device, dx.verify, tokens, None, target, 1.0, greedy=greedy)
+    assert tokens_only.tokens.tolist() == expected
+
+
 def test_tiny_and_huge_probabilities():
     vocab = 1000
     generator = torch.Generator().manual_seed(9)
@@ -123,9 +147,9 @@ def test_empty_batch(device):
     assert dx.token_stats(draft, target[:, :3], tokens).total_variation.shape == (0, 3)
 
 
-def test_k_zero():
+def test_k_zero(device):
     tokens, draft, target = random_problem(5, 0, 10, seed=2)
-    native, reference = both(tokens, draft, target, 0.5, seed=3)
+    native, reference = both(tokens, draft, target, 0.5, seed=3, device=device)
     assert_same(native, reference)
     assert native.tokens.shape == (5, 1) and torch.all(native.num_accepted == 0)
 
@@ -141,7 +165,7 @@ def test_int32_tokens_and_padding_past_num_draft():
     assert torch.all(native.accept_prob[:, 2:] == 0)
 
 
-def test_bonus_row_follows_num_draft():
+def test_bonus_row_follows_num_draft(device):
     # All drafts accepted (w = 0, each in its target's support): the bonus of row b must come from target row
     # num_draft[b].
     vocab = 5
@@ -150,5 +174,5 @@ def test_bonus_row_follows_num_draft():
     for position in range(4):
         target[:, position, position] = 1.0
     tokens = torch.arange(3).repeat(3, 1)
-    native = dx.verify(tokens, draft, target, 0.0, num_draft=torch.tensor([0, 2, 3]), seed=0)
+    native = on_device(device, dx.verify, tokens, draft, target, 0.0, num_draft=torch.tensor([0, 2, 3]), seed=0)
     assert native.tokens.tolist() == [[0, -1, -1, -1], [0, 1, 2, -1], [0, 1, 2, 3]]
