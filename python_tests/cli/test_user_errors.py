@@ -1,9 +1,9 @@
 """A user's mistakes get one clear line, never a traceback or a silent wrong result: the command line (exit status 2,
-checked before any model loads), data files, saved heads and training checkpoints."""
+checked before any model loads), data files and saved heads; training's damaged files are in
+research/test_damaged_training_files.py."""
 
 import json
 import os
-import pickle
 
 import pytest
 import torch
@@ -13,8 +13,6 @@ import diversed_ext as dx  # noqa: E402
 from diversed_ext import cli  # noqa: E402
 from diversed_ext.head import EnsembleHead, load_head  # noqa: E402
 from diversed_ext.models import export  # noqa: E402
-from diversed_ext.research.checkpoints import CheckpointError, TrainingLog, load_checkpoint  # noqa: E402
-from diversed_ext.research.tasks import load_gsm8k  # noqa: E402
 
 
 @pytest.fixture
@@ -365,52 +363,3 @@ def _edit_config(folder, change):
     config = json.loads(path.read_text())
     change(config)
     path.write_text(json.dumps(config))
-
-
-# ---------------------------------------------------------------------------------------------------- checkpoints
-class Payload:
-    def __reduce__(self):
-        return (os.system, ("touch PLANTED",))
-
-
-def test_planted_pickle_payload_never_runs(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    path = tmp_path / "checkpoint.pt"
-    torch.save({"head": Payload()}, str(path))
-    with pytest.raises(CheckpointError, match=str(path)):
-        load_checkpoint(str(path))
-    assert not (tmp_path / "PLANTED").exists()
-
-
-@pytest.mark.parametrize("content", [b"", b"PK\x03\x04garbage", pickle.dumps({"not": "a checkpoint"})[:10]])
-def test_unreadable_checkpoints_name_the_file(tmp_path, content):
-    path = tmp_path / "checkpoint.pt"
-    path.write_bytes(content)
-    with pytest.raises(CheckpointError, match="checkpoint.pt"):
-        load_checkpoint(str(path))
-
-
-def test_foreign_checkpoint_names_what_it_lacks(tmp_path):
-    path = tmp_path / "checkpoint.pt"
-    torch.save({"step": 3}, str(path))
-    with pytest.raises(CheckpointError, match="lacks head"):
-        load_checkpoint(str(path))
-
-
-def test_torn_last_log_line_is_dropped_and_a_bad_middle_line_is_named(tmp_path):
-    path = tmp_path / "train_log.jsonl"
-    path.write_text('{"step": 1, "loss": 0.5}\n{"step": 2, "loss": 0.4}\n{"step": 3, "lo')
-    log = TrainingLog(str(path))
-    assert [record["step"] for record in log.read()] == [1, 2]
-    log.truncate(1)
-    assert [record["step"] for record in log.read()] == [1]
-    path.write_text('{"step": 1}\ngarbage\n{"step": 3}\n')
-    with pytest.raises(CheckpointError, match="train_log.jsonl:2"):
-        log.read()
-
-
-def test_gsm8k_loader_rejects_a_gzip_that_is_not_one(tmp_path):
-    path = tmp_path / "fake.jsonl.gz"
-    path.write_bytes(b"plain text, not gzip")
-    with pytest.raises(ValueError, match="cannot be read"):
-        load_gsm8k(str(path))
