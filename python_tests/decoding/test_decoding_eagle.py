@@ -15,11 +15,10 @@ pytest.importorskip("transformers")
 pytest.importorskip("scipy.stats")
 
 from diversed_ext.decoding import SpeculativeDecoder  # noqa: E402
-from diversed_ext.forward._native import forward_ops_built  # noqa: E402
 from diversed_ext.models.eagle3 import Eagle3Config, Eagle3Head  # noqa: E402
 from helpers import (P_VALUE_FLOOR, PROMPT, SMALL_VOCAB, WIDE_VOCAB, assert_prompts_decode_as_alone,  # noqa: E402
                      chi_square_cells_p_value, distilled_head, exact_joint, sequences, small_pair_models,
-                     one_torch_thread, target_features, wide_pair_models)
+                     one_torch_thread, require_forward_ops, target_features, wide_pair_models)
 
 PROMPTS = [PROMPT, [5], [7, 7, 8, 30, 2, 11], [4, 9, 4, 9, 4]]
 WIDE_DRAFT_IDS = [token for token in range(WIDE_VOCAB) if token % 8 != 7]  # 28 of the 32 ids
@@ -121,9 +120,9 @@ def test_sampled_sd_with_an_eagle_head_follows_the_target(small_eagle, draft_mod
     assert chi_square_cells_p_value(samples, other) < 1e-6
 
 
-@pytest.mark.skipif(not forward_ops_built(), reason="the native forward ops are not built")
 def test_sampled_sd_with_int8_products_still_follows_the_target(small_eagle):
     """int8 products change the drafts' distribution, never the output's: the verifier reads the law they came from."""
+    require_forward_ops()
     target, head = small_eagle
     try:
         output = SpeculativeDecoder(target, head.use_int8_products(), method="sd", max_draft=2,

@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 
 from diversed_ext.forward import Int8Linear, quantize_int8
-from diversed_ext.forward._native import forward_ops_built
 from diversed_ext.models.eagle3 import Eagle3Config, Eagle3Head, rotate
 from diversed_ext.models.eagle3_layers import INT8_GROUPS, Eagle3Cache, step_weights
+from helpers import require_forward_ops
 
 TARGET = dict(hidden_size=32, num_attention_heads=6, num_key_value_heads=2, head_dim=8, intermediate_size=48,
               rms_norm_eps=1e-5, rope_parameters={"rope_theta": 10000.0, "rope_type": "default"},
@@ -122,10 +122,10 @@ def test_one_query_needs_no_mask_however_long_the_cache(dtype):
             assert fast.length == length + 1
 
 
-@pytest.mark.skipif(not forward_ops_built(), reason="the native forward ops are not built")
 def test_float32_on_the_cpu_uses_the_packed_products_and_repacks_after_a_change():
     """The packed weights follow the parameters: after an in-place update (a training step, a load) the step reads
     the new weights, not the packed copy of the old ones."""
+    require_forward_ops()
     head = make_head(torch.float32, seed=2)
     tokens, features = torch.tensor([3, 4, 5]), torch.randn(3, head.config.hidden_size)
     with torch.no_grad():
@@ -164,12 +164,12 @@ def quantised_rows_alone(head):
     return quantized
 
 
-@pytest.mark.skipif(not forward_ops_built(), reason="the native forward ops are not built")
 def test_int8_products_are_the_int8_draft_layers_and_switch_back():
     """With int8 products the step computes what the plain layer computes with its linear layers quantised as the
     int8 draft model's are (:func:`quantize_int8`), each row's input quantised alone (so a position's
     result does not depend on the positions fed with it), not the float layer; ``fc`` (the fusion, once per verified
     position) stays float; switched off, the float step again."""
+    require_forward_ops()
     head = make_head(torch.float32, seed=3)
     quantized = quantised_rows_alone(head)
     tokens, features = torch.tensor([3, 4, 5, 6]), torch.randn(4, head.config.hidden_size)
@@ -249,8 +249,7 @@ def test_a_head_made_in_inference_mode_steps():
     torch.testing.assert_close(got[0], want[0], **tolerances(torch.float32))
 
 
-STEP_ROWS_PRODUCTS = ["float64", "float32", pytest.param("int8", marks=pytest.mark.skipif(
-    not forward_ops_built(), reason="the native forward ops are not built"))]
+STEP_ROWS_PRODUCTS = ["float64", "float32", "int8"]
 
 
 @pytest.mark.parametrize("products", STEP_ROWS_PRODUCTS)
@@ -258,6 +257,8 @@ def test_sequences_stepped_together_get_what_each_gets_alone(products):
     """step_rows over sequences with caches of different lengths (one empty), feeding several positions (a round's
     first step) or one: each sequence's logits, states and cache equal stepping it alone, bit for bit where the
     products are the packed float32 or int8 ones (a row's sums do not depend on the rows beside it)."""
+    if products == "int8":
+        require_forward_ops()
     dtype = torch.float64 if products == "float64" else torch.float32
     head = make_head(dtype, seed=7).use_int8_products(products == "int8")
     g = torch.Generator().manual_seed(11)

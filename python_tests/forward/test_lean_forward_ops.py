@@ -10,7 +10,7 @@ import torch
 from diversed_ext.forward.llama_runner import LlamaRunner
 from diversed_ext.forward import quantize_int8
 from diversed_ext.forward.float_linear import float_linear, pack_float
-from helpers import FORWARD_CONFIGS, FORWARD_SCHEDULE, FORWARD_VOCAB, forward_llama
+from helpers import FORWARD_CONFIGS, FORWARD_SCHEDULE, FORWARD_VOCAB, forward_llama, use_cpu_build
 
 BUILDS = ["avx512", "avx2", "baseline"]  # DIVERSED_CPU_CAPABILITY caps the build; a CPU without one runs a narrower
 
@@ -76,7 +76,7 @@ def test_float_linear_builds_agree_bit_for_bit(build, monkeypatch):
     x = torch.randn(11, 45)
     x[3, 4] = float("nan")  # NaN stays in its row and column
     default = float_linear(x, packed)
-    monkeypatch.setenv("DIVERSED_CPU_CAPABILITY", build)
+    use_cpu_build(monkeypatch, build)
     torch.testing.assert_close(float_linear(x, packed), default, rtol=0, atol=0, equal_nan=True)
     assert torch.isnan(default[3]).all() and not torch.isnan(default[[0, 1, 2, 4]]).any()
 
@@ -164,7 +164,7 @@ def test_native_layers_builds_agree_bit_for_bit(kind, build, monkeypatch):
     runner = native_runner(kind, "biases")
     feeds = [[1, 5, 9, 2, 30, 4, 4], [3], [8, 8]]
     default, _, _ = runner.run_rows(feeds, [None] * 3, [len(feed) for feed in feeds], False)
-    monkeypatch.setenv("DIVERSED_CPU_CAPABILITY", build)
+    use_cpu_build(monkeypatch, build)
     again, _, _ = runner.run_rows(feeds, [None] * 3, [len(feed) for feed in feeds], False)
     assert torch.equal(again, default)
 
@@ -174,6 +174,8 @@ def test_native_layers_poisoned_scratch_changes_nothing(kind, monkeypatch):
     """Under the test hook every scratch buffer starts as NaN: a value read before it is written would show."""
     runner = native_runner(kind, "head-dim-16")
     feeds = [[1, 2, 3, 4], [5]]
+    # conftest turns poisoning on for every test: unset here, so the first run really is the clean one.
+    monkeypatch.delenv("DIVERSED_POISON_OUTPUTS", raising=False)
     clean, _, _ = runner.run_rows(feeds, [None] * 2, [4, 1], False)
     monkeypatch.setenv("DIVERSED_POISON_OUTPUTS", "1")
     poisoned, _, _ = runner.run_rows(feeds, [None] * 2, [4, 1], False)

@@ -1,11 +1,12 @@
-"""What the op tests share: random draft/target problems, poisoned inputs, result checks, the dispatch log and the
-CUDA skip.
+"""What the op tests share: random draft/target problems, poisoned inputs, result checks, the dispatch log, the
+CUDA skip and the lean forward's.
 
 Tests import these with `from helpers import ...`; pytest configuration (the output poisoning default, the `device`
 fixture) lives in conftest.py.
 """
 
 import importlib.util
+import os
 import warnings
 
 import pytest
@@ -16,6 +17,23 @@ CUDA_SKIP_REASON = "CUDA tests need a GPU, and none is visible on this machine"
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason=CUDA_SKIP_REASON)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+FORWARD_SKIP_REASON = "the build was asked to leave the lean forward's native ops out (DIVERSED_FORWARD=0)"
+
+
+def require_forward_ops() -> None:
+    """For a test of the lean forward's native ops: skip where they were left out on purpose (setup.py's
+    DIVERSED_FORWARD=0, set for the test run as for the build), fail where the build lacks them otherwise. The
+    default build has them, so their absence there is a broken build, not a reason to skip."""
+    from diversed_ext.forward import forward_ops_built
+
+    if forward_ops_built():
+        return
+    if os.environ.get("DIVERSED_FORWARD", "1").strip() == "0":
+        pytest.skip(FORWARD_SKIP_REASON)
+    pytest.fail("this build of diversed_ext lacks the lean forward's native ops, which every build has unless "
+                "DIVERSED_FORWARD=0 leaves them out: rebuild it, or set DIVERSED_FORWARD=0 to test a verify-only "
+                "build")
 
 
 def probe_ops():

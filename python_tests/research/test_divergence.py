@@ -273,12 +273,11 @@ def test_fly_branches_read_their_prefix_from_the_cache_as_a_full_forward_would(r
     from diversed_ext.decoding import Fly
     from diversed_ext.decoding.runners import HFRunner
     from diversed_ext.forward import LlamaRunner
-    from diversed_ext.forward._native import forward_ops_built
     from diversed_ext.research.fly_divergence import fly_divergences, fly_runners
-    from helpers import decoding_llama, noisy_copy
+    from helpers import decoding_llama, noisy_copy, require_forward_ops
 
-    if runner == "lean" and not forward_ops_built():
-        pytest.skip("the native forward ops are not built")
+    if runner == "lean":
+        require_forward_ops()
     target = decoding_llama(21, 8, sharpness=4.0, layers=2)
     draft = noisy_copy(target, 22, scale=1.0)
     runners = (fly_runners(target, draft) if runner == "lean"
