@@ -14,6 +14,12 @@ import subprocess
 import sys
 import zipfile
 
+# The whole download: hundreds of MB at 1 MB/s, and less than the tests' pytest-timeout of 900 s (pyproject.toml), so
+# a stalled download fails here, saying what to do, rather than as a bare test timeout.
+DOWNLOAD_TIMEOUT_SECONDS = 600
+# pip's own limit on one stalled connection (its default: 15 s), retried by pip.
+SOCKET_TIMEOUT_SECONDS = 60
+
 
 def source_cache(version: str) -> str:
     """Where :func:`fetch_source` keeps a release's source by default: ``$XDG_CACHE_HOME/diversed_ext/vllm-VERSION``
@@ -31,8 +37,17 @@ def fetch_source(version: str, dest: str | None = None) -> str:
         return dest
     wheels = os.path.join(dest, "wheel")
     os.makedirs(wheels, exist_ok=True)
-    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--dest", wheels,
-                    f"vllm=={version}"], check=True, stdout=sys.stderr)  # stdout: only the folder
+    command = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--timeout", str(SOCKET_TIMEOUT_SECONDS),
+               "--dest", wheels, f"vllm=={version}"]
+    try:
+        subprocess.run(command, check=True, stdout=sys.stderr, timeout=DOWNLOAD_TIMEOUT_SECONDS)  # stdout: the folder
+    except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as error:
+        failure = (f"exited with status {error.returncode}" if isinstance(error, subprocess.CalledProcessError)
+                   else f"did not finish within {DOWNLOAD_TIMEOUT_SECONDS} s")
+        raise RuntimeError(
+            f"pip download vllm=={version} {failure} (pip's messages are on stderr). Fetching the wheel needs PyPI, or "
+            f"an index set by PIP_INDEX_URL; or unpack the wheel's vllm/**.py under {dest} yourself and create the "
+            f"file {marker}. Then run again.") from error
     wheel_path = next(os.path.join(wheels, name) for name in sorted(os.listdir(wheels)) if name.endswith(".whl"))
     with zipfile.ZipFile(wheel_path) as wheel:
         wheel.extractall(dest, [name for name in wheel.namelist()

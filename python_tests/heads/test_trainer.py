@@ -208,16 +208,41 @@ def test_two_process_ddp_on_cpu(tmp_path):
 
 def test_process_tree_kill_reaches_descendants_in_other_sessions(tmp_path):
     """The timeout kill reaches a grandchild that left the session and holds the output open, and returns on time."""
+    import signal
     import sys
+    import time
 
     from helpers.process_tree import run_process_tree
 
-    flag = tmp_path / "grandchild_alive"
-    grandchild = ("import os, time, sys; os.setsid(); time.sleep(3); open(sys.argv[1], 'w').write('alive')")
+    def running(pid):  # a zombie has been killed; only its parent has not reaped it yet
+        try:
+            with open(f"/proc/{pid}/stat") as handle:
+                return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except FileNotFoundError:
+            return False
+
+    started = tmp_path / "grandchild_started"
+    # Once in a session of its own, the grandchild writes its pid; through a rename, so a kill in the middle of the
+    # write leaves no half-written file.
+    grandchild = ("import os, sys, time; os.setsid(); open(sys.argv[1] + '.tmp', 'w').write(str(os.getpid())); "
+                  "os.replace(sys.argv[1] + '.tmp', sys.argv[1]); time.sleep(60)")
     parent = ("import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', sys.argv[1], sys.argv[2]]); "
               "time.sleep(60)")
-    run = run_process_tree([sys.executable, "-c", parent, grandchild, str(flag)], timeout=1.0)
-    assert run.timed_out and run.seconds < 1.0 + KILL_GRACE_SECONDS
-    import time
-    time.sleep(4)  # the grandchild would have written its file by now
-    assert not flag.exists()
+    # The kill proves something only once the grandchild runs, and a busy machine may take longer than a short
+    # timeout to start two interpreters: a run whose grandchild had not started is repeated with a longer timeout.
+    for timeout in (1.0, 4.0, 16.0):
+        run = run_process_tree([sys.executable, "-c", parent, grandchild, str(started)], timeout=timeout)
+        assert run.timed_out and run.seconds < timeout + KILL_GRACE_SECONDS
+        if started.exists():
+            break
+    else:
+        pytest.fail(f"the grandchild never started within {timeout} s: the kill was not tested")
+    pid = int(started.read_text())
+    try:
+        deadline = time.monotonic() + KILL_GRACE_SECONDS  # SIGKILL is delivered, not awaited
+        while running(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not running(pid), "the grandchild outlived the timeout kill"
+    finally:
+        if running(pid):
+            os.kill(pid, signal.SIGKILL)

@@ -192,9 +192,15 @@ def test_python_philox_word_is_the_kernels():
             assert float(uniforms[row, position]) == (word >> 8) / 2**24
 
 
+PROBE_NAMES = ("vocab_split_probe", "generator_seeds")  # csrc/probes/split_probes.cpp
+
+
 def test_the_package_never_loads_the_probes():
-    assert not hasattr(torch.ops.diversed, "vocab_split_probe") and not hasattr(torch.ops.diversed, "generator_seeds")
+    # This module loaded the probes (PROBES): so they are here, and absent from the package's own namespace only
+    # because they are not in it. A fresh interpreter that imports the package alone must lack them.
+    for name in PROBE_NAMES:
+        assert hasattr(PROBES, name) and not hasattr(torch.ops.diversed, name), name
     code = ("import torch, diversed_ext; "
-            "assert not hasattr(torch.ops.diversed_probes, 'generator_seeds'), 'loaded'; "
+            f"assert not any(hasattr(torch.ops.diversed_probes, name) for name in {PROBE_NAMES!r}), 'loaded'; "
             "assert not any('_probes' in path for path in torch.ops.loaded_libraries), 'listed'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
