@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
+import torch
+
 from ..decoding import DEFAULT_MAX_DRAFT
 from ..decoding.runners import model_device
 from ..head import HEAD_INPUTS, EnsembleHead, hidden_size
@@ -25,7 +27,7 @@ def build_trainer(task: Task, examples: Sequence[dict], target, draft, tokenizer
         rollout: ``"speculative"`` (the decoding loop with the current head) or ``"mixture"`` (token by token).
         head: a head to keep training (on the target's device); otherwise a new one there with ``head_hidden``,
             ``init_weight`` and ``head_inputs`` (a key of :data:`~diversed_ext.head.HEAD_INPUTS`: hidden states,
-            distribution features, or both).
+            distribution features, or both), its hidden layer's initial weights drawn from ``config.seed``.
         recipe: the ``diversed train`` options of this run, recorded in the new head's head.json.
         mixed_in: (task, examples) of other tasks whose prompts join ``examples``' in the pool batches are drawn
             from, each prompted (chat template or plain text) and rewarded by its own task: a head that meets more
@@ -35,9 +37,14 @@ def build_trainer(task: Task, examples: Sequence[dict], target, draft, tokenizer
         if head_inputs not in HEAD_INPUTS:
             raise ValueError(f"head_inputs must be one of {', '.join(HEAD_INPUTS)}, got {head_inputs!r}")
         features, use_hidden = HEAD_INPUTS[head_inputs]
-        head = EnsembleHead(hidden_size(draft), hidden_size(target), hidden=head_hidden, init_weight=init_weight,
-                            pair=pair, features=features, use_hidden=use_hidden,
-                            recipe=recipe).to(model_device(target))
+        # A hidden layer starts from random weights: drawn from the run's seed, so that a recipe (which records the
+        # seed) reproduces its head, and in a forked RNG, so that building the head leaves the caller's draws alone.
+        # The head is built on the CPU and then moved, so the CPU generator alone is seeded and restored.
+        with torch.random.fork_rng(devices=[]):
+            torch.random.default_generator.manual_seed(config.seed)
+            head = EnsembleHead(hidden_size(draft), hidden_size(target), hidden=head_hidden, init_weight=init_weight,
+                                pair=pair, features=features, use_hidden=use_hidden, recipe=recipe)
+        head = head.to(model_device(target))
     parts = [(task, examples), *mixed_in]
     prompts = [prompt for part_task, part in parts for prompt in encode_examples(part_task, part, tokenizer, chat)]
     tagged = [(part_task, example) for part_task, part in parts for example in part]

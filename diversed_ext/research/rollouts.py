@@ -1,10 +1,14 @@
-"""Rollouts for the trainer: completions sampled from nu = w p + (1 - w) q with the current head.
+"""Rollouts for the trainer: completions sampled with the current head, and where each token was drawn from.
 
-:func:`speculative_rollout` samples through the speculative loop, as in deployment; :func:`mixture_rollout` samples
-the same distribution token by token with full forward passes (the tests' reference, and a fallback for models the
-loop does not support). A draft model's q at a position depends on the tokens before it alone, so both give the same
-law; an EAGLE-3 head's q also depends on how many steps into its round it drafts, so it rolls out through the loop
-only, and each completion says at which step every token was drafted (:func:`draft_steps`).
+:func:`speculative_rollout` samples through the speculative loop, as in deployment. A token at a position where a
+draft was verified (a kept draft, or the correction sampled from the residual at the first rejection) follows
+nu = w p + (1 - w) q; a round that keeps all its drafts (or drafts none) then adds a bonus token drawn from the target
+p alone, where w changes nothing. So the loop's completions do not follow nu token by token: each records which of
+its tokens were verified (:func:`verified_tokens`), and the trainer leaves the bonus tokens out of the head's terms.
+:func:`mixture_rollout` samples nu token by token with full forward passes (every token from nu: the tests'
+reference, and a fallback for models the loop does not support). An EAGLE-3 head's q also depends on how many steps
+into its round it drafts, so it rolls out through the loop only, and each completion says at which step every token
+was drafted (:func:`draft_steps`).
 """
 
 from __future__ import annotations
@@ -21,11 +25,14 @@ from ..ops import distribution_temperature, is_greedy_temperature
 
 
 class Completion(NamedTuple):
-    """One rollout: its token ids, and for each the draft step (0-based) whose q the loop mixed in there, or None
-    where every token's q is the one a fresh round would draft it with (token-by-token sampling)."""
+    """One rollout: its token ids; for each the draft step (0-based) whose q the loop mixed in there, or None where
+    every token's q is the one a fresh round would draft it with; and for each whether it was drawn from nu (a draft
+    was verified there) rather than from p (a bonus token), or None where every token was drawn from nu (both None
+    for token-by-token sampling)."""
 
     tokens: list[int]
     draft_steps: Optional[list[int]] = None
+    verified: Optional[list[bool]] = None
 
 
 # (prompts' token ids, one rollout seed per prompt) -> one Completion per prompt
@@ -43,19 +50,47 @@ def draft_steps(rounds) -> list[int]:
     return steps
 
 
-def speculative_rollout(target, draft, head, *, max_draft: int = DEFAULT_MAX_DRAFT, max_new_tokens: int, temperature: float = 1.0,
-                        eos_token_id=None, batch_size: Optional[int] = None):
-    """A rollout that samples from nu through the speculative loop with the current head (the same
-    distribution as :func:`mixture_rollout`, at the cost of deployment); the prompts are decoded together, up to
-    ``batch_size`` at a time (None: all), each with its own seed."""
+def verified_tokens(rounds) -> list[bool]:
+    """For every token a generation emitted, from its rounds (:class:`~diversed_ext.decoding.RoundStats`), whether
+    a draft was verified at its position: token m of a round that drafted d tokens was when m < d (a kept draft, or
+    the correction after the first rejection: either way drawn from nu). Token d, emitted only when all d drafts were
+    kept, is the bonus token, drawn from p (so is the token of a round that drafted nothing)."""
+    verified = []
+    for round_stats in rounds:
+        verified += [m < round_stats.drafted for m in range(round_stats.emitted)]
+    return verified
+
+
+def nu_mask(completions: Sequence[Completion], mask: torch.Tensor) -> torch.Tensor:
+    """[N, T] bool: ``mask`` (True at the completions' tokens, right-padded to T) where the token was drawn from nu,
+    False at bonus tokens (:attr:`Completion.verified`; None: every token from nu)."""
+    if len(completions) != mask.shape[0]:
+        raise ValueError(f"{len(completions)} completions for a mask of {mask.shape[0]} rows")
+    drawn = mask.clone()
+    for row, completion in enumerate(completions):
+        if completion.verified is None:
+            continue
+        if len(completion.verified) != len(completion.tokens):
+            raise ValueError(f"verified: {len(completion.verified)} flags for a completion of "
+                             f"{len(completion.tokens)} tokens")
+        flags = torch.tensor(list(completion.verified), dtype=torch.bool, device=mask.device)
+        drawn[row, :len(flags)] &= flags
+    return drawn
+
+
+def speculative_rollout(target, draft, head, *, max_draft: int = DEFAULT_MAX_DRAFT, max_new_tokens: int,
+                        temperature: float = 1.0, eos_token_id=None, batch_size: Optional[int] = None):
+    """A rollout through the speculative loop with the current head, at the cost of deployment: verified tokens
+    follow nu, bonus tokens p (each completion flags which, :func:`verified_tokens`); the prompts are decoded
+    together, up to ``batch_size`` at a time (None: all), each with its own seed."""
     decoder = SpeculativeDecoder(target, draft, method="diversed", head=head, max_draft=max_draft,
                                  temperature=temperature)
 
     def rollout(prompts: Sequence[Sequence[int]], seeds: Sequence[int]) -> list[Completion]:
         output = decoder.generate([list(prompt) for prompt in prompts], max_new_tokens=max_new_tokens,
                                   eos_token_id=eos_token_id, seed=list(seeds), batch_size=batch_size)
-        return [Completion(generation.tokens.tolist(), draft_steps(generation.rounds))
-                for generation in output.generations]
+        return [Completion(generation.tokens.tolist(), draft_steps(generation.rounds),
+                           verified_tokens(generation.rounds)) for generation in output.generations]
 
     return rollout
 
@@ -64,9 +99,9 @@ def mixture_rollout(target, draft, head: EnsembleHead, *, max_new_tokens: int, t
                     eos_token_id: Optional[int] = None) -> Rollout:
     """A rollout that samples nu = w p + (1 - w) q token by token with full forward passes.
 
-    The same distribution as the speculative loop (which only makes it cheaper), so it is the reference rollout of
-    the tests and a fallback for models the speculative decoder does not support. Raises ValueError for an EAGLE-3
-    ``draft``, whose q exists only inside the loop's rounds.
+    Every token is drawn from nu (the speculative loop draws its bonus tokens from p instead), so this is the
+    reference rollout of the tests and a fallback for models the speculative decoder does not support. Raises
+    ValueError for an EAGLE-3 ``draft``, whose q exists only inside the loop's rounds.
     """
     if is_eagle_head(draft):
         raise ValueError("rollout: an EAGLE-3 draft's q depends on the step of its round it drafts at, so it rolls "

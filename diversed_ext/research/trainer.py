@@ -2,7 +2,8 @@
 
 One step:
   1. take a batch of prompts from this rank's shard (deterministic in the seed and the step);
-  2. roll out completions by speculative decoding with the current head: the tokens follow nu, as in deployment;
+  2. roll out completions by speculative decoding with the current head, as in deployment: a token where a draft was
+     verified follows nu, a round's bonus token (all its drafts kept) the target p, and each completion flags which;
   3. reward each completion: the task reward plus ``fidelity_coef`` times its fidelity (mean target log-probability
      per generated token);
   4. one teacher-forced pass of both models gives hidden states, log p(y), log q(y), TV, the fidelity gap
@@ -10,7 +11,9 @@ One step:
   5. loss = diversed_objective(...) (diversed_ext/research/objective.py): policy gradient with batch-normalised
      advantages plus the acceptance regulariser, plus (``expected_fidelity_coef`` > 0) the closed-form expected
      next-token fidelity and (``expected_kl_coef`` > 0) the expected divergence KL(nu || p); only the head trains
-     (AdamW, gradient clipping, linear warm-up then cosine decay).
+     (AdamW, gradient clipping, linear warm-up then cosine decay). These terms count the tokens drawn from nu alone
+     (:func:`head_objective`): a bonus token's log-probability is log p, whatever w, so it adds nothing to the
+     policy gradient, and no draft was verified there for w to change its acceptance, fidelity or divergence.
 
 Checkpoints (head, optimiser, scheduler, step, RNG states) are written atomically; ``resume=True`` continues exactly
 where the last one stopped. Under ``torchrun`` the head is wrapped in DistributedDataParallel (gloo on CPU, nccl on
@@ -37,10 +40,10 @@ from ..decoding.runners import model_device
 from ..head import EnsembleHead
 from .checkpoints import (CHECKPOINT_NAME, LOG_NAME, CheckpointError, TrainingLog, load_checkpoint,
                           save_checkpoint)
-from .objective import CLOSED_FORMS, check_kl_options, diversed_objective
+from .objective import CLOSED_FORMS, ObjectiveTerms, check_kl_options, diversed_objective
 from .plots import plot_training_curve
-from .rollouts import Rollout
-from .teacher_forcing import teacher_forced_tokens
+from .rollouts import Rollout, nu_mask
+from .teacher_forcing import TokenBatch, teacher_forced_tokens
 
 CURVE_NAME = "training_curve.png"
 
@@ -151,7 +154,7 @@ class Trainer:
         reward: (example, completion text) -> task reward.
         decode: completion token ids -> text (the tokenizer's decode).
         rollout: (prompts' ids, seeds) -> one :class:`.rollouts.Completion` per prompt, sampled with the current
-            head: through the speculative loop, all prompts of a step decoded together
+            head: through the speculative loop, all prompts of a step decoded together, its bonus tokens flagged
             (:func:`.rollouts.speculative_rollout`), or token by token (:func:`.rollouts.mixture_rollout`).
         config: :class:`TrainerConfig`.
 
@@ -173,7 +176,8 @@ class Trainer:
         self.rank, self.world_size = _distributed()
         self.shard = list(range(self.rank, len(self.prompts), self.world_size))
         if not self.shard:
-            raise ValueError(f"rank {self.rank} has no prompts: {len(self.prompts)} prompts for {self.world_size} ranks")
+            raise ValueError(f"rank {self.rank} has no prompts: {len(self.prompts)} prompts for {self.world_size} "
+                             "ranks")
         for parameter in list(target.parameters()) + list(draft.parameters()):
             parameter.requires_grad_(False)
         self._ddp: Optional[torch.nn.parallel.DistributedDataParallel] = None
@@ -242,24 +246,21 @@ class Trainer:
         task_rewards = torch.tensor([float(self.reward(self.examples[index], self.decode(completion)))
                                      for index, completion in zip(indices, completions)], dtype=torch.float64,
                                     device=tokens.mask.device)
+        # The reward is the whole completion's, bonus tokens included: they are part of the text the head produced.
         fidelity = _masked_mean(tokens.target_logprob, tokens.mask)
         rewards = task_rewards + self.config.fidelity_coef * fidelity
+        drawn = nu_mask(rollouts, tokens.mask)
 
         self.head.train()
         first = None  # the terms before this step's first update: they describe the policy that rolled out
         for _ in range(self.config.epochs):
-            weights = self.model(*tokens.head_inputs(self.head))
-            terms = diversed_objective(weights, tokens.target_logprob, tokens.draft_logprob, tokens.total_variation,
-                                       rewards.to(weights.dtype), tokens.mask, self.config.acceptance_coef,
-                                       tokens.fidelity_gap, self.config.expected_fidelity_coef,
-                                       self.config.closed_form, tokens.kl_table if with_divergence else None,
-                                       self.config.expected_kl_coef)
+            weights, terms = head_objective(self.model, self.head, tokens, drawn, rewards, self.config)
             self.optimizer.zero_grad(set_to_none=True)
             terms.loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(self.head.parameters(), self.config.grad_clip)
             self.optimizer.step()
             if first is None:
-                fidelity_change = _masked_mean(((1 - weights) * tokens.fidelity_gap).detach(), tokens.mask)
+                fidelity_change = _masked_mean(((1 - weights) * tokens.fidelity_gap).detach(), drawn)
                 first = terms, fidelity_change, float(grad_norm)
         terms, fidelity_change, grad_norm = first
         self.scheduler.step()
@@ -269,7 +270,7 @@ class Trainer:
                   "expected_acceptance": terms.expected_acceptance.item(),
                   "expected_fidelity_change": fidelity_change.mean().item(), "grad_norm": grad_norm,
                   "learning_rate": self.scheduler.get_last_lr()[0],
-                  "tokens": int(tokens.mask.sum())}
+                  "tokens": int(tokens.mask.sum()), "verified_tokens": int(drawn.sum())}
         if with_divergence:
             record["expected_kl"] = terms.expected_kl.item()
         self.history.append(record)
@@ -344,6 +345,24 @@ class Trainer:
         if self.rank == 0:
             self.log.truncate(self.step)
         return True
+
+
+def head_objective(model: torch.nn.Module, head: EnsembleHead, tokens: TokenBatch, drawn: torch.Tensor,
+                   rewards: torch.Tensor, config: TrainerConfig) -> tuple[torch.Tensor, ObjectiveTerms]:
+    """(weights [N, T], terms): ``model`` (the head, or its DDP wrapper) at every position of ``tokens``, and the
+    DIVERSED objective over the tokens ``drawn`` marks ([N, T] bool: those drawn from nu, :func:`.rollouts.nu_mask`).
+
+    A bonus token of the speculative loop is drawn from p: its log-probability under the rollout is log p whatever
+    the head says, so it contributes no policy gradient, and as no draft was verified there the closed-form
+    acceptance, fidelity and divergence of w do not apply. Leaving it out of the mask drops it from every term.
+    """
+    weights = model(*tokens.head_inputs(head))
+    with_divergence = config.expected_kl_coef > 0
+    terms = diversed_objective(weights, tokens.target_logprob, tokens.draft_logprob, tokens.total_variation,
+                               rewards.to(weights.dtype), drawn, config.acceptance_coef, tokens.fidelity_gap,
+                               config.expected_fidelity_coef, config.closed_form,
+                               tokens.kl_table if with_divergence else None, config.expected_kl_coef)
+    return weights, terms
 
 
 def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
