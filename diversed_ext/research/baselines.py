@@ -3,11 +3,12 @@
 The families: the static ensembles (w from 0 to 1, sd the w = 1 end), FLy (sd with FLy at each window and threshold),
 the temperature family (sd run at T' < T, scored at the user's T: "sd T=.."), and Medusa's typical acceptance
 ("typical eps=.. delta=.."). sd at the user's temperature belongs to every family: it is the exact end each one starts
-from. Each family's frontier is the best envelope of its points on a plane (running one setting on a share of the
-prompts and another on the rest reaches every point of the segment between them, and every figure here is a mean
-over prompts), and a rule's distance to it is paired prompt by prompt, interpolated between the two envelope points on
-either side of the rule's acceptance (above the family's highest acceptance: to that point, marked "beyond"; below
-its lowest: none).
+from. Each family's frontier at an acceptance is the best figure it reaches at that acceptance or more, on the best
+envelope of its points (running one setting on a share of the prompts and another on the rest reaches every point of
+the segment between them, and every figure here is a mean over prompts; a point with more acceptance and a better
+figure beats any below it: :func:`corners`). A rule's distance to it is paired prompt by prompt, interpolated between
+the two corners on either side of the rule's acceptance; below the first corner's acceptance, to that corner; above
+the family's highest acceptance, to that point, marked "beyond".
 
 The planes: (acceptance, fidelity), higher is better; (acceptance, KL to the target) and (acceptance, TV), lower is
 better. A distance is signed so that positive means better than the family. A rule is "above" only where it is above
@@ -20,7 +21,8 @@ from __future__ import annotations
 import math
 from typing import Callable, Optional, Sequence
 
-from .report import MethodResult, _is_plain_fly, _is_sd, cell, gap_cell, markdown_rows, paired_difference, with_error
+from .report import (MethodResult, _bracket, _is_plain_fly, _is_sd, cell, gap_cell, markdown_rows, paired_difference,
+                     with_error)
 
 # plane -> (the mean's attribute, the per-prompt values' attribute, +1 where higher is better, -1 where lower is)
 PLANES = {"fidelity": ("fidelity", "fidelity_per_prompt", 1.0), "KL": ("kl", "kl_values", -1.0),
@@ -57,29 +59,51 @@ def is_baseline(label: str) -> bool:
 
 
 def envelope(rows: Sequence[MethodResult], plane: str) -> list[MethodResult]:
-    """The rows on the best envelope of (acceptance, the plane's figure) by rising acceptance: upper and concave for
-    fidelity, lower and convex for KL and TV. Rows without the figure are left out."""
+    """The corners of the family's frontier on ``plane`` (:func:`corners` of the plane's figure signed so that higher
+    is better): upper and concave for fidelity, lower and convex for KL and TV, each from its best point on."""
     attribute, _, sign = PLANES[plane]
-    hull: list[MethodResult] = []
-    points = [(row.acceptance, sign * getattr(row, attribute), row) for row in rows]
-    points = sorted((point for point in points if not (math.isnan(point[0]) or math.isnan(point[1]))),
-                    key=lambda point: point[:2])
-    for x, y, row in points:
-        while hull and hull[-1][0] == x:
-            hull.pop()  # the same acceptance: the sort put the better one last
-        while len(hull) >= 2 and ((hull[-1][0] - hull[-2][0]) * (y - hull[-2][1])
-                                  - (hull[-1][1] - hull[-2][1]) * (x - hull[-2][0])) >= 0:
+    return corners(rows, lambda row: sign * getattr(row, attribute))
+
+
+def corners(rows: Sequence[MethodResult], value: Callable[[MethodResult], float]) -> list[MethodResult]:
+    """The corners of the frontier of (acceptance, ``value``), higher better, by rising acceptance: the upper concave
+    hull of the rows from its highest point on. The frontier at acceptance a is the best value reachable at acceptance
+    >= a: mixing two rules over the prompts reaches every point of the segment between them, and a rule with more
+    acceptance and more value is better at a than any below it, so the hull's rising part, left of its highest point,
+    is dominated by that point. The frontier is flat at the first corner's value below its acceptance, linear between
+    corners, and ends at the last (:func:`frontier_at`). Rows without both figures are left out."""
+    points = sorted(((row.acceptance, value(row), row) for row in rows
+                     if not (math.isnan(row.acceptance) or math.isnan(value(row)))), key=lambda point: point[:2])
+    hull: list[tuple] = []
+    for point in points:
+        while hull and hull[-1][0] == point[0]:
+            hull.pop()  # the same acceptance: the sort put the higher value last
+        while len(hull) >= 2 and ((hull[-1][0] - hull[-2][0]) * (point[1] - hull[-2][1])
+                                  - (hull[-1][1] - hull[-2][1]) * (point[0] - hull[-2][0])) >= 0:
             hull.pop()  # hull[-1] lies on or under the segment from hull[-2] to this point
-        hull.append((x, y, row))
-    return [row for _, _, row in hull]
+        hull.append(point)
+    # The highest corner, the last of equal ones (more acceptance at the same value): the frontier starts there.
+    peak = max(range(len(hull)), key=lambda index: (hull[index][1], index), default=0)
+    return [row for _, _, row in hull[peak:]]
+
+
+def frontier_at(hull: Sequence[MethodResult], acceptance: float):
+    """(low, high, t): the frontier with corners ``hull`` (:func:`corners`) at ``acceptance`` is (1 - t) low +
+    t high, prompt by prompt: the first corner itself (t = 0) at or below its acceptance, the two corners on either
+    side further on; None above the last corner's acceptance (or at NaN)."""
+    if not hull or math.isnan(acceptance) or acceptance > hull[-1].acceptance:
+        return None
+    if acceptance <= hull[0].acceptance:
+        return hull[0], hull[0], 0.0
+    return _bracket(hull, acceptance)
 
 
 def distance(results: Sequence[MethodResult], label: str, family: str,
              plane: str) -> Optional[tuple[float, float, bool]]:
     """(mean, s.e., reached) of ``label``'s paired distance above ``family``'s frontier on ``plane`` at its
-    acceptance (positive: better than the family); ``reached`` is False where the rule's acceptance is above all the
-    family's, the distance then taken to the family's highest-acceptance point. None where the family's acceptances
-    all lie above the rule's, or the family did not run or lacks the figure."""
+    acceptance (positive: better than the family; :func:`frontier_at`); ``reached`` is False where the rule's
+    acceptance is above all the family's, the distance then taken to the family's highest-acceptance point. None
+    where the family did not run or lacks the figure."""
     rows = {row.label: row for row in results}
     method = rows[label]
     _, values, sign = PLANES[plane]
@@ -88,17 +112,13 @@ def distance(results: Sequence[MethodResult], label: str, family: str,
     if all(_is_sd(row.label) for row in members):
         return None  # the family did not run, or has no such figure: sd alone is no frontier
     hull = envelope(members, plane)
-    if not hull or math.isnan(method.acceptance):
-        return None
-    line, reached = None, True
-    for low, high in zip(hull, hull[1:]):
-        if low.acceptance <= method.acceptance <= high.acceptance:
-            t = (method.acceptance - low.acceptance) / (high.acceptance - low.acceptance)
-            line = [(1 - t) * a + t * b for a, b in zip(getattr(low, values), getattr(high, values))]
-            break
-    if line is None and method.acceptance >= hull[-1].acceptance:
-        line, reached = list(getattr(hull[-1], values)), method.acceptance == hull[-1].acceptance
-    if line is None:
+    found = frontier_at(hull, method.acceptance)
+    if found is not None:
+        low, high, t = found
+        line, reached = [(1 - t) * a + t * b for a, b in zip(getattr(low, values), getattr(high, values))], True
+    elif hull and method.acceptance > hull[-1].acceptance:
+        line, reached = list(getattr(hull[-1], values)), False
+    else:
         return None
     mean, error = paired_difference([sign * value for value in getattr(method, values)],
                                     [sign * value for value in line])

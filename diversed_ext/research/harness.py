@@ -6,7 +6,8 @@ Rules shared by all of them, so their numbers compare:
   * every method first runs once untimed (the first forward passes pay for allocations and lazy imports);
   * prompts run in batches of ``batch_size`` consecutive prompts decoded together (1: one after another), and methods
     alternate batch by batch, so a slow spell of a shared machine does not land on one method;
-  * per-prompt statistics (acceptance, tokens per pass) are the prompt's own; speed is counted as throughput: a
+  * per-prompt statistics (acceptance, tokens per pass) are the prompt's own; a method's acceptance pools its prompts
+    (accepted over drafted, with the ratio estimator's standard error over prompts); speed is counted as throughput: a
     method's new tokens over the wall time of its batches (with batch_size 1, each prompt's own time).
 """
 
@@ -311,11 +312,15 @@ def _method_result(label: str, kwargs: dict, runs: list, batch_work: tuple, draf
     else:
         weight = {"ar": math.nan, "sd": 1.0, "fly": 1.0}.get(kwargs["method"], kwargs.get("weight", math.nan))
     finite_fidelities = [value for value in fidelities if not math.isnan(value)]
+    own = [generation.summary() for generation in generations]
     return MethodResult(label, weight, summary.acceptance_rate, summary.tokens_per_pass, _mean(quality),
                         _mean(finite_fidelities), summary.tokens_per_second, summary.new_tokens, summary.seconds,
-                        tuple(fidelities), tuple(quality),
-                        tuple(generation.summary().acceptance_rate for generation in generations), usage,
+                        tuple(fidelities), tuple(quality), tuple(prompt.acceptance_rate for prompt in own), usage,
                         drafts_per_round=summary.drafts_per_round, batch_work=batch_work,
                         draft_length=draft_length if kwargs["method"] != "ar" else "",
                         target_passes=summary.target_passes, drafted=summary.drafted, accepted=summary.accepted,
-                        entropy_per_prompt=tuple(entropies), kl_per_prompt=tuple(kls), tv_per_prompt=tuple(tvs))
+                        entropy_per_prompt=tuple(entropies), kl_per_prompt=tuple(kls), tv_per_prompt=tuple(tvs),
+                        # what each prompt's fidelity and entropy are means over, and its acceptance's denominator:
+                        # the pooled g and acceptance weight prompts by them
+                        tokens_per_prompt=tuple(len(generation.tokens) for generation in generations),
+                        drafted_per_prompt=tuple(prompt.drafted for prompt in own))

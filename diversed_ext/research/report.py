@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from ..decoding import DecodingSummary
-from .calibration import marked
+from .calibration import gap_terms, marked
 
 
 @dataclass
@@ -45,6 +45,18 @@ class MethodResult:
     # (research.divergence; FLy's TV by research.fly_divergence, its KL NaN); () where none was recorded
     kl_per_prompt: tuple = ()
     tv_per_prompt: tuple = ()
+    # the tokens each prompt generated (its fidelity and entropy are means over them) and drafted: the weights of the
+    # pooled g and of the acceptance's standard error; () where none was recorded
+    tokens_per_prompt: tuple = ()
+    drafted_per_prompt: tuple = ()
+
+    def __post_init__(self):
+        # Counts that do not pair up with the prompts (a row joined from parts, some saved without them) are dropped:
+        # weighting one prompt by another's length would be worse than not weighting at all.
+        for name, values in (("tokens_per_prompt", self.fidelity_per_prompt),
+                             ("drafted_per_prompt", self.acceptance_per_prompt)):
+            if len(getattr(self, name)) != len(values):
+                setattr(self, name, ())
 
     @property
     def fidelity_se(self) -> float:
@@ -53,8 +65,13 @@ class MethodResult:
 
     @property
     def acceptance_se(self) -> float:
-        """Standard error of the acceptance over prompts (each prompt's accepted over drafted)."""
-        return standard_error([value for value in self.acceptance_per_prompt if not math.isnan(value)])
+        """Standard error of the acceptance, accepted over drafted pooled over prompts (:func:`ratio_estimate`); where
+        the prompts' drafted tokens were not recorded, that of the mean of the per-prompt rates."""
+        if not self.drafted_per_prompt or any(map(math.isnan, self.drafted_per_prompt)):
+            return standard_error(_finite(self.acceptance_per_prompt))
+        accepted = [0.0 if drafted == 0 else rate * drafted
+                    for rate, drafted in zip(self.acceptance_per_prompt, self.drafted_per_prompt)]
+        return ratio_estimate(accepted, self.drafted_per_prompt)[1]
 
     @property
     def quality_se(self) -> float:
@@ -85,13 +102,14 @@ class MethodResult:
 
     @property
     def calibration_gap(self) -> float:
-        """Mean over prompts of g (over the prompts that have it)."""
-        return _mean(_finite(self.calibration_gap_per_prompt))
+        """g pooled over the tokens of every prompt that has it, sum of T_i g_i over sum of T_i (research.calibration:
+        the mean of per-prompt g is biased once EOS stops outputs); the mean over prompts where no T_i were recorded."""
+        return ratio_estimate(*gap_terms(self.calibration_gap_per_prompt, self.tokens_per_prompt))[0]
 
     @property
     def calibration_gap_se(self) -> float:
-        """Standard error of :attr:`calibration_gap` over prompts."""
-        return standard_error(_finite(self.calibration_gap_per_prompt))
+        """Standard error of :attr:`calibration_gap` over prompts (the ratio estimator's)."""
+        return ratio_estimate(*gap_terms(self.calibration_gap_per_prompt, self.tokens_per_prompt))[1]
 
     @property
     def kl_values(self) -> tuple:
@@ -138,6 +156,20 @@ def standard_error(values: Sequence[float]) -> float:
         return math.nan
     mean = _mean(values)
     return math.sqrt(sum((value - mean) ** 2 for value in values) / (len(values) - 1) / len(values))
+
+
+def ratio_estimate(numerators: Sequence[float], denominators: Sequence[float]) -> tuple[float, float]:
+    """(r, s.e.): the pooled ratio r = sum a_i / sum d_i over n prompts (a_i, d_i: prompt i's total and count) and its
+    standard error by the delta method over prompts, sqrt(sum (a_i - r d_i)^2 / (n (n - 1))) / mean(d). With every
+    d_i = 1 these are the mean and :func:`standard_error`. r is NaN where sum d = 0, the s.e. also for n < 2."""
+    total = sum(denominators)
+    if not total:
+        return math.nan, math.nan
+    ratio, count = sum(numerators) / total, len(numerators)
+    if count < 2:
+        return ratio, math.nan
+    spread = sum((a - ratio * d) ** 2 for a, d in zip(numerators, denominators)) / (count * (count - 1))
+    return ratio, math.sqrt(spread) / (total / count)
 
 
 @dataclass
@@ -201,46 +233,33 @@ def _interpolated_difference(method: MethodResult, name: str, low: MethodResult,
 
 
 def compare_to_fly_frontier(results: Sequence[MethodResult], label: str) -> list[PairedDifference]:
-    """Fidelity and quality of ``label`` against FLy's frontier at its acceptance: the upper concave envelope of FLy's
-    points (sd with FLy, any window and threshold) and sd's (FLy that never defers), interpolated prompt by prompt
-    between the two envelope points on either side. A concave envelope, because running one setting on a share of the
-    prompts and another on the rest reaches every point of the segment between them. Above the acceptance FLy reaches
-    at all, the distance is to its highest-acceptance point (FLy has nothing closer to offer); below sd's, none."""
+    """Fidelity and quality of ``label`` against FLy's frontier at its acceptance (:func:`.baselines.envelope` of
+    FLy's points, sd with FLy at any window and threshold, and sd's, FLy that never defers), interpolated prompt by
+    prompt between the two corners on either side, or the first corner's own values below its acceptance. Above the
+    acceptance FLy reaches at all, the distance is to its highest-acceptance point (FLy has nothing closer to offer);
+    none where no FLy point ran."""
+    from .baselines import envelope, frontier_at  # baselines builds on this module
+
     rows = {row.label: row for row in results}
     if label not in rows or not rows[label].fidelity_per_prompt:
         return []
     method = rows[label]
-    envelope = upper_envelope([row for row in results if _is_sd(row.label) or _is_plain_fly(row.label)])
-    bracket = _bracket(envelope, method.acceptance)
-    if bracket is not None:
-        low, high, t = bracket
-        name = f"FLy's frontier at acceptance {method.acceptance:.3f} ({low.label} .. {high.label})"
+    fly = [row for row in results if _is_plain_fly(row.label) and not math.isnan(row.acceptance + row.fidelity)]
+    if not fly:
+        return []  # sd alone is no frontier
+    corners = envelope(fly + [row for row in results if _is_sd(row.label)], "fidelity")
+    found = frontier_at(corners, method.acceptance)
+    if found is not None:
+        low, high, t = found
+        between = f"{low.label} .. {high.label}" if high is not low else f"{low.label}, at {low.acceptance:.3f}"
+        name = f"FLy's frontier at acceptance {method.acceptance:.3f} ({between})"
         return [_interpolated_difference(method, name, low, high, t)]
-    if len(envelope) > 1 and method.acceptance > envelope[-1].acceptance:
-        top = envelope[-1]
-        name = f"FLy's highest acceptance, {top.acceptance:.3f} ({top.label}), below this rule's {method.acceptance:.3f}"
+    if corners and method.acceptance > corners[-1].acceptance:
+        top = corners[-1]
+        name = (f"FLy's highest acceptance, {top.acceptance:.3f} ({top.label}), below this rule's "
+                f"{method.acceptance:.3f}")
         return [_difference(method, name, top.fidelity_per_prompt, top.quality_per_prompt)]
     return []
-
-
-def upper_envelope(rows: Sequence[MethodResult]) -> list[MethodResult]:
-    """The rows on the upper concave envelope of (acceptance, fidelity), by rising acceptance: where no mixture of
-    two other rows has both more acceptance and more fidelity."""
-    hull: list[MethodResult] = []
-    for row in sorted(rows, key=lambda row: (row.acceptance, row.fidelity)):
-        if math.isnan(row.acceptance) or math.isnan(row.fidelity):
-            continue
-        while hull and hull[-1].acceptance == row.acceptance:
-            hull.pop()  # the same acceptance: the sort put the higher fidelity last
-        while len(hull) >= 2 and _cross(hull[-2], hull[-1], row) >= 0:
-            hull.pop()  # hull[-1] lies on or under the segment from hull[-2] to row
-        hull.append(row)
-    return hull
-
-
-def _cross(a: MethodResult, b: MethodResult, c: MethodResult) -> float:
-    return ((b.acceptance - a.acceptance) * (c.fidelity - a.fidelity)
-            - (b.fidelity - a.fidelity) * (c.acceptance - a.acceptance))
 
 
 def _is_sd(label: str) -> bool:

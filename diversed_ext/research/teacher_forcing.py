@@ -241,8 +241,10 @@ def target_scores(target, prompt: Sequence[int], completion: Sequence[int],
     the mean of log p_t(y_t) and the mean of H(p_t) over the positions that predicted its tokens (NaN, NaN for an
     empty completion).
 
-    Their sum is the calibration gap g of :mod:`.calibration`: E[log p_t(y_t)] = -H(p_t) when y_t is drawn from p_t,
-    so g is 0 in expectation for exact sampling and positive for an output sharper than the target."""
+    Their sum is the completion's calibration gap (:mod:`.calibration`): E[log p_t(y_t)] = -H(p_t) when y_t is drawn
+    from p_t, so the sum of log p_t(y_t) + H(p_t) over the completion is 0 in expectation for exact sampling, but not
+    this mean over its positions once EOS ends it at a length that depends on its tokens: the reports pool the sums
+    over prompts, each mean times the completion's length."""
     if not completion:
         return float("nan"), float("nan")
     device = next(target.parameters()).device

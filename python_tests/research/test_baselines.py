@@ -111,11 +111,12 @@ def test_a_rule_is_above_only_when_above_every_family():
             result("sd T=0.7", 0.65, [-0.5, -0.7], [0.05, 0.05]),
             result("fly W=1 tau=0.1", 0.7, [-2.0, -2.2]),
             result("gate margin=4", 0.6, [-1.5, -1.7], [0.10, 0.12])]
-    # fidelity: the static line at 0.6 is -2.1; FLy's (sd .. fly) -1.7667; the temperature family's (sd .. T=0.7)
-    # -0.7; typical acceptance did not run (sd alone is no family)
+    # fidelity: the static line at 0.6 is -2.1; FLy's (sd .. fly) -1.7667; the temperature family's -0.6, sd at
+    # T=0.7's own (it beats sd on both acceptance and fidelity, so it is the best reached at 0.6 or more); typical
+    # acceptance did not run (sd alone is no family)
     assert baselines.distance(rows, "gate margin=4", "static", "fidelity")[0] == pytest.approx(0.5)
     assert baselines.distance(rows, "gate margin=4", "FLy", "fidelity")[0] == pytest.approx(1 / 6)
-    assert baselines.distance(rows, "gate margin=4", "temperature", "fidelity")[0] == pytest.approx(-0.9)
+    assert baselines.distance(rows, "gate margin=4", "temperature", "fidelity")[0] == pytest.approx(-1.0)
     assert baselines.distance(rows, "gate margin=4", "typical", "fidelity") is None
     assert baselines.above_all(rows, "gate margin=4", "fidelity") is False
     assert baselines.above_all(rows[:2] + rows[3:], "gate margin=4", "fidelity") is True  # no colder sd: above
@@ -141,10 +142,25 @@ def test_the_kl_envelope_is_the_lower_convex_one():
                                                                            "static w=0"]
 
 
+def test_a_family_point_with_more_acceptance_and_less_kl_sets_the_frontier_below_it():
+    # On the KL plane (lower is better) w=0.75 beats w=0.9 on both axes: the frontier at 0.5 is w=0.75's KL 0.1, not
+    # the chord from w=0.9 (0.2 at 0.4) to it; below every member's acceptance it is the best member's.
+    rows = [result("static w=0.9", 0.4, [-1.0, -1.0], [0.2, 0.2]),
+            result("static w=0.75", 0.6, [-1.5, -1.5], [0.1, 0.1]),
+            result("static w=0", 0.8, [-3.0, -3.0], [0.3, 0.3]),
+            result("gate margin=2", 0.5, [-1.2, -1.2], [0.15, 0.15])]
+    assert [row.label for row in baselines.envelope(rows, "KL")] == ["static w=0.75", "static w=0"]
+    assert baselines.distance(rows, "gate margin=2", "static", "KL") == pytest.approx((-0.05, 0.0, True))
+    slow = rows[:3] + [result("gate margin=2", 0.3, [-1.2, -1.2], [0.15, 0.15])]
+    assert baselines.distance(slow, "gate margin=2", "static", "KL") == pytest.approx((-0.05, 0.0, True))
+    assert baselines.distance(slow, "gate margin=2", "static", "fidelity") == pytest.approx((-0.2, 0.0, True))
+
+
 def test_pareto_runs_the_free_baselines_and_report_joins_their_divergences(experiment_pair, tmp_path, monkeypatch,
                                                                            capsys):
     target, draft, tokenizer = experiment_pair
-    monkeypatch.setattr(cli.common, "load_models", lambda target_name, draft_name, device, **drafter: (target, draft, tokenizer))
+    monkeypatch.setattr(cli.common, "load_models",
+                        lambda target_name, draft_name, device, **drafter: (target, draft, tokenizer))
     data = tmp_path / "gsm8k.jsonl"
     data.write_text("".join(json.dumps(example) + "\n" for example in gsm8k_examples()))
     common = ["--data", str(data), "--limit", "2", "--weights", "0", "1", "--max-new-tokens", "8", "--max-draft", "3",

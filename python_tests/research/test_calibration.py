@@ -81,7 +81,8 @@ def row(label, acceptance, fidelities, entropies=(), weight=1.0):
     return report.MethodResult(label, weight, acceptance, 2.0, 0.0, sum(fidelities) / len(fidelities), 1.0, 10, 1.0,
                                tuple(fidelities), (0.0,) * len(fidelities), (acceptance,) * len(fidelities),
                                drafted=10, accepted=int(acceptance * 10), target_passes=5,
-                               entropy_per_prompt=tuple(entropies))
+                               entropy_per_prompt=tuple(entropies), tokens_per_prompt=(8,) * len(fidelities),
+                               drafted_per_prompt=(10 / len(fidelities),) * len(fidelities))
 
 
 def test_the_tables_and_the_plot_mark_rules_sharper_than_the_target(tmp_path):

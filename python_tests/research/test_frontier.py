@@ -1,5 +1,6 @@
-"""FLy's frontier and the pareto sweep: the upper concave envelope, paired distances above it, the sweep's settings
-and labels, and `diversed pareto --fly --gate-margin` end to end on a tiny random Llama pair."""
+"""FLy's frontier and the pareto sweep: the frontier's corners (the upper concave envelope from its highest point on),
+paired distances above it, the sweep's settings and labels, and `diversed pareto --fly --gate-margin` end to end on a
+tiny random Llama pair."""
 
 import json
 import math
@@ -10,7 +11,7 @@ pytest.importorskip("transformers")
 
 from diversed_ext import cli  # noqa: E402
 from diversed_ext.decoding import Fly, Gate  # noqa: E402
-from diversed_ext.research import harness, report  # noqa: E402
+from diversed_ext.research import baselines, harness, report  # noqa: E402
 from helpers import gsm8k_examples  # noqa: E402
 
 
@@ -19,12 +20,38 @@ def result(label, acceptance, fidelities, weight=1.0, entropies=()):
                                tuple(fidelities), (0.0,) * len(fidelities), entropy_per_prompt=tuple(entropies))
 
 
+def corners(rows):
+    return [row.label for row in baselines.envelope(rows, "fidelity")]
+
+
 def test_the_upper_envelope_drops_points_under_a_mixture_of_two_others():
     rows = [result("sd", 0.5, [-2.0]), result("fly a", 0.6, [-3.0]), result("fly b", 0.7, [-2.5]),
             result("fly c", 0.8, [-3.4]), result("fly d", 0.9, [-4.0]), result("fly e", 0.8, [-3.0])]
     # a lies under the segment sd..b; c shares its acceptance with e and has less fidelity; d stays (the last).
-    assert [row.label for row in report.upper_envelope(rows)] == ["sd", "fly b", "fly e", "fly d"]
-    assert report.upper_envelope([]) == []
+    assert corners(rows) == ["sd", "fly b", "fly e", "fly d"]
+    assert baselines.envelope([], "fidelity") == []
+
+
+def test_the_frontier_drops_points_another_beats_on_both_acceptance_and_fidelity():
+    # fly a has more acceptance and more fidelity than sd: the concave hull's rising part (sd .. a) is no frontier.
+    rows = [result("sd", 0.5, [-2.0]), result("fly a", 0.6, [-1.0]), result("fly b", 0.8, [-1.5]),
+            result("fly c", 0.7, [-1.0])]
+    # c ties a's fidelity at more acceptance: it beats a, and the frontier starts there.
+    assert corners(rows) == ["fly c", "fly b"]
+    assert corners(rows[:3]) == ["fly a", "fly b"]
+
+
+def test_a_rule_beaten_on_both_axes_is_below_the_frontier():
+    # A FLy point at 0.60 / -1.0 has more acceptance and more fidelity than the rule at 0.55 / -1.2: the frontier at
+    # 0.55 is at least -1.0, so the rule is at least 0.2 below it (the hull's rising part, sd .. W=1, put it above).
+    rows = [result("sd", 0.5, [-2.0] * 4), result("fly W=1 tau=0.1", 0.6, [-1.0] * 4),
+            result("fly W=2 tau=0.1", 0.8, [-1.5] * 4), result("diversed", 0.55, [-1.2] * 4)]
+    (below,) = report.compare_to_fly_frontier(rows, "diversed")
+    assert below.fidelity == pytest.approx(-0.2) and "fly W=1 tau=0.1, at 0.600" in below.baseline
+    assert baselines.distance(rows, "diversed", "FLy", "fidelity") == pytest.approx((-0.2, 0.0, True))
+    # Further on the frontier is the line between its corners: at 0.7, half-way from -1.0 to -1.5.
+    rows[-1] = result("diversed", 0.7, [-1.2] * 4)
+    assert report.compare_to_fly_frontier(rows, "diversed")[0].fidelity == pytest.approx(0.05)
 
 
 def test_distance_above_flys_frontier_is_paired_and_interpolated():
@@ -41,7 +68,9 @@ def test_distance_above_flys_frontier_is_paired_and_interpolated():
     (top,) = report.compare_to_fly_frontier(beyond, "gate margin=9")  # beyond FLy's reach: its highest point
     assert math.isclose(top.fidelity, (2.0 + 0.0 + 3.0) / 3) and "FLy's highest acceptance, 0.700" in top.baseline
     outside = results + [result("gate margin=0", 0.4, [-1.0, -1.0, -1.0], entropies=[1.0, 1.0, 1.0])]
-    assert report.compare_to_fly_frontier(outside, "gate margin=0") == []  # below sd's acceptance: no FLy point
+    # below sd's acceptance: sd reaches more acceptance, so the frontier there is sd's fidelity, prompt by prompt
+    (under,) = report.compare_to_fly_frontier(outside, "gate margin=0")
+    assert math.isclose(under.fidelity, (1.0 + 0.0 + 2.0) / 3) and "(sd, at 0.500)" in under.baseline
     (above_static,) = [item for item in report.compare_to_baselines(results, "gate margin=1")
                        if item.baseline.startswith("static frontier")]
     table = report.frontier_table(results, ["gate margin=1"])
@@ -103,7 +132,8 @@ def test_a_margin_that_is_not_a_finite_number_is_a_usage_error(capsys):
 
 def test_pareto_places_fly_and_the_gate_end_to_end(experiment_pair, tmp_path, monkeypatch, capsys):
     target, draft, tokenizer = experiment_pair
-    monkeypatch.setattr(cli.common, "load_models", lambda target_name, draft_name, device, **drafter: (target, draft, tokenizer))
+    monkeypatch.setattr(cli.common, "load_models",
+                        lambda target_name, draft_name, device, **drafter: (target, draft, tokenizer))
     data = tmp_path / "gsm8k.jsonl"
     data.write_text("".join(json.dumps(example) + "\n" for example in gsm8k_examples()))
     assert cli.main(["pareto", "--data", str(data), "--limit", "2", "--weights", "0", "1", "--max-new-tokens", "12",
