@@ -179,4 +179,15 @@ def _join_prompts(rows: Sequence[MethodResult]) -> MethodResult:
         drafts_per_round=drafted / passes if passes else math.nan,
         batch_work=sum((tuple(row.batch_work) for row in rows), ()), target_passes=passes, drafted=drafted,
         accepted=accepted, entropy_per_prompt=sum((row.entropy_values for row in rows), ()),
-        kl_per_prompt=sum((row.kl_values for row in rows), ()), tv_per_prompt=sum((row.tv_values for row in rows), ()))
+        kl_per_prompt=sum((row.kl_values for row in rows), ()), tv_per_prompt=sum((row.tv_values for row in rows), ()),
+        tokens_per_prompt=_joined_counts(rows, "tokens_per_prompt", "fidelity_per_prompt"),
+        drafted_per_prompt=_joined_counts(rows, "drafted_per_prompt", "acceptance_per_prompt"))
+
+
+def _joined_counts(rows: Sequence[MethodResult], name: str, prompts_field: str) -> tuple:
+    """A per-prompt count (``name``) over the parts, NaN at the prompts of a part saved without it: g and the
+    acceptance's standard error then fall back to weighing prompts alike (report.MethodResult); () where no part
+    has it."""
+    if not any(getattr(row, name) for row in rows):
+        return ()
+    return sum((tuple(getattr(row, name)) or (math.nan,) * len(getattr(row, prompts_field)) for row in rows), ())

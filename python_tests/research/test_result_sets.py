@@ -1,6 +1,7 @@
 """Saved results joined as one run: rules side by side on the same prompts, prompt sets one after the other, from
 exact counts; refusals for parts that cannot be joined; `diversed report` against one run over all the prompts."""
 
+import dataclasses
 import json
 import math
 import re
@@ -45,6 +46,16 @@ def test_prompt_sets_join_prompt_by_prompt_from_exact_counts():
     assert sd.batch_work == ((40, 1.0), (14, 1.0)) and sd.new_tokens == 54 and sd.seconds == 2.0
     assert math.isclose(gate.weight, (0.4 * 30 + 0.8 * 10) / 40)  # a head's mean w is over its drafted tokens
     assert math.isclose(gate.acceptance, 22 / 40)
+    assert sd.tokens_per_prompt == () and sd.drafted_per_prompt == ()  # no part has counts
+
+
+def test_a_part_saved_without_token_counts_joins_with_nan_there():
+    counted = dataclasses.replace(row("sd", [-1.0, -2.0], 30, 10, 20, 40), tokens_per_prompt=(5, 7),
+                                  drafted_per_prompt=(12, 18))
+    merged, (sd,) = merge_result_sets([ResultSet(prompts(0, 2), (counted,)),
+                                       ResultSet(prompts(2, 1, seed=2), (row("sd", [-4.0], 10, 9, 5, 14),))])
+    assert sd.tokens_per_prompt[:2] == (5, 7) and math.isnan(sd.tokens_per_prompt[2])
+    assert sd.drafted_per_prompt[:2] == (12, 18) and math.isnan(sd.drafted_per_prompt[2])
 
 
 def test_rules_on_the_same_prompts_join_side_by_side_and_a_rule_some_prompts_lack_is_left_out():
@@ -113,6 +124,9 @@ def test_report_of_parts_is_the_run_over_all_prompts(experiment_pair, tmp_path, 
         assert (got.drafted, got.accepted, got.target_passes, got.new_tokens) == (
             want.drafted, want.accepted, want.target_passes, want.new_tokens)
         assert got.acceptance == want.acceptance and got.fidelity == want.fidelity
+        assert got.tokens_per_prompt == want.tokens_per_prompt and len(got.tokens_per_prompt) == 4
+        assert got.drafted_per_prompt == want.drafted_per_prompt  # so g and the s.e. pool as over the whole run
+        assert got.acceptance_se == want.acceptance_se
         assert math.isnan(got.tokens_per_second)  # speeds of different runs do not compare
     assert (tmp_path / "joined" / "pareto.png").stat().st_size > 1000
 
