@@ -75,7 +75,7 @@ import torch
 from diversed_ext.decoding import DecodingSummary, Fly, SpeculativeDecoder, encode_prompt, eos_ids
 from diversed_ext.decoding.stats import add_summaries
 from diversed_ext.research.harness import DEMO_PROMPTS, run_interleaved
-from diversed_ext.research.report import cell, markdown_rows, paired_difference, standard_error, with_error
+from diversed_ext.research.report import cell, markdown_rows, paired_difference, ratio_estimate, with_error
 from diversed_ext.models import load_default_pair
 from arguments import check_writable_file
 from pass_costs import k_sweep_table, pass_cost_table, pass_costs, sweep_methods
@@ -208,9 +208,10 @@ def run_all(methods, prompts, args) -> dict[str, list[DecodingSummary]]:
 
 
 def acceptance_se(summaries: list[DecodingSummary]) -> float:
-    """Standard error over prompts of the per-prompt acceptance rate: drafts within one generation are correlated,
-    so the prompts, not the drafts, are the independent samples."""
-    return standard_error([summary.acceptance_rate for summary in summaries if summary.drafted])
+    """Standard error of the acceptance pooled over prompts (accepted over drafted, the table's figure) by the ratio
+    estimator: drafts within one generation are correlated, so the prompts, not the drafts, are the independent
+    samples."""
+    return ratio_estimate([summary.accepted for summary in summaries], [summary.drafted for summary in summaries])[1]
 
 
 def paired_acceptance(per_prompt: dict[str, list[DecodingSummary]], ours: str, theirs: str):

@@ -42,7 +42,6 @@ import gc
 import json
 import math
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -150,6 +149,8 @@ def run(llm, questions: list, args, concurrent: bool) -> dict:
     """Generate every question (one at a time, or all submitted at once) and total what vLLM reports."""
     from vllm import SamplingParams
 
+    from diversed_ext.research.report import ratio_estimate
+
     messages = [[{"role": "user", "content": question}] for question in questions]
     params = [SamplingParams(temperature=1.0, seed=args.seed + index, max_tokens=args.max_tokens)
               for index in range(len(questions))]
@@ -165,10 +166,11 @@ def run(llm, questions: list, args, concurrent: bool) -> dict:
     drafted = sum(summary["num_draft_tokens"] for summary in summaries)
     accepted = sum(summary["num_accepted_draft_tokens"] for summary in summaries)
     steps = sum(summary["num_spec_steps"] for summary in summaries)
-    rates = [summary["draft_acceptance_rate"] for summary in summaries if summary["num_draft_tokens"]]
+    # The pooled acceptance's standard error over requests (the ratio estimator: a request's drafts are correlated)
+    _, acceptance_se = ratio_estimate([summary["num_accepted_draft_tokens"] for summary in summaries],
+                                      [summary["num_draft_tokens"] for summary in summaries])
     return {"tokens_per_s": new_tokens / seconds, "new_tokens": new_tokens, "seconds": seconds,
-            "acceptance": accepted / drafted if drafted else math.nan,
-            "acceptance_se": statistics.stdev(rates) / math.sqrt(len(rates)) if len(rates) > 1 else math.nan,
+            "acceptance": accepted / drafted if drafted else math.nan, "acceptance_se": acceptance_se,
             "mean_accepted_length": 1.0 + accepted / steps if steps else math.nan}
 
 
