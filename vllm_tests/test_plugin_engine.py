@@ -59,6 +59,13 @@ def test_sampled_at_weight_one_follows_the_targets_law(engine, baseline):
     assert min(p_values) > LAW_ALPHA, p_values
 
 
+def test_sampled_at_weight_zero_fails_the_targets_law(engine, baseline):
+    """The law test's power: at w = 0 every draft is kept, so positions 2 and 3 follow the int8 draft's law, which
+    the same test (as many requests, the same threshold) must tell from the target's."""
+    p_values = position_p_values(law_samples(engine, {"diversed_weight": 0.0}), baseline["law"])
+    assert min(p_values) < LAW_ALPHA, p_values
+
+
 def test_acceptance_rises_as_the_weight_falls(engine):
     rates = {}
     for weight in (1.0, 0.5, 0.0):
