@@ -33,6 +33,12 @@ from ._atomic import atomic_path
 from .ops import DISTRIBUTION_FEATURES, PROB_DTYPES
 from .ops import distribution_features as ops_distribution_features
 
+__all__ = [
+    "EnsembleHead", "HeadConfig", "load_head", "head_recipe", "shipped_heads", "resolve_head_path", "hidden_size",
+    "distribution_features", "wants_distributions", "HEAD_INPUTS", "CONFIG_NAME", "WEIGHTS_NAME", "SHIPPED_HEADS_DIR",
+    "DEFAULT_HEAD_NAME", "DEFAULT_HEAD_DIR", "DEFAULT_EAGLE3_HEAD_NAME",
+]
+
 CONFIG_NAME = "head.json"
 WEIGHTS_NAME = "head.safetensors"
 FORMAT_NAME = "diversed_ext.EnsembleHead"

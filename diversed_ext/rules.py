@@ -4,7 +4,9 @@ loop, the head, the command line, the ops and the vLLM plugin's settings all che
 
 Each rule takes the value and the name it travels under, returns it normalised, and raises TypeError for the wrong
 kind of value (a bool, a string) and ValueError for one out of range (NaN included), both naming the argument and what
-it must be. The command line words its errors with the same descriptions (``WEIGHT``, ``TEMPERATURE``, ...).
+it must be. The command line words its errors with the same descriptions (``WEIGHT``, ``TEMPERATURE``, ...). The
+defaults that several floors share are here too: FLy's threshold and top-k, the gate's margin, a divergence table's
+grid and floor.
 
 This module imports neither torch nor vLLM, so a server's configuration checks cost nothing to load.
 """
@@ -13,6 +15,30 @@ from __future__ import annotations
 
 import math
 from numbers import Integral, Real
+
+__all__ = [
+    "WEIGHT", "POSITIVE_WEIGHT", "NON_NEGATIVE", "TEMPERATURE", "DRAFT_LENGTH", "SEED", "FLY_WINDOW", "FLY_THRESHOLD",
+    "FLY_TOP_K", "GATE_MARGIN", "GRID_POINTS", "LOG_FLOOR",
+    "FLY_DEFAULT_THRESHOLD", "FLY_DEFAULT_TOP_K", "FLY_MAX_TOP_K", "GATE_DEFAULT_MARGIN", "SEED_RANGE",
+    "DEFAULT_GRID_POINTS", "MAX_GRID_POINTS", "DEFAULT_LOG_FLOOR",
+    "weight", "positive_weight", "non_negative", "temperature", "draft_length", "seed", "fly_window", "fly_threshold",
+    "fly_top_k", "gate_margin", "grid_points", "log_floor",
+]
+
+FLY_DEFAULT_THRESHOLD = 0.3  # vLLM's FLy defaults
+FLY_DEFAULT_TOP_K = 3
+FLY_MAX_TOP_K = 32  # the most probabilities FLy's entropy sums (csrc/common/fly_math.h keeps them per thread)
+# The lossy setting whose task score stays within 2 s.e. of exact sd at K = 3 and 6 on the generated task, with KL
+# to the target above the static line (margin 4 keeps more drafts at a larger KL to the target; README.md and
+# docs/RESULTS.md)
+GATE_DEFAULT_MARGIN = 1.0
+# Seeds and offsets are int64 counters of the verifier's Philox generator.
+SEED_RANGE = 2**63
+# A divergence table's default grid, w = 0, 1/16, ..., 1, and the most weights mixture_divergence tabulates
+# (csrc/common/problems.h: a sum each per row)
+DEFAULT_GRID_POINTS = 17
+MAX_GRID_POINTS = 1025
+DEFAULT_LOG_FLOOR = -100.0  # nats: a divergence's floor of log p, so mass on a token the target rules out costs 100
 
 # What each rule accepts, in words (the errors of the rules and of the command line use them).
 WEIGHT = "a number in [0, 1]"
@@ -23,21 +49,10 @@ DRAFT_LENGTH = "an int >= 1"
 SEED = "an int that fits in 64 bits"
 FLY_WINDOW = "an int >= 0 (0 switches FLy off)"
 FLY_THRESHOLD = "a number >= 0"
-FLY_TOP_K = "an int in [1, 32]"
-FLY_DEFAULT_THRESHOLD = 0.3  # vLLM's FLy defaults
-FLY_DEFAULT_TOP_K = 3
+FLY_TOP_K = f"an int in [1, {FLY_MAX_TOP_K}]"
 GATE_MARGIN = "a finite number of nats"
-GRID_POINTS = "an int in [2, 1025]"
+GRID_POINTS = f"an int in [2, {MAX_GRID_POINTS}]"
 LOG_FLOOR = "a finite number of nats"
-# The lossy setting whose task score stays within 2 s.e. of exact sd at K = 3 and 6 on the generated task, with KL
-# to the target above the static line (margin 4 keeps more drafts and costs 8-11 points; docs/RESULTS.md)
-GATE_DEFAULT_MARGIN = 1.0
-FLY_MAX_TOP_K = 32  # the most probabilities FLy's entropy sums (csrc/common/fly_math.h keeps them per thread)
-
-# Seeds and offsets are int64 counters of the verifier's Philox generator.
-SEED_RANGE = 2**63
-MAX_GRID_POINTS = 1025  # the most weights mixture_divergence tabulates (csrc/common/problems.h: a sum each per row)
-
 
 def _real(value, name: str, description: str) -> float:
     """``value`` as a float when it is a real number (not a bool, not a string), else TypeError."""

@@ -123,7 +123,7 @@ def _add_model_arguments(parser: argparse.ArgumentParser, defaults: dict) -> Non
 def _add_draft_length_arguments(parser: argparse.ArgumentParser, several: bool = False) -> None:
     """--draft-length (one policy, or with ``several`` one or more, plus the fixed sweep's --fixed-k) and
     --draft-cost."""
-    from ..decoding import DEFAULT_DRAFT_LENGTH, DRAFT_LENGTHS
+    from ..decoding import DEFAULT_DRAFT_LENGTH, DRAFT_LENGTHS, GainDraftLength
 
     about = ("how many tokens each request drafts a round: fixed (--max-draft every round), transformers' heuristic "
              "schedule or confidence threshold, or gain (ours: draft while one more draft raises the expected tokens "
@@ -137,18 +137,20 @@ def _add_draft_length_arguments(parser: argparse.ArgumentParser, several: bool =
     else:
         parser.add_argument("--draft-length", choices=DRAFT_LENGTHS, default=DEFAULT_DRAFT_LENGTH,
                             help=f"{about} (default %(default)s)")
+    draft_cost = library_defaults(GainDraftLength)["draft_cost"]
     parser.add_argument("--draft-cost", type=_non_negative_float,
-                        help="for --draft-length gain: a draft pass's time over a target pass's (default 0.33, the "
-                        "default pair's on a 2-core CPU)")
+                        help="for --draft-length gain: a draft pass's time over a target pass's "
+                        f"(default {draft_cost:g}, the default pair's on a 2-core CPU)")
 
 
 def _add_fly_arguments(parser: argparse.ArgumentParser) -> None:
     """FLy's settings (the methods fly, static+fly and diversed+fly; lossy: see docs/decoding.md)."""
     parser.add_argument("--fly-window", type=_positive_int,
                         help="FLy's window W (< --max-draft; default vLLM's, min(6, K - 1))")
-    parser.add_argument("--fly-threshold", type=_non_negative_float, default=0.3,
+    parser.add_argument("--fly-threshold", type=_non_negative_float, default=rules.FLY_DEFAULT_THRESHOLD,
                         help="FLy's entropy threshold tau (default %(default)s)")
-    parser.add_argument("--fly-top-k", type=_ruled(int, rules.fly_top_k, rules.FLY_TOP_K), default=3,
+    parser.add_argument("--fly-top-k", type=_ruled(int, rules.fly_top_k, rules.FLY_TOP_K),
+                        default=rules.FLY_DEFAULT_TOP_K,
                         help="how many of the target's largest probabilities FLy's entropy sums, at most "
                         f"{rules.FLY_MAX_TOP_K} (default %(default)s)")
 

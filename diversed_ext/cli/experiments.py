@@ -8,7 +8,7 @@ import os
 
 import torch
 
-from ..decoding import METHODS, eos_ids
+from ..decoding import METHODS, Typical, eos_ids
 from . import checks, common
 from .common import (UsageError, _add_batch_argument, _add_draft_length_arguments, _add_fly_arguments,
                      _add_gate_argument, _add_model_arguments, _fly_settings, _gates,
@@ -32,12 +32,13 @@ def _add_task_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_experiment_commands(commands) -> None:
-    """The eval, pareto, validate and compare-drafts sub-commands (see :mod:`diversed_ext.research`)."""
+    """The eval, pareto, report, validate and compare-drafts sub-commands (see :mod:`diversed_ext.research`)."""
     from ..research.harness import DRAFT_SOURCES, FLY_SWEEP_THRESHOLDS, LOSSY_METHODS, PARETO_WEIGHTS, evaluate
     from ..research.validation import sample_validation_tokens
 
     run = library_defaults(evaluate)
     validation = library_defaults(sample_validation_tokens)
+    typical = library_defaults(Typical)
 
     evaluate = commands.add_parser("eval", help="acceptance, task quality, fidelity, calibration (g) and speed per "
                                    "method")
@@ -46,7 +47,7 @@ def add_experiment_commands(commands) -> None:
                           help="one or more (default sd); fly is sd with FLy, static+fly and diversed+fly add FLy "
                           "(--fly-*) to those methods; gate, static+gate and diversed+gate likewise add the "
                           "log-probability gate (--gate-margin); typical is sd with Medusa's typical acceptance "
-                          "(eps 0.09, delta 0.3). FLy, the gate and typical are lossy")
+                          f"(eps {typical['eps']:g}, delta {typical['delta']:g}). FLy, the gate and typical are lossy")
     evaluate.add_argument("--weight", type=_unit_float, nargs="+", default=[0.5],
                           help="w of each static ensemble (default 0.5)")
     evaluate.add_argument("--head", help="head folder for diversed, or the name of a head shipped in "
@@ -83,8 +84,8 @@ def add_experiment_commands(commands) -> None:
                         "scored at --temperature (e.g. 0.7 0.85)")
     pareto.add_argument("--typical", type=_non_negative_float, nargs="*", default=None, metavar="EPS",
                         help="Medusa's typical acceptance, a free baseline (p(x) > min(eps, delta exp(-H))): alone, "
-                        "its published eps = 0.09, delta = 0.3; with values, one point per eps with delta = "
-                        "sqrt(eps), as Medusa recommends (e.g. 0.01 0.09 0.3)")
+                        f"its published eps = {typical['eps']:g}, delta = {typical['delta']:g}; with values, one point "
+                        "per eps with delta = sqrt(eps), as Medusa recommends (e.g. 0.01 0.09 0.3)")
 
     report = commands.add_parser("report", help="pareto's table, frontier and plot from saved results.json files: "
                                  "parts of one evaluation (other rules on the same prompts, or the same rules on "

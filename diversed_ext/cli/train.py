@@ -222,9 +222,11 @@ BF16_CHECK_SEQUENCES = 16  # held-out sequences of that check (float32 arithmeti
 
 def add_train_drafter_command(commands) -> None:
     """``diversed train-drafter``: its options' defaults are the recipe of the shipped EAGLE-3 head."""
+    from ..research.drafter_data import generate_dataset
     from ..research.drafter_training import DrafterTrainConfig
 
     defaults = library_defaults(DrafterTrainConfig)
+    data = library_defaults(generate_dataset)
     train = commands.add_parser("train-drafter", help="train an EAGLE-3 draft head for the default pair by "
                                 "self-distillation on GSM8K training problems")
     train.add_argument("--out", required=True, help="folder for the head (config.json, model.safetensors), its log, "
@@ -237,10 +239,12 @@ def add_train_drafter_command(commands) -> None:
                        help="problems from the end of the file held out for the metrics (default %(default)s)")
     train.add_argument("--shards", type=_positive_int,
                        help="generate and use only the first N batches of problems (held-out batches first)")
-    train.add_argument("--max-new-tokens", type=_positive_int, default=128, help="default %(default)s")
-    train.add_argument("--top-k", type=_positive_int, default=32, help="soft-label entries kept (default %(default)s)")
-    train.add_argument("--gen-batch", type=_positive_int, default=32, help="prompts sampled together (default "
+    train.add_argument("--max-new-tokens", type=_positive_int, default=data["max_new_tokens"], help="default "
+                       "%(default)s")
+    train.add_argument("--top-k", type=_positive_int, default=data["top_k"], help="soft-label entries kept (default "
                        "%(default)s)")
+    train.add_argument("--gen-batch", type=_positive_int, default=data["batch_size"], help="prompts sampled together "
+                       "(default %(default)s)")
     train.add_argument("--draft-vocab", type=_positive_int, default=8192, help="draft vocabulary size (default "
                        "%(default)s)")
     train.add_argument("--steps", type=_positive_int, default=defaults["steps"], help="default %(default)s")

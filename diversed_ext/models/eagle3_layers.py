@@ -26,10 +26,10 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
-from ..forward._native import forward_ops_built
+from ..forward import forward_ops_built
+from ..forward.llama_runner import INITIAL_CAPACITY  # a new cache's room; it doubles when a step needs more
 from ..forward.tensor_versions import tensor_version
 
-INITIAL_CAPACITY = 256  # cached positions a new cache has room for; it doubles when a step needs more
 # The products int8 products quantise: a draft step's. Not ``fc``, which runs once per verified position (no step
 # cost to save) and reads the target's raw residual streams, whose few huge entries would leave the rest of a
 # row's quantised input with almost no levels.

@@ -4,19 +4,23 @@ over a grid of weights, CPU.
 
 ``api`` holds the public ops and their result types; ``_inputs`` every argument check and normalisation, one
 function per argument (the temperature's is in ``_temperature``, with the greedy threshold; the row indices' in
-``_rows``, with position_rows, which builds them), and ``_prepare`` applies them to a verify call; ``_unchecked``
-decides whether an unchecked call's arguments go to the op as given; ``_fake`` loads the native library and
-registers the shape-only kernels that ``torch.compile`` and ``opcheck`` need (and the ops' output layouts,
-DISTRIBUTION_FEATURES); ``_cuda_family`` which CUDA verify kernels run; ``_divergence`` is mixture_divergence in
-torch ops (its reference, and its path off the CPU); ``_philox`` reproduces the kernels' random numbers; ``gate`` is
-the log-probability gate's test (its fused statistics op, gate_statistics, and the same test in plain PyTorch);
-``reference`` states the same contracts in plain PyTorch (the test oracle and a benchmark baseline) and the target's
-support (MIN_TARGET_MASS, target_forbids: the constraints a server's logits processing sets are kept whatever the
-weight). Nothing here imports the rest of the package.
+``_rows``, with position_rows, which builds them; the pair ops' in ``_pair_inputs``), and ``_prepare`` applies them
+to a verify call; ``_values`` checks the values a call reads; ``_unchecked`` decides whether an unchecked call's
+arguments go to the op as given; ``_fake`` loads the native library and registers the shape-only kernels that
+``torch.compile`` and ``opcheck`` need (and the ops' output layouts, DISTRIBUTION_FEATURES); ``_cuda_family`` which
+CUDA verify kernels run; ``_fly`` FLy's argument rules and the references' deferral (fly_entropy); ``_divergence`` is
+mixture_divergence in torch ops (its reference, and its path off the CPU; grid_weights, its table's weights);
+``_philox`` reproduces the kernels' random numbers; ``gate`` is the log-probability gate's test (its fused statistics
+op, gate_statistics, and the same test in plain PyTorch); ``reference`` states the same contracts in plain PyTorch
+(the test oracle and a benchmark baseline) and the target's support (MIN_TARGET_MASS, target_forbids: the
+constraints a server's logits processing sets are kept whatever the weight). Of the rest of the package only
+:mod:`diversed_ext.rules` is imported here (each number's rule and the defaults the floors share); no floor is.
 """
 
 from ._cuda_family import CUDA_KERNEL_FAMILIES, cuda_kernels, set_cuda_kernels
+from ._divergence import grid_weights
 from ._fake import DISTRIBUTION_FEATURES, cuda_kernels_registered
+from ._fly import fly_entropy
 from ._inputs import PROB_DTYPES
 from .gate import GateStatistics, gate_keeps, gate_keeps_logits, gate_statistics, gate_statistics_reference
 from ._temperature import MIN_TEMPERATURE, distribution_temperature, is_greedy_temperature
@@ -36,4 +40,5 @@ __all__ = [
     "cuda_kernels_registered", "set_cuda_kernels", "cuda_kernels", "CUDA_KERNEL_FAMILIES", "gate_keeps",
     "gate_keeps_logits", "gate_statistics", "gate_statistics_reference", "GateStatistics",
     "MIN_TARGET_MASS", "target_forbids", "PROB_DTYPES", "position_rows",
+    "MIN_TEMPERATURE", "is_greedy_temperature", "distribution_temperature", "fly_entropy", "grid_weights",
 ]

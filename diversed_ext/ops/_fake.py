@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from .. import _C  # noqa: F401  (loading the library registers the schemas and the CPU/CUDA kernels)
+from .. import rules
 
 
 # The ops a CUDA build runs natively on CUDA tensors (mixture_divergence runs as torch ops off the CPU).
@@ -35,7 +36,8 @@ def _on_one_device(op: str, *tensors) -> None:
 @torch.library.register_fake("diversed::verify_probs")
 def _verify_probs_fake(draft_tokens, draft_probs, target_probs, weight, num_draft, greedy, uniforms, seeds, offset=0,
                        per_row_seed=False, weight_value=1.0, seed=None, target_rows=None, draft_rows=None,
-                       fly_window=None, fly_threshold=None, fly_window_value=0, fly_threshold_value=0.3, fly_top_k=3):
+                       fly_window=None, fly_threshold=None, fly_window_value=0,
+                       fly_threshold_value=rules.FLY_DEFAULT_THRESHOLD, fly_top_k=rules.FLY_DEFAULT_TOP_K):
     _on_one_device("verify_probs", draft_tokens, draft_probs, target_probs, weight, num_draft, greedy, uniforms, seeds,
                    target_rows, draft_rows, fly_window, fly_threshold)
     return _verify_outputs(draft_tokens, target_probs)
@@ -54,7 +56,8 @@ def _verify_outputs(draft_tokens, target_probs) -> tuple:
 def _verify_logits_fake(draft_tokens, draft_logits, target_logits, weight, num_draft, temperature, uniforms, seeds,
                         offset=0, per_row_seed=False, weight_value=1.0, temperature_value=1.0, seed=None,
                         target_rows=None, draft_rows=None, target_temperature=None, target_temperature_value=None,
-                        fly_window=None, fly_threshold=None, fly_window_value=0, fly_threshold_value=0.3, fly_top_k=3):
+                        fly_window=None, fly_threshold=None, fly_window_value=0,
+                        fly_threshold_value=rules.FLY_DEFAULT_THRESHOLD, fly_top_k=rules.FLY_DEFAULT_TOP_K):
     _on_one_device("verify_logits", draft_tokens, draft_logits, target_logits, weight, num_draft, temperature,
                    uniforms, seeds, target_rows, draft_rows, target_temperature, fly_window, fly_threshold)
     return _verify_outputs(draft_tokens, target_logits)

@@ -59,9 +59,10 @@ class VerifyResult(NamedTuple):
     Attributes:
         tokens: int64 [B, K+1]. Row b holds its ``num_accepted[b]`` accepted drafts, then the correction token (first
             rejection) or the bonus token (all accepted), then -1 padding.
-        num_accepted: int32 [B]. Accepted drafts, the final token not counted: row b emits ``num_accepted[b] + 1`` tokens.
-        accept_prob: float32 [B, K]. ``min(1, nu_i(x_i) / q_i(x_i))`` at every drafted position i < num_draft (for greedy
-            rows 1 if x_i is the argmax of nu_i, else 0); 0 past num_draft and for out-of-range ids.
+        num_accepted: int32 [B]. Accepted drafts, the final token not counted: row b emits ``num_accepted[b] + 1``
+            tokens.
+        accept_prob: float32 [B, K]. ``min(1, nu_i(x_i) / q_i(x_i))`` at every drafted position i < num_draft (for
+            greedy rows 1 if x_i is the argmax of nu_i, else 0); 0 past num_draft and for out-of-range ids.
     """
 
     tokens: torch.Tensor
@@ -70,8 +71,8 @@ class VerifyResult(NamedTuple):
 
 
 def verify(draft_tokens, draft_probs, target_probs, weight, *, num_draft=None, greedy=None, uniforms=None, seed=None,
-           offset=0, check_inputs=True, target_rows=None, draft_rows=None, fly_window=0, fly_threshold=0.3,
-           fly_top_k=3) -> VerifyResult:
+           offset=0, check_inputs=True, target_rows=None, draft_rows=None, fly_window=0,
+           fly_threshold=rules.FLY_DEFAULT_THRESHOLD, fly_top_k=rules.FLY_DEFAULT_TOP_K) -> VerifyResult:
     """Verify a batch of draft blocks against the DIVERSED mixture, in one fused native call.
 
     Args:
@@ -113,7 +114,8 @@ def verify(draft_tokens, draft_probs, target_probs, weight, *, num_draft=None, g
         fly_top_k: how many of the target's largest probabilities FLy's entropy sums, in [1, 32].
 
     Returns:
-        :class:`VerifyResult` with ``tokens`` [B, K+1] int64, ``num_accepted`` [B] int32, ``accept_prob`` [B, K] float32.
+        :class:`VerifyResult` with ``tokens`` [B, K+1] int64, ``num_accepted`` [B] int32, ``accept_prob`` [B, K]
+        float32.
 
     Raises:
         TypeError / ValueError naming the offending argument.
@@ -170,7 +172,8 @@ class TokenStats(NamedTuple):
 
 def verify_logits(draft_tokens, draft_logits, target_logits, weight, *, temperature=1.0, num_draft=None,
                   uniforms=None, seed=None, offset=0, check_inputs=True, target_rows=None, draft_rows=None,
-                  target_temperature=None, fly_window=0, fly_threshold=0.3, fly_top_k=3) -> VerifyResult:
+                  target_temperature=None, fly_window=0, fly_threshold=rules.FLY_DEFAULT_THRESHOLD,
+                  fly_top_k=rules.FLY_DEFAULT_TOP_K) -> VerifyResult:
     """:func:`diversed_ext.verify` straight from logits, with a fused online softmax.
 
     Args:
@@ -306,8 +309,8 @@ def mix(draft, target, weight, *, from_logits=False, temperature=1.0, check_inpu
     return torch.ops.diversed.mix(draft.contiguous(), target.contiguous(), weight_t, temperature_t, bool(from_logits))
 
 
-def mixture_divergence(draft_logits, target_logits, *, temperature=1.0, grid_points=17, log_floor=-100.0,
-                       check_inputs=True) -> torch.Tensor:
+def mixture_divergence(draft_logits, target_logits, *, temperature=1.0, grid_points=rules.DEFAULT_GRID_POINTS,
+                       log_floor=rules.DEFAULT_LOG_FLOOR, check_inputs=True) -> torch.Tensor:
     """KL(nu_w || p) of nu_w = w p + (1 - w) q at ``grid_points`` evenly spaced weights on the target, w = g / (G - 1)
     for g = 0 .. G - 1, at every position, for q = softmax(draft_logits / T) and p = softmax(target_logits / T): a
     table from which a loss reads the divergence of each token's law from the target's at any w (convex in w, 0 at

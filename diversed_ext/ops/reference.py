@@ -184,7 +184,7 @@ def sanitized_uniforms(uniforms: torch.Tensor) -> torch.Tensor:
 
 def verify_reference(draft_tokens, draft_probs, target_probs, weight, *, num_draft=None, greedy=None, uniforms=None,
                      seed=None, offset=0, check_inputs=True, target_rows=None, draft_rows=None, fly_window=0,
-                     fly_threshold=0.3, fly_top_k=3) -> VerifyResult:
+                     fly_threshold=rules.FLY_DEFAULT_THRESHOLD, fly_top_k=rules.FLY_DEFAULT_TOP_K) -> VerifyResult:
     """Reference implementation of :func:`diversed_ext.verify` in plain PyTorch (same arguments, same result)."""
     args, fly = _reference_arguments(
         (draft_tokens, draft_probs, target_probs, weight), dict(num_draft=num_draft, greedy=greedy, uniforms=uniforms,
@@ -205,7 +205,8 @@ def _tempered_softmax(logits: torch.Tensor, temperature: torch.Tensor) -> torch.
 
 def verify_logits_reference(draft_tokens, draft_logits, target_logits, weight, *, temperature=1.0, num_draft=None,
                             uniforms=None, seed=None, offset=0, check_inputs=True, target_rows=None, draft_rows=None,
-                            target_temperature=None, fly_window=0, fly_threshold=0.3, fly_top_k=3) -> VerifyResult:
+                            target_temperature=None, fly_window=0, fly_threshold=rules.FLY_DEFAULT_THRESHOLD,
+                            fly_top_k=rules.FLY_DEFAULT_TOP_K) -> VerifyResult:
     """Reference of :func:`diversed_ext.verify_logits`: softmax everything, then verify on probabilities (one-hot
     draft rows when ``draft_logits`` is None)."""
     args, fly = _reference_arguments(
@@ -288,7 +289,8 @@ def mix_reference(draft, target, weight, *, from_logits=False, temperature=1.0, 
     return weight_t * target_probs + (1 - weight_t) * draft_probs
 
 
-def mixture_divergence_reference(draft_logits, target_logits, *, temperature=1.0, grid_points=17, log_floor=-100.0,
+def mixture_divergence_reference(draft_logits, target_logits, *, temperature=1.0,
+                                 grid_points=rules.DEFAULT_GRID_POINTS, log_floor=rules.DEFAULT_LOG_FLOOR,
                                  check_inputs=True) -> torch.Tensor:
     """Reference of :func:`diversed_ext.mixture_divergence` (torch ops over chunks of positions; float64 logits are
     computed in float64)."""

@@ -1,10 +1,11 @@
 """FLy's divergence to the target, by an unbiased Monte Carlo estimate of its deferral probabilities.
 
-FLy (:mod:`diversed_ext.ops._fly`) keeps a draft x_i that the exact test rejected when the target's top-k entropy at
-i is at least tau and the next W drafts all pass the exact test. Its per-position law (the law of the first token
-emitted at a position where a draft x ~ q is made, as in :mod:`.divergence`) therefore reads drafts made in the
-contexts that follow x, which the output never visited: there is no closed form. At a position with room to defer
-(W drafts after it), with a(x) the exact test's keep probability, nu the rule's law without FLy and r its residual,
+FLy (the verify ops' ``fly_*`` options) keeps a draft x_i that the exact test rejected when the target's top-k entropy
+at i (:func:`diversed_ext.ops.fly_entropy`) is at least tau and the next W drafts all pass the exact test. Its
+per-position law (the law of the first token emitted at a position where a draft x ~ q is made, as in
+:mod:`.divergence`) therefore reads drafts made in the contexts that follow x, which the output never visited: there is
+no closed form. At a position with room to defer (W drafts after it), with a(x) the exact test's keep probability, nu
+the rule's law without FLy and r its residual,
 
     out(y) = law(y) + q(y) (1 - a(y)) D(y) - d r(y),     d = sum_x q(x) (1 - a(x)) D(x)
 
@@ -35,8 +36,7 @@ from typing import Optional, Sequence
 import torch
 
 from ..decoding.runners import crop_cache, make_runner, model_device
-from ..ops import distribution_temperature
-from ..ops._fly import fly_entropy
+from ..ops import distribution_temperature, fly_entropy
 from .divergence import RuleLaw, _exact_keep, _verifier_mass, divergences, position_law
 
 

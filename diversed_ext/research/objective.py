@@ -51,12 +51,14 @@ from typing import Optional
 
 import torch
 
-from ..ops._divergence import grid_weights
+from .. import rules
+from ..ops import grid_weights
 
 ADVANTAGE_EPSILON = 1e-6
 CLOSED_FORMS = ("linear", "logistic")
 WEIGHT_CLAMP = 1e-6  # keeps log w and log(1 - w) finite at the ends of (0, 1)
-KL_GRID_POINTS = 17  # weights 0, 1/16, ..., 1 at which KL(nu_w || p) is tabulated per token
+# weights 0, 1/16, ..., 1 at which KL(nu_w || p) is tabulated per token: mixture_divergence's default table
+KL_GRID_POINTS = rules.DEFAULT_GRID_POINTS
 
 
 def normalized_advantages(rewards: torch.Tensor) -> torch.Tensor:

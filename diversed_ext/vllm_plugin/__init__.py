@@ -26,9 +26,11 @@ from __future__ import annotations
 
 import logging
 
-from .settings import CONFIG_KEY, REQUEST_HEAD, REQUEST_WEIGHT, DiversedConfigError
+from .settings import (CONFIG_KEY, REQUEST_FLY_THRESHOLD, REQUEST_FLY_WINDOW, REQUEST_GATE_MARGIN, REQUEST_HEAD,
+                       REQUEST_WEIGHT, DiversedConfigError)
 
-__all__ = ["register", "CONFIG_KEY", "REQUEST_WEIGHT", "REQUEST_HEAD", "DiversedConfigError"]
+__all__ = ["register", "CONFIG_KEY", "REQUEST_WEIGHT", "REQUEST_HEAD", "REQUEST_FLY_WINDOW", "REQUEST_FLY_THRESHOLD",
+           "REQUEST_GATE_MARGIN", "DiversedConfigError"]
 logger = logging.getLogger(__name__)
 
 

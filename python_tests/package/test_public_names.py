@@ -14,8 +14,8 @@ import pytest
 from helpers import DOCUMENTS
 
 PUBLIC_MODULES = ("diversed_ext", "diversed_ext.ops", "diversed_ext.decoding", "diversed_ext.models",
-                  "diversed_ext.forward", "diversed_ext.vllm_plugin", "diversed_ext.research.sandbox",
-                  "diversed_ext.cli")
+                  "diversed_ext.forward", "diversed_ext.head", "diversed_ext.rules", "diversed_ext.vllm_plugin",
+                  "diversed_ext.research.sandbox", "diversed_ext.cli")
 FENCED_BLOCK = re.compile(r"^```.*?^```", re.MULTILINE | re.DOTALL)
 CODE_SPAN = re.compile(r"`((?:[^`\n]|\n(?!\s*\n))+)`")  # no blank line inside: spans end with their paragraph
 IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
