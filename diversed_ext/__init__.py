@@ -19,13 +19,16 @@ Public names:
                              process-wide
 
 Layout, one floor per folder, imports pointing down only:
-    ops/        the custom-op library (the names above)
-    forward/    the lean CPU forward for Llama models (packed products, native layers, the runner, the int8 draft)
-    decoding/   the speculative decoding loop over Hugging Face models (SpeculativeDecoder)
-    models/     model pairs: the embedded default pair, loading, the int8 draft
-    head.py     the DIVERSED ensemble head (per-token weights from both models' hidden states)
-    research/   tasks, the RL trainer, the evaluation harness, reports and plots
-    cli/        the ``diversed`` command; nothing imports it
+    rules.py       the rule of each number a user gives and the defaults the floors share (no torch, no vLLM)
+    ops/           the custom-op library (the names above)
+    forward/       the lean CPU forward for Llama models (packed products, native layers, the runner, the int8 draft)
+    models/        model pairs: the embedded default pair and its cache (its int8 draft made with forward's
+                   quantisation), loading, export, the EAGLE-3 draft head
+    head.py        the DIVERSED ensemble head (per-token weights from both models' hidden states)
+    decoding/      the speculative decoding loop over Hugging Face models (SpeculativeDecoder)
+    research/      tasks, the RL trainer, the evaluation harness, reports and plots
+    cli/           the ``diversed`` command; nothing imports it
+    vllm_plugin/   DIVERSED inside vLLM, loaded by vLLM through its entry point; nothing imports it
 """
 
 from .ops import (DISTRIBUTION_FEATURES, TokenStats, VerifyResult, cuda_kernels, cuda_kernels_registered,

@@ -13,12 +13,13 @@
 # when one failed, 2 for a usage error or a machine without a GPU. Every step has a time limit, so a hung kernel fails
 # its step instead of stalling the check. Steps can run separately (--only); the build stays installed between runs.
 # The check writes nothing outside REPORT_DIR (its temporary files included) and the installed build.
-# A GPU machine is lent for minutes, so the check comes in two parts of one call each, the figures that matter most
-# first: part 1 (about 7 minutes on an H100 machine) builds, runs the bench and the ops' CUDA tests; part 2 (about 6)
-# the loop's and trainer's CUDA tests, the sanitizers and the profile, building first only where no build is installed.
+# The check comes in two parts of one call each, the most important figures first: part 1 (about 7 minutes on an
+# H100 machine) builds, runs the bench and the ops' CUDA tests; part 2 (about 6) the loop's and trainer's CUDA tests,
+# the sanitizers and the profile, building first only where no build is installed.
 #
 #   scripts/gpu_check.sh REPORT_DIR [--kit DIR] [--part 1|2 | --only STEPS] [--dry-run]
-#     --kit DIR     the benchmark kit's folder (bench_vs_flashinfer.py, fi_bind.cu, fi_include/); the bench step needs it
+#     --kit DIR     the benchmark kit's folder (bench_vs_flashinfer.py, fi_bind.cu, fi_include/); the bench step
+#                   needs it
 #     --part N      part 1: build,bench,ops-tests; part 2: build (when missing),loop-tests,sanitizers,profile
 #     --only STEPS  a comma-separated subset of: build,ops-tests,loop-tests,sanitizers,bench,profile (the environment
 #                   always runs)

@@ -4,12 +4,11 @@ the compute-sanitizer tools.
 Each call runs with check_inputs=False on inputs the checks would refuse: NaN, negative and infinite mass, rows without
 mass, token ids outside [0, V), num_draft outside [0, K], uniforms outside [0, 1), greedy and sampled rows, tokens-only
 drafts, seedless calls, rows read in place through indices outside [0, R) (verify, and distribution_features and
-gate_statistics with a float32 target beside each draft dtype), vocabularies that leave rows misaligned and rows cut into many chunks; for both
-kernel families (diversed_ext.set_cuda_kernels: block and split) and the three element types. Every emitted token must
-stay in [-1, V), every feature in [0, 1], every log p(x) at most 0. Run it under `compute-sanitizer --tool memcheck|racecheck|synccheck|initcheck`
-(scripts/gpu_check.sh does); with --device cpu it runs the same calls on the CPU kernels, which checks the script itself
-anywhere.
-
+gate_statistics with a float32 target beside each draft dtype), vocabularies that leave rows misaligned and rows cut
+into many chunks; for both kernel families (diversed_ext.set_cuda_kernels: block and split) and the three element types.
+Every emitted token must stay in [-1, V), every feature in [0, 1], every log p(x) at most 0. Run it under
+`compute-sanitizer --tool memcheck|racecheck|synccheck|initcheck` (scripts/gpu_check.sh does); with --device cpu it runs
+the same calls on the CPU kernels, which checks the script itself anywhere.
     python scripts/gpu_hostile_inputs.py [--device cuda|cpu] [--quick]
 """
 

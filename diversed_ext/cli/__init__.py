@@ -1,9 +1,10 @@
-"""The ``diversed`` command line.
+"""The ``diversed`` command line (each command's ``--help`` lists all its flags).
 
-    diversed generate --prompt "..." [--method ar|sd|static|diversed] [--weight W] [--head PATH] [--max-draft K]
+    diversed generate --prompt "..." [--method ar|sd|static|diversed|fly] [--weight W] [--head PATH] [--max-draft K]
                       [--temperature T] [--max-new-tokens N] [--seed S] [--target NAME_OR_PATH [--draft ...]]
     diversed demo     [--prompts N] [--max-new-tokens N] [--weights W ...] ...
-                      ar, sd and static ensembles on the default pair and a few built-in prompts: one table
+                      ar, sd, static ensembles, the default head (default pair only) and, at a sampling temperature,
+                      sd with the log-probability gate, on a few built-in prompts: one table
     diversed bench verify [ARGS...]   runs bench/bench_verify.py (from the source checkout: bench/ is not installed)
     diversed bench e2e    [ARGS...]   runs bench/bench_e2e.py
     diversed train    --task gsm8k --data PATH [--steps --batch-size --lr --acceptance-coef --fidelity-coef ...]
@@ -12,7 +13,12 @@
     diversed train-drafter --out FOLDER --data PATH/gsm8k/train.jsonl [--prompts N --steps N --draft-vocab V ...]
                       an EAGLE-3 draft head for the default pair, by self-distillation (the shipped head's recipe)
     diversed eval     --task gsm8k --data PATH --method ar sd static diversed [--weight W ...] [--head PATH]
+                      also the lossy methods fly, static+fly, diversed+fly, gate, static+gate, diversed+gate, typical
     diversed pareto   --task gsm8k --data PATH [--weights W ...] [--head PATH ...] [--output-dir DIR]
+    diversed report   RESULTS_JSON ... [--output-dir DIR]
+                      pareto's table, frontier and plot from saved results.json files, joined as one run
+    diversed validate --task gsm8k --data PATH [--head PATH ...] [--acceptance-coef L ...] [--tokens FILE]
+                      heads and coefficients placed on held-out contexts in closed form, without decoding per head
     diversed compare-drafts [--task gsm8k --data PATH] [--drafts distributions tokens ...] [--weight W ...]
                       sd and static verified with the draft's distributions or its tokens only: one table
     diversed export-pair DIR [--overwrite]

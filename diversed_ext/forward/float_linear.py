@@ -30,7 +30,8 @@ class FloatWeights(NamedTuple):
 
 def pack_float(parts: Sequence[tuple]) -> FloatWeights:
     """Pack ``parts``, a sequence of ``(weight [N_i, K], bias [N_i] or None)`` float32 CPU tensors sharing K, as one
-    matrix: ``float_linear(x, pack_float(parts))`` is the concatenation of every part's ``F.linear(x, weight, bias)``."""
+    matrix: ``float_linear(x, pack_float(parts))`` is the concatenation of every part's
+    ``F.linear(x, weight, bias)``."""
     require_forward_ops("pack_float")
     if not parts:
         raise ValueError("parts must hold at least one (weight, bias) pair")

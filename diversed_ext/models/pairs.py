@@ -57,7 +57,8 @@ class ModelPair(NamedTuple):
 
 
 def cache_root() -> Path:
-    """Where converted weights live: $DIVERSED_CACHE_DIR, else $XDG_CACHE_HOME/diversed_ext, else ~/.cache/diversed_ext."""
+    """Where converted weights live: $DIVERSED_CACHE_DIR, else $XDG_CACHE_HOME/diversed_ext, else
+    ~/.cache/diversed_ext."""
     if os.environ.get("DIVERSED_CACHE_DIR"):
         return Path(os.environ["DIVERSED_CACHE_DIR"]).expanduser()
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"

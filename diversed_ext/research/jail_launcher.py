@@ -1,9 +1,10 @@
 """The trusted half of the code sandbox (see sandbox.py): the launcher that builds the jail and runs the program.
 
-Run as ``python -I -S -B jail_launcher.py --diversed-launch CONFIG`` by :func:`diversed_ext.research.sandbox.run_sandboxed`,
-never imported by the package: only the standard library, so nothing outside the interpreter can change what it does.
-It unshares user, mount, PID and network namespaces, forks PID 1 of the new PID namespace, which builds a read-only
-root, drops every capability and forks the untrusted program; when PID 1 exits the kernel kills the rest.
+Run as ``python -I -S -B jail_launcher.py --diversed-launch CONFIG`` by
+:func:`diversed_ext.research.sandbox.run_sandboxed`, never imported by the package: only the standard library, so
+nothing outside the interpreter can change what it does. It unshares user, mount, PID and network namespaces, forks
+PID 1 of the new PID namespace, which builds a read-only root, drops every capability and forks the untrusted
+program; when PID 1 exits the kernel kills the rest.
 """
 
 import ctypes

@@ -149,7 +149,8 @@ def _strip_calculator(answer: str) -> str:
 
 
 def load_gsm8k(path: str, limit: Optional[int] = None) -> list[dict]:
-    """GSM8K records ({"question", "answer"}) from ``path`` (a copy of openai/grade-school-math, e.g. gsm8k/test.jsonl)."""
+    """GSM8K records ({"question", "answer"}) from ``path`` (a copy of openai/grade-school-math, e.g.
+    gsm8k/test.jsonl)."""
     return _require_fields(load_jsonl(path, limit), ("question", "answer"), path)
 
 # ------------------------------------------------------------------------------------------------------ HumanEval
@@ -210,7 +211,7 @@ def humaneval_pass(example: dict, completion: str, *, timeout: float = 5.0) -> f
     return float(result.passed and token in result.stdout.splitlines())
 
 
-# ------------------------------------------------------------------------------------------------------ ROUGE and fidelity
+# --------------------------------------------------------------------------------------------------- ROUGE and fidelity
 
 
 def rouge_l(reference: str, prediction: str) -> float:

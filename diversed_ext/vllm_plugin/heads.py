@@ -122,11 +122,11 @@ def head_weights(head, capture: HiddenStateCapture, proposal_rows: torch.Tensor,
 
 def drafted_features(draft_table: torch.Tensor, table_slots: torch.Tensor, target_logits: torch.Tensor,
                      target_rows: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
-    """The distribution features [M, K, 5] of M requests' K drafted positions, every row read where it lies (no
-    gather, no copy, no host sync): the draft's raw logits at slots ``table_slots`` [M] of ``draft_table`` [S, Kd, V]
-    (Kd >= K, read through :func:`diversed_ext.ops.position_rows`), taken at the requests' ``temperature`` [M] (0: greedy, taken at 1), beside the
-    target's rows ``target_rows`` [M, K] of ``target_logits`` [N, V], which vLLM has divided by that temperature
-    already."""
+    """The distribution features [M, K, 5] of M requests' K drafted positions, every row read where it lies (no gather,
+    no copy, no host sync): the draft's raw logits at slots ``table_slots`` [M] of ``draft_table`` [S, Kd, V] (Kd >= K,
+    read through :func:`diversed_ext.ops.position_rows`), taken at the requests' ``temperature`` [M] (0: greedy, taken
+    at 1), beside the target's rows ``target_rows`` [M, K] of ``target_logits`` [N, V], which vLLM has divided by that
+    temperature already."""
     draft_logits, draft_rows = position_rows(draft_table, target_rows.shape[1], table_slots)
     return distribution_features(draft_logits, target_logits, temperature=temperature, target_temperature=1.0,
                                  target_rows=target_rows, draft_rows=draft_rows, check_inputs=False)

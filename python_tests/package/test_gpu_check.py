@@ -62,7 +62,7 @@ def test_the_two_parts_run_every_step_once_the_bench_in_the_first(tmp_path):
     first_steps, second_steps = _dry_run_steps(first.stdout), _dry_run_steps(second.stdout)
     assert first_steps == ["build", "bench-block", "bench-split", "ops-tests"]
     assert second_steps[1:] == [step for step in STEPS if step not in first_steps]
-    # Part 2 builds only where part 1's build is not installed: on a machine that was given back meanwhile.
+    # Part 2 builds only where part 1's build is not installed (a fresh machine between the parts).
     assert second_steps[0] == "build"
     assert "--ignore=" in second.stdout and "python_tests/ops" in second.stdout
     assert gpu_check(tmp_path, "--dry-run", "--part", "3").returncode == 2
