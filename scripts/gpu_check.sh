@@ -4,7 +4,7 @@
 #   2. build        the extension with this machine's python3 and torch (DIVERSED_CUDA=1, no build isolation)
 #   3. bench        the benchmark kit's bench_vs_flashinfer.py (side by side with FlashInfer), once per kernel family
 #   4. ops-tests    the CUDA tests of the ops and the package (pytest -k cuda): the verify kernels' tests for both
-#                   kernel families
+#                   kernel families (the `device` fixture's "cuda" and "cuda-block")
 #   5. loop-tests   the other CUDA tests: the decoding loop and the trainer on CUDA (a round's host syncs counted)
 #   6. sanitizers   compute-sanitizer memcheck, racecheck, synccheck and initcheck over scripts/gpu_hostile_inputs.py
 #   7. profile      ncu's speed-of-light and occupancy of both families at B = 64, K = 8, V = 128256
@@ -13,8 +13,8 @@
 # when one failed, 2 for a usage error or a machine without a GPU. Every step has a time limit, so a hung kernel fails
 # its step instead of stalling the check. Steps can run separately (--only); the build stays installed between runs.
 # The check writes nothing outside REPORT_DIR (its temporary files included) and the installed build.
-# The check comes in two parts of one call each, the most important figures first: part 1 (about 7 minutes on an
-# H100 machine) builds, runs the bench and the ops' CUDA tests; part 2 (about 6) the loop's and trainer's CUDA tests,
+# The check comes in two parts of one call each, the most important figures first: part 1 (about 5 minutes on an
+# H100 machine) builds, runs the bench and the ops' CUDA tests; part 2 (about 3) the loop's and trainer's CUDA tests,
 # the sanitizers and the profile, building first only where no build is installed.
 #
 #   scripts/gpu_check.sh REPORT_DIR [--kit DIR] [--part 1|2 | --only STEPS] [--dry-run]
@@ -150,7 +150,7 @@ fi
 # first, the rest (the loop's and the trainer's, which need transformers and scipy: see environment.log) second.
 ops_tests=("$checkout/python_tests/ops" "$checkout/python_tests/package")
 if wants ops-tests; then
-  run ops-tests 180 env DIVERSED_EXPECT_CUDA_BUILD=1 \
+  run ops-tests 240 env DIVERSED_EXPECT_CUDA_BUILD=1 \
     "$python" -m pytest -q -p no:cacheprovider -k cuda "${ops_tests[@]}"
 fi
 if wants loop-tests; then
