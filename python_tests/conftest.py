@@ -1,7 +1,8 @@
 """pytest configuration: output poisoning for every native call, and the `device` fixture.
 
 The builders the tests share are in the helpers package (`from helpers import ...`), not here; the fixtures below are
-the model pairs several test files share, each built once per test module.
+the model pairs several test files share, each built once per test module, and `no_models`, which fails a command
+that gets as far as loading models.
 """
 
 import os
@@ -12,7 +13,7 @@ os.environ.setdefault("DIVERSED_POISON_OUTPUTS", "1")
 
 import pytest  # noqa: E402
 
-from helpers import requires_cuda  # noqa: E402
+from helpers import refuse_models, requires_cuda  # noqa: E402
 
 # The CUDA parameters are always there, so a machine without a GPU reports those tests as skipped (with the reason)
 # rather than leaving them out silently. "cuda" runs the default family ("auto": the split kernels, the block ones for
@@ -77,3 +78,9 @@ def cuda_kernels(request):
     diversed_ext.set_cuda_kernels(request.param)
     yield request.param
     diversed_ext.set_cuda_kernels("auto")
+
+
+@pytest.fixture
+def no_models(monkeypatch):
+    """Fails the test if a command gets as far as loading models: every check of its arguments must come first."""
+    refuse_models(monkeypatch)

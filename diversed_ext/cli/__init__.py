@@ -50,7 +50,7 @@ from ..research.harness import (DEMO_PROMPTS, DEMO_WEIGHTS, demo_methods, run_de
                                 throughput_summary, with_draft_length)
 from ..research.report import format_table
 from . import common
-from .checks import check_flags_read, given_flags
+from .checks import check_flags_read, check_repeated_values, given_flags
 from .common import (USAGE_EXIT_STATUS, UsageError, _add_batch_argument, _add_draft_length_arguments,
                      _add_model_arguments, _check_draft_cost, _decoder_error, _draft_length_words, _load_head,
                      _positive_int, _unit_float, library_defaults)
@@ -203,7 +203,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     handlers = {"generate": _run_generate, "demo": _run_demo, "bench": _run_bench, "export-pair": _run_export_pair,
                 "train": run_train, "train-drafter": run_train_drafter, **EXPERIMENT_HANDLERS}
     try:
-        check_flags_read(args, given_flags(argv))
+        given = given_flags(argv)
+        check_flags_read(args, given)
+        check_repeated_values(args, given)
         if getattr(args, "recipe", None):
             args = with_recipe(parser, argv, args)
         return handlers[args.command](args)

@@ -9,7 +9,7 @@ import os
 import torch
 
 from ..decoding import METHODS, Typical, eos_ids
-from . import checks, common
+from . import checks, common, records
 from .common import (UsageError, _add_batch_argument, _add_draft_length_arguments, _add_fly_arguments,
                      _add_gate_argument, _add_model_arguments, _fly_settings, _gates,
                      _check_draft_cost, _decoder_error, _draft_length_words, _draft_lengths, _load_head,
@@ -142,6 +142,7 @@ def _experiment_setup(args):
         raise UsageError(f"--data: {error}") from None
     common.check_head_arguments(_head_paths(args), args)
     checks.check_fly_window(args)
+    checks.check_sampling(args)
     if getattr(args, "output_dir", None) is not None:
         _require_writable_folder("--output-dir", args.output_dir)
     target, draft, tokenizer = common.load_command_models(args)
@@ -158,15 +159,15 @@ def _head_for(args, target, draft):
     return _load_head(args.head, target, draft) if getattr(args, "head", None) else None
 
 
-def _heads_by_label(args, target, draft) -> dict:
-    """label -> head for pareto: "diversed" for a single head, "diversed:<folder name>" for several."""
+def _head_labels(args) -> dict:
+    """label -> --head for pareto: "diversed" for a single head, "diversed:<folder name>" for several."""
     paths = _head_paths(args)
     if len(paths) == 1:
-        return {"diversed": _load_head(paths[0], target, draft)}
+        return {"diversed": paths[0]}
     labels = [f"diversed:{os.path.basename(os.path.normpath(path))}" for path in paths]
     if len(set(labels)) != len(labels):
         raise UsageError(f"--head: two head folders share a name: {' '.join(paths)}")
-    return {label: _load_head(path, target, draft) for label, path in zip(labels, paths)}
+    return dict(zip(labels, paths))
 
 
 def _several_draft_lengths(args) -> bool:
@@ -244,12 +245,14 @@ def _run_pareto(args) -> int:
     task, examples, target, draft, tokenizer, _ = setup
     fly = _fly_settings(args) if args.fly else None
     sweep = fly_sweep(args.max_draft, args.fly_thresholds, args.fly_top_k) if args.fly else ()
-    results = _evaluate(args, setup, pareto_methods(args.weights, heads=_heads_by_label(args, target, draft),
-                                                    fly=fly, fly_sweep=sweep, gates=_gates(args.gate_margin),
-                                                    temperatures=args.temperatures, typicals=_typicals(args.typical)))
+    head_paths = _head_labels(args)
+    heads = {label: _load_head(path, target, draft) for label, path in head_paths.items()}
+    specs = pareto_methods(args.weights, heads=heads, fly=fly, fly_sweep=sweep, gates=_gates(args.gate_margin),
+                           temperatures=args.temperatures, typicals=_typicals(args.typical))
+    results = _evaluate(args, setup, specs)
     table, written = _pareto_report(results, task.metric, args.output_dir)
-    written.append(save_results(os.path.join(args.output_dir, "results.json"), _prompts_record(args, task, examples),
-                                results))
+    written.append(save_results(os.path.join(args.output_dir, "results.json"),
+                                records.prompts_record(args, task, examples, specs, head_paths), results))
     usages = {row.label: row.weight_usage for row in learned_rows(results) if row.weight_usage is not None}
     if usages:
         written.append(plot_weight_histograms(usages, os.path.join(args.output_dir, "head_weights.png")))
@@ -267,15 +270,6 @@ def _typicals(values) -> list:
     if values is None:
         return []
     return [Typical()] if not values else [Typical(eps, eps ** 0.5) for eps in values]
-
-
-def _prompts_record(args, task, examples) -> dict:
-    """Which prompts a run decoded and how: what `diversed report` checks before it joins runs."""
-    return {"task": task.name, "data": os.path.basename(args.data) if args.data else None, "skip": args.skip,
-            "count": len(examples), "seed": args.seed, "target": args.target, "draft": args.draft,
-            "max_draft": args.max_draft, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
-            "chat": task.chat and not args.no_chat_template, "draft_length": args.draft_length,
-            "draft_cost": args.draft_cost, "fly_top_k": args.fly_top_k}
 
 
 def _results_table(results, metric: str) -> str:
@@ -339,7 +333,9 @@ def _run_validate(args) -> int:
     from ..research.validation import (head_point, load_tokens, point_row, rule_point, sample_validation_tokens,
                                        save_tokens, static_point)
 
-    if args.tokens and not os.path.isfile(args.tokens):  # to be written: writable before the sampling, not after
+    if args.tokens and os.path.isfile(args.tokens):
+        records.check_token_file(args)
+    elif args.tokens:  # to be written: writable before the sampling, not after
         if os.path.isdir(args.tokens):
             raise UsageError(f"--tokens {args.tokens}: a folder; give a file to write the contexts to")
         _require_writable_folder("--tokens", os.path.dirname(os.path.abspath(args.tokens)))
@@ -356,7 +352,7 @@ def _run_validate(args) -> int:
                                           seed=args.seed, eos_token_id=eos, batch_size=args.batch_size)
         if args.tokens:
             try:
-                save_tokens(tokens, args.tokens)
+                save_tokens(tokens, args.tokens, records.token_settings(args))
             except OSError as error:
                 raise UsageError(f"--tokens {args.tokens}: cannot write ({error.strerror or error})") from None
     points = [static_point(weight, tokens) for weight in sorted(PARETO_WEIGHTS, reverse=True)]
@@ -381,8 +377,6 @@ def _run_compare_drafts(args) -> int:
     from ..research.harness import draft_source_specs
     from ..research.report import source_comparison_lines
 
-    if len(set(args.drafts)) != len(args.drafts):
-        raise UsageError(f"--drafts: name each source once, got {' '.join(args.drafts)}")
     return _evaluate_and_print(args, lambda target, draft: draft_source_specs(args.drafts, args.weight),
                                source_comparison_lines)
 

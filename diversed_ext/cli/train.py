@@ -184,6 +184,8 @@ def run_train(args) -> int:
         raise UsageError(f"--expected-kl-coef {args.expected_kl_coef:g} with --closed-form {args.closed_form}: "
                          f"{error}") from None
     args.output_dir = args.output_dir or "runs/head"
+    if args.resume:
+        _check_resume(args)
     mixed_in = _mixed_in_examples(args)
     task, examples, target, draft, tokenizer, eos = _experiment_setup(args)
     config = TrainerConfig(output_dir=args.output_dir, steps=args.steps, batch_size=args.batch_size,
@@ -210,6 +212,28 @@ def run_train(args) -> int:
               f"{last['expected_acceptance']:.3f}, task reward {last['task_reward']:.3f}, "
               f"fidelity {last['fidelity']:.3f}; head saved in {os.path.join(args.output_dir, 'head')}")
     return 0
+
+
+def _check_resume(args) -> None:
+    """--resume continues the run whose checkpoint is in --output-dir under that run's options, the recipe the
+    checkpoint records: a flag that changes one is refused before any model loads, but a larger --steps (the output
+    folder, --checkpoint-every and --device are no part of a recipe). A checkpoint that records no recipe (written
+    before checkpoints did) is left to the trainer, which compares its configuration."""
+    from ..research.checkpoints import CHECKPOINT_NAME, CheckpointError, load_checkpoint, resume_conflicts
+
+    try:
+        state = load_checkpoint(os.path.join(args.output_dir, CHECKPOINT_NAME))
+    except CheckpointError as error:
+        raise UsageError(f"--resume: {error}") from None
+    recorded = state.get("recipe") if state is not None else None
+    if not isinstance(recorded, dict):
+        return
+    current = recipe_of(args)
+    changed = [f"--{name.replace('_', '-')} {recorded.get(name, 'unset')} (now {current.get(name, 'unset')})"
+               for name in resume_conflicts(recorded, current)]
+    if changed:
+        raise UsageError(f"--resume: the checkpoint in {args.output_dir} was made with {', '.join(changed)}; resume "
+                         "with those as they were (only --steps may grow) or train afresh in another --output-dir")
 
 
 # ---- diversed train-drafter ---------------------------------------------------------------------------------------

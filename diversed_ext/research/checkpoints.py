@@ -17,6 +17,10 @@ from .._atomic import atomic_path
 CHECKPOINT_NAME = "checkpoint.pt"
 LOG_NAME = "train_log.jsonl"
 CHECKPOINT_KEYS = ("head", "optimizer", "scheduler", "step", "history", "rng", "config")
+# What a resumed run may change: where it writes and how often it saves (nothing of the head it trains). Its steps
+# may grow, the schedule then spanning the new count; everything else stays as the checkpoint's run had it.
+FREE_ON_RESUME = ("output_dir", "checkpoint_every")
+GROWS_ON_RESUME = "steps"
 
 
 class CheckpointError(ValueError):
@@ -52,6 +56,20 @@ def load_checkpoint(path: str) -> Optional[dict]:
     if missing:
         raise CheckpointError(f"{path}: not a training checkpoint (lacks {', '.join(missing)})")
     return state
+
+
+def resume_conflicts(recorded: dict, current: dict) -> list[str]:
+    """The names whose value in ``current`` (a resumed run's settings) differs from ``recorded`` (those of the run
+    that wrote the checkpoint), but for :data:`FREE_ON_RESUME` and a larger :data:`GROWS_ON_RESUME`."""
+    changed = []
+    for name in sorted(set(recorded) | set(current)):
+        before, now = recorded.get(name), current.get(name)
+        if name in FREE_ON_RESUME or before == now:
+            continue
+        if name == GROWS_ON_RESUME and isinstance(before, int) and isinstance(now, int) and now > before:
+            continue
+        changed.append(name)
+    return changed
 
 
 class TrainingLog:

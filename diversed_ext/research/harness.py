@@ -60,6 +60,10 @@ def run_interleaved(runners: Sequence[tuple[str, Runner]], num_prompts: int, *, 
                     wall_seconds: Optional[dict] = None) -> dict[str, list]:
     """Every runner on every prompt under the rules above; returns label -> one result per prompt, in order.
     ``wall_seconds``, when given, receives label -> the wall time of that runner's timed batches."""
+    labels = [label for label, _ in runners]
+    if len(set(labels)) != len(labels):  # results are kept by label: two runners under one would pool their prompts
+        raise ValueError(f"runners must have distinct labels; {next(x for x in labels if labels.count(x) > 1)!r} "
+                         "is given twice")
     size = num_prompts if batch_size is None else batch_size
     batches = [list(range(start, min(start + size, num_prompts))) for start in range(0, num_prompts, max(size, 1))]
     if warmup and batches:

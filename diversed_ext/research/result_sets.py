@@ -8,7 +8,11 @@ included. Rows are joined from their exact counts (tokens, target passes, drafte
 rounded rates.
 
 Two parts on the same prompts must agree on a rule both ran (prompt i's tokens depend only on its seed); parts on
-different prompts must share every decoding setting and must not overlap. Speeds measured in different runs do not
+different prompts must share every decoding setting, must not overlap and must continue the seeds (prompt i of the
+data set gets the first part's seed plus its distance from the first part's first prompt, as in one run). A rule must
+have run under the same settings of its own (its head's folder name and weights digest, its FLy settings: the part's
+``"rules"`` record) in every part. Parts must record the same settings: one saved before a setting was recorded
+cannot be checked against one that records it, and is refused beside it. Speeds measured in different runs do not
 compare (other load, other machines): rows joined from several parts have no tokens/s. Parts saved before the target
 entropy was recorded join with NaN at their prompts (where the same rule ran on the same prompts in a newer part too,
 the newer one's values are kept); :func:`~.calibration.missing_entropy_note` says which rows that leaves partial.
@@ -26,6 +30,9 @@ from .report import MethodResult, _mean
 
 # The settings that say which prompts a part ran; everything else in a part's "prompts" record is a decoding setting.
 _PROMPT_CHOICE = ("skip", "count", "seed")
+# label -> the settings one rule ran under that its label does not say. Parts on the same prompts hold other rules
+# by design, so this record is compared rule by rule, not as a whole.
+RULE_SETTINGS = "rules"
 
 
 @dataclass(frozen=True)
@@ -66,18 +73,33 @@ def load_results(path: str) -> ResultSet:
         raise ValueError("not a results file written by `diversed pareto` (no \"prompts\" and \"rows\")")
     if not saved["rows"]:
         raise ValueError("holds no rows")
-    count = saved["prompts"].get("count")
-    if not _is_number(count) or count < 0 or count != int(count):
-        raise ValueError(f"its \"prompts\" record has no prompt count (\"count\": {count!r})")
+    _check_prompts_record(saved["prompts"])
     try:
-        rows = tuple(_result_of(row, int(count)) for row in saved["rows"])
+        rows = tuple(_result_of(row, int(saved["prompts"]["count"])) for row in saved["rows"])
     except TypeError as error:
         raise ValueError(f"a row is not a result ({error})") from None
     return ResultSet(saved["prompts"], rows)
 
 
+def _check_prompts_record(prompts: dict) -> None:
+    """ValueError unless the fields of a part's "prompts" record that the join computes with are of their kind."""
+    for name, what, least in (("count", "prompt count", 0), ("skip", "first prompt", 0), ("seed", "seed", None)):
+        value = prompts.get(name)
+        if (name == "count" or name in prompts) and not _is_whole(value, least):
+            raise ValueError(f"its \"prompts\" record has no {what} (\"{name}\": {value!r})")
+    if not isinstance(prompts.get("task", ""), (str, type(None))):
+        raise ValueError(f"its \"prompts\" record names no task (\"task\": {prompts['task']!r})")
+    rules = prompts.get(RULE_SETTINGS, {})
+    if not (isinstance(rules, dict) and all(isinstance(settings, dict) for settings in rules.values())):
+        raise ValueError(f"its \"prompts\" record's \"{RULE_SETTINGS}\" is not label -> settings: {rules!r}")
+
+
 def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_whole(value, least) -> bool:
+    return _is_number(value) and math.isfinite(value) and value == int(value) and (least is None or value >= least)
 
 
 def _result_of(row, count: int) -> MethodResult:
@@ -109,13 +131,21 @@ def _result_of(row, count: int) -> MethodResult:
 def merge_result_sets(parts: Sequence[ResultSet]) -> tuple[dict, list[MethodResult]]:
     """(prompts, rows): ``parts`` joined, rules of parts on the same prompts side by side, then prompt sets one after
     the other in the order of their first prompt. A rule that some prompt set lacks is left out. ValueError where
-    parts cannot be joined: other decoding settings, overlapping prompts, or one rule with two outcomes."""
+    parts cannot be joined: other decoding settings or settings recorded, one rule under two settings of its own or
+    with two outcomes, overlapping prompts, or seeds that do not continue."""
     if not parts:
         raise ValueError("no results to merge")
+    _check_recorded_alike(parts)
     by_prompts: dict = {}
+    rule_settings: dict = {}  # label -> its settings in the first part that ran it
     for part in parts:
-        rules = by_prompts.setdefault(json.dumps(part.prompts, sort_keys=True), {})
+        shared = {key: value for key, value in part.prompts.items() if key != RULE_SETTINGS}
+        rules = by_prompts.setdefault(json.dumps(shared, sort_keys=True), {})
         for row in part.rows:
+            settings = part.prompts.get(RULE_SETTINGS, {}).get(row.label)
+            if rule_settings.setdefault(row.label, settings) != settings:
+                raise ValueError(f"{row.label!r} ran under other settings in another part "
+                                 f"({_words(rule_settings[row.label])}; {_words(settings)}): they cannot be joined")
             known = rules.get(row.label)
             if known is not None and not _same_values(known.fidelity_per_prompt, row.fidelity_per_prompt):
                 raise ValueError(f"{row.label!r} ran twice on the same prompts with different outcomes")
@@ -132,7 +162,23 @@ def merge_result_sets(parts: Sequence[ResultSet]) -> tuple[dict, list[MethodResu
     first = prompt_sets[0][0]
     prompts = {**first, "count": sum(prompts.get("count", 0) for prompts, _ in prompt_sets),
                "parts": [{key: prompts.get(key) for key in _PROMPT_CHOICE} for prompts, _ in prompt_sets]}
+    if RULE_SETTINGS in parts[0].prompts:
+        prompts[RULE_SETTINGS] = {label: rule_settings[label] for label in labels if rule_settings[label] is not None}
     return prompts, joined
+
+
+def _check_recorded_alike(parts: Sequence[ResultSet]) -> None:
+    """Every part records the same settings: a setting one part lacks (saved before it was recorded) cannot be
+    checked against another's, so such parts are refused together rather than joined unchecked."""
+    recorded = [set(part.prompts) - {"parts"} for part in parts]
+    missing = sorted(set.union(*recorded) - set.intersection(*recorded))
+    if missing:
+        raise ValueError(f"some parts record {', '.join(missing)} and others do not (saved by an older diversed): "
+                         "they cannot be checked against each other; rerun the older parts")
+
+
+def _words(settings) -> str:
+    return "none recorded" if not settings else ", ".join(f"{key} {value}" for key, value in settings.items())
 
 
 def _same_values(first: Sequence[float], second: Sequence[float]) -> bool:
@@ -150,6 +196,13 @@ def _check_joinable(prompt_sets: Sequence[dict]) -> None:
         if other != first:
             differing = sorted(key for key in set(other) | set(first) if other.get(key) != first.get(key))
             raise ValueError(f"parts ran under different settings ({', '.join(differing)}): they cannot be joined")
+    skip, seed = prompt_sets[0].get("skip", 0), prompt_sets[0].get("seed")
+    for other in prompt_sets[1:]:
+        continued = None if seed is None else seed + other.get("skip", 0) - skip
+        if other.get("seed") != continued:
+            raise ValueError(f"parts do not continue the seeds: the part from prompt {other.get('skip', 0)} ran with "
+                             f"seed {other.get('seed')}, where one run from prompt {skip} with seed {seed} gives that "
+                             f"prompt seed {continued}: rerun it with --seed {continued}")
     for before, after in zip(prompt_sets, prompt_sets[1:]):
         if before.get("skip", 0) + before.get("count", 0) > after.get("skip", 0):
             raise ValueError(f"parts overlap: prompts from {before.get('skip', 0)} ({before.get('count', 0)} of them) "

@@ -39,7 +39,7 @@ from ..decoding.checks import check_head_device
 from ..decoding.runners import model_device
 from ..head import EnsembleHead
 from .checkpoints import (CHECKPOINT_NAME, LOG_NAME, CheckpointError, TrainingLog, load_checkpoint,
-                          save_checkpoint)
+                          resume_conflicts, save_checkpoint)
 from .objective import CLOSED_FORMS, ObjectiveTerms, check_kl_options, diversed_objective
 from .plots import plot_training_curve
 from .rollouts import Rollout, nu_mask
@@ -326,13 +326,21 @@ class Trainer:
         save_checkpoint(self.checkpoint_path(), {
             "head": self.head.state_dict(), "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(), "step": self.step, "history": self.history,
-            "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}, "config": asdict(self.config)})
+            "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}, "config": asdict(self.config),
+            "recipe": dict(self.head.config.recipe)})
 
     def load_checkpoint(self) -> bool:
-        """Restore the last checkpoint if there is one; returns whether one was found."""
+        """Restore the last checkpoint if there is one; returns whether one was found. A checkpoint of another
+        configuration (:func:`~.checkpoints.resume_conflicts`: only the output folder, the checkpoint interval and a
+        larger step count may change) is refused: its optimiser and schedule would carry on the old one's."""
         state = load_checkpoint(self.checkpoint_path())
         if state is None:
             return False
+        changed = resume_conflicts(state["config"], asdict(self.config)) if isinstance(state["config"], dict) else []
+        if changed:
+            raise CheckpointError(f"{self.checkpoint_path()}: made under another configuration ("
+                                  + ", ".join(f"{name} {state['config'].get(name)}, now {getattr(self.config, name)}"
+                                              for name in changed) + "); resume under that one")
         try:
             self.head.load_state_dict(state["head"])
             self.optimizer.load_state_dict(state["optimizer"])

@@ -23,6 +23,7 @@ training, which coefficients spread the heads' acceptances over a wanted range.
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Optional, Sequence
 
 import torch
@@ -60,12 +61,38 @@ def sample_validation_tokens(target, draft, prompts: Sequence[Sequence[int]], *,
                                  temperature, [draft_steps(rounds) for rounds in output.rounds]).to("cpu")
 
 
-def save_tokens(tokens: TokenBatch, path: str) -> None:
-    """A :class:`TokenBatch` as a safetensors file (nothing executable in it)."""
+# The safetensors metadata entry of a token file that records the settings its contexts were sampled under.
+SETTINGS_KEY = "settings"
+
+
+def save_tokens(tokens: TokenBatch, path: str, settings: Optional[dict] = None) -> None:
+    """A :class:`TokenBatch` as a safetensors file (nothing executable in it); ``settings`` (JSON-ready), the ones
+    its contexts were sampled under, go into its metadata for :func:`recorded_token_settings`."""
     from safetensors.torch import save_file
 
     save_file({field.name: getattr(tokens, field.name).contiguous() for field in dataclasses.fields(TokenBatch)},
-              path)
+              path, metadata=None if settings is None else {SETTINGS_KEY: json.dumps(settings, sort_keys=True)})
+
+
+def recorded_token_settings(path: str) -> Optional[dict]:
+    """The settings :func:`save_tokens` recorded in a token file (its header alone is read), None where it recorded
+    none, or a ValueError naming what is wrong."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(path, framework="pt") as handle:
+            metadata = handle.metadata() or {}
+    except (SafetensorError, OSError, RuntimeError) as error:
+        raise ValueError(f"not a readable safetensors file ({error})") from None
+    if SETTINGS_KEY not in metadata:
+        return None
+    try:
+        settings = json.loads(metadata[SETTINGS_KEY])
+    except json.JSONDecodeError as error:
+        raise ValueError(f"its recorded settings are not JSON ({error})") from None
+    if not isinstance(settings, dict):
+        raise ValueError(f"its recorded settings are not an object: {settings!r}")
+    return settings
 
 
 def load_tokens(path: str) -> TokenBatch:

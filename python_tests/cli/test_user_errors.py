@@ -13,20 +13,7 @@ import diversed_ext as dx  # noqa: E402
 from diversed_ext import cli  # noqa: E402
 from diversed_ext.head import EnsembleHead, load_head  # noqa: E402
 from diversed_ext.models import export  # noqa: E402
-
-
-@pytest.fixture
-def no_models(monkeypatch):
-    """Fails the test if a command gets as far as loading models: every check must come first."""
-    def refuse(*args, **kwargs):
-        raise AssertionError("models were loaded before the arguments were checked")
-    monkeypatch.setattr(cli.common, "load_models", refuse)
-
-
-def run_cli(argv, capsys):
-    status = cli.main(argv)
-    captured = capsys.readouterr()
-    return status, captured.err.strip()
+from helpers import run_cli  # noqa: E402
 
 
 def write(path, content: bytes):
@@ -180,12 +167,6 @@ def test_unwritable_output_files_are_refused_before_the_work(tmp_path, capsys, n
     assert status == 2 and error.startswith(f"diversed: {flag} "), error
 
 
-def test_compare_drafts_refuses_a_source_named_twice(tmp_path, capsys, no_models):
-    data = write(tmp_path / "data.jsonl", GOOD_RECORD)
-    status, error = run_cli(["compare-drafts", "--data", data, "--drafts", "tokens", "tokens"], capsys)
-    assert status == 2 and error == "diversed: --drafts: name each source once, got tokens tokens"
-
-
 def test_method_diversed_without_head_names_the_default(capsys, no_models):
     status, error = run_cli(["generate", "--prompt", "hi", "--method", "diversed"], capsys)
     assert status == 2 and "--head default" in error
@@ -245,6 +226,7 @@ def test_damaged_model_weights_are_named_with_their_flag(tmp_path, capsys, damag
     (["eval", "--method", "sd", "static", "--gate-margin", "2"], "--gate-margin would be ignored"),
     (["eval", "--method", "sd", "--weight", "0.3"], "--weight would be ignored: no --method is a static ensemble"),
     (["pareto", "--fly-top-k=4"], "--fly-top-k would be ignored: FLy's points are added with --fly"),
+    (["pareto", "--fly-threshold", "0.5"], "--fly-threshold would be ignored: FLy's points are added with --fly"),
 ])
 def test_a_flag_no_method_reads_is_refused_before_any_model_loads(tmp_path, capsys, no_models, argv, expected):
     data = write(tmp_path / "data.jsonl", GOOD_RECORD)

@@ -8,6 +8,7 @@ sys.path: pytest puts it there for the root conftest.py).
 - fly.py: FLy problems, and a literal port of vLLM's FLy kernels to test the ops' FLy against.
 - eagle.py: EAGLE-3 heads distilled on the tiny targets of models.py, and those targets' aux hidden states.
 - documents.py: the documents' fenced blocks and command lines, and the arguments a reader would type.
+- commands.py: the command line run in a test, its model load replaced by a tiny pair or by a failure.
 
 process_tree.py (a command whose whole process tree dies at its timeout) and ddp_worker.py (one rank of the DDP test,
 a script torchrun starts) are imported or run by path, not re-exported here.
@@ -26,6 +27,7 @@ from .training import *  # noqa: F401,F403
 from .fly import *  # noqa: F401,F403
 from .eagle import *  # noqa: F401,F403
 from .documents import *  # noqa: F401,F403
+from .commands import *  # noqa: F401,F403
 
 TESTS_ROOT = Path(__file__).resolve().parents[1]  # python_tests/
 REPO_ROOT = TESTS_ROOT.parent

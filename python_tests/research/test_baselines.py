@@ -166,7 +166,7 @@ def test_pareto_runs_the_free_baselines_and_report_joins_their_divergences(exper
     common = ["--data", str(data), "--limit", "2", "--weights", "0", "1", "--max-new-tokens", "8", "--max-draft", "3",
               "--temperatures", "0.7", "--typical", "0.09", "0.3", "--gate-margin", "1"]
     for part, skip in (("a", "0"), ("b", "2")):
-        assert cli.main(["pareto", *common, "--skip", skip, "--output-dir", str(tmp_path / part)]) == 0
+        assert cli.main(["pareto", *common, "--skip", skip, "--seed", skip, "--output-dir", str(tmp_path / part)]) == 0
     table = capsys.readouterr().out
     assert "| sd T=0.7 |" in table and "| typical eps=0.09 delta=0.3 |" in table
     assert "(acceptance, KL) plane" in table and "| gate margin=1 |" in table.split("(acceptance, KL) plane")[1]

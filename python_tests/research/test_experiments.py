@@ -182,7 +182,8 @@ def test_cli_train_eval_pareto_end_to_end(experiment_pair, tmp_path, monkeypatch
     lowest = (tmp_path / "heads" / "lowest_w_tokens.md").read_text()
     assert "### diversed:head:" in lowest and "### diversed:second:" in lowest
     # Two folders with one name would give two points one label: refused before any model runs.
-    assert cli.main(["pareto", "--data", str(data), "--head", str(run / "head"), str(run / "head"),
+    shutil.copytree(run / "head", tmp_path / "elsewhere" / "head")
+    assert cli.main(["pareto", "--data", str(data), "--head", str(run / "head"), str(tmp_path / "elsewhere" / "head"),
                      "--output-dir", str(tmp_path / "clash")]) == 2
     assert "share a name" in capsys.readouterr().err
 

@@ -14,7 +14,7 @@ from diversed_ext import cli  # noqa: E402
 from diversed_ext.research.report import MethodResult  # noqa: E402
 from diversed_ext.research.result_sets import (ResultSet, load_results, merge_result_sets,  # noqa: E402
                                                save_results)
-from helpers import gsm8k_examples  # noqa: E402
+from helpers import commands_use, gsm8k_examples, gsm8k_file  # noqa: E402
 
 SETTINGS = {"task": "gsm8k", "data": "test.jsonl", "max_draft": 3, "max_new_tokens": 32, "temperature": 1.0}
 
@@ -75,8 +75,8 @@ def test_rules_on_the_same_prompts_join_side_by_side_and_a_rule_some_prompts_lac
 @pytest.mark.parametrize("parts, message", [
     ([ResultSet(prompts(0, 2), (row("sd", [-1.0, -2.0], 3, 1, 2, 4),)),
       ResultSet(prompts(0, 2), (row("sd", [-1.0, -2.5], 3, 1, 2, 4),))], "'sd' ran twice on the same prompts"),
-    ([ResultSet(prompts(0, 2), ()), ResultSet(prompts(2, 2, max_draft=6), ())], "different settings (max_draft)"),
-    ([ResultSet(prompts(0, 3), ()), ResultSet(prompts(2, 2), ())], "parts overlap"),
+    ([ResultSet(prompts(0, 2), ()), ResultSet(prompts(2, 2, 2, max_draft=6), ())], "different settings (max_draft)"),
+    ([ResultSet(prompts(0, 3), ()), ResultSet(prompts(2, 2, 2), ())], "parts overlap"),
     ([], "no results"),
 ])
 def test_parts_that_cannot_be_joined_are_refused(parts, message):
@@ -140,6 +140,11 @@ def test_report_of_parts_is_the_run_over_all_prompts(experiment_pair, tmp_path, 
     (lambda saved: saved["rows"][0].pop("label"), "a row is not a result"),
     (lambda saved: saved["prompts"].update(count="x"), "no prompt count"),
     (lambda saved: saved["prompts"].pop("count"), "no prompt count"),
+    (lambda saved: saved["prompts"].update(skip="2"), "no first prompt (\"skip\": '2')"),
+    (lambda saved: saved["prompts"].update(skip=-1), "no first prompt"),
+    (lambda saved: saved["prompts"].update(seed=None), "no seed"),
+    (lambda saved: saved["prompts"].update(task=["gsm8k"]), "names no task"),
+    (lambda saved: saved["prompts"].update(rules={"diversed": "h"}), "\"rules\" is not label -> settings"),
 ])
 def test_a_damaged_results_file_is_refused_naming_what_is_wrong(tmp_path, capsys, damage, message):
     """What `report` reads must be a results file through and through: a row or a field of another kind is a
@@ -161,3 +166,95 @@ def test_report_usage_errors_name_the_file(tmp_path, capsys):
     assert "bad.json: not JSON" in capsys.readouterr().err
     assert cli.main(["report", str(tmp_path / "missing.json"), "--output-dir", str(tmp_path / "out")]) == 2
     assert "missing.json: No such file or directory" in capsys.readouterr().err
+
+
+HEAD_A = {"head": "head", "head_sha256": "aaaa"}
+HEAD_B = {"head": "head", "head_sha256": "bbbb"}
+
+
+def recorded(skip, count, rules, seed=None, **settings):
+    """A part's record as pareto now writes it: the drafter, batch size and each rule's own settings beside the rest."""
+    return prompts(skip, count, skip if seed is None else seed,
+                   **{"drafter": "model", "drafter_path": None, "batch_size": 8, "rules": rules, **settings})
+
+
+@pytest.mark.parametrize("parts, message", [
+    # Two heads under one label: their prompts cannot be pooled into one row.
+    ([ResultSet(recorded(0, 1, {"diversed": HEAD_A}), (row("diversed", [-1.0], 3, 1, 2, 4),)),
+      ResultSet(recorded(1, 1, {"diversed": HEAD_B}), (row("diversed", [-1.0], 3, 1, 2, 4),))],
+     "'diversed' ran under other settings in another part (head head, head_sha256 aaaa; head head, head_sha256 "
+     "bbbb)"),
+    ([ResultSet(recorded(0, 1, {"diversed+fly": {**HEAD_A, "fly_window": 1}}), (row("diversed+fly", [-1.0], 3, 1, 2,
+                                                                                    4),)),
+      ResultSet(recorded(1, 1, {"diversed+fly": {**HEAD_A, "fly_window": 2}}), (row("diversed+fly", [-1.0], 3, 1, 2,
+                                                                                    4),))],
+     "'diversed+fly' ran under other settings"),
+    ([ResultSet(recorded(0, 1, {}), ()), ResultSet(recorded(1, 1, {}, drafter="eagle3"), ())],
+     "different settings (drafter)"),
+    ([ResultSet(recorded(0, 1, {}), ()), ResultSet(recorded(1, 1, {}, batch_size=4), ())],
+     "different settings (batch_size)"),
+    # Prompt 2 of one run from prompt 0 with seed 0 has seed 2.
+    ([ResultSet(recorded(0, 2, {}), ()), ResultSet(recorded(2, 2, {}, seed=0), ())],
+     "parts do not continue the seeds: the part from prompt 2 ran with seed 0, where one run from prompt 0 with seed "
+     "0 gives that prompt seed 2: rerun it with --seed 2"),
+    ([ResultSet(recorded(10, 2, {}, seed=5), ()), ResultSet(recorded(14, 2, {}, seed=8), ())], "--seed 9"),
+    # A part saved before the drafter, batch size and rules were recorded cannot be checked against one that has them.
+    ([ResultSet(prompts(0, 2), ()), ResultSet(recorded(2, 2, {}), ())],
+     "some parts record batch_size, drafter, drafter_path, rules and others do not (saved by an older diversed)"),
+])
+def test_parts_of_other_heads_drafters_settings_or_seeds_are_refused(parts, message):
+    with pytest.raises(ValueError) as raised:
+        merge_result_sets(parts)
+    assert message in str(raised.value)
+
+
+def test_each_rule_keeps_its_own_settings_and_parts_continue_the_seeds():
+    """Parts on the same prompts hold other rules, each with its own settings (a head in one part, FLy in another):
+    they join, and the joined record keeps each rule's; parts from later prompts join where their seeds continue."""
+    heads = ResultSet(recorded(10, 2, {"diversed": HEAD_A}, seed=5), (row("sd", [-1.0, -2.0], 3, 1, 2, 4),
+                                                                     row("diversed", [-1.5, -2.5], 3, 2, 2, 4)))
+    fly = {"fly W=1 tau=0.3": {"fly_window": 1, "fly_threshold": 0.3, "fly_top_k": 8}}
+    others = ResultSet(recorded(10, 2, fly, seed=5), (row("sd", [-1.0, -2.0], 3, 1, 2, 4),
+                                                      row("fly W=1 tau=0.3", [-1.2, -2.2], 3, 2, 2, 4)))
+    later = ResultSet(recorded(13, 1, {"diversed": HEAD_A}, seed=8), (row("sd", [-3.0], 3, 1, 2, 4),
+                                                                      row("diversed", [-3.5], 3, 1, 2, 4)))
+    merged, rows = merge_result_sets([heads, others])
+    assert [r.label for r in rows] == ["sd", "diversed", "fly W=1 tau=0.3"]
+    assert merged["rules"] == {"diversed": HEAD_A, **fly} and merged["batch_size"] == 8
+    merged, rows = merge_result_sets([later, heads])
+    assert merged["count"] == 3 and merged["rules"] == {"diversed": HEAD_A} and merged["seed"] == 5
+    assert rows[1].fidelity_per_prompt == (-1.5, -2.5, -3.5)
+
+
+def test_pareto_records_each_heads_folder_and_weights_and_report_refuses_two_under_one_label(
+        experiment_pair, tmp_path, monkeypatch, capsys):
+    from diversed_ext.head import EnsembleHead
+
+    commands_use(monkeypatch, experiment_pair)
+    for folder, weight in (("a", 0.3), ("b", 0.7), ("copy", 0.3)):
+        EnsembleHead(16, 16, init_weight=weight).save(str(tmp_path / folder / "head"))
+    common = ["--data", gsm8k_file(tmp_path / "gsm8k.jsonl", 4), "--limit", "2", "--max-new-tokens", "4", "--max-draft", "3", "--weights", "1"]
+
+    def pareto(name, folder, *extra):
+        assert cli.main(["pareto", *common, "--head", str(tmp_path / folder / "head"), *extra,
+                         "--output-dir", str(tmp_path / name)]) == 0
+        return str(tmp_path / name / "results.json")
+
+    first = pareto("first", "a", "--fly", "--fly-thresholds", "0.3")
+    record = load_results(first).prompts
+    assert record["drafter"] == "model" and record["batch_size"] == 8 and record["drafter_path"] is None
+    head = record["rules"]["diversed"]
+    assert head["head"] == "head" and re.fullmatch("[0-9a-f]{16}", head["head_sha256"])
+    assert record["rules"]["diversed+fly"] == {**head, "fly_window": None, "fly_threshold": 0.3, "fly_top_k": 3}
+    assert record["rules"]["fly W=1 tau=0.3"] == {"fly_window": 1, "fly_threshold": 0.3, "fly_top_k": 3}
+    same = pareto("same", "copy", "--skip", "2", "--seed", "2")  # another folder of the same name and weights
+    other = pareto("other", "b", "--skip", "2", "--seed", "2")
+    capsys.readouterr()
+    assert cli.main(["report", first, same, "--output-dir", str(tmp_path / "joined")]) == 0
+    assert "4 prompts, from 2 results files" in capsys.readouterr().out
+    assert cli.main(["report", first, other, "--output-dir", str(tmp_path / "refused")]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.startswith("diversed: 'diversed' ran under other settings in another part (head head, head_sha256 ")
+    assert cli.main(["report", first, pareto("unseeded", "a", "--skip", "2"), "--output-dir",
+                     str(tmp_path / "refused")]) == 2
+    assert "rerun it with --seed 2" in capsys.readouterr().err

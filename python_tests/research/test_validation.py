@@ -15,7 +15,7 @@ from diversed_ext.head import DISTRIBUTION_FEATURES, EnsembleHead  # noqa: E402
 from diversed_ext.research import validation  # noqa: E402
 from diversed_ext.research.objective import KL_GRID_POINTS  # noqa: E402
 from diversed_ext.research.teacher_forcing import TokenBatch  # noqa: E402
-from helpers import gsm8k_examples  # noqa: E402
+from helpers import commands_use, gsm8k_examples, gsm8k_file, refuse_models  # noqa: E402
 
 
 def synthetic_tokens(prompts=12, length=20, seed=0) -> TokenBatch:
@@ -125,3 +125,31 @@ def test_cli_validate_end_to_end(experiment_pair, tmp_path, monkeypatch, capsys)
     tokens.write_bytes(b"not a safetensors file")  # a damaged token file: one line naming it, exit status 2
     assert cli.main(argv) == 2
     assert f"--tokens {tokens}" in capsys.readouterr().err
+
+
+def test_a_token_file_is_reused_only_under_the_settings_it_was_sampled_with(experiment_pair, tmp_path, monkeypatch,
+                                                                           capsys):
+    """--tokens reads an existing file only where every flag that decides its contexts is as when it was sampled:
+    one that differs is named, before any model loads; a file that records no settings is refused."""
+    commands_use(monkeypatch, experiment_pair)
+    data = gsm8k_file(tmp_path / "gsm8k.jsonl", 4)
+    tokens = tmp_path / "tokens.safetensors"
+    argv = ["validate", "--data", data, "--limit", "2", "--max-new-tokens", "4", "--tokens", str(tokens)]
+    assert cli.main(argv) == 0
+    assert validation.recorded_token_settings(str(tokens))["limit"] == 2
+    assert cli.main([*argv, "--batch-size", "1"]) == 0  # the batch size leaves each prompt's tokens as they are
+    capsys.readouterr()
+    refuse_models(monkeypatch)
+    other = gsm8k_file(tmp_path / "other.jsonl", 4)
+    for changed, expected in [(["--limit", "3"], "--limit 2 (now 3)"), (["--skip", "1"], "--skip 0 (now 1)"),
+                              (["--temperature", "0.5"], "--temperature 1.0 (now 0.5)"),
+                              (["--weight", "0.9"], "--weight 0.5 (now 0.9)"),
+                              (["--max-new-tokens", "16"], "--max-new-tokens 4 (now 16)"),
+                              (["--seed", "3"], "--seed 0 (now 3)"),
+                              (["--data", other], "--data gsm8k.jsonl (now other.jsonl)")]:
+        assert cli.main([*argv, *changed]) == 2
+        error = capsys.readouterr().err.strip()
+        assert error.startswith(f"diversed: --tokens {tokens}: sampled with {expected}; ") and "\n" not in error
+    validation.save_tokens(validation.load_tokens(str(tokens)), str(tokens))  # as written before settings were
+    assert cli.main(argv) == 2
+    assert "records no settings it was sampled under" in capsys.readouterr().err
