@@ -21,8 +21,8 @@ from __future__ import annotations
 import math
 from typing import Callable, Optional, Sequence
 
-from .report import (MethodResult, _bracket, _is_plain_fly, _is_sd, cell, gap_cell, markdown_rows, paired_difference,
-                     with_error)
+from .report import (MethodResult, _bracket, _interpolate, _is_plain_fly, _is_sd, cell, gap_cell, markdown_rows,
+                     paired_difference, with_error)
 
 # plane -> (the mean's attribute, the per-prompt values' attribute, +1 where higher is better, -1 where lower is)
 PLANES = {"fidelity": ("fidelity", "fidelity_per_prompt", 1.0), "KL": ("kl", "kl_values", -1.0),
@@ -88,14 +88,17 @@ def corners(rows: Sequence[MethodResult], value: Callable[[MethodResult], float]
 
 
 def frontier_at(hull: Sequence[MethodResult], acceptance: float):
-    """(low, high, t): the frontier with corners ``hull`` (:func:`corners`) at ``acceptance`` is (1 - t) low +
-    t high, prompt by prompt: the first corner itself (t = 0) at or below its acceptance, the two corners on either
-    side further on; None above the last corner's acceptance (or at NaN)."""
-    if not hull or math.isnan(acceptance) or acceptance > hull[-1].acceptance:
+    """(low, high, t, reached): the frontier with corners ``hull`` (:func:`corners`) at ``acceptance`` is (1 - t) low
+    + t high, prompt by prompt: the first corner itself (t = 0) at or below its acceptance, the two corners on either
+    side further on. Above the last corner's acceptance the family has nothing closer to offer than that corner:
+    it, with ``reached`` False. None without corners (or at NaN)."""
+    if not hull or math.isnan(acceptance):
         return None
+    if acceptance > hull[-1].acceptance:
+        return hull[-1], hull[-1], 0.0, False
     if acceptance <= hull[0].acceptance:
-        return hull[0], hull[0], 0.0
-    return _bracket(hull, acceptance)
+        return hull[0], hull[0], 0.0, True
+    return (*_bracket(hull, acceptance), True)
 
 
 def distance(results: Sequence[MethodResult], label: str, family: str,
@@ -113,13 +116,10 @@ def distance(results: Sequence[MethodResult], label: str, family: str,
         return None  # the family did not run, or has no such figure: sd alone is no frontier
     hull = envelope(members, plane)
     found = frontier_at(hull, method.acceptance)
-    if found is not None:
-        low, high, t = found
-        line, reached = [(1 - t) * a + t * b for a, b in zip(getattr(low, values), getattr(high, values))], True
-    elif hull and method.acceptance > hull[-1].acceptance:
-        line, reached = list(getattr(hull[-1], values)), False
-    else:
+    if found is None:
         return None
+    low, high, t, reached = found
+    line = _interpolate(getattr(low, values), getattr(high, values), t)
     mean, error = paired_difference([sign * value for value in getattr(method, values)],
                                     [sign * value for value in line])
     return None if math.isnan(mean) else (mean, error, reached)

@@ -249,17 +249,13 @@ def compare_to_fly_frontier(results: Sequence[MethodResult], label: str) -> list
         return []  # sd alone is no frontier
     corners = envelope(fly + [row for row in results if _is_sd(row.label)], "fidelity")
     found = frontier_at(corners, method.acceptance)
-    if found is not None:
-        low, high, t = found
-        between = f"{low.label} .. {high.label}" if high is not low else f"{low.label}, at {low.acceptance:.3f}"
-        name = f"FLy's frontier at acceptance {method.acceptance:.3f} ({between})"
-        return [_interpolated_difference(method, name, low, high, t)]
-    if corners and method.acceptance > corners[-1].acceptance:
-        top = corners[-1]
-        name = (f"FLy's highest acceptance, {top.acceptance:.3f} ({top.label}), below this rule's "
-                f"{method.acceptance:.3f}")
-        return [_difference(method, name, top.fidelity_per_prompt, top.quality_per_prompt)]
-    return []
+    if found is None:
+        return []
+    low, high, t, reached = found
+    between = f"{low.label} .. {high.label}" if high is not low else f"{low.label}, at {low.acceptance:.3f}"
+    name = (f"FLy's frontier at acceptance {method.acceptance:.3f} ({between})" if reached else
+            f"FLy's highest acceptance, {low.acceptance:.3f} ({low.label}), below this rule's {method.acceptance:.3f}")
+    return [_interpolated_difference(method, name, low, high, t)]
 
 
 def _is_sd(label: str) -> bool:
@@ -273,6 +269,8 @@ def _is_plain_fly(label: str) -> bool:
 
 
 def _interpolate(low: Sequence[float], high: Sequence[float], t: float) -> tuple:
+    if t == 0:
+        return tuple(low)  # low itself, also where 0 times an infinite value of high would make NaN
     return tuple((1 - t) * a + t * b for a, b in zip(low, high))
 
 
