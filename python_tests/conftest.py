@@ -5,6 +5,7 @@ the model pairs several test files share, each built once per test module, and `
 that gets as far as loading models.
 """
 
+import contextlib
 import os
 
 # Every native call fills its outputs with garbage before computing, so an element a kernel forgets to write shows up
@@ -28,11 +29,8 @@ def device(request):
     if request.param != "cuda-block":
         yield request.param
         return
-    import diversed_ext
-
-    diversed_ext.set_cuda_kernels("block")
-    yield "cuda"
-    diversed_ext.set_cuda_kernels("auto")
+    with cuda_kernel_family("block"):
+        yield "cuda"
 
 
 @pytest.fixture(scope="module")
@@ -73,11 +71,20 @@ def cuda_kernels(request):
     """Runs a CUDA test once per family of verify kernels (diversed_ext.set_cuda_kernels: "block" gives a request one
     thread block, "split" spreads its vocabulary over many), the default ("auto") restored after; the CPU kernels
     ignore it."""
+    with cuda_kernel_family(request.param):
+        yield request.param
+
+
+@contextlib.contextmanager
+def cuda_kernel_family(family: str):
+    """The CUDA verify kernels of ``family`` inside, the default ("auto") restored after."""
     import diversed_ext
 
-    diversed_ext.set_cuda_kernels(request.param)
-    yield request.param
-    diversed_ext.set_cuda_kernels("auto")
+    diversed_ext.set_cuda_kernels(family)
+    try:
+        yield
+    finally:
+        diversed_ext.set_cuda_kernels("auto")
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ from diversed_ext.decoding.typical import typical_verify_arguments  # noqa: E402
 from diversed_ext.research import baselines, harness, report  # noqa: E402
 from diversed_ext.research.result_sets import load_results, merge_result_sets, save_results  # noqa: E402
 from diversed_ext.research.tasks import TASKS  # noqa: E402
-from helpers import gsm8k_examples  # noqa: E402
+from helpers import commands_use, gsm8k_examples, gsm8k_file  # noqa: E402
 
 
 def medusa_accept_lengths(logits, candidates, temperature, posterior_threshold=0.09, posterior_alpha=0.3):
@@ -159,10 +159,8 @@ def test_a_family_point_with_more_acceptance_and_less_kl_sets_the_frontier_below
 def test_pareto_runs_the_free_baselines_and_report_joins_their_divergences(experiment_pair, tmp_path, monkeypatch,
                                                                            capsys):
     target, draft, tokenizer = experiment_pair
-    monkeypatch.setattr(cli.common, "load_models",
-                        lambda target_name, draft_name, device, **drafter: (target, draft, tokenizer))
-    data = tmp_path / "gsm8k.jsonl"
-    data.write_text("".join(json.dumps(example) + "\n" for example in gsm8k_examples()))
+    commands_use(monkeypatch, (target, draft, tokenizer))
+    data = gsm8k_file(tmp_path / "gsm8k.jsonl")
     common = ["--data", str(data), "--limit", "2", "--weights", "0", "1", "--max-new-tokens", "8", "--max-draft", "3",
               "--temperatures", "0.7", "--typical", "0.09", "0.3", "--gate-margin", "1"]
     for part, skip in (("a", "0"), ("b", "2")):

@@ -1,6 +1,5 @@
 """train / eval / pareto: argument parsing, and the functions behind them end to end on a tiny random Llama pair."""
 
-import json
 import math
 import os
 import shutil
@@ -15,7 +14,7 @@ from diversed_ext.research import harness, plots, recipes, report  # noqa: E402
 from diversed_ext.head import (DEFAULT_HEAD_DIR, DISTRIBUTION_FEATURES, EnsembleHead, load_head,  # noqa: E402
                                wants_distributions)
 from diversed_ext.research.tasks import TASKS  # noqa: E402
-from helpers import gsm8k_examples  # noqa: E402
+from helpers import commands_use, gsm8k_examples, gsm8k_file  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------------- parsing
 
@@ -149,9 +148,8 @@ def test_mixed_in_tasks_join_the_pool_each_prompted_and_rewarded_by_its_own(expe
 
 def test_cli_train_eval_pareto_end_to_end(experiment_pair, tmp_path, monkeypatch, capsys):
     target, draft, tokenizer = experiment_pair
-    monkeypatch.setattr(cli.common, "load_models", lambda target_name, draft_name, device, **drafter: (target, draft, tokenizer))
-    data = tmp_path / "gsm8k.jsonl"
-    data.write_text("".join(json.dumps(example) + "\n" for example in gsm8k_examples()))
+    commands_use(monkeypatch, (target, draft, tokenizer))
+    data = gsm8k_file(tmp_path / "gsm8k.jsonl")
     run = tmp_path / "run"
     assert cli.main(["train", "--data", str(data), "--steps", "1", "--batch-size", "2", "--max-new-tokens", "4",
                      "--output-dir", str(run)]) == 0
@@ -192,9 +190,8 @@ def test_compare_drafts_end_to_end(experiment_pair, tmp_path, monkeypatch, capsy
     """diversed compare-drafts: sd and static w, each with the draft's distributions and its tokens only (and an
     n-gram drafter), in one table with the paired differences against the first source."""
     target, draft, tokenizer = experiment_pair
-    monkeypatch.setattr(cli.common, "load_models", lambda target_name, draft_name, device, **drafter: (target, draft, tokenizer))
-    data = tmp_path / "gsm8k.jsonl"
-    data.write_text("".join(json.dumps(example) + "\n" for example in gsm8k_examples()))
+    commands_use(monkeypatch, (target, draft, tokenizer))
+    data = gsm8k_file(tmp_path / "gsm8k.jsonl")
     assert cli.main(["compare-drafts", "--data", str(data), "--limit", "2", "--max-new-tokens", "6",
                      "--drafts", "distributions", "tokens", "ngram", "--weight", "0.5"]) == 0
     output = capsys.readouterr().out
@@ -247,9 +244,8 @@ def test_eval_compares_draft_lengths_with_each_methods_best_fixed_k(experiment_p
     """diversed eval --draft-length ... --fixed-k ...: one row per method and policy (fixed once per K), the
     drafts per round of each, then every policy against its method's best fixed K."""
     target, draft, tokenizer = experiment_pair
-    monkeypatch.setattr(cli.common, "load_models", lambda target_name, draft_name, device, **drafter: (target, draft, tokenizer))
-    data = tmp_path / "gsm8k.jsonl"
-    data.write_text("".join(json.dumps(example) + "\n" for example in gsm8k_examples()))
+    commands_use(monkeypatch, (target, draft, tokenizer))
+    data = gsm8k_file(tmp_path / "gsm8k.jsonl")
     assert cli.main(["eval", "--data", str(data), "--limit", "2", "--max-new-tokens", "12", "--method", "ar", "sd",
                      "static", "--weight", "0.5", "--draft-length", "fixed", "heuristic", "confidence", "gain",
                      "--fixed-k", "1", "3", "--max-draft", "5", "--batch-size", "1"]) == 0

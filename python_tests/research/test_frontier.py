@@ -12,7 +12,7 @@ pytest.importorskip("transformers")
 from diversed_ext import cli  # noqa: E402
 from diversed_ext.decoding import Fly, Gate  # noqa: E402
 from diversed_ext.research import baselines, harness, report  # noqa: E402
-from helpers import gsm8k_examples  # noqa: E402
+from helpers import commands_use, gsm8k_file  # noqa: E402
 
 
 def result(label, acceptance, fidelities, weight=1.0, entropies=()):
@@ -132,10 +132,8 @@ def test_a_margin_that_is_not_a_finite_number_is_a_usage_error(capsys):
 
 def test_pareto_places_fly_and_the_gate_end_to_end(experiment_pair, tmp_path, monkeypatch, capsys):
     target, draft, tokenizer = experiment_pair
-    monkeypatch.setattr(cli.common, "load_models",
-                        lambda target_name, draft_name, device, **drafter: (target, draft, tokenizer))
-    data = tmp_path / "gsm8k.jsonl"
-    data.write_text("".join(json.dumps(example) + "\n" for example in gsm8k_examples()))
+    commands_use(monkeypatch, (target, draft, tokenizer))
+    data = gsm8k_file(tmp_path / "gsm8k.jsonl")
     assert cli.main(["pareto", "--data", str(data), "--limit", "2", "--weights", "0", "1", "--max-new-tokens", "12",
                      "--max-draft", "3", "--fly", "--fly-thresholds", "0.3", "--gate-margin", "1",
                      "--output-dir", str(tmp_path / "out")]) == 0

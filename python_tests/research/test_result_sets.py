@@ -14,7 +14,7 @@ from diversed_ext import cli  # noqa: E402
 from diversed_ext.research.report import MethodResult  # noqa: E402
 from diversed_ext.research.result_sets import (ResultSet, load_results, merge_result_sets,  # noqa: E402
                                                save_results)
-from helpers import commands_use, gsm8k_examples, gsm8k_file  # noqa: E402
+from helpers import commands_use, gsm8k_file  # noqa: E402
 
 SETTINGS = {"task": "gsm8k", "data": "test.jsonl", "max_draft": 3, "max_new_tokens": 32, "temperature": 1.0}
 
@@ -98,9 +98,8 @@ def test_a_saved_part_reads_back_as_it_was(tmp_path):
 
 def test_report_of_parts_is_the_run_over_all_prompts(experiment_pair, tmp_path, monkeypatch, capsys):
     target, draft, tokenizer = experiment_pair
-    monkeypatch.setattr(cli.common, "load_models", lambda target_name, draft_name, device, **drafter: (target, draft, tokenizer))
-    data = tmp_path / "gsm8k.jsonl"
-    data.write_text("".join(json.dumps(example) + "\n" for example in gsm8k_examples(4)))
+    commands_use(monkeypatch, (target, draft, tokenizer))
+    data = gsm8k_file(tmp_path / "gsm8k.jsonl", 4)
     common = ["--data", str(data), "--max-new-tokens", "10", "--max-draft", "3", "--batch-size", "1"]
 
     def pareto(name, *extra):

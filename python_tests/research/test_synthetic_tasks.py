@@ -7,6 +7,7 @@ import pytest
 
 from diversed_ext.research import synthetic_tasks as synthetic
 from diversed_ext.research.tasks import TASKS, get_task, load_task_examples
+from helpers import commands_use
 
 # ---------------------------------------------------------------------------------------------------- generation
 
@@ -141,8 +142,7 @@ def test_cli_eval_and_pareto_run_without_data(experiment_pair, tmp_path, monkeyp
             return encode(self, text)
 
     chat_tokenizer = ChatTokenizer()
-    monkeypatch.setattr(cli.common, "load_models",
-                        lambda *names, **options: (target, draft, chat_tokenizer))
+    commands_use(monkeypatch, (target, draft, chat_tokenizer))
     assert cli.main(["eval", "--task", "synthetic", "--limit", "3", "--skip", "7", "--method", "ar", "sd",
                      "--max-new-tokens", "4"]) == 0
     output = capsys.readouterr().out

@@ -3,7 +3,6 @@ lie on their own line (and KL curve), the token-by-token loss minimiser lies on 
 with the KL term), token files round-trip, and the command runs end to end on a tiny pair."""
 
 import dataclasses
-import json
 
 import pytest
 import torch
@@ -15,7 +14,7 @@ from diversed_ext.head import DISTRIBUTION_FEATURES, EnsembleHead  # noqa: E402
 from diversed_ext.research import validation  # noqa: E402
 from diversed_ext.research.objective import KL_GRID_POINTS  # noqa: E402
 from diversed_ext.research.teacher_forcing import TokenBatch  # noqa: E402
-from helpers import commands_use, gsm8k_examples, gsm8k_file, refuse_models  # noqa: E402
+from helpers import commands_use, gsm8k_file, refuse_models  # noqa: E402
 
 
 def synthetic_tokens(prompts=12, length=20, seed=0) -> TokenBatch:
@@ -105,9 +104,8 @@ def test_tokens_round_trip(tmp_path):
 
 def test_cli_validate_end_to_end(experiment_pair, tmp_path, monkeypatch, capsys):
     target, draft, tokenizer = experiment_pair
-    monkeypatch.setattr(cli.common, "load_models", lambda target_name, draft_name, device, **drafter: (target, draft, tokenizer))
-    data = tmp_path / "gsm8k.jsonl"
-    data.write_text("".join(json.dumps(example) + "\n" for example in gsm8k_examples(4)))
+    commands_use(monkeypatch, (target, draft, tokenizer))
+    data = gsm8k_file(tmp_path / "gsm8k.jsonl", 4)
     head = tmp_path / "head"
     EnsembleHead(16, 16, features=DISTRIBUTION_FEATURES, init_weight=0.7).save(str(head))
     tokens = tmp_path / "tokens.safetensors"
