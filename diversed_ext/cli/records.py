@@ -96,7 +96,7 @@ def _shown(value) -> str:
 
 def _drafter(args) -> str:
     """What drafted: "model", or the EAGLE-3 drafter (--drafter-path alone implies eagle3)."""
-    return args.drafter or ("eagle3" if args.drafter_path is not None else "model")
+    return args.drafter or ("eagle3" if eagle_drafter_asked(args.drafter, args.drafter_path) else "model")
 
 
 def _file_name(path: Optional[str]) -> Optional[str]:
