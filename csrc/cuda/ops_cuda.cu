@@ -101,14 +101,22 @@ void attach_cuda_generator(VerifyProblem& problem) {
   }
 }
 
-// start_verify for the CUDA kernels: a seedless call's seed is left to the kernel, from the generator state.
-VerifyCall start_cuda_verify(VerifyInput input, const VerifyShape& shape, const at::Tensor& draft_tokens,
-                             const c10::optional<at::Tensor>& draft, const at::Tensor& target,
-                             const VerifyOptionals& optional, const VerifyScalars& scalars, const FlyArgs& fly) {
-  VerifyCall call =
-      start_verify(input, shape, draft_tokens, draft, target, optional, scalars, fly, SeedSource::kKernelGenerator);
-  if (call.problem.from_generator) attach_cuda_generator(call.problem);
-  return call;
+// start_verify for the CUDA kernels (a seedless call's seed is left to the kernel, from the generator state), and
+// whether the split kernels run the call. The family is chosen, and a call it refuses refused, before the generator's
+// offset moves: a refused call leaves the generator as it was, so the next seedless call draws what it would have.
+struct CudaVerifyCall {
+  VerifyCall call;
+  bool split = false;
+};
+CudaVerifyCall start_cuda_verify(const char* op, VerifyInput input, const VerifyShape& shape,
+                                 const at::Tensor& draft_tokens, const c10::optional<at::Tensor>& draft,
+                                 const at::Tensor& target, const VerifyOptionals& optional,
+                                 const VerifyScalars& scalars, const FlyArgs& fly) {
+  CudaVerifyCall started{
+      start_verify(input, shape, draft_tokens, draft, target, optional, scalars, fly, SeedSource::kKernelGenerator)};
+  started.split = !started.call.empty() && use_split_kernels(op, started.call.problem);
+  if (started.call.problem.from_generator) attach_cuda_generator(started.call.problem);
+  return started;
 }
 
 // The split kernels aim for this many blocks per multiprocessor of the device (queried once per device).
@@ -180,13 +188,14 @@ VerifyTuple verify_probs_cuda(const at::Tensor& draft_tokens, const OptionalTens
   const VerifyShape shape = check_verify_args(VerifyInput::kProbs, draft_tokens, draft_probs, target_probs, optional);
   check_verify_devices(kVerifyProbsOp, draft_tokens, draft_probs, target_probs, optional, fly, shape);
   const c10::cuda::CUDAGuard guard(target_probs.device());
-  const VerifyCall call =
-      start_cuda_verify(VerifyInput::kProbs, shape, draft_tokens, draft_probs, target_probs, optional,
+  const CudaVerifyCall started =
+      start_cuda_verify(kVerifyProbsOp, VerifyInput::kProbs, shape, draft_tokens, draft_probs, target_probs, optional,
                         VerifyScalars{weight_value, 1.0, seed, offset, per_row_seed}, fly);
+  const VerifyCall& call = started.call;
+  const bool split = started.split;
   if (call.empty()) return call.result();
   const VerifyProblem& problem = call.problem;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const bool split = use_split_kernels(kVerifyProbsOp, problem);
   const SplitLaunch launch =
       split ? prepare_split(kVerifyProbsOp, problem, target_probs, false, stream) : SplitLaunch{};
   dispatch_verify_types(kVerifyProbsOp, draft_probs, target_probs, [&](auto draft_tag, auto target_tag) {
@@ -218,13 +227,14 @@ VerifyTuple verify_logits_cuda(const at::Tensor& draft_tokens, const OptionalTen
       check_verify_args(VerifyInput::kLogits, draft_tokens, draft_logits, target_logits, optional);
   check_verify_devices(kVerifyLogitsOp, draft_tokens, draft_logits, target_logits, optional, fly, shape);
   const c10::cuda::CUDAGuard guard(target_logits.device());
-  const VerifyCall call = start_cuda_verify(
-      VerifyInput::kLogits, shape, draft_tokens, draft_logits, target_logits, optional,
+  const CudaVerifyCall started = start_cuda_verify(
+      kVerifyLogitsOp, VerifyInput::kLogits, shape, draft_tokens, draft_logits, target_logits, optional,
       VerifyScalars{weight_value, temperature_value, seed, offset, per_row_seed, target_temperature_value}, fly);
+  const VerifyCall& call = started.call;
+  const bool split = started.split;
   if (call.empty()) return call.result();
   const VerifyProblem& problem = call.problem;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const bool split = use_split_kernels(kVerifyLogitsOp, problem);
   const SplitLaunch launch =
       split ? prepare_split(kVerifyLogitsOp, problem, target_logits, true, stream) : SplitLaunch{};
   // The block kernels' scratch: the softmax normalisers of the rows each request reads, written and read back by its

@@ -153,3 +153,17 @@ def test_the_split_cuda_kernels_refuse_fly(problem, cuda_kernels):
         with pytest.raises(RuntimeError, match="not supported by the split CUDA kernels"):
             dx.verify(tokens, draft, target, 0.5, seed=1, **fly)
     assert dx.verify(tokens, draft, target, 0.5, seed=1, fly_window=0).tokens.shape == (4, 4)
+
+
+@requires_cuda
+@pytest.mark.parametrize("cuda_kernels", ["split"], indirect=True)
+def test_a_refused_seedless_call_leaves_the_cuda_generator_alone(problem, cuda_kernels):
+    """A seedless call takes its place in torch's CUDA generator; one the split kernels refuse takes none, so the
+    next seedless call draws what it would have drawn without the refused one."""
+    tokens, draft, target = (tensor.cuda() for tensor in problem)
+    before = torch.cuda.get_rng_state()
+    with pytest.raises(RuntimeError, match="not supported by the split CUDA kernels"):
+        dx.verify(tokens, draft, target, 0.5, fly_window=1)
+    assert torch.equal(torch.cuda.get_rng_state(), before)
+    dx.verify(tokens, draft, target, 0.5)
+    assert not torch.equal(torch.cuda.get_rng_state(), before)
